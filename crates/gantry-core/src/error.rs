@@ -1,0 +1,130 @@
+//! The one error type of gantry's libraries. Each variant corresponds to a gRPC status code,
+//! so a failure deep in a backend reaches the client with the right code and a message that
+//! names what went wrong.
+
+use std::fmt::Display;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed; the message names the offending field or part.
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0}")]
+    OutOfRange(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+    /// An I/O failure with a description of what gantry was doing at the time.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+    pub fn not_found(msg: impl Into<String>) -> Self {
+        Error::NotFound(msg.into())
+    }
+    pub fn internal(msg: impl Into<String>) -> Self {
+        Error::Internal(msg.into())
+    }
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            Error::InvalidArgument(_) => tonic::Code::InvalidArgument,
+            Error::NotFound(_) => tonic::Code::NotFound,
+            Error::FailedPrecondition(_) => tonic::Code::FailedPrecondition,
+            Error::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
+            Error::OutOfRange(_) => tonic::Code::OutOfRange,
+            Error::Unavailable(_) => tonic::Code::Unavailable,
+            Error::Internal(_) => tonic::Code::Internal,
+            Error::Io { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => tonic::Code::NotFound,
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
+                    tonic::Code::ResourceExhausted
+                }
+                _ => tonic::Code::Internal,
+            },
+        }
+    }
+
+    pub fn is_not_found(&self) -> bool {
+        self.code() == tonic::Code::NotFound
+    }
+
+    /// Prefix the message with what the caller was doing, keeping the code.
+    pub fn context(self, ctx: impl Display) -> Self {
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{ctx}: {m}")),
+            Error::NotFound(m) => Error::NotFound(format!("{ctx}: {m}")),
+            Error::FailedPrecondition(m) => Error::FailedPrecondition(format!("{ctx}: {m}")),
+            Error::ResourceExhausted(m) => Error::ResourceExhausted(format!("{ctx}: {m}")),
+            Error::OutOfRange(m) => Error::OutOfRange(format!("{ctx}: {m}")),
+            Error::Unavailable(m) => Error::Unavailable(format!("{ctx}: {m}")),
+            Error::Internal(m) => Error::Internal(format!("{ctx}: {m}")),
+            Error::Io { context, source } => Error::Io { context: format!("{ctx}: {context}"), source },
+        }
+    }
+
+    /// The `google.rpc.Status` form, for per-item results in batch RPCs.
+    pub fn to_rpc_status(&self) -> crate::google::rpc::Status {
+        crate::google::rpc::Status { code: self.code() as i32, message: self.to_string(), details: vec![] }
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Adds context to results at layer boundaries.
+pub trait ResultExt<T> {
+    fn context(self, ctx: impl Display) -> Result<T>;
+}
+
+impl<T> ResultExt<T> for Result<T> {
+    fn context(self, ctx: impl Display) -> Result<T> {
+        self.map_err(|e| e.context(ctx))
+    }
+}
+
+impl<T> ResultExt<T> for std::io::Result<T> {
+    fn context(self, ctx: impl Display) -> Result<T> {
+        self.map_err(|e| Error::io(ctx.to_string(), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_keeps_code_and_prefixes_message() {
+        let e = Error::invalid("hash is not hex").context("digest of blob 3");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.to_string(), "digest of blob 3: hash is not hex");
+        let io: std::io::Result<()> = Err(std::io::Error::from(std::io::ErrorKind::NotFound));
+        let e = io.context("opening blob").unwrap_err();
+        assert!(e.is_not_found());
+        let s: tonic::Status = e.into();
+        assert_eq!(s.code(), tonic::Code::NotFound);
+    }
+}

@@ -1,0 +1,21 @@
+//! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
+//! hash functions behind them, the error type (which maps to gRPC codes), ByteStream resource
+//! names, and the storage traits (`BlobStore`, `ActionCache`).
+//!
+//! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
+//! the traits defined here, so they never compile against a particular backend.
+
+pub mod action_cache;
+pub mod blob_store;
+pub mod digest;
+pub mod error;
+pub mod resource;
+
+pub use action_cache::ActionCache;
+pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
+pub use digest::{Digest, DigestFunction, Hasher};
+pub use error::{Error, Result, ResultExt};
+
+/// Re-export of the generated REAPI types so downstream crates name one path.
+pub use bazel_remote_apis::build::bazel::remote::execution::v2 as reapi;
+pub use bazel_remote_apis::google;
