@@ -1,0 +1,246 @@
+//! gantry-config owns `gantry.toml`: the serde structs below *are* the configuration
+//! reference (their doc comments are what users read), with human units for sizes
+//! ("10GiB") and durations ("30s"). Unknown keys are rejected so a typo never silently
+//! falls back to a default.
+//!
+//! Names stay in step with the code: `[cas] kind = "fs"` builds `FsStore` (fs_store.rs),
+//! `kind = "memory"` builds `MemoryStore`, `[action_cache] kind = "sql"` builds
+//! `SqlActionCache`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytesize::ByteSize;
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// The whole of `gantry.toml`. Every section is optional; an empty file (or no file)
+/// runs on embedded defaults under `./gantry-data`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    /// The content-addressable store for blobs.
+    pub cas: CasConfig,
+    /// Where ActionResults are kept.
+    pub action_cache: ActionCacheConfig,
+}
+
+/// `[server]`: listeners, data directory and protocol limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// gRPC address for every REAPI service. Default `127.0.0.1:8980`.
+    pub listen: SocketAddr,
+    /// HTTP address for `/metrics` (Prometheus text) and `/healthz`. Default `127.0.0.1:9090`.
+    pub http_listen: SocketAddr,
+    /// Directory for the embedded stores (filesystem CAS, SQLite). Default `./gantry-data`.
+    pub data_dir: PathBuf,
+    /// Largest total size of a BatchUpdateBlobs/BatchReadBlobs request, advertised to
+    /// clients in GetCapabilities. Larger blobs go through ByteStream. Default "4MiB".
+    pub max_batch_size: ByteSize,
+    /// Size of the chunks ByteStream.Read sends. Default "1MiB".
+    pub read_chunk_size: ByteSize,
+    /// How long a resumable upload that receives no data is kept before it is dropped.
+    /// Default "10m".
+    #[serde(with = "humantime_serde")]
+    pub upload_idle_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8980".parse().expect("valid default"),
+            http_listen: "127.0.0.1:9090".parse().expect("valid default"),
+            data_dir: PathBuf::from("./gantry-data"),
+            max_batch_size: ByteSize::mib(4),
+            read_chunk_size: ByteSize::mib(1),
+            upload_idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// `[cas]`: the blob store. Every write is hashed and checked against its digest
+/// whatever the backend.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CasConfig {
+    /// `kind = "fs"`: blobs as files under sharded directories, written atomically
+    /// (temp file, verify, fsync, rename), evicted least-recently-used past `max_size`.
+    Fs(FsStoreConfig),
+    /// `kind = "memory"`: blobs in RAM, evicted least-recently-used past `max_size`.
+    /// Lost on restart; for tests and small fast tiers.
+    Memory(MemoryStoreConfig),
+}
+
+impl Default for CasConfig {
+    fn default() -> Self {
+        CasConfig::Fs(FsStoreConfig::default())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FsStoreConfig {
+    /// Directory of the store. Default `{data_dir}/cas`.
+    pub path: Option<PathBuf>,
+    /// Size past which the least recently used blobs are evicted. Default "10GiB".
+    pub max_size: ByteSize,
+}
+
+impl Default for FsStoreConfig {
+    fn default() -> Self {
+        FsStoreConfig { path: None, max_size: ByteSize::gib(10) }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryStoreConfig {
+    /// Size past which the least recently used blobs are evicted. Default "1GiB".
+    pub max_size: ByteSize,
+}
+
+impl Default for MemoryStoreConfig {
+    fn default() -> Self {
+        MemoryStoreConfig { max_size: ByteSize::gib(1) }
+    }
+}
+
+/// `[action_cache]`: ActionResults, keyed by instance name and action digest.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ActionCacheConfig {
+    /// `kind = "sql"`: a table in an SQL database through sqlx.
+    Sql(SqlActionCacheConfig),
+}
+
+impl Default for ActionCacheConfig {
+    fn default() -> Self {
+        ActionCacheConfig::Sql(SqlActionCacheConfig::default())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SqlActionCacheConfig {
+    /// Database URL. Default `sqlite://{data_dir}/metadata.db` (created if missing).
+    pub url: Option<String>,
+    /// Serve an entry only while every blob it references is still in the CAS
+    /// (outputs, output trees and their files, stdout, stderr). Default true.
+    pub completeness_check: bool,
+}
+
+impl Default for SqlActionCacheConfig {
+    fn default() -> Self {
+        SqlActionCacheConfig { url: None, completeness_check: true }
+    }
+}
+
+impl Config {
+    /// Parses a config from TOML text; `path` only names the source in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let cfg: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, path)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let s = &self.server;
+        if s.max_batch_size.as_u64() < 64 * 1024 {
+            return Err(ConfigError::Invalid(format!(
+                "server.max_batch_size {} is below the minimum of 64KiB",
+                s.max_batch_size
+            )));
+        }
+        if s.read_chunk_size.as_u64() == 0 || s.read_chunk_size.as_u64() > 16 << 20 {
+            return Err(ConfigError::Invalid(format!(
+                "server.read_chunk_size {} must be between 1B and 16MiB",
+                s.read_chunk_size
+            )));
+        }
+        let max = match &self.cas {
+            CasConfig::Fs(f) => f.max_size,
+            CasConfig::Memory(m) => m.max_size,
+        };
+        if max.as_u64() == 0 {
+            return Err(ConfigError::Invalid("cas.max_size must be greater than zero".into()));
+        }
+        Ok(())
+    }
+
+    /// Directory of the filesystem CAS, resolved against `data_dir`.
+    pub fn fs_cas_path(&self, fs: &FsStoreConfig) -> PathBuf {
+        fs.path.clone().unwrap_or_else(|| self.server.data_dir.join("cas"))
+    }
+
+    /// URL of the action cache database, resolved against `data_dir`.
+    pub fn action_cache_url(&self, sql: &SqlActionCacheConfig) -> String {
+        sql.url.clone().unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::parse(s, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn empty_config_is_embedded_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.server.listen.to_string(), "127.0.0.1:8980");
+        assert_eq!(c.server.http_listen.to_string(), "127.0.0.1:9090");
+        assert!(matches!(c.cas, CasConfig::Fs(ref f) if f.max_size == ByteSize::gib(10)));
+        assert_eq!(c.action_cache_url(match &c.action_cache { ActionCacheConfig::Sql(s) => s }), "sqlite://./gantry-data/metadata.db");
+    }
+
+    #[test]
+    fn human_units() {
+        let c = parse("[server]\nmax_batch_size = \"2MiB\"\nupload_idle_timeout = \"90s\"\n[cas]\nkind = \"memory\"\nmax_size = \"512MiB\"\n").unwrap();
+        assert_eq!(c.server.max_batch_size.as_u64(), 2 << 20);
+        assert_eq!(c.server.upload_idle_timeout, Duration::from_secs(90));
+        assert!(matches!(c.cas, CasConfig::Memory(ref m) if m.max_size.as_u64() == 512 << 20));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_everywhere() {
+        for bad in [
+            "lisen = \"x\"",
+            "[server]\nlisten_addr = \"127.0.0.1:1\"",
+            "[cas]\nkind = \"fs\"\nmax_sise = \"1GiB\"",
+            "[cas]\nkind = \"s3\"",
+            "[action_cache]\nkind = \"sql\"\ncompleteness = false",
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("test.toml"), "{bad}: {e}");
+            assert!(e.contains("unknown"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn invalid_values_are_rejected() {
+        assert!(parse("[server]\nmax_batch_size = \"1KiB\"").unwrap_err().to_string().contains("max_batch_size"));
+        assert!(parse("[cas]\nkind = \"memory\"\nmax_size = \"0B\"").unwrap_err().to_string().contains("max_size"));
+        assert!(parse("[server]\nlisten = \"nope\"").is_err());
+    }
+}

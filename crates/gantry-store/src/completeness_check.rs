@@ -1,0 +1,148 @@
+//! `CompletenessCheckingActionCache`: a decorator that serves an ActionResult only while
+//! every blob it references is still in the CAS: output files, output directory trees
+//! and every file inside them, stdout and stderr. A result with a missing blob would make
+//! the client fail to download its outputs, so it is reported as a miss instead.
+//!
+//! The check goes through `BlobStore::find_present`, which touches each blob: the blobs of
+//! an entry just served become the most recently used, so they are not evicted before the
+//! blobs of entries served longer ago.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use gantry_core::reapi::{ActionResult, Tree};
+use gantry_core::{ActionCache, BlobStore, Digest, Result, ResultExt};
+use prost::Message;
+
+pub struct CompletenessCheckingActionCache {
+    inner: Arc<dyn ActionCache>,
+    cas: Arc<dyn BlobStore>,
+}
+
+impl CompletenessCheckingActionCache {
+    pub fn new(inner: Arc<dyn ActionCache>, cas: Arc<dyn BlobStore>) -> Self {
+        CompletenessCheckingActionCache { inner, cas }
+    }
+
+    /// Whether every blob `result` references is present (touching them as it goes).
+    pub async fn is_complete(&self, action: &Digest, result: &ActionResult) -> Result<bool> {
+        let f = action.function;
+        let parse = |d: Option<&gantry_core::reapi::Digest>, field: &str| Digest::from_proto(f, d, field);
+        let mut direct = Vec::new();
+        for (i, o) in result.output_files.iter().enumerate() {
+            direct.push(parse(o.digest.as_ref(), &format!("output_files[{i}].digest"))?);
+        }
+        let mut trees = Vec::new();
+        for (i, o) in result.output_directories.iter().enumerate() {
+            trees.push(parse(o.tree_digest.as_ref(), &format!("output_directories[{i}].tree_digest"))?);
+        }
+        for (d, field) in [(&result.stdout_digest, "stdout_digest"), (&result.stderr_digest, "stderr_digest")] {
+            if d.is_some() {
+                direct.push(parse(d.as_ref(), field)?);
+            }
+        }
+        direct.extend(trees.iter().copied());
+        if !self.cas.find_present(&direct).await?.into_iter().all(|p| p) {
+            return Ok(false);
+        }
+        for t in trees {
+            let bytes = match self.cas.get(&t).await {
+                Ok(b) => b,
+                Err(e) if e.is_not_found() => return Ok(false),
+                Err(e) => return Err(e.context(format_args!("reading output tree {t}"))),
+            };
+            let tree = Tree::decode(bytes).map_err(|e| {
+                gantry_core::Error::invalid(format!("output tree {t} of action {action} is not a Tree: {e}"))
+            })?;
+            let mut files = Vec::new();
+            for dir in tree.root.iter().chain(tree.children.iter()) {
+                for file in &dir.files {
+                    files.push(parse(file.digest.as_ref(), "tree file digest").context(format_args!("tree {t}"))?);
+                }
+            }
+            if !self.cas.find_present(&files).await?.into_iter().all(|p| p) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl ActionCache for CompletenessCheckingActionCache {
+    async fn get(&self, instance: &str, action: &Digest) -> Result<Option<ActionResult>> {
+        let Some(result) = self.inner.get(instance, action).await? else { return Ok(None) };
+        if self.is_complete(action, &result).await? {
+            Ok(Some(result))
+        } else {
+            tracing::debug!(%action, instance, "action cache entry references missing blobs; reporting a miss");
+            Ok(None)
+        }
+    }
+
+    async fn put(&self, instance: &str, action: &Digest, result: &ActionResult) -> Result<()> {
+        self.inner.put(instance, action, result).await
+    }
+
+    async fn check(&self) -> Result<()> {
+        self.inner.check().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IntegrityStore, MemoryStore, SqlActionCache};
+    use bytes::Bytes;
+    use gantry_core::reapi::{Directory, FileNode, OutputDirectory, OutputFile};
+    use gantry_core::DigestFunction;
+
+    async fn put(cas: &Arc<dyn BlobStore>, data: &[u8]) -> Digest {
+        let d = DigestFunction::Sha256.digest_of(data);
+        cas.put(&d, Bytes::copy_from_slice(data)).await.unwrap();
+        d
+    }
+
+    #[tokio::test]
+    async fn entry_with_missing_blob_is_a_miss() {
+        let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(1 << 20))));
+        let ac = CompletenessCheckingActionCache::new(
+            Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap()),
+            cas.clone(),
+        );
+        let action = DigestFunction::Sha256.digest_of(b"action");
+        let out = put(&cas, b"output").await;
+        let stdout = put(&cas, b"stdout").await;
+        let in_tree = DigestFunction::Sha256.digest_of(b"file inside tree");
+        let tree = Tree {
+            root: Some(Directory {
+                files: vec![FileNode { name: "f".into(), digest: Some(in_tree.to_proto()), ..Default::default() }],
+                ..Default::default()
+            }),
+            children: vec![],
+        };
+        let tree_d = put(&cas, &tree.encode_to_vec()).await;
+        let result = ActionResult {
+            output_files: vec![OutputFile { path: "o".into(), digest: Some(out.to_proto()), ..Default::default() }],
+            output_directories: vec![OutputDirectory {
+                path: "d".into(),
+                tree_digest: Some(tree_d.to_proto()),
+                ..Default::default()
+            }],
+            stdout_digest: Some(stdout.to_proto()),
+            ..Default::default()
+        };
+        ac.put("i", &action, &result).await.unwrap();
+        // the file inside the tree is missing
+        assert_eq!(ac.get("i", &action).await.unwrap(), None);
+        put(&cas, b"file inside tree").await;
+        assert_eq!(ac.get("i", &action).await.unwrap(), Some(result.clone()));
+        // a result whose stdout is gone is a miss again
+        let mut r2 = result.clone();
+        r2.stdout_digest = Some(DigestFunction::Sha256.digest_of(b"gone").to_proto());
+        ac.put("i", &action, &r2).await.unwrap();
+        assert_eq!(ac.get("i", &action).await.unwrap(), None);
+        // other instance never sees it
+        assert_eq!(ac.get("j", &action).await.unwrap(), None);
+    }
+}

@@ -1,0 +1,39 @@
+//! Builds the storage stack described by `gantry.toml`, and checks each backend before
+//! the server accepts traffic, so a misconfigured store fails at startup with a reason.
+
+use std::sync::Arc;
+
+use gantry_config::{ActionCacheConfig, CasConfig, Config};
+use gantry_core::{ActionCache, BlobStore, Result, ResultExt};
+
+use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, SqlActionCache};
+
+/// The CAS as services see it: the configured backend behind `IntegrityStore`.
+pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
+    let backend: Arc<dyn BlobStore> = match &config.cas {
+        CasConfig::Fs(fs) => {
+            let path = config.fs_cas_path(fs);
+            Arc::new(
+                FsStore::open(&path, fs.max_size.as_u64())
+                    .await
+                    .context(format_args!("[cas] kind = \"fs\" at {}", path.display()))?,
+            )
+        }
+        CasConfig::Memory(m) => Arc::new(MemoryStore::new(m.max_size.as_u64())),
+    };
+    backend.check().await.context("[cas] startup check")?;
+    Ok(Arc::new(IntegrityStore::new(backend)))
+}
+
+/// The action cache, with the completeness check in front when configured.
+pub async fn build_action_cache(config: &Config, cas: Arc<dyn BlobStore>) -> Result<Arc<dyn ActionCache>> {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => {
+            let url = config.action_cache_url(sql);
+            let ac: Arc<dyn ActionCache> =
+                Arc::new(SqlActionCache::connect(&url).await.context(format_args!("[action_cache] url {url}"))?);
+            ac.check().await.context("[action_cache] startup check")?;
+            Ok(if sql.completeness_check { Arc::new(CompletenessCheckingActionCache::new(ac, cas)) } else { ac })
+        }
+    }
+}

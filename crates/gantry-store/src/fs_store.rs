@@ -1,0 +1,439 @@
+//! `FsStore` (`[cas] kind = "fs"`): the embedded default CAS. Each blob is one file at
+//! `{path}/{function}/{first two hex digits}/{hash}-{size}`.
+//!
+//! Writes go to `{path}/tmp/` first, are fsynced, and are renamed into place only after
+//! the caller has verified the digest, so a crash at any point leaves either the whole
+//! blob under its name or nothing (leftover temp files are removed at the next start).
+//! Small writes stay in memory until commit, which then costs one blocking task.
+//!
+//! Recency is tracked in memory (O(1) per touch). At startup the index is rebuilt from
+//! the files, oldest modification time first; that approximates the previous LRU order
+//! without paying a metadata write on every read.
+
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use gantry_core::blob_store::read_range;
+use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, DigestFunction, Error, Result, ResultExt, StoreUsage};
+
+use crate::lru_index::LruIndex;
+
+/// Writes up to this size are buffered in memory and written in one go at commit.
+const SPILL_THRESHOLD: usize = 1 << 20;
+/// Reads are streamed in chunks of this size.
+const READ_CHUNK: u64 = 1 << 20;
+
+pub struct FsStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    tmp: PathBuf,
+    index: Mutex<LruIndex<()>>,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Error::internal(format!("blocking task failed: {e}")))?
+}
+
+impl FsStore {
+    /// Opens (creating if needed) the store at `root`, removes leftover temp files and
+    /// rebuilds the LRU index from the blobs on disk.
+    pub async fn open(root: impl Into<PathBuf>, max_bytes: u64) -> Result<Self> {
+        let root = root.into();
+        let inner = blocking(move || Inner::open(root, max_bytes)).await?;
+        Ok(FsStore { inner: Arc::new(inner) })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    fn writer(&self, digest: &Digest) -> Result<FsWriter> {
+        let max = self.inner.index.lock().expect("poisoned").max_bytes();
+        if digest.size > max {
+            return Err(Error::ResourceExhausted(format!(
+                "blob {digest} is larger than the whole store ({max} bytes)"
+            )));
+        }
+        Ok(FsWriter { inner: self.inner.clone(), digest: *digest, committed: 0, state: WriteState::Buffered(BytesMut::new()) })
+    }
+}
+
+impl Inner {
+    fn open(root: PathBuf, max_bytes: u64) -> Result<Inner> {
+        let tmp = root.join("tmp");
+        fs::create_dir_all(&tmp).context(format_args!("creating CAS directory {}", tmp.display()))?;
+        for entry in fs::read_dir(&tmp).context(format_args!("listing {}", tmp.display()))? {
+            let entry = entry.context("listing temp dir")?;
+            let _ = fs::remove_file(entry.path());
+        }
+        let mut found: Vec<(SystemTime, Digest)> = Vec::new();
+        for function in DigestFunction::ALL {
+            let fdir = root.join(function.name());
+            fs::create_dir_all(&fdir).context(format_args!("creating {}", fdir.display()))?;
+            for shard in fs::read_dir(&fdir).context(format_args!("listing {}", fdir.display()))? {
+                let shard = shard.context("listing shard")?.path();
+                if !shard.is_dir() {
+                    continue;
+                }
+                for entry in fs::read_dir(&shard).context(format_args!("listing {}", shard.display()))? {
+                    let entry = entry.context("listing blobs")?;
+                    let path = entry.path();
+                    let Some(digest) = parse_blob_name(function, &entry.file_name().to_string_lossy()) else {
+                        tracing::warn!(path = %path.display(), "ignoring unexpected file in CAS directory");
+                        continue;
+                    };
+                    let meta = entry.metadata().context(format_args!("stat {}", path.display()))?;
+                    if meta.len() != digest.size {
+                        // Only possible if something outside gantry touched the file.
+                        tracing::warn!(path = %path.display(), "removing blob whose size does not match its name");
+                        let _ = fs::remove_file(&path);
+                        continue;
+                    }
+                    found.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), digest));
+                }
+            }
+        }
+        found.sort();
+        let mut index = LruIndex::new(max_bytes);
+        let inner_root = root.clone();
+        let mut evicted = Vec::new();
+        for (_, d) in found {
+            evicted.extend(index.insert(d, d.size, ()));
+        }
+        for (d, ()) in evicted {
+            let _ = fs::remove_file(blob_path(&inner_root, &d));
+        }
+        tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
+        Ok(Inner { root, tmp, index: Mutex::new(index) })
+    }
+
+    /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
+    /// older blobs if needed. Done under the index lock so that an eviction can never
+    /// delete a file that a concurrent commit of the same digest just renamed into place.
+    fn publish(&self, tmp_path: &Path, digest: &Digest) -> Result<()> {
+        let dest = blob_path(&self.root, digest);
+        let mut index = self.index.lock().expect("poisoned");
+        if let Err(e) = fs::rename(tmp_path, &dest) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(Error::io(format!("renaming blob {digest} into place"), e));
+            }
+            let parent = dest.parent().expect("blob path has a parent");
+            fs::create_dir_all(parent).context(format_args!("creating {}", parent.display()))?;
+            fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
+        }
+        for (old, ()) in index.insert(*digest, digest.size, ()) {
+            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
+                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
+            }
+        }
+        Ok(())
+    }
+
+    fn forget(&self, digest: &Digest) {
+        self.index.lock().expect("poisoned").remove(digest);
+    }
+}
+
+fn blob_path(root: &Path, d: &Digest) -> PathBuf {
+    let hex = d.hash_hex();
+    root.join(d.function.name()).join(&hex[..2]).join(format!("{hex}-{}", d.size))
+}
+
+fn parse_blob_name(function: DigestFunction, name: &str) -> Option<Digest> {
+    let (hash, size) = name.split_once('-')?;
+    Digest::parse(function, hash, size.parse().ok()?).ok()
+}
+
+#[async_trait]
+impl BlobStore for FsStore {
+    async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
+        let mut idx = self.inner.index.lock().expect("poisoned");
+        Ok(digests.iter().map(|d| idx.touch(d).is_some()).collect())
+    }
+
+    async fn read(&self, digest: &Digest, offset: u64, limit: Option<u64>) -> Result<BlobStream> {
+        let (offset, len) = read_range(digest, offset, limit)?;
+        if self.inner.index.lock().expect("poisoned").touch(digest).is_none() {
+            return Err(Error::not_found(format!("blob {digest} not found")));
+        }
+        let path = blob_path(&self.inner.root, digest);
+        let inner = self.inner.clone();
+        let d = *digest;
+        let first = (len.min(READ_CHUNK)) as usize;
+        // Open and read the first chunk in one blocking task: most blobs fit in it.
+        let (file, first_chunk) = blocking(move || {
+            let mut f = match File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    inner.forget(&d);
+                    return Err(Error::not_found(format!("blob {d} not found (file vanished)")));
+                }
+                Err(e) => return Err(Error::io(format!("opening blob {d}"), e)),
+            };
+            if offset > 0 {
+                f.seek(SeekFrom::Start(offset)).context(format_args!("seeking blob {d}"))?;
+            }
+            let chunk = read_exact_chunk(&mut f, first, &d)?;
+            Ok((f, chunk))
+        })
+        .await?;
+        let remaining = len - first as u64;
+        let head = futures::stream::once(async move { Ok(first_chunk) });
+        if remaining == 0 {
+            return Ok(head.boxed());
+        }
+        let tail = futures::stream::unfold((Some(file), remaining), move |(file, remaining)| async move {
+            let file = file?;
+            if remaining == 0 {
+                return None;
+            }
+            let n = remaining.min(READ_CHUNK) as usize;
+            let res = blocking(move || {
+                let mut file = file;
+                let chunk = read_exact_chunk(&mut file, n, &d)?;
+                Ok((file, chunk))
+            })
+            .await;
+            match res {
+                Ok((file, chunk)) => Some((Ok(chunk), (Some(file), remaining - n as u64))),
+                Err(e) => Some((Err(e), (None, 0))),
+            }
+        });
+        Ok(head.chain(tail).boxed())
+    }
+
+    async fn begin_write(&self, digest: &Digest) -> Result<Box<dyn BlobWriter>> {
+        Ok(Box::new(self.writer(digest)?))
+    }
+
+    fn usage(&self) -> StoreUsage {
+        let idx = self.inner.index.lock().expect("poisoned");
+        StoreUsage { used_bytes: idx.used_bytes(), max_bytes: idx.max_bytes(), blobs: idx.len() as u64 }
+    }
+
+    async fn check(&self) -> Result<()> {
+        // Prove the directory is writable now rather than on the first client upload.
+        let tmp = self.inner.tmp.join(format!("check-{}", uuid::Uuid::new_v4()));
+        blocking(move || {
+            fs::write(&tmp, b"gantry").context(format_args!("writing {}", tmp.display()))?;
+            fs::remove_file(&tmp).context(format_args!("removing {}", tmp.display()))
+        })
+        .await
+    }
+}
+
+fn read_exact_chunk(f: &mut File, n: usize, d: &Digest) -> Result<Bytes> {
+    let mut buf = vec![0u8; n];
+    f.read_exact(&mut buf).context(format_args!("reading blob {d}"))?;
+    Ok(Bytes::from(buf))
+}
+
+enum WriteState {
+    Buffered(BytesMut),
+    Spilled(TempFile),
+    /// Transient state while a blocking task owns the file.
+    Busy,
+}
+
+/// A temp file that removes itself unless it was renamed into place.
+struct TempFile {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() || self.path.exists() {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+impl TempFile {
+    fn create(dir: &Path) -> Result<TempFile> {
+        let path = dir.join(uuid::Uuid::new_v4().to_string());
+        let file = File::create(&path).context(format_args!("creating temp file {}", path.display()))?;
+        Ok(TempFile { path, file: Some(file) })
+    }
+
+    fn write_all(&mut self, data: &[u8]) -> Result<()> {
+        self.file.as_mut().expect("open").write_all(data).context(format_args!("writing {}", self.path.display()))
+    }
+}
+
+struct FsWriter {
+    inner: Arc<Inner>,
+    digest: Digest,
+    committed: u64,
+    state: WriteState,
+}
+
+/// A blob that is complete and fsynced in the temp directory but not yet visible.
+pub(crate) struct Staged {
+    inner: Arc<Inner>,
+    digest: Digest,
+    tmp: TempFile,
+}
+
+impl Staged {
+    pub(crate) async fn publish(mut self) -> Result<()> {
+        blocking(move || {
+            self.tmp.file.take();
+            self.inner.publish(&self.tmp.path, &self.digest)
+        })
+        .await
+    }
+}
+
+impl FsWriter {
+    /// Writes everything to a temp file and fsyncs it; the blob is not visible yet.
+    pub(crate) async fn stage(mut self: Box<Self>) -> Result<Staged> {
+        if self.committed != self.digest.size {
+            return Err(Error::invalid(format!(
+                "blob {}: received {} bytes, digest says {}",
+                self.digest, self.committed, self.digest.size
+            )));
+        }
+        let state = std::mem::replace(&mut self.state, WriteState::Busy);
+        let inner = self.inner.clone();
+        let tmp = blocking(move || {
+            let tmp = match state {
+                WriteState::Buffered(buf) => {
+                    let mut t = TempFile::create(&inner.tmp)?;
+                    t.write_all(&buf)?;
+                    t
+                }
+                WriteState::Spilled(t) => t,
+                WriteState::Busy => return Err(Error::internal("writer used after a failed write")),
+            };
+            tmp.file.as_ref().expect("open").sync_all().context(format_args!("fsync {}", tmp.path.display()))?;
+            Ok(tmp)
+        })
+        .await?;
+        Ok(Staged { inner: self.inner.clone(), digest: self.digest, tmp })
+    }
+}
+
+#[async_trait]
+impl BlobWriter for FsWriter {
+    fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    async fn write(&mut self, chunk: Bytes) -> Result<()> {
+        let n = chunk.len() as u64;
+        match &mut self.state {
+            WriteState::Buffered(buf) if buf.len() + chunk.len() <= SPILL_THRESHOLD => {
+                buf.extend_from_slice(&chunk);
+            }
+            _ => {
+                let state = std::mem::replace(&mut self.state, WriteState::Busy);
+                let dir = self.inner.tmp.clone();
+                self.state = blocking(move || {
+                    let mut tmp = match state {
+                        WriteState::Buffered(buf) => {
+                            let mut t = TempFile::create(&dir)?;
+                            t.write_all(&buf)?;
+                            t
+                        }
+                        WriteState::Spilled(t) => t,
+                        WriteState::Busy => return Err(Error::internal("writer used after a failed write")),
+                    };
+                    tmp.write_all(&chunk)?;
+                    Ok(WriteState::Spilled(tmp))
+                })
+                .await?;
+            }
+        }
+        self.committed += n;
+        Ok(())
+    }
+
+    async fn commit(self: Box<Self>) -> Result<()> {
+        self.stage().await?.publish().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn crash_between_write_and_rename_leaves_nothing_visible() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = Bytes::from(vec![7u8; 3 << 20]); // spills to a temp file
+        let d = DigestFunction::Sha256.digest_of(&data);
+        {
+            let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+            let mut w = Box::new(store.writer(&d).unwrap());
+            w.write(data.clone()).await.unwrap();
+            let staged = w.stage().await.unwrap();
+            // Simulate the process dying here: no destructor runs, the temp file stays.
+            std::mem::forget(staged);
+            assert!(!store.has(&d).await.unwrap());
+            assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 1);
+            assert!(!blob_path(dir.path(), &d).exists());
+        }
+        // "Restart": the leftover is cleaned and the blob is still not there.
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        assert!(!store.has(&d).await.unwrap());
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+        assert!(store.read(&d, 0, None).await.err().unwrap().is_not_found());
+    }
+
+    #[tokio::test]
+    async fn dropped_writer_leaves_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        let data = Bytes::from(vec![1u8; 2 << 20]);
+        let d = DigestFunction::Sha256.digest_of(&data);
+        let mut w = store.begin_write(&d).await.unwrap();
+        w.write(data.slice(..(1 << 20) + 10)).await.unwrap();
+        drop(w);
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+        assert!(!store.has(&d).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn restart_rebuilds_index_and_lru_order_from_mtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs: Vec<Bytes> = (0..3u8).map(|i| Bytes::from(vec![i; 100])).collect();
+        let ds: Vec<Digest> = blobs.iter().map(|b| DigestFunction::Sha256.digest_of(b)).collect();
+        {
+            let store = FsStore::open(dir.path(), 1000).await.unwrap();
+            for (b, d) in blobs.iter().zip(&ds) {
+                store.put(d, b.clone()).await.unwrap();
+                // distinct mtimes so the rebuilt order is unambiguous
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            assert_eq!(store.usage().blobs, 3);
+        }
+        // Reopen with room for two: the oldest (first written) goes.
+        let store = FsStore::open(dir.path(), 250).await.unwrap();
+        assert_eq!(store.find_present(&ds).await.unwrap(), vec![false, true, true]);
+        assert_eq!(store.usage().used_bytes, 200);
+        assert_eq!(store.get(&ds[2]).await.unwrap(), blobs[2]);
+        assert!(!blob_path(dir.path(), &ds[0]).exists());
+    }
+
+    #[tokio::test]
+    async fn externally_deleted_file_is_a_clean_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let data = Bytes::from_static(b"hello");
+        let d = DigestFunction::Sha256.digest_of(&data);
+        store.put(&d, data).await.unwrap();
+        fs::remove_file(blob_path(dir.path(), &d)).unwrap();
+        assert!(store.read(&d, 0, None).await.err().unwrap().is_not_found());
+        assert!(!store.has(&d).await.unwrap(), "index forgets a vanished blob");
+    }
+}

@@ -1,0 +1,28 @@
+//! gantry-store owns the storage backends and the decorators stacked on them:
+//!
+//! - `FsStore` (`[cas] kind = "fs"`): blobs as files, atomic writes, LRU eviction.
+//! - `MemoryStore` (`[cas] kind = "memory"`): blobs in RAM, LRU eviction.
+//! - `IntegrityStore`: verifies every write against its digest; serves the empty blob.
+//! - `SqlActionCache` (`[action_cache] kind = "sql"`): ActionResults in SQLite via sqlx,
+//!   written in portable SQL so PostgreSQL can take its place.
+//! - `CompletenessCheckingActionCache`: serves an entry only while its blobs exist.
+//!
+//! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
+
+pub mod completeness_check;
+pub mod factory;
+pub mod fs_store;
+pub mod integrity_store;
+pub mod lru_index;
+pub mod memory_store;
+pub mod sql_action_cache;
+
+pub use completeness_check::CompletenessCheckingActionCache;
+pub use factory::{build_action_cache, build_cas};
+pub use fs_store::FsStore;
+pub use integrity_store::IntegrityStore;
+pub use memory_store::MemoryStore;
+pub use sql_action_cache::SqlActionCache;
+
+#[cfg(test)]
+mod store_suite;
