@@ -10,12 +10,15 @@ pub mod blob_store;
 pub mod digest;
 pub mod error;
 pub mod resource;
+pub mod task;
 
 pub use action_cache::ActionCache;
 pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
+pub use task::TaskGuard;
 
 /// Re-export of the generated REAPI types so downstream crates name one path.
 pub use bazel_remote_apis::build::bazel::remote::execution::v2 as reapi;
+pub use bazel_remote_apis::build::bazel::semver;
 pub use bazel_remote_apis::google;

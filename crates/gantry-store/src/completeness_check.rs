@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use gantry_core::reapi::{ActionResult, Tree};
+use gantry_core::action_cache::{referenced_blobs, ReferencedBlobs};
 use gantry_core::{ActionCache, BlobStore, Digest, Result, ResultExt};
 use prost::Message;
 
@@ -28,19 +29,7 @@ impl CompletenessCheckingActionCache {
     pub async fn is_complete(&self, action: &Digest, result: &ActionResult) -> Result<bool> {
         let f = action.function;
         let parse = |d: Option<&gantry_core::reapi::Digest>, field: &str| Digest::from_proto(f, d, field);
-        let mut direct = Vec::new();
-        for (i, o) in result.output_files.iter().enumerate() {
-            direct.push(parse(o.digest.as_ref(), &format!("output_files[{i}].digest"))?);
-        }
-        let mut trees = Vec::new();
-        for (i, o) in result.output_directories.iter().enumerate() {
-            trees.push(parse(o.tree_digest.as_ref(), &format!("output_directories[{i}].tree_digest"))?);
-        }
-        for (d, field) in [(&result.stdout_digest, "stdout_digest"), (&result.stderr_digest, "stderr_digest")] {
-            if d.is_some() {
-                direct.push(parse(d.as_ref(), field)?);
-            }
-        }
+        let ReferencedBlobs { mut direct, trees } = referenced_blobs(f, result)?;
         direct.extend(trees.iter().copied());
         if !self.cas.find_present(&direct).await?.into_iter().all(|p| p) {
             return Ok(false);

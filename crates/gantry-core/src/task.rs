@@ -1,0 +1,54 @@
+//! Background tasks that carry a name (as a tracing span, so their logs say who they are)
+//! and are aborted when their owner drops the guard, so no task outlives its component.
+
+use std::future::Future;
+
+use tracing::Instrument;
+
+#[must_use = "dropping the guard aborts the task"]
+pub struct TaskGuard {
+    name: &'static str,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+/// Spawns `fut` on the current runtime under the span `task{name=...}`.
+pub fn spawn_named<F>(name: &'static str, fut: F) -> TaskGuard
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let handle = tokio::spawn(fut.instrument(tracing::info_span!("task", name)));
+    TaskGuard { name, handle }
+}
+
+impl TaskGuard {
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        self.handle.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn dropping_the_guard_aborts_the_task() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+        let guard = spawn_named("test", async move {
+            let _tx = tx; // dropped when the task ends
+            std::future::pending::<()>().await;
+        });
+        assert_eq!(guard.name(), "test");
+        drop(guard);
+        assert!(rx.recv().await.is_none(), "task was aborted and dropped its sender");
+    }
+}

@@ -1,0 +1,258 @@
+//! ContentAddressableStorage: FindMissingBlobs, BatchUpdateBlobs, BatchReadBlobs and
+//! GetTree (paged). Chunked-blob RPCs (SplitBlob and friends) are not offered and are
+//! not advertised in GetCapabilities.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorage;
+use gantry_core::reapi::{self, batch_read_blobs_response, batch_update_blobs_response, compressor};
+use gantry_core::resource::Compressor;
+use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result};
+use prost::Message;
+use tonic::{Request, Response, Status};
+
+use crate::compression;
+use crate::metrics::Metrics;
+
+/// Blobs in one batch are written or read this many at a time.
+const BATCH_CONCURRENCY: usize = 16;
+const DEFAULT_TREE_PAGE: usize = 1000;
+const MAX_TREE_PAGE: usize = 10_000;
+
+pub struct CasService {
+    cas: Arc<dyn BlobStore>,
+    metrics: Arc<Metrics>,
+    max_batch_size: u64,
+}
+
+impl CasService {
+    pub fn new(cas: Arc<dyn BlobStore>, metrics: Arc<Metrics>, max_batch_size: u64) -> Self {
+        CasService { cas, metrics, max_batch_size }
+    }
+
+    async fn update_one(&self, f: DigestFunction, i: usize, r: reapi::batch_update_blobs_request::Request) -> Result<()> {
+        let d = Digest::from_proto(f, r.digest.as_ref(), &format!("requests[{i}].digest"))?;
+        let data = match Compressor::from_proto(r.compressor).map_err(|e| e.context(format_args!("requests[{i}]")))? {
+            Compressor::Identity => r.data,
+            Compressor::Zstd => {
+                compression::decompress(&r.data, d.size).map_err(|e| e.context(format_args!("requests[{i}]")))?
+            }
+        };
+        self.cas.put(&d, Bytes::from(data)).await.map_err(|e| e.context(format_args!("requests[{i}]")))
+    }
+}
+
+/// The directories of the tree under `root`, breadth first, from `skip` on, at most
+/// `take` of them. Subdirectories missing from the CAS are left out, as REAPI allows.
+async fn tree_page(cas: &dyn BlobStore, root: Digest, skip: usize, take: usize) -> Result<(Vec<reapi::Directory>, bool)> {
+    let mut queue = VecDeque::from([root]);
+    let mut seen = HashSet::from([root]);
+    let mut index = 0usize;
+    let mut page = Vec::new();
+    while let Some(d) = queue.pop_front() {
+        let bytes = match cas.get(&d).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() && d != root => continue,
+            Err(e) if e.is_not_found() => {
+                return Err(Error::not_found(format!("root_digest: directory {d} is not in the CAS")));
+            }
+            Err(e) => return Err(e),
+        };
+        let dir = reapi::Directory::decode(bytes)
+            .map_err(|e| Error::invalid(format!("blob {d} in the tree is not a Directory: {e}")))?;
+        for (j, sub) in dir.directories.iter().enumerate() {
+            let sd = Digest::from_proto(d.function, sub.digest.as_ref(), &format!("directory {d}: directories[{j}]"))?;
+            if seen.insert(sd) {
+                queue.push_back(sd);
+            }
+        }
+        if index >= skip {
+            if page.len() == take {
+                return Ok((page, true));
+            }
+            page.push(dir);
+        }
+        index += 1;
+    }
+    Ok((page, false))
+}
+
+enum TreeState {
+    Ready(Vec<reapi::Directory>, bool, usize),
+    Fetch(usize),
+    Done,
+}
+
+type TreeStream = futures::stream::BoxStream<'static, Result<reapi::GetTreeResponse, Status>>;
+type ChunkStream = futures::stream::BoxStream<'static, Result<reapi::GetChunkMappingResponse, Status>>;
+
+#[tonic::async_trait]
+impl ContentAddressableStorage for CasService {
+    async fn find_missing_blobs(
+        &self,
+        request: Request<reapi::FindMissingBlobsRequest>,
+    ) -> Result<Response<reapi::FindMissingBlobsResponse>, Status> {
+        let req = request.into_inner();
+        let f = DigestFunction::from_proto(req.digest_function)?;
+        let digests = req
+            .blob_digests
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Digest::from_proto(f, Some(d), &format!("blob_digests[{i}]")))
+            .collect::<Result<Vec<_>>>()?;
+        let present = self.cas.find_present(&digests).await?;
+        let missing = digests.iter().zip(present).filter(|(_, p)| !p).map(|(d, _)| d.to_proto()).collect();
+        Ok(Response::new(reapi::FindMissingBlobsResponse { missing_blob_digests: missing }))
+    }
+
+    async fn batch_update_blobs(
+        &self,
+        request: Request<reapi::BatchUpdateBlobsRequest>,
+    ) -> Result<Response<reapi::BatchUpdateBlobsResponse>, Status> {
+        let req = request.into_inner();
+        let f = DigestFunction::from_proto(req.digest_function)?;
+        let total: u64 = req.requests.iter().map(|r| r.data.len() as u64).sum();
+        if total > self.max_batch_size {
+            return Err(Error::invalid(format!(
+                "requests: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",
+                self.max_batch_size
+            ))
+            .into());
+        }
+        self.metrics.bytes_received.inc_by(total);
+        let responses = futures::stream::iter(req.requests.into_iter().enumerate())
+            .map(|(i, r)| async move {
+                let digest = r.digest.clone();
+                let status = match self.update_one(f, i, r).await {
+                    Ok(()) => gantry_core::google::rpc::Status::default(),
+                    Err(e) => e.to_rpc_status(),
+                };
+                batch_update_blobs_response::Response { digest, status: Some(status) }
+            })
+            .buffered(BATCH_CONCURRENCY)
+            .collect()
+            .await;
+        Ok(Response::new(reapi::BatchUpdateBlobsResponse { responses }))
+    }
+
+    async fn batch_read_blobs(
+        &self,
+        request: Request<reapi::BatchReadBlobsRequest>,
+    ) -> Result<Response<reapi::BatchReadBlobsResponse>, Status> {
+        let req = request.into_inner();
+        let f = DigestFunction::from_proto(req.digest_function)?;
+        let digests = req
+            .digests
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Digest::from_proto(f, Some(d), &format!("digests[{i}]")))
+            .collect::<Result<Vec<_>>>()?;
+        let total: u64 = digests.iter().map(|d| d.size).sum();
+        if total > self.max_batch_size {
+            return Err(Error::invalid(format!(
+                "digests: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",
+                self.max_batch_size
+            ))
+            .into());
+        }
+        let zstd = req.acceptable_compressors.contains(&(compressor::Value::Zstd as i32));
+        let responses: Vec<_> = futures::stream::iter(digests)
+            .map(|d| async move {
+                let (data, comp, status) = match self.cas.get(&d).await {
+                    Ok(data) => {
+                        self.metrics.bytes_sent.inc_by(data.len() as u64);
+                        match zstd.then(|| compression::compress(&data)) {
+                            Some(Ok(c)) => (c, compressor::Value::Zstd, Default::default()),
+                            Some(Err(e)) => (vec![], compressor::Value::Identity, e.to_rpc_status()),
+                            None => (data.to_vec(), compressor::Value::Identity, Default::default()),
+                        }
+                    }
+                    Err(e) => (vec![], compressor::Value::Identity, e.to_rpc_status()),
+                };
+                batch_read_blobs_response::Response {
+                    digest: Some(d.to_proto()),
+                    data,
+                    compressor: comp as i32,
+                    status: Some(status),
+                }
+            })
+            .buffered(BATCH_CONCURRENCY)
+            .collect()
+            .await;
+        Ok(Response::new(reapi::BatchReadBlobsResponse { responses }))
+    }
+
+    type GetTreeStream = TreeStream;
+
+    async fn get_tree(&self, request: Request<reapi::GetTreeRequest>) -> Result<Response<TreeStream>, Status> {
+        let req = request.into_inner();
+        let f = DigestFunction::from_proto(req.digest_function)?;
+        let root = Digest::from_proto(f, req.root_digest.as_ref(), "root_digest")?;
+        if req.page_size < 0 {
+            return Err(Error::invalid(format!("page_size {} is negative", req.page_size)).into());
+        }
+        let page_size = match req.page_size as usize {
+            0 => DEFAULT_TREE_PAGE,
+            n => n.min(MAX_TREE_PAGE),
+        };
+        // The page token is the number of directories already returned, in BFS order.
+        let start: usize = if req.page_token.is_empty() {
+            0
+        } else {
+            req.page_token
+                .parse()
+                .map_err(|_| Error::invalid(format!("page_token '{}' was not issued by this server", req.page_token)))?
+        };
+        // Fetch the first page now so a missing root is an immediate NOT_FOUND.
+        let (first, more) = tree_page(self.cas.as_ref(), root, start, page_size).await?;
+        let cas = self.cas.clone();
+        let stream = futures::stream::try_unfold(TreeState::Ready(first, more, start), move |state| {
+            let cas = cas.clone();
+            async move {
+                let (page, more, offset) = match state {
+                    TreeState::Done => return Ok::<_, Error>(None),
+                    TreeState::Ready(page, more, offset) => (page, more, offset),
+                    TreeState::Fetch(offset) => {
+                        let (page, more) = tree_page(cas.as_ref(), root, offset, page_size).await?;
+                        (page, more, offset)
+                    }
+                };
+                let next = offset + page.len();
+                let resp = reapi::GetTreeResponse {
+                    directories: page,
+                    next_page_token: if more { next.to_string() } else { String::new() },
+                };
+                Ok(Some((resp, if more { TreeState::Fetch(next) } else { TreeState::Done })))
+            }
+        })
+        .map_err(Status::from);
+        Ok(Response::new(stream.boxed()))
+    }
+
+    async fn split_blob(&self, _: Request<reapi::SplitBlobRequest>) -> Result<Response<reapi::SplitBlobResponse>, Status> {
+        Err(Status::unimplemented("SplitBlob is not supported (split_blob_support is false)"))
+    }
+
+    type GetChunkMappingStream = ChunkStream;
+
+    async fn get_chunk_mapping(&self, _: Request<reapi::GetChunkMappingRequest>) -> Result<Response<ChunkStream>, Status> {
+        Err(Status::unimplemented("GetChunkMapping is not supported"))
+    }
+
+    async fn splice_blob(
+        &self,
+        _: Request<reapi::SpliceBlobRequest>,
+    ) -> Result<Response<reapi::SpliceBlobResponse>, Status> {
+        Err(Status::unimplemented("SpliceBlob is not supported"))
+    }
+
+    async fn register_chunk_mapping(
+        &self,
+        _: Request<tonic::Streaming<reapi::RegisterChunkMappingRequest>>,
+    ) -> Result<Response<reapi::RegisterChunkMappingResponse>, Status> {
+        Err(Status::unimplemented("RegisterChunkMapping is not supported"))
+    }
+}

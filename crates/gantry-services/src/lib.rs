@@ -1,0 +1,187 @@
+//! gantry-services owns the gRPC face of gantry: the REAPI cache services (Capabilities,
+//! ContentAddressableStorage, ByteStream, ActionCache), the Prometheus metrics, and the
+//! HTTP endpoint that serves them. Services work only through the gantry-core traits.
+//!
+//! `Services` assembles them from a CAS and an action cache; `RunningServer` serves them
+//! on two listeners and shuts down gracefully.
+
+pub mod action_cache;
+pub mod bytestream;
+pub mod capabilities;
+pub mod cas;
+pub mod compression;
+pub mod metrics;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gantry_core::google::bytestream::byte_stream_server::ByteStreamServer;
+use gantry_core::reapi::action_cache_server::ActionCacheServer;
+use gantry_core::reapi::capabilities_server::CapabilitiesServer;
+use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorageServer;
+use gantry_core::task::{spawn_named, TaskGuard};
+use gantry_core::{ActionCache, BlobStore, Error, Result};
+use tokio::net::TcpListener;
+use tonic::codec::CompressionEncoding;
+
+pub use metrics::{Metrics, MetricsLayer};
+
+/// Protocol limits, from `[server]` in gantry.toml.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_batch_size: u64,
+    pub read_chunk_size: usize,
+    pub upload_idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600) }
+    }
+}
+
+pub struct Services {
+    pub cas: Arc<dyn BlobStore>,
+    pub ac: Arc<dyn ActionCache>,
+    pub metrics: Arc<Metrics>,
+    pub limits: Limits,
+}
+
+impl Services {
+    pub fn new(cas: Arc<dyn BlobStore>, ac: Arc<dyn ActionCache>, limits: Limits) -> Self {
+        let metrics = Metrics::new(cas.clone());
+        Services { cas, ac, metrics, limits }
+    }
+
+    /// Every gRPC service on one router, behind the metrics layer.
+    pub fn grpc_router(&self) -> tonic::transport::server::Router<tower::layer::util::Stack<MetricsLayer, tower::layer::util::Identity>> {
+        // Batches may be as large as advertised, plus protobuf framing.
+        let max_msg = self.limits.max_batch_size as usize + (1 << 20);
+        let cas = ContentAddressableStorageServer::new(cas::CasService::new(
+            self.cas.clone(),
+            self.metrics.clone(),
+            self.limits.max_batch_size,
+        ))
+        .max_decoding_message_size(max_msg)
+        .max_encoding_message_size(max_msg)
+        .accept_compressed(CompressionEncoding::Zstd)
+        .send_compressed(CompressionEncoding::Zstd);
+        let bs = ByteStreamServer::new(bytestream::ByteStreamService::new(
+            self.cas.clone(),
+            self.metrics.clone(),
+            self.limits.read_chunk_size,
+            self.limits.upload_idle_timeout,
+        ))
+        .max_decoding_message_size(max_msg)
+        .max_encoding_message_size(max_msg);
+        let ac = ActionCacheServer::new(action_cache::ActionCacheService::new(
+            self.ac.clone(),
+            self.cas.clone(),
+            self.metrics.clone(),
+        ))
+        .max_decoding_message_size(max_msg)
+        .max_encoding_message_size(max_msg);
+        let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(self.limits.max_batch_size, None));
+        tonic::transport::Server::builder()
+            .layer(MetricsLayer(self.metrics.clone()))
+            .add_service(caps)
+            .add_service(cas)
+            .add_service(bs)
+            .add_service(ac)
+    }
+
+    /// `/metrics` (Prometheus text format) and `/healthz`.
+    pub fn http_router(&self) -> axum::Router {
+        let metrics = self.metrics.clone();
+        axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let m = metrics.clone();
+                    async move { ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], m.render()) }
+                }),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok\n" }))
+    }
+}
+
+/// A server serving gRPC and HTTP until `shutdown` is called or the guard is dropped.
+pub struct RunningServer {
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
+    grpc: Option<tokio::task::JoinHandle<Result<()>>>,
+    _http: TaskGuard,
+}
+
+impl RunningServer {
+    /// Binds both listeners (port 0 picks a free port) and starts serving.
+    pub async fn start(services: &Services, grpc_listen: SocketAddr, http_listen: SocketAddr) -> Result<Self> {
+        let grpc_listener = TcpListener::bind(grpc_listen)
+            .await
+            .map_err(|e| Error::io(format!("binding gRPC listener on {grpc_listen}"), e))?;
+        let http_listener = TcpListener::bind(http_listen)
+            .await
+            .map_err(|e| Error::io(format!("binding HTTP listener on {http_listen}"), e))?;
+        let grpc_addr = grpc_listener.local_addr().map_err(|e| Error::io("reading gRPC address", e))?;
+        let http_addr = http_listener.local_addr().map_err(|e| Error::io("reading HTTP address", e))?;
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let mut rx_http = rx.clone();
+        let http = services.http_router();
+        let http_task = spawn_named("http-server", async move {
+            let res = axum::serve(http_listener, http)
+                .with_graceful_shutdown(async move {
+                    let _ = rx_http.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = res {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        let router = services.grpc_router();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+        let mut rx_grpc = rx;
+        let grpc = tokio::spawn(async move {
+            router
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = rx_grpc.wait_for(|s| *s).await;
+                })
+                .await
+                .map_err(|e| Error::Unavailable(format!("gRPC server failed: {e}")))
+        });
+        tracing::info!(%grpc_addr, %http_addr, "gantry serving");
+        Ok(RunningServer { grpc_addr, http_addr, stop: Some(stop), grpc: Some(grpc), _http: http_task })
+    }
+
+    /// Serves until `signal` resolves, then stops accepting and drains in-flight calls.
+    pub async fn run_until(mut self, signal: impl Future<Output = ()>) -> Result<()> {
+        let grpc = self.grpc.take().expect("running");
+        tokio::pin!(grpc);
+        tokio::select! {
+            res = &mut grpc => return res.map_err(|e| Error::internal(format!("gRPC task: {e}")))?,
+            _ = signal => {}
+        }
+        tracing::info!("shutting down: draining in-flight requests");
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        grpc.await.map_err(|e| Error::internal(format!("gRPC task: {e}")))?
+    }
+
+    pub async fn shutdown(self) -> Result<()> {
+        self.run_until(async {}).await
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(g) = self.grpc.take() {
+            g.abort();
+        }
+    }
+}

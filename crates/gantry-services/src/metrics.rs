@@ -1,0 +1,170 @@
+//! Prometheus metrics: per-RPC request counts and latencies (a tower layer around the
+//! gRPC server), payload bytes in and out, action cache hits and misses, and the CAS size
+//! (read from the store at scrape time, so it is never stale).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use gantry_core::BlobStore;
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    latency: HistogramVec,
+    pub bytes_received: IntCounter,
+    pub bytes_sent: IntCounter,
+    pub ac_hits: IntCounter,
+    pub ac_misses: IntCounter,
+    cas_used: IntGauge,
+    cas_max: IntGauge,
+    cas_blobs: IntGauge,
+    cas: Arc<dyn BlobStore>,
+}
+
+impl Metrics {
+    pub fn new(cas: Arc<dyn BlobStore>) -> Arc<Self> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("gantry_grpc_requests_total", "gRPC requests by method and status code"),
+            &["method", "code"],
+        )
+        .expect("valid metric");
+        let latency = HistogramVec::new(
+            HistogramOpts::new("gantry_grpc_request_duration_seconds", "gRPC time to response headers by method")
+                .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+            &["method"],
+        )
+        .expect("valid metric");
+        let c = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let g = |name: &str, help: &str| IntGauge::new(name, help).expect("valid metric");
+        let m = Metrics {
+            requests,
+            latency,
+            bytes_received: c("gantry_cas_bytes_received_total", "Blob bytes received by CAS and ByteStream writes"),
+            bytes_sent: c("gantry_cas_bytes_sent_total", "Blob bytes sent by CAS and ByteStream reads"),
+            ac_hits: c("gantry_action_cache_hits_total", "GetActionResult calls that returned a result"),
+            ac_misses: c("gantry_action_cache_misses_total", "GetActionResult calls that returned NOT_FOUND"),
+            cas_used: g("gantry_cas_used_bytes", "Bytes held by the CAS"),
+            cas_max: g("gantry_cas_max_bytes", "CAS capacity before eviction"),
+            cas_blobs: g("gantry_cas_blobs", "Blobs held by the CAS"),
+            registry,
+            cas,
+        };
+        for col in [
+            Box::new(m.requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.latency.clone()),
+            Box::new(m.bytes_received.clone()),
+            Box::new(m.bytes_sent.clone()),
+            Box::new(m.ac_hits.clone()),
+            Box::new(m.ac_misses.clone()),
+            Box::new(m.cas_used.clone()),
+            Box::new(m.cas_max.clone()),
+            Box::new(m.cas_blobs.clone()),
+        ] {
+            m.registry.register(col).expect("metric names are unique");
+        }
+        Arc::new(m)
+    }
+
+    /// Renders every metric in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let u = self.cas.usage();
+        self.cas_used.set(u.used_bytes as i64);
+        self.cas_max.set(u.max_bytes as i64);
+        self.cas_blobs.set(u.blobs as i64);
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+
+    /// The registry, so other services (the scheduler, later) can add their metrics.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+}
+
+/// Tower layer that records each gRPC call's method, status code and latency.
+#[derive(Clone)]
+pub struct MetricsLayer(pub Arc<Metrics>);
+
+impl<S> tower::Layer<S> for MetricsLayer {
+    type Service = MetricsService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        MetricsService { inner, metrics: self.0.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct MetricsService<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, B, RB> tower::Service<http::Request<B>> for MetricsService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        // "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs" -> short form
+        let method = req.uri().path().rsplit('/').take(2).collect::<Vec<_>>();
+        let method = match method.as_slice() {
+            [m, svc] => format!("{}/{}", svc.rsplit('.').next().unwrap_or(svc), m),
+            _ => "unknown".to_string(),
+        };
+        let metrics = self.metrics.clone();
+        let start = Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await;
+            // Errors before the body are sent "trailers-only", with grpc-status in the
+            // headers; a successful call carries its status in the trailers.
+            let code = match &res {
+                Ok(r) => r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|s| s.parse::<i32>().ok())
+                    .map_or("OK", |c| code_name(c)),
+                Err(_) => "TRANSPORT_ERROR",
+            };
+            metrics.latency.with_label_values(&[&method]).observe(start.elapsed().as_secs_f64());
+            metrics.requests.with_label_values(&[&method, code]).inc();
+            res
+        })
+    }
+}
+
+fn code_name(c: i32) -> &'static str {
+    match tonic::Code::from_i32(c) {
+        tonic::Code::Ok => "OK",
+        tonic::Code::Cancelled => "CANCELLED",
+        tonic::Code::Unknown => "UNKNOWN",
+        tonic::Code::InvalidArgument => "INVALID_ARGUMENT",
+        tonic::Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        tonic::Code::NotFound => "NOT_FOUND",
+        tonic::Code::AlreadyExists => "ALREADY_EXISTS",
+        tonic::Code::PermissionDenied => "PERMISSION_DENIED",
+        tonic::Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        tonic::Code::FailedPrecondition => "FAILED_PRECONDITION",
+        tonic::Code::Aborted => "ABORTED",
+        tonic::Code::OutOfRange => "OUT_OF_RANGE",
+        tonic::Code::Unimplemented => "UNIMPLEMENTED",
+        tonic::Code::Internal => "INTERNAL",
+        tonic::Code::Unavailable => "UNAVAILABLE",
+        tonic::Code::DataLoss => "DATA_LOSS",
+        tonic::Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
