@@ -1,0 +1,289 @@
+//! `gantry bench ...`: throughput measurements against a gantry server over loopback.
+//! With `--target` it measures a running server; without, it starts one in-process on a
+//! temporary data directory with the same store stack `gantry serve` builds.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use bytesize::ByteSize;
+use futures::{StreamExt, TryStreamExt};
+use gantry_core::google::bytestream::byte_stream_client::ByteStreamClient;
+use gantry_core::google::bytestream::{ReadRequest, WriteRequest};
+use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
+use gantry_core::reapi::{self, batch_update_blobs_request};
+use gantry_core::{Digest, DigestFunction};
+use serde::Serialize;
+use tonic::transport::Channel;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// CAS throughput: ByteStream write/read, BatchUpdateBlobs, FindMissingBlobs, and the
+    /// single-core SHA-256 ceiling.
+    Cas(CasArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CasArgs {
+    /// Server to measure, e.g. grpc://127.0.0.1:8980. Default: start one in-process.
+    #[arg(long)]
+    target: Option<String>,
+    /// Instance name to use.
+    #[arg(long, default_value = "")]
+    instance: String,
+    /// Total bytes for the ByteStream phase.
+    #[arg(long, default_value = "1GiB")]
+    stream_total: ByteSize,
+    /// Size of each ByteStream blob.
+    #[arg(long, default_value = "64MiB")]
+    stream_blob: ByteSize,
+    /// ByteStream chunk size per WriteRequest.
+    #[arg(long, default_value = "1MiB")]
+    chunk: ByteSize,
+    /// Number of small blobs for BatchUpdateBlobs and FindMissingBlobs.
+    #[arg(long, default_value_t = 100_000)]
+    small_count: usize,
+    /// Size of each small blob.
+    #[arg(long, default_value = "4KiB")]
+    small_size: ByteSize,
+    /// Concurrent requests in flight.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Default)]
+struct CasReport {
+    target: String,
+    sha256_single_core_mib_s: f64,
+    blake3_single_core_mib_s: f64,
+    bytestream_write_mib_s: f64,
+    bytestream_read_mib_s: f64,
+    batch_update_blobs_per_s: f64,
+    find_missing_digests_per_s: f64,
+}
+
+pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Cas(args) => cas(args).await,
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift), fast enough not to dominate setup.
+fn fill(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+fn progress(json: bool, msg: &str) {
+    if !json {
+        eprintln!("  {msg}");
+    }
+}
+
+fn hash_speed(f: DigestFunction) -> f64 {
+    let mut buf = vec![0u8; 256 << 20];
+    fill(&mut buf, 99);
+    let start = Instant::now();
+    let d = f.digest_of(&buf);
+    let secs = start.elapsed().as_secs_f64();
+    std::hint::black_box(d);
+    256.0 / secs
+}
+
+async fn cas(args: CasArgs) -> anyhow::Result<()> {
+    if args.stream_blob.as_u64() == 0 || args.small_size.as_u64() == 0 || args.chunk.as_u64() == 0 {
+        bail!("--stream-blob, --small-size and --chunk must be greater than zero");
+    }
+    let mut _local = None;
+    let target = match &args.target {
+        Some(t) => t.clone(),
+        None => {
+            let dir = tempfile::tempdir().context("creating a temporary data dir")?;
+            let mut config = gantry_config::Config::default();
+            config.server.data_dir = dir.path().to_owned();
+            config.cas = gantry_config::CasConfig::Fs(gantry_config::FsStoreConfig {
+                path: None,
+                max_size: ByteSize::gib(8),
+            });
+            let services = crate::serve::build_services(&config).await?;
+            let server = gantry_services::RunningServer::start(
+                &services,
+                "127.0.0.1:0".parse()?,
+                "127.0.0.1:0".parse()?,
+            )
+            .await?;
+            let t = format!("grpc://{}", server.grpc_addr);
+            _local = Some((server, services, dir));
+            t
+        }
+    };
+    let endpoint = target.replacen("grpc://", "http://", 1);
+    let channel = Channel::from_shared(endpoint.clone())
+        .context("parsing --target")?
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {target}"))?;
+    let mut report = CasReport { target: target.clone(), ..Default::default() };
+    if !args.json {
+        eprintln!("gantry bench cas against {target}");
+    }
+
+    progress(args.json, "hashing 256 MiB on one core (SHA-256, BLAKE3)...");
+    report.sha256_single_core_mib_s = tokio::task::spawn_blocking(|| hash_speed(DigestFunction::Sha256)).await?;
+    report.blake3_single_core_mib_s = tokio::task::spawn_blocking(|| hash_speed(DigestFunction::Blake3)).await?;
+
+    // ByteStream: distinct blobs so nothing short-circuits as "already present".
+    let blob = args.stream_blob.as_u64() as usize;
+    let count = (args.stream_total.as_u64() as usize).div_ceil(blob).max(1);
+    let run_id: u64 = uuid::Uuid::new_v4().as_u64_pair().0;
+    progress(args.json, &format!("preparing {count} blobs of {}...", args.stream_blob));
+    let blobs: Vec<(Digest, bytes::Bytes)> = (0..count)
+        .map(|i| {
+            let mut b = vec![0u8; blob];
+            fill(&mut b, run_id ^ (i as u64 + 1));
+            (DigestFunction::Sha256.digest_of(&b), bytes::Bytes::from(b))
+        })
+        .collect();
+    let total_mib = (blob * count) as f64 / (1 << 20) as f64;
+    let chunk = args.chunk.as_u64() as usize;
+    let inst = args.instance.clone();
+    progress(args.json, &format!("ByteStream write of {total_mib:.0} MiB..."));
+    let start = Instant::now();
+    futures::stream::iter(blobs.iter().cloned())
+        .map(|(d, data)| {
+            let mut bs = ByteStreamClient::new(channel.clone());
+            let name = format!(
+                "{}uploads/{}/blobs/{}/{}",
+                if inst.is_empty() { String::new() } else { format!("{inst}/") },
+                uuid::Uuid::new_v4(),
+                d.hash_hex(),
+                d.size
+            );
+            async move {
+                let reqs: Vec<WriteRequest> = (0..data.len())
+                    .step_by(chunk)
+                    .map(|off| WriteRequest {
+                        resource_name: if off == 0 { name.clone() } else { String::new() },
+                        write_offset: off as i64,
+                        finish_write: off + chunk >= data.len(),
+                        data: data.slice(off..(off + chunk).min(data.len())).to_vec(),
+                    })
+                    .collect();
+                let resp = bs.write(futures::stream::iter(reqs)).await?.into_inner();
+                anyhow::ensure!(resp.committed_size == d.size as i64, "short write of {d}");
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+    report.bytestream_write_mib_s = total_mib / start.elapsed().as_secs_f64();
+
+    progress(args.json, &format!("ByteStream read of {total_mib:.0} MiB..."));
+    let start = Instant::now();
+    futures::stream::iter(blobs.iter().map(|(d, _)| *d))
+        .map(|d| {
+            let mut bs = ByteStreamClient::new(channel.clone()).max_decoding_message_size(64 << 20);
+            let name = format!(
+                "{}blobs/{}/{}",
+                if inst.is_empty() { String::new() } else { format!("{inst}/") },
+                d.hash_hex(),
+                d.size
+            );
+            async move {
+                let mut s = bs.read(ReadRequest { resource_name: name, read_offset: 0, read_limit: 0 }).await?.into_inner();
+                let mut n = 0u64;
+                while let Some(m) = s.message().await? {
+                    n += m.data.len() as u64;
+                }
+                anyhow::ensure!(n == d.size, "short read of {d}: {n} bytes");
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+    report.bytestream_read_mib_s = total_mib / start.elapsed().as_secs_f64();
+    drop(blobs);
+
+    // BatchUpdateBlobs of many small blobs, in batches under the 4 MiB limit.
+    let small = args.small_size.as_u64() as usize;
+    progress(args.json, &format!("preparing {} blobs of {}...", args.small_count, args.small_size));
+    let smalls: Vec<(Digest, Vec<u8>)> = (0..args.small_count)
+        .map(|i| {
+            let mut b = vec![0u8; small];
+            fill(&mut b, run_id.rotate_left(17) ^ (i as u64 + 1));
+            (DigestFunction::Sha256.digest_of(&b), b)
+        })
+        .collect();
+    let per_batch = ((4usize << 20) - (64 << 10)) / (small + 100);
+    let per_batch = per_batch.max(1);
+    progress(args.json, &format!("BatchUpdateBlobs of {} blobs ({per_batch} per request)...", smalls.len()));
+    let start = Instant::now();
+    futures::stream::iter(smalls.chunks(per_batch))
+        .map(|batch| {
+            let mut cas = ContentAddressableStorageClient::new(channel.clone());
+            let req = reapi::BatchUpdateBlobsRequest {
+                instance_name: inst.clone(),
+                requests: batch
+                    .iter()
+                    .map(|(d, b)| batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: b.clone(), compressor: 0 })
+                    .collect(),
+                ..Default::default()
+            };
+            async move {
+                let resp = cas.batch_update_blobs(req).await?.into_inner();
+                if let Some(bad) = resp.responses.iter().find(|r| r.status.as_ref().is_some_and(|s| s.code != 0)) {
+                    bail!("BatchUpdateBlobs item failed: {:?}", bad.status);
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+    report.batch_update_blobs_per_s = smalls.len() as f64 / start.elapsed().as_secs_f64();
+
+    // FindMissingBlobs over the same digests (all present) in requests of 10,000.
+    let digests: Vec<reapi::Digest> = smalls.iter().map(|(d, _)| d.to_proto()).collect();
+    drop(smalls);
+    progress(args.json, &format!("FindMissingBlobs over {} digests...", digests.len()));
+    let start = Instant::now();
+    let missing: usize = futures::stream::iter(digests.chunks(10_000))
+        .map(|chunk| {
+            let mut cas = ContentAddressableStorageClient::new(channel.clone());
+            let req = reapi::FindMissingBlobsRequest {
+                instance_name: inst.clone(),
+                blob_digests: chunk.to_vec(),
+                ..Default::default()
+            };
+            async move { anyhow::Ok(cas.find_missing_blobs(req).await?.into_inner().missing_blob_digests.len()) }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_fold(0, |a, n| async move { Ok(a + n) })
+        .await?;
+    report.find_missing_digests_per_s = digests.len() as f64 / start.elapsed().as_secs_f64();
+    anyhow::ensure!(missing == 0, "{missing} blobs just uploaded were reported missing");
+
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("| measurement | result |");
+        println!("|---|---|");
+        println!("| SHA-256, one core (ceiling) | {:.0} MiB/s |", report.sha256_single_core_mib_s);
+        println!("| BLAKE3, one core | {:.0} MiB/s |", report.blake3_single_core_mib_s);
+        println!("| ByteStream write, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |", args.stream_blob, report.bytestream_write_mib_s);
+        println!("| ByteStream read, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |", args.stream_blob, report.bytestream_read_mib_s);
+        println!("| BatchUpdateBlobs, {} x {} | {:.0} blobs/s |", args.small_count, args.small_size, report.batch_update_blobs_per_s);
+        println!("| FindMissingBlobs, {} digests | {:.0} digests/s |", args.small_count, report.find_missing_digests_per_s);
+    }
+    Ok(())
+}

@@ -1,0 +1,78 @@
+//! `gantry serve`: load the config, let flags and environment override it, build the
+//! stores (checking each backend), and serve until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use gantry_config::Config;
+use gantry_services::{Limits, RunningServer, Services};
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Config file. Without it, ./gantry.toml is read if present, else embedded defaults.
+    #[arg(long, env = "GANTRY_CONFIG")]
+    config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:8980]
+    #[arg(long, env = "GANTRY_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// HTTP listen address for /metrics [default: 127.0.0.1:9090]
+    #[arg(long, env = "GANTRY_HTTP_LISTEN")]
+    http_listen: Option<SocketAddr>,
+    /// Data directory for the embedded stores [default: ./gantry-data]
+    #[arg(long, env = "GANTRY_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+}
+
+pub fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None if std::path::Path::new("gantry.toml").exists() => Config::load("gantry.toml".as_ref())?,
+        None => Config::default(),
+    };
+    if let Some(l) = args.listen {
+        config.server.listen = l;
+    }
+    if let Some(l) = args.http_listen {
+        config.server.http_listen = l;
+    }
+    if let Some(d) = &args.data_dir {
+        config.server.data_dir = d.clone();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+pub fn limits(config: &Config) -> Limits {
+    Limits {
+        max_batch_size: config.server.max_batch_size.as_u64(),
+        read_chunk_size: config.server.read_chunk_size.as_u64() as usize,
+        upload_idle_timeout: config.server.upload_idle_timeout,
+    }
+}
+
+pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
+    let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
+    let ac = gantry_store::build_action_cache(config, cas.clone()).await.context("setting up the action cache")?;
+    Ok(Services::new(cas, ac, limits(config)))
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = load_config(&args)?;
+    let services = build_services(&config).await?;
+    let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
+    // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
+    println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
+    server.run_until(shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+    }
+}

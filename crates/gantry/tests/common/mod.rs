@@ -1,0 +1,164 @@
+//! Test harness shared by the binary's integration tests: start a real `gantry serve`
+//! process on free loopback ports, and run Bazel 4.2.3 offline against it.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct GantryServer {
+    pub child: Child,
+    pub grpc: String,
+    pub http: String,
+    pub data_dir: PathBuf,
+}
+
+impl GantryServer {
+    /// Starts `gantry serve` with ports picked by the OS, and waits for its ready line.
+    pub fn start(data_dir: &Path, extra: &[&str]) -> GantryServer {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gantry"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning gantry serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).expect("reading gantry's ready line");
+        let line = line.trim().to_string();
+        let rest = line.strip_prefix("gantry serving ").unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+        let mut grpc = String::new();
+        let mut http = String::new();
+        for part in rest.split(' ') {
+            if let Some(a) = part.strip_prefix("grpc=") {
+                grpc = a.to_string();
+            } else if let Some(a) = part.strip_prefix("http=") {
+                http = a.to_string();
+            }
+        }
+        GantryServer { child, grpc, http, data_dir: data_dir.to_owned() }
+    }
+
+    /// Sends SIGTERM and asserts a clean exit.
+    pub fn stop(mut self) {
+        let pid = self.child.id() as i32;
+        Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "gantry serve exited with {status}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "gantry serve did not stop within 20 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for GantryServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A private copy of the fixture workspace (Bazel must not write into the source tree)
+/// and private Bazel output directories.
+pub struct BazelWorkspace {
+    pub dir: tempfile::TempDir,
+}
+
+impl BazelWorkspace {
+    pub fn new() -> BazelWorkspace {
+        let dir = tempfile::tempdir().unwrap();
+        copy_dir(&fixtures().join("ws"), &dir.path().join("ws"));
+        BazelWorkspace { dir }
+    }
+
+    pub fn ws(&self) -> PathBuf {
+        self.dir.path().join("ws")
+    }
+
+    fn base_flags(&self) -> Vec<String> {
+        let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
+        let fx = fixtures();
+        text.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(|l| l.replace("@FIXTURES@", &fx.display().to_string()))
+            .collect()
+    }
+
+    /// Runs `bazel <command> <fixture flags> <extra>` in batch mode with private output dirs.
+    pub fn bazel(&self, command: &str, extra: &[String]) -> Output {
+        let mut cmd = Command::new("bazel");
+        cmd.arg("--batch")
+            .arg(format!("--output_user_root={}", self.dir.path().join("user_root").display()))
+            .arg(format!("--output_base={}", self.dir.path().join("base").display()))
+            .arg("--nohome_rc")
+            .arg("--noworkspace_rc")
+            .arg(command);
+        if command != "clean" && command != "shutdown" {
+            cmd.args(self.base_flags());
+        }
+        cmd.args(extra).current_dir(self.ws()).stdin(Stdio::null());
+        let out = cmd.output().expect("running bazel (is Debian's bazel-bootstrap installed? .ci/run installs it)");
+        eprintln!(
+            "---- bazel {command} {extra:?}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// The bazel-bin directory of the fixture workspace.
+    pub fn bin(&self) -> PathBuf {
+        let execroot = self.dir.path().join("base/execroot/gantry_fixture/bazel-out");
+        for entry in std::fs::read_dir(&execroot).unwrap() {
+            let p = entry.unwrap().path().join("bin");
+            if p.join("big.txt").exists() {
+                return p;
+            }
+        }
+        panic!("no bazel-bin with outputs under {}", execroot.display());
+    }
+}
+
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// Parses Bazel's "INFO: N processes: 6 remote cache hit, 7 internal." line into
+/// (kind, count) pairs.
+pub fn process_summary(stderr: &str) -> Vec<(String, u64)> {
+    let line = stderr
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("INFO:") && l.contains(" processes"))
+        .unwrap_or_else(|| panic!("no process summary in Bazel output:\n{stderr}"));
+    let rest = line.split_once("processes").unwrap().1.trim_start_matches(':').trim().trim_end_matches('.');
+    rest.split(", ")
+        .filter(|s| !s.is_empty())
+        .map(|part| {
+            let (n, kind) = part.split_once(' ').unwrap();
+            (kind.to_string(), n.parse().unwrap())
+        })
+        .collect()
+}
