@@ -85,6 +85,10 @@ impl Services {
         .max_encoding_message_size(max_msg);
         let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(self.limits.max_batch_size, None));
         tonic::transport::Server::builder()
+            // h2's default 64 KiB windows cap an upload at one window per round trip;
+            // large windows let a client stream a 64 MiB blob at memory speed.
+            .initial_stream_window_size(Some(16 << 20))
+            .initial_connection_window_size(Some(64 << 20))
             .layer(MetricsLayer(self.metrics.clone()))
             .add_service(caps)
             .add_service(cas)

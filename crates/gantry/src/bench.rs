@@ -128,6 +128,8 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     let endpoint = target.replacen("grpc://", "http://", 1);
     let channel = Channel::from_shared(endpoint.clone())
         .context("parsing --target")?
+        .initial_stream_window_size(Some(16 << 20))
+        .initial_connection_window_size(Some(64 << 20))
         .connect()
         .await
         .with_context(|| format!("connecting to {target}"))?;
