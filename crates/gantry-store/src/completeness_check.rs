@@ -134,4 +134,32 @@ mod tests {
         // other instance never sees it
         assert_eq!(ac.get("j", &action).await.unwrap(), None);
     }
+
+    #[tokio::test]
+    async fn serving_an_entry_protects_its_blobs_from_eviction() {
+        // Room for exactly four 1000-byte blobs.
+        let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(4000))));
+        let ac = CompletenessCheckingActionCache::new(
+            Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap()),
+            cas.clone(),
+        );
+        let entry = |d: Digest| ActionResult {
+            output_files: vec![OutputFile { path: "o".into(), digest: Some(d.to_proto()), ..Default::default() }],
+            ..Default::default()
+        };
+        // Old entry first, then a younger one.
+        let old_out = put(&cas, &[1u8; 1000]).await;
+        let young_out = put(&cas, &[2u8; 1000]).await;
+        let (old_a, young_a) = (DigestFunction::Sha256.digest_of(b"old"), DigestFunction::Sha256.digest_of(b"young"));
+        ac.put("", &old_a, &entry(old_out)).await.unwrap();
+        ac.put("", &young_a, &entry(young_out)).await.unwrap();
+        // A client is served the old entry: its output becomes most recently used.
+        assert!(ac.get("", &old_a).await.unwrap().is_some());
+        // New uploads push the store over capacity twice.
+        put(&cas, &[3u8; 1000]).await;
+        put(&cas, &[4u8; 1000]).await;
+        put(&cas, &[5u8; 1000]).await;
+        assert!(ac.get("", &old_a).await.unwrap().is_some(), "just-served entry survives");
+        assert!(ac.get("", &young_a).await.unwrap().is_none(), "the unserved younger entry's blob went first");
+    }
 }
