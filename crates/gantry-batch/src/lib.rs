@@ -1,0 +1,47 @@
+//! `gantry-batch`: the planning half of gantry's build target batching
+//! service.
+//!
+//! Given a build context and a stream of targets, the planner groups targets
+//! by the executor types they need, sorts each group by label, and cuts it
+//! into builds (Algorithm 1) whose predicted Bazel peak heap stays under a
+//! per-priority cutoff and whose predicted executor occupancy stays under an
+//! occupancy cutoff. The predictions come from linear models over hashed
+//! build and target features, trained on build history with non-negative
+//! target weights so that adding a target never lowers an estimate.
+//!
+//! Module map:
+//! * [`label`]: Bazel label validation and decomposition.
+//! * [`types`]: context, targets, batches, reasons, planner config.
+//! * [`executor`]: executor-type derivation and grouping.
+//! * [`planner`]: Algorithm 1, [`plan`] and [`StreamingPlanner`].
+//! * [`features`]: feature families, hashing, crosses, count buckets.
+//! * [`model`]: training, [`Models`] save/load, [`MemoryEstimator`].
+//! * [`eval`]: error report of models against history.
+//! * [`history`]: history JSONL and RFC 3339 timestamps.
+//! * [`formats`]: `targets.txt`, context JSON, batch JSONL.
+//! * [`sim`]: synthetic monorepo workload, ground truth, scoring, bench.
+
+pub mod error;
+pub mod eval;
+pub mod executor;
+pub mod features;
+pub mod formats;
+pub mod history;
+pub mod label;
+pub mod model;
+pub mod planner;
+pub mod sim;
+pub mod types;
+
+pub use error::{BatchError, Result};
+pub use eval::{eval, EvalReport};
+pub use executor::{executor_types, group_targets};
+pub use formats::{parse_context, parse_targets, read_targets, write_batches};
+pub use history::{parse_history, read_history, BuildRecord, Outcome, Timestamp};
+pub use label::{parse_label, validate_label, Label};
+pub use model::{train, LinearModel, MemoryEstimator, ModelKind, Models, TrainConfig};
+pub use planner::{plan, Estimator, GroupEstimator, StreamingPlanner};
+pub use types::{
+    Batch, BatchSizeReason, BuildContext, Command, ExecutorConfig, ExecutorSet, MemoryCutoffs,
+    PlannerConfig, Priority, Target, GB,
+};

@@ -1,0 +1,912 @@
+//! The memory and occupancy regression models (design section IV).
+//!
+//! Owns training (MSE + L1 by normalised SGD with a proximal step and a
+//! non-negativity projection on target-related slots), the feature-cross
+//! search, residual calibration, the two-window [`MemoryEstimator`], the
+//! [`Models`] bundle and its on-disk format.
+//!
+//! Why linear in raw space: a build's cost is close to a sum over the
+//! distinct things it pulls in (targets, packages, directory subtrees), which
+//! is exactly a linear model over set-valued features; and a linear model
+//! lets the planner evaluate every prefix of a window with prefix sums.
+//! Labels are divided by their training mean so SGD sees values near 1.
+
+use crate::error::{BatchError, Result};
+use crate::features::{BuildTargetValues, Cross, FeatureSpec};
+use crate::history::{window, BuildRecord, Timestamp};
+use crate::label::{parse_label, Label};
+use crate::types::BuildContext;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What a model predicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    /// Peak post-GC heap of the Bazel process, bytes.
+    MemoryBytes,
+    /// Average executor occupancy, ESU.
+    OccupancyEsu,
+}
+
+/// Training hyper-parameters. Defaults are what the simulation was tuned with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// Slot space is `2^hash_bits` (half of it for target-related features).
+    pub hash_bits: u32,
+    pub long_window_days: f64,
+    pub short_window_days: f64,
+    pub epochs: usize,
+    /// Normalised-LMS step (stable below 2; decays per epoch).
+    pub learning_rate: f64,
+    /// L1 strength on scaled labels.
+    pub l1: f64,
+    /// Number of quantile boundaries for each count family.
+    pub count_buckets: usize,
+    /// Maximum number of feature crosses (design: 6).
+    pub max_crosses: usize,
+    pub cross_search: bool,
+    pub cross_search_epochs: usize,
+    /// Subsample size for the brief trainings of the cross search.
+    pub cross_search_max_examples: usize,
+    /// A cross must cut validation MSE by at least this fraction to be kept.
+    pub cross_min_improvement: f64,
+    /// After round one, only this many best candidates are re-tried.
+    pub cross_beam: usize,
+    /// Fraction of each window held out for cross search and calibration.
+    pub validation_fraction: f64,
+    /// Residual quantile used as the safety factor (see [`LinearModel::calibration`]).
+    pub calibration_quantile: f64,
+    /// Only validation builds whose prediction is at least this many bytes
+    /// are used for memory calibration (small builds never OOM).
+    pub calibration_min_memory_bytes: f64,
+    /// Same for occupancy, in ESU.
+    pub calibration_min_occupancy_esu: f64,
+    /// Fewer builds than this in the short window: no short model.
+    pub min_short_window_builds: usize,
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            hash_bits: 18,
+            long_window_days: 17.0,
+            short_window_days: 1.0,
+            epochs: 10,
+            learning_rate: 0.6,
+            l1: 1e-7,
+            count_buckets: 16,
+            max_crosses: 6,
+            cross_search: true,
+            cross_search_epochs: 3,
+            cross_search_max_examples: 4000,
+            cross_min_improvement: 0.01,
+            cross_beam: 10,
+            validation_fraction: 0.1,
+            calibration_quantile: 0.95,
+            calibration_min_memory_bytes: 2e9,
+            calibration_min_occupancy_esu: 50.0,
+            min_short_window_builds: 50,
+            seed: 0x9a27_7e5b,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(BatchError::InvalidConfig(m.to_string()));
+        if !(4..=26).contains(&self.hash_bits) {
+            return bad("hash_bits must be in 4..=26");
+        }
+        if self.long_window_days <= 0.0 || self.short_window_days <= 0.0 {
+            return bad("window lengths must be positive");
+        }
+        if !(self.learning_rate > 0.0 && self.learning_rate < 2.0) {
+            return bad("learning_rate must be in (0, 2) for normalised SGD");
+        }
+        if self.l1 < 0.0 {
+            return bad("l1 must be >= 0");
+        }
+        if !(0.0..0.9).contains(&self.validation_fraction) {
+            return bad("validation_fraction must be in [0, 0.9)");
+        }
+        if !(0.5..=1.0).contains(&self.calibration_quantile) {
+            return bad("calibration_quantile must be in [0.5, 1]");
+        }
+        if self.max_crosses > 6 {
+            return bad("max_crosses is at most 6");
+        }
+        Ok(())
+    }
+}
+
+/// A trained linear model over hashed features.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "PersistedModel", into = "PersistedModel")]
+pub struct LinearModel {
+    pub kind: ModelKind,
+    pub spec: FeatureSpec,
+    pub bias: f64,
+    weights: Vec<f64>,
+    /// Labels were divided by this before training.
+    pub label_scale: f64,
+    /// Multiplicative safety factor (>= 1) learned from validation
+    /// residuals: the `calibration_quantile` of actual/predicted over
+    /// held-out builds large enough to matter. A positive constant factor
+    /// keeps the model monotone.
+    pub calibration: f64,
+    /// Per-tool-tag safety factors, used instead of `calibration` for
+    /// contexts with that tool tag. Tools change costs multiplicatively
+    /// (e.g. `--runs_per_test=5` from a flaky-test detector), which an
+    /// additive model under-predicts for exactly that tool; a per-tool
+    /// quantile corrects it while staying a positive constant per context.
+    pub tool_calibration: BTreeMap<String, f64>,
+    pub window_days: f64,
+    pub trained_examples: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PersistedModel {
+    format: u32,
+    kind: ModelKind,
+    spec: FeatureSpec,
+    bias: f64,
+    label_scale: f64,
+    calibration: f64,
+    #[serde(default)]
+    tool_calibration: BTreeMap<String, f64>,
+    window_days: f64,
+    trained_examples: usize,
+    /// Non-zero weights only: `[slot, weight]`.
+    weights: Vec<(u32, f64)>,
+}
+
+const MODEL_FORMAT: u32 = 1;
+
+impl From<LinearModel> for PersistedModel {
+    fn from(m: LinearModel) -> Self {
+        PersistedModel {
+            format: MODEL_FORMAT,
+            kind: m.kind,
+            bias: m.bias,
+            label_scale: m.label_scale,
+            calibration: m.calibration,
+            tool_calibration: m.tool_calibration,
+            window_days: m.window_days,
+            trained_examples: m.trained_examples,
+            weights: m
+                .weights
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| **w != 0.0)
+                .map(|(i, &w)| (i as u32, w))
+                .collect(),
+            spec: m.spec,
+        }
+    }
+}
+
+impl TryFrom<PersistedModel> for LinearModel {
+    type Error = String;
+    fn try_from(p: PersistedModel) -> std::result::Result<Self, String> {
+        if p.format != MODEL_FORMAT {
+            return Err(format!("unsupported model format {}", p.format));
+        }
+        if !(4..=26).contains(&p.spec.hash_bits) {
+            return Err(format!("hash_bits {} out of range", p.spec.hash_bits));
+        }
+        let mut weights = vec![0.0; p.spec.slots()];
+        for (slot, w) in p.weights {
+            let s = slot as usize;
+            if s >= weights.len() {
+                return Err(format!("weight slot {slot} outside 2^{}", p.spec.hash_bits));
+            }
+            weights[s] = w;
+        }
+        LinearModel::from_parts(
+            p.kind,
+            p.spec,
+            p.bias,
+            weights,
+            p.label_scale,
+            p.calibration,
+        )
+        .and_then(|mut m| {
+            if p.tool_calibration.values().any(|&c| c.is_nan() || c <= 0.0) {
+                return Err(BatchError::InvalidConfig(
+                    "tool calibration must be positive".into(),
+                ));
+            }
+            m.tool_calibration = p.tool_calibration;
+            m.window_days = p.window_days;
+            m.trained_examples = p.trained_examples;
+            Ok(m)
+        })
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl LinearModel {
+    /// Build a model from explicit weights (tests, hand-made models). Fails
+    /// if a target-related slot is negative, since that would break the
+    /// monotonicity the planner's binary search relies on.
+    pub fn from_parts(
+        kind: ModelKind,
+        spec: FeatureSpec,
+        bias: f64,
+        weights: Vec<f64>,
+        label_scale: f64,
+        calibration: f64,
+    ) -> Result<Self> {
+        if weights.len() != spec.slots() {
+            return Err(BatchError::InvalidConfig(format!(
+                "expected {} weights, got {}",
+                spec.slots(),
+                weights.len()
+            )));
+        }
+        if let Some(i) = weights[spec.nonneg_start()..].iter().position(|&w| w < 0.0) {
+            return Err(BatchError::InvalidConfig(format!(
+                "target-related slot {} has a negative weight",
+                spec.nonneg_start() + i
+            )));
+        }
+        if label_scale.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+            || calibration.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+        {
+            return Err(BatchError::InvalidConfig(
+                "label_scale and calibration must be positive".into(),
+            ));
+        }
+        Ok(LinearModel {
+            kind,
+            spec,
+            bias,
+            weights,
+            label_scale,
+            calibration,
+            tool_calibration: BTreeMap::new(),
+            window_days: 0.0,
+            trained_examples: 0,
+        })
+    }
+
+    pub fn weights(&self) -> &[f64] {
+        &self.weights
+    }
+
+    #[inline]
+    pub fn weight(&self, slot: u32) -> f64 {
+        self.weights[slot as usize]
+    }
+
+    /// Sum of weights of the slots (no bias).
+    pub fn sum_slots(&self, slots: &[u32]) -> f64 {
+        slots.iter().map(|&s| self.weights[s as usize]).sum()
+    }
+
+    /// Safety factor for a context (per-tool if learned, else global).
+    pub fn calibration_for(&self, ctx: &BuildContext) -> f64 {
+        self.tool_calibration
+            .get(&ctx.tool_tag)
+            .copied()
+            .unwrap_or(self.calibration)
+    }
+
+    /// Turn a raw linear score (bias included) into the model's unit, given
+    /// the context's safety factor. Clamping at zero and a positive factor
+    /// keep it monotone.
+    #[inline]
+    pub fn output(&self, raw: f64, factor: f64) -> Result<f64> {
+        if !raw.is_finite() {
+            return Err(BatchError::Estimate(format!(
+                "{:?} model produced a non-finite score",
+                self.kind
+            )));
+        }
+        Ok(raw.max(0.0) * self.label_scale * factor)
+    }
+
+    /// Predict for a build (set semantics over the labels).
+    pub fn predict(&self, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
+        let parsed = labels
+            .iter()
+            .map(|l| parse_label(l))
+            .collect::<Result<Vec<Label<'_>>>>()?;
+        let btv = BuildTargetValues::from_labels(parsed.iter());
+        self.predict_values(ctx, &btv)
+    }
+
+    /// Predict from pre-extracted target values.
+    pub fn predict_values(&self, ctx: &BuildContext, btv: &BuildTargetValues) -> Result<f64> {
+        let pieces = self.spec.context_pieces(ctx);
+        let slots = self.spec.build_slots(&pieces, btv);
+        self.output(
+            self.bias + self.sum_slots(&slots),
+            self.calibration_for(ctx),
+        )
+    }
+}
+
+/// Memory estimate = max(long-window model, short-window model). The short
+/// model reacts within a day to e.g. a Bazel memory regression that the
+/// 17-day model would average away.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryEstimator {
+    pub long: LinearModel,
+    pub short: Option<LinearModel>,
+}
+
+impl MemoryEstimator {
+    pub fn predict(&self, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
+        let parsed = labels
+            .iter()
+            .map(|l| parse_label(l))
+            .collect::<Result<Vec<Label<'_>>>>()?;
+        let btv = BuildTargetValues::from_labels(parsed.iter());
+        self.predict_values(ctx, &btv)
+    }
+
+    pub fn predict_values(&self, ctx: &BuildContext, btv: &BuildTargetValues) -> Result<f64> {
+        let long = self.long.predict_values(ctx, btv)?;
+        match &self.short {
+            Some(s) => Ok(long.max(s.predict_values(ctx, btv)?)),
+            None => Ok(long),
+        }
+    }
+}
+
+/// Everything the planner needs. A missing model makes the planner fall
+/// back to `fallback_batch_size` with a `*_ESTIMATE_ERROR` reason.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Models {
+    pub memory: Option<MemoryEstimator>,
+    pub occupancy: Option<LinearModel>,
+    pub manifest: Manifest,
+}
+
+/// Metadata written as `manifest.json` in the model directory.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub trained_at: Option<Timestamp>,
+    pub train_config: Option<TrainConfig>,
+    /// Records skipped because a label failed validation.
+    pub skipped_records: usize,
+    /// Crosses chosen by the search, per model.
+    pub memory_crosses: Vec<Cross>,
+    pub occupancy_crosses: Vec<Cross>,
+}
+
+/// File names inside a model directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const MEMORY_LONG_FILE: &str = "memory_long.json";
+pub const MEMORY_SHORT_FILE: &str = "memory_short.json";
+pub const OCCUPANCY_FILE: &str = "occupancy.json";
+
+impl Models {
+    /// Write the model directory (created if missing). Files absent from
+    /// `self` are removed so a stale model is never loaded back.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| BatchError::io(dir, e))?;
+        let write = |name: &str, value: &dyn erased::Json| -> Result<()> {
+            let path = dir.join(name);
+            let tmp = dir.join(format!(".{name}.tmp"));
+            std::fs::write(&tmp, value.to_json()?).map_err(|e| BatchError::io(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| BatchError::io(&path, e))
+        };
+        let remove = |name: &str| -> Result<()> {
+            let p = dir.join(name);
+            match std::fs::remove_file(&p) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(BatchError::io(p, e)),
+            }
+        };
+        match &self.memory {
+            Some(m) => {
+                write(MEMORY_LONG_FILE, &m.long)?;
+                match &m.short {
+                    Some(s) => write(MEMORY_SHORT_FILE, s)?,
+                    None => remove(MEMORY_SHORT_FILE)?,
+                }
+            }
+            None => {
+                remove(MEMORY_LONG_FILE)?;
+                remove(MEMORY_SHORT_FILE)?;
+            }
+        }
+        match &self.occupancy {
+            Some(o) => write(OCCUPANCY_FILE, o)?,
+            None => remove(OCCUPANCY_FILE)?,
+        }
+        let mut manifest = self.manifest.clone();
+        manifest.format = MODEL_FORMAT;
+        write(MANIFEST_FILE, &manifest)
+    }
+
+    /// Load a model directory written by [`Models::save`]. `manifest.json`
+    /// must exist; each model file is optional.
+    pub fn load(dir: &Path) -> Result<Models> {
+        let read = |name: &str| -> Result<Option<String>> {
+            match std::fs::read_to_string(dir.join(name)) {
+                Ok(s) => Ok(Some(s)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(BatchError::io(dir.join(name), e)),
+            }
+        };
+        let bad = |reason: String| BatchError::ModelDir {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let manifest: Manifest = match read(MANIFEST_FILE)? {
+            Some(s) => {
+                serde_json::from_str(&s).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?
+            }
+            None => return Err(bad(format!("missing {MANIFEST_FILE}"))),
+        };
+        if manifest.format != MODEL_FORMAT {
+            return Err(bad(format!("unsupported format {}", manifest.format)));
+        }
+        let model = |name: &str, kind: ModelKind| -> Result<Option<LinearModel>> {
+            match read(name)? {
+                None => Ok(None),
+                Some(s) => {
+                    let m: LinearModel =
+                        serde_json::from_str(&s).map_err(|e| bad(format!("{name}: {e}")))?;
+                    if m.kind != kind {
+                        return Err(bad(format!("{name} holds a {:?} model", m.kind)));
+                    }
+                    Ok(Some(m))
+                }
+            }
+        };
+        let long = model(MEMORY_LONG_FILE, ModelKind::MemoryBytes)?;
+        let short = model(MEMORY_SHORT_FILE, ModelKind::MemoryBytes)?;
+        if long.is_none() && short.is_some() {
+            return Err(bad(format!(
+                "{MEMORY_SHORT_FILE} without {MEMORY_LONG_FILE}"
+            )));
+        }
+        Ok(Models {
+            memory: long.map(|long| MemoryEstimator { long, short }),
+            occupancy: model(OCCUPANCY_FILE, ModelKind::OccupancyEsu)?,
+            manifest,
+        })
+    }
+}
+
+mod erased {
+    //! Tiny helper so `save` can write differently typed values via one closure.
+    pub trait Json {
+        fn to_json(&self) -> crate::error::Result<String>;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> crate::error::Result<String> {
+            Ok(serde_json::to_string(self)?)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Training
+// ---------------------------------------------------------------------------
+
+/// A history record reduced to what features need.
+struct Prepared {
+    ctx: BuildContext,
+    btv: BuildTargetValues,
+    memory: f64,
+    occupancy: Option<f64>,
+    valid: bool,
+    /// OOM build: its memory label is a lower bound.
+    oom_censored: bool,
+}
+
+fn prepare(records: &[&BuildRecord], valid_fraction: f64) -> (Vec<Prepared>, usize) {
+    let mut out = Vec::with_capacity(records.len());
+    let mut skipped = 0;
+    let cut = (valid_fraction * 1_000_000.0) as u64;
+    for r in records {
+        let parsed: Result<Vec<Label<'_>>> = r.targets.iter().map(|t| parse_label(t)).collect();
+        let Ok(parsed) = parsed else {
+            skipped += 1;
+            continue;
+        };
+        out.push(Prepared {
+            ctx: r.context(),
+            btv: BuildTargetValues::from_labels(parsed.iter()),
+            memory: r.peak_memory_bytes as f64,
+            occupancy: r.occupancy_esu(),
+            // Split by id hash: stable when history is re-read or re-ordered.
+            valid: crate::features::fnv1a(r.id.as_bytes()) % 1_000_000 < cut,
+            oom_censored: r.outcome == crate::history::Outcome::Oom,
+        });
+    }
+    (out, skipped)
+}
+
+/// One training example materialised for a spec.
+struct Example {
+    slots: Vec<u32>,
+    y: f64,
+    /// `y` is only a lower bound (the build died of OOM at about the
+    /// allocation, so its real peak is unknown): the loss is one-sided.
+    censored: bool,
+}
+
+fn materialise(
+    spec: &FeatureSpec,
+    data: &[(&Prepared, f64)],
+    scale: f64,
+    censor: bool,
+) -> Vec<Example> {
+    data.iter()
+        .map(|(p, y)| {
+            let censored = &(censor && p.oom_censored);
+            let pieces = spec.context_pieces(&p.ctx);
+            Example {
+                slots: spec.build_slots(&pieces, &p.btv),
+                y: y / scale,
+                censored: *censored,
+            }
+        })
+        .collect()
+}
+
+/// Normalised SGD on MSE with an L1 proximal step; target-related slots
+/// (upper half) are projected onto w >= 0 after every step, so the final
+/// weights satisfy the monotonicity constraint exactly.
+fn fit(
+    spec: &FeatureSpec,
+    examples: &[Example],
+    epochs: usize,
+    lr: f64,
+    l1: f64,
+    seed: u64,
+) -> (f64, Vec<f64>) {
+    let mut w = vec![0.0f64; spec.slots()];
+    let nonneg = spec.nonneg_start() as u32;
+    let mut bias = if examples.is_empty() {
+        0.0
+    } else {
+        examples.iter().map(|e| e.y).sum::<f64>() / examples.len() as f64
+    };
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for epoch in 0..epochs {
+        order.shuffle(&mut rng);
+        let lr_e = lr / (1.0 + 0.5 * epoch as f64);
+        for &i in &order {
+            let ex = &examples[i];
+            let pred = bias + ex.slots.iter().map(|&s| w[s as usize]).sum::<f64>();
+            let mut err = pred - ex.y;
+            if ex.censored && err > 0.0 {
+                // Predicting above a lower bound is not an error.
+                err = 0.0;
+            }
+            // NLMS: the step is divided by the squared norm of x (bias = 1).
+            let step = lr_e / (1.0 + ex.slots.len() as f64);
+            let delta = step * err;
+            bias -= delta;
+            let thr = step * l1;
+            for &s in &ex.slots {
+                let v = w[s as usize] - delta;
+                w[s as usize] = if s >= nonneg {
+                    (v - thr).max(0.0)
+                } else if v > thr {
+                    v - thr
+                } else if v < -thr {
+                    v + thr
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+    (bias, w)
+}
+
+fn mse(bias: f64, w: &[f64], examples: &[Example]) -> f64 {
+    if examples.is_empty() {
+        return 0.0;
+    }
+    examples
+        .iter()
+        .map(|e| {
+            let p = (bias + e.slots.iter().map(|&s| w[s as usize]).sum::<f64>()).max(0.0);
+            if e.censored && p > e.y {
+                0.0
+            } else {
+                (p - e.y).powi(2)
+            }
+        })
+        .sum::<f64>()
+        / examples.len() as f64
+}
+
+/// Learn count boundaries from a window.
+fn base_spec(cfg: &TrainConfig, data: &[(&Prepared, f64)]) -> FeatureSpec {
+    let mut spec = FeatureSpec::new(cfg.hash_bits);
+    let mut tc: Vec<u32> = data
+        .iter()
+        .map(|(p, _)| p.btv.target_count as u32)
+        .collect();
+    let mut pc: Vec<u32> = data
+        .iter()
+        .map(|(p, _)| p.btv.package_count as u32)
+        .collect();
+    spec.target_count_boundaries = FeatureSpec::learn_boundaries(&mut tc, cfg.count_buckets);
+    spec.package_count_boundaries = FeatureSpec::learn_boundaries(&mut pc, cfg.count_buckets);
+    spec
+}
+
+/// Greedy forward selection of up to `max_crosses` crosses: each round
+/// briefly trains one model per candidate on a subsample and keeps the
+/// candidate with the lowest validation MSE if it beats the current best
+/// by `cross_min_improvement`.
+fn search_crosses(
+    cfg: &TrainConfig,
+    spec: &FeatureSpec,
+    train: &[(&Prepared, f64)],
+    valid: &[(&Prepared, f64)],
+    scale: f64,
+    censor: bool,
+) -> Vec<Cross> {
+    if !cfg.cross_search || cfg.max_crosses == 0 || valid.len() < 10 || train.len() < 20 {
+        return Vec::new();
+    }
+    let sub = |d: &[(&Prepared, f64)], n: usize| -> Vec<usize> {
+        let step = (d.len() as f64 / n as f64).max(1.0);
+        (0..n.min(d.len()))
+            .map(|k| (k as f64 * step) as usize)
+            .collect()
+    };
+    let tr: Vec<(&Prepared, f64)> = sub(train, cfg.cross_search_max_examples)
+        .into_iter()
+        .map(|i| train[i])
+        .collect();
+    let va: Vec<(&Prepared, f64)> = sub(valid, cfg.cross_search_max_examples / 4 + 1)
+        .into_iter()
+        .map(|i| valid[i])
+        .collect();
+    let score = |crosses: &[Cross]| -> f64 {
+        let mut s = spec.clone();
+        s.crosses = crosses.to_vec();
+        let tx = materialise(&s, &tr, scale, censor);
+        let vx = materialise(&s, &va, scale, censor);
+        let (b, w) = fit(
+            &s,
+            &tx,
+            cfg.cross_search_epochs,
+            cfg.learning_rate,
+            cfg.l1,
+            cfg.seed,
+        );
+        mse(b, &w, &vx)
+    };
+    let mut chosen: Vec<Cross> = Vec::new();
+    let mut best = score(&chosen);
+    let mut pool = Cross::candidates();
+    for round in 0..cfg.max_crosses {
+        let mut scored: Vec<(f64, Cross)> = pool
+            .iter()
+            .filter(|c| !chosen.contains(c))
+            .map(|&c| {
+                let mut trial = chosen.clone();
+                trial.push(c);
+                (score(&trial), c)
+            })
+            .collect();
+        scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        if round == 0 {
+            pool = scored.iter().take(cfg.cross_beam).map(|x| x.1).collect();
+        }
+        match scored.first() {
+            Some(&(loss, c)) if loss < best * (1.0 - cfg.cross_min_improvement) => {
+                best = loss;
+                chosen.push(c);
+            }
+            _ => break,
+        }
+    }
+    chosen
+}
+
+/// The `q` quantile of actual/predicted over validation builds whose
+/// (uncalibrated) prediction is at least `min_pred`, floored at 1; globally
+/// and per tool tag (tools with fewer than 20 such builds use the global).
+fn calibrate(
+    model: &LinearModel,
+    valid: &[(&Prepared, f64)],
+    q: f64,
+    min_pred: f64,
+) -> (f64, BTreeMap<String, f64>) {
+    let mut all: Vec<f64> = Vec::new();
+    let mut by_tool: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (p, y) in valid {
+        let Ok(pred) = model.predict_values(&p.ctx, &p.btv) else {
+            continue;
+        };
+        if pred >= min_pred && pred > 0.0 {
+            all.push(y / pred);
+            by_tool
+                .entry(p.ctx.tool_tag.clone())
+                .or_default()
+                .push(y / pred);
+        }
+    }
+    let quantile = |mut v: Vec<f64>| -> Option<f64> {
+        if v.len() < 20 {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[((v.len() - 1) as f64 * q).round() as usize].max(1.0))
+    };
+    let tools = by_tool
+        .into_iter()
+        .filter_map(|(t, v)| quantile(v).map(|c| (t, c)))
+        .collect();
+    (quantile(all).unwrap_or(1.0), tools)
+}
+
+/// Train one model on `data` (label already chosen), with a fixed spec or,
+/// when `crosses` is `None`, a searched one.
+fn train_one(
+    cfg: &TrainConfig,
+    kind: ModelKind,
+    data: &[(&Prepared, f64)],
+    spec: Option<&FeatureSpec>,
+    window_days: f64,
+) -> Result<LinearModel> {
+    let train: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| !p.valid).copied().collect();
+    let valid: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| p.valid).copied().collect();
+    // With very little data, train on everything rather than nothing.
+    let train = if train.is_empty() {
+        data.to_vec()
+    } else {
+        train
+    };
+    if train.is_empty() {
+        return Err(BatchError::Training(format!(
+            "no {kind:?} examples in the window"
+        )));
+    }
+    let scale = train.iter().map(|x| x.1).sum::<f64>() / train.len() as f64;
+    let scale = if scale > 0.0 { scale } else { 1.0 };
+    // OOM builds only bound the memory label from below.
+    let censor = kind == ModelKind::MemoryBytes;
+    let spec = match spec {
+        Some(s) => s.clone(),
+        None => {
+            let mut s = base_spec(cfg, &train);
+            s.crosses = search_crosses(cfg, &s, &train, &valid, scale, censor);
+            s
+        }
+    };
+    let ex = materialise(&spec, &train, scale, censor);
+    let (bias, weights) = fit(&spec, &ex, cfg.epochs, cfg.learning_rate, cfg.l1, cfg.seed);
+    let mut model = LinearModel::from_parts(kind, spec, bias, weights, scale, 1.0)?;
+    model.window_days = window_days;
+    model.trained_examples = ex.len();
+    let min_pred = match kind {
+        ModelKind::MemoryBytes => cfg.calibration_min_memory_bytes,
+        ModelKind::OccupancyEsu => cfg.calibration_min_occupancy_esu,
+    };
+    // Calibrate the uncalibrated model (factor 1 everywhere).
+    let (global, tools) = calibrate(&model, &valid, cfg.calibration_quantile, min_pred);
+    model.calibration = global;
+    model.tool_calibration = tools;
+    Ok(model)
+}
+
+/// Train all models from history, with windows ending at `now`.
+///
+/// * memory, long window (`long_window_days`, default 17): cross search,
+///   train, calibrate;
+/// * memory, short window (`short_window_days`, default 1): same features
+///   as the long model, own weights and calibration; skipped when the window
+///   has fewer than `min_short_window_builds` builds;
+/// * occupancy, long window: own cross search.
+pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> Result<Models> {
+    config.validate()?;
+    let long = window(history, now, config.long_window_days);
+    if long.is_empty() {
+        return Err(BatchError::Training(format!(
+            "no builds in the {}-day window before {}",
+            config.long_window_days,
+            now.to_rfc3339()
+        )));
+    }
+    let (prepared, skipped) = prepare(&long, config.validation_fraction);
+    let mem: Vec<(&Prepared, f64)> = prepared.iter().map(|p| (p, p.memory)).collect();
+    let long_model = train_one(
+        config,
+        ModelKind::MemoryBytes,
+        &mem,
+        None,
+        config.long_window_days,
+    )?;
+
+    let short_start = now.0 - (config.short_window_days * 86_400.0).round() as i64;
+    let short_records: Vec<&BuildRecord> = long
+        .iter()
+        .copied()
+        .filter(|r| r.time.0 >= short_start)
+        .collect();
+    let short_model = if short_records.len() >= config.min_short_window_builds {
+        let (sp, _) = prepare(&short_records, config.validation_fraction);
+        let sm: Vec<(&Prepared, f64)> = sp.iter().map(|p| (p, p.memory)).collect();
+        let mut m = train_one(
+            config,
+            ModelKind::MemoryBytes,
+            &sm,
+            Some(&long_model.spec),
+            config.short_window_days,
+        )?;
+        // A day of data rarely has enough large held-out builds to calibrate
+        // on its own; never be less cautious than the long model.
+        m.calibration = m.calibration.max(long_model.calibration);
+        for (tool, &c) in &long_model.tool_calibration {
+            let e = m.tool_calibration.entry(tool.clone()).or_insert(c);
+            *e = e.max(c);
+        }
+        Some(m)
+    } else {
+        None
+    };
+
+    let occ: Vec<(&Prepared, f64)> = prepared
+        .iter()
+        .filter_map(|p| p.occupancy.map(|o| (p, o)))
+        .collect();
+    let occupancy = if occ.is_empty() {
+        None
+    } else {
+        Some(train_one(
+            config,
+            ModelKind::OccupancyEsu,
+            &occ,
+            None,
+            config.long_window_days,
+        )?)
+    };
+    Ok(Models {
+        manifest: Manifest {
+            format: MODEL_FORMAT,
+            trained_at: Some(now),
+            train_config: Some(config.clone()),
+            skipped_records: skipped,
+            memory_crosses: long_model.spec.crosses.clone(),
+            occupancy_crosses: occupancy
+                .as_ref()
+                .map(|o| o.spec.crosses.clone())
+                .unwrap_or_default(),
+        },
+        memory: Some(MemoryEstimator {
+            long: long_model,
+            short: short_model,
+        }),
+        occupancy,
+    })
+}
+
+/// Which families the features of a model touch (for reports).
+pub fn describe_spec(spec: &FeatureSpec) -> String {
+    let fams: Vec<String> = spec.families.iter().map(|f| format!("{f:?}")).collect();
+    let crosses: Vec<String> = spec.crosses.iter().map(|c| c.to_string()).collect();
+    format!(
+        "2^{} slots; families [{}]; crosses [{}]; {} target-count and {} package-count buckets",
+        spec.hash_bits,
+        fams.join(", "),
+        crosses.join(", "),
+        spec.target_count_boundaries.len(),
+        spec.package_count_boundaries.len()
+    )
+}

@@ -1,0 +1,10 @@
+//! Compiles proto/ with protox (a pure-Rust protobuf compiler) so building gantry never
+//! needs a system `protoc`, then generates prost messages and tonic services.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = ["gantry/batch/v1/batch.proto"];
+    let fds = protox::compile(protos, ["proto"])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}

@@ -1,0 +1,8 @@
+//! gantry-proto owns gantry's own gRPC APIs, defined in `proto/` and generated at build
+//! time. REAPI types come from `bazel-remote-apis` instead (re-exported by gantry-core).
+
+pub mod batch {
+    pub mod v1 {
+        tonic::include_proto!("gantry.batch.v1");
+    }
+}
