@@ -34,6 +34,8 @@ pub struct Config {
     pub cas: CasConfig,
     /// Where ActionResults are kept.
     pub action_cache: ActionCacheConfig,
+    /// The target batching service (`gantry.batch.v1.Batcher`).
+    pub batch: BatchConfig,
 }
 
 /// `[server]`: listeners, data directory and protocol limits.
@@ -147,7 +149,67 @@ impl Default for SqlActionCacheConfig {
     }
 }
 
+/// `[batch]`: how the batching service cuts a stream of targets into builds. Sizes in
+/// decimal units ("7GB" is 7,000,000,000 bytes), as the cutoffs are usually quoted.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchConfig {
+    /// Trained models (`gantry model train --out DIR`). Default `{data_dir}/models`.
+    /// Without models every batch has `fallback_batch_size` targets and reason
+    /// MEMORY_ESTIMATE_ERROR.
+    pub model_dir: Option<PathBuf>,
+    /// Most targets in one build. Default 900.
+    pub max_targets_per_batch: usize,
+    /// Targets per build when a model cannot answer. Default 300.
+    pub fallback_batch_size: usize,
+    /// Heap given to each Bazel process; above it a build runs out of memory. Default "13GB".
+    pub bazel_memory: ByteSize,
+    /// Predicted-memory cutoff for HIGH priority builds. Default "7GB".
+    pub memory_cutoff_high: ByteSize,
+    /// Predicted-memory cutoff for MEDIUM priority builds. Default "9GB".
+    pub memory_cutoff_medium: ByteSize,
+    /// Predicted-memory cutoff for LOW priority builds. Default "10GB".
+    pub memory_cutoff_low: ByteSize,
+    /// Predicted executor occupancy (ESU) a build must stay under. Default 500.
+    pub occupancy_cutoff_esu: f64,
+    /// Executor occupancy (ESU) past which a build misses its deadline. Default 600.
+    pub occupancy_limit_esu: f64,
+    /// Extra tag -> executor type mappings, added to `requires-gpu` -> gpu and
+    /// `requires-mac` -> mac.
+    pub tag_executor_types: std::collections::BTreeMap<String, String>,
+    /// Extra rule kind -> executor types mappings, used when no tag says otherwise;
+    /// added to the built-in ones (`ios_ui_test` -> mac, ...).
+    pub rule_kind_executor_types: std::collections::BTreeMap<String, Vec<String>>,
+    /// Targets buffered, sorted and cut together per executor group of a stream.
+    /// Bounds memory per request. Default 100000.
+    pub stream_sort_window: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            model_dir: None,
+            max_targets_per_batch: 900,
+            fallback_batch_size: 300,
+            bazel_memory: ByteSize::gb(13),
+            memory_cutoff_high: ByteSize::gb(7),
+            memory_cutoff_medium: ByteSize::gb(9),
+            memory_cutoff_low: ByteSize::gb(10),
+            occupancy_cutoff_esu: 500.0,
+            occupancy_limit_esu: 600.0,
+            tag_executor_types: Default::default(),
+            rule_kind_executor_types: Default::default(),
+            stream_sort_window: 100_000,
+        }
+    }
+}
+
 impl Config {
+    /// Directory of the batching models, resolved against `data_dir`.
+    pub fn batch_model_dir(&self) -> PathBuf {
+        self.batch.model_dir.clone().unwrap_or_else(|| self.server.data_dir.join("models"))
+    }
+
     /// Parses a config from TOML text; `path` only names the source in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let cfg: Config =
@@ -170,10 +232,11 @@ impl Config {
                 s.max_batch_size
             )));
         }
-        if s.read_chunk_size.as_u64() == 0 || s.read_chunk_size.as_u64() > 16 << 20 {
+        if s.read_chunk_size.as_u64() == 0 || s.read_chunk_size.as_u64() > s.max_batch_size.as_u64() {
+            // Read responses share the message size limit derived from max_batch_size.
             return Err(ConfigError::Invalid(format!(
-                "server.read_chunk_size {} must be between 1B and 16MiB",
-                s.read_chunk_size
+                "server.read_chunk_size {} must be between 1B and server.max_batch_size ({})",
+                s.read_chunk_size, s.max_batch_size
             )));
         }
         let max = match &self.cas {

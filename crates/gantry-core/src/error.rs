@@ -55,8 +55,9 @@ impl Error {
             Error::OutOfRange(_) => tonic::Code::OutOfRange,
             Error::Unavailable(_) => tonic::Code::Unavailable,
             Error::Internal(_) => tonic::Code::Internal,
+            // A missing file deep in a backend is a server fault, not the client's NOT_FOUND;
+            // backends convert the cases that really mean "no such blob" themselves.
             Error::Io { source, .. } => match source.kind() {
-                std::io::ErrorKind::NotFound => tonic::Code::NotFound,
                 std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
                     tonic::Code::ResourceExhausted
                 }
@@ -123,8 +124,9 @@ mod tests {
         assert_eq!(e.to_string(), "digest of blob 3: hash is not hex");
         let io: std::io::Result<()> = Err(std::io::Error::from(std::io::ErrorKind::NotFound));
         let e = io.context("opening blob").unwrap_err();
-        assert!(e.is_not_found());
+        assert!(!e.is_not_found(), "an I/O NotFound is an internal error");
+        assert!(e.to_string().starts_with("opening blob: "));
         let s: tonic::Status = e.into();
-        assert_eq!(s.code(), tonic::Code::NotFound);
+        assert_eq!(s.code(), tonic::Code::Internal);
     }
 }

@@ -36,6 +36,29 @@ impl Drop for TaskGuard {
     }
 }
 
+/// A stream that owns the task producing it: when the consumer drops the stream (a gRPC
+/// client went away, or the response finished), the producer task is aborted with it.
+pub struct GuardedStream<S> {
+    inner: S,
+    _guard: TaskGuard,
+}
+
+impl<S> GuardedStream<S> {
+    pub fn new(inner: S, guard: TaskGuard) -> Self {
+        GuardedStream { inner, _guard: guard }
+    }
+}
+
+impl<S: futures::Stream + Unpin> futures::Stream for GuardedStream<S> {
+    type Item = S::Item;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@
 //! Sessions idle longer than `upload_idle_timeout` are dropped by a background task.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,14 +26,31 @@ use crate::compression::{StreamDecoder, StreamEncoder};
 use crate::metrics::Metrics;
 
 struct Upload {
+    digest: gantry_core::Digest,
     writer: Option<Box<dyn BlobWriter>>,
     decoder: Option<StreamDecoder>,
-    /// Bytes received on the wire (compressed bytes for compressed uploads).
+    /// Bytes received on the wire (compressed bytes for compressed uploads) and written.
     received: i64,
+    /// Uncompressed bytes handed to the writer.
+    written: u64,
+    /// Set across every await that changes the writer. If a handler is dropped there
+    /// (client timeout or reset), the writer's state is unknown and the next user of the
+    /// session starts it over instead of trusting it.
+    dirty: bool,
     last_active: Instant,
 }
 
-type Sessions = Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<Upload>>>>>;
+/// One resumable upload. `committed` mirrors `Upload::received` so QueryWriteStatus can
+/// answer while a Write stream holds the upload.
+struct Session {
+    upload: tokio::sync::Mutex<Upload>,
+    committed: AtomicI64,
+}
+
+type Sessions = Arc<Mutex<HashMap<String, Arc<Session>>>>;
+
+/// More concurrent uploads than this are refused (each may buffer up to 1 MiB).
+const MAX_SESSIONS: usize = 10_000;
 
 pub struct ByteStreamService {
     cas: Arc<dyn BlobStore>,
@@ -51,7 +69,7 @@ impl ByteStreamService {
             loop {
                 tick.tick().await;
                 let mut map = s.lock().expect("poisoned");
-                map.retain(|name, up| match up.try_lock() {
+                map.retain(|name, session| match session.upload.try_lock() {
                     Ok(u) if u.last_active.elapsed() > idle_timeout => {
                         tracing::info!(upload = %name, "dropping idle upload");
                         false
@@ -67,17 +85,34 @@ impl ByteStreamService {
         self.sessions.lock().expect("poisoned").len()
     }
 
-    async fn new_upload(&self, resource: ResourceName) -> Result<Upload> {
+    async fn new_upload(&self, resource: &ResourceName) -> Result<Upload> {
         let writer = self.cas.begin_write(&resource.digest).await?;
         let decoder = match resource.compressor {
             Compressor::Zstd => Some(StreamDecoder::new()?),
             Compressor::Identity => None,
         };
-        Ok(Upload { writer: Some(writer), decoder, received: 0, last_active: Instant::now() })
+        Ok(Upload {
+            digest: resource.digest,
+            writer: Some(writer),
+            decoder,
+            received: 0,
+            written: 0,
+            dirty: false,
+            last_active: Instant::now(),
+        })
+    }
+
+    /// Removes `name` only if it still maps to `session`, so a finished or failed stream
+    /// never removes a newer upload that reused the name.
+    fn remove_session(&self, name: &str, session: &Arc<Session>) {
+        let mut map = self.sessions.lock().expect("poisoned");
+        if map.get(name).is_some_and(|s| Arc::ptr_eq(s, session)) {
+            map.remove(name);
+        }
     }
 
     /// Feeds one request's data into the upload; commits on `finish_write`.
-    async fn apply(&self, up: &mut Upload, name: &str, msg: WriteRequest) -> Result<bool> {
+    async fn apply(&self, up: &mut Upload, session: &Session, name: &str, msg: WriteRequest) -> Result<bool> {
         if !msg.resource_name.is_empty() && msg.resource_name != name {
             return Err(Error::invalid(format!(
                 "resource_name '{}' changed in the middle of a write of '{name}'",
@@ -91,28 +126,36 @@ impl ByteStreamService {
             )));
         }
         up.last_active = Instant::now();
-        up.received += msg.data.len() as i64;
-        self.metrics.bytes_received.inc_by(msg.data.len() as u64);
+        let n = msg.data.len() as i64;
+        self.metrics.bytes_received.inc_by(n as u64);
+        up.dirty = true;
         let writer = up.writer.as_mut().ok_or_else(|| Error::invalid("data after finish_write"))?;
         match up.decoder.as_mut() {
             Some(dec) => {
-                for chunk in dec.feed(&msg.data)? {
+                let budget = up.digest.size - up.written;
+                for chunk in dec.feed(&msg.data, budget)? {
+                    up.written += chunk.len() as u64;
                     writer.write(chunk).await?;
                 }
             }
             None => {
                 if !msg.data.is_empty() {
+                    up.written += msg.data.len() as u64;
                     writer.write(Bytes::from(msg.data)).await?;
                 }
             }
         }
+        up.received += n;
+        session.committed.store(up.received, Ordering::Release);
         if msg.finish_write {
             if let Some(dec) = &up.decoder {
                 dec.finish()?;
             }
             up.writer.take().expect("checked above").commit().await?;
+            up.dirty = false;
             return Ok(true);
         }
+        up.dirty = false;
         Ok(false)
     }
 }
@@ -170,45 +213,57 @@ impl ByteStream for ByteStreamService {
         }
         let name = first.resource_name.clone();
         let rn = ResourceName::parse_write(&name)?;
+        if first.write_offset < 0 {
+            return Err(Error::invalid(format!("write_offset {} is negative", first.write_offset)).into());
+        }
 
         // Another client may already have stored this blob: finish at once, as REAPI allows.
         if first.write_offset == 0 && self.cas.has(&rn.digest).await? {
             let committed = if rn.compressor == Compressor::Zstd { -1 } else { rn.digest.size as i64 };
-            self.sessions.lock().expect("poisoned").remove(&name);
             return Ok(Response::new(WriteResponse { committed_size: committed }));
         }
 
-        let existing = self.sessions.lock().expect("poisoned").get(&name).cloned();
-        let session = match existing {
-            Some(s) if first.write_offset != 0 => s,
-            _ => {
-                if first.write_offset != 0 {
-                    return Err(Error::invalid(format!(
-                        "write_offset {}: no upload of '{name}' is in progress; start at offset 0",
-                        first.write_offset
-                    ))
-                    .into());
-                }
-                let s = Arc::new(tokio::sync::Mutex::new(self.new_upload(rn).await?));
-                self.sessions.lock().expect("poisoned").insert(name.clone(), s.clone());
-                s
+        let session = if first.write_offset == 0 {
+            let up = self.new_upload(&rn).await?;
+            let s = Arc::new(Session { upload: tokio::sync::Mutex::new(up), committed: AtomicI64::new(0) });
+            let mut map = self.sessions.lock().expect("poisoned");
+            if map.len() >= MAX_SESSIONS && !map.contains_key(&name) {
+                return Err(Error::ResourceExhausted(format!(
+                    "{MAX_SESSIONS} uploads are already in progress; retry later"
+                ))
+                .into());
             }
+            map.insert(name.clone(), s.clone());
+            s
+        } else {
+            self.sessions.lock().expect("poisoned").get(&name).cloned().ok_or_else(|| {
+                Error::invalid(format!(
+                    "write_offset {}: no upload of '{name}' is in progress; QueryWriteStatus and start at offset 0",
+                    first.write_offset
+                ))
+            })?
         };
-        let mut up = session.try_lock().map_err(|_| {
-            Error::FailedPrecondition(format!("upload '{name}' is being written by another stream"))
+        // ABORTED: a resume can race the drop of the previous handler; clients retry it.
+        let mut up = session.upload.try_lock().map_err(|_| {
+            Status::aborted(format!("upload '{name}' is being written by another stream; retry"))
         })?;
+        if up.dirty {
+            // The previous handler was dropped mid-write: start the upload over.
+            *up = self.new_upload(&rn).await?;
+            session.committed.store(0, Ordering::Release);
+        }
 
         let mut msg = first;
         loop {
-            match self.apply(&mut up, &name, msg).await {
+            match self.apply(&mut up, &session, &name, msg).await {
                 Ok(true) => {
-                    self.sessions.lock().expect("poisoned").remove(&name);
+                    self.remove_session(&name, &session);
                     return Ok(Response::new(WriteResponse { committed_size: up.received }));
                 }
                 Ok(false) => {}
                 Err(e) => {
                     // Bad data poisons the upload: it must start again from zero.
-                    self.sessions.lock().expect("poisoned").remove(&name);
+                    self.remove_session(&name, &session);
                     return Err(e.into());
                 }
             }
@@ -233,18 +288,23 @@ impl ByteStream for ByteStreamService {
     ) -> Result<Response<QueryWriteStatusResponse>, Status> {
         let name = request.into_inner().resource_name;
         let rn = ResourceName::parse_write(&name)?;
-        let session = self.sessions.lock().expect("poisoned").get(&name).cloned();
-        if let Some(s) = session {
-            let up = s.lock().await;
-            return Ok(Response::new(QueryWriteStatusResponse { committed_size: up.received, complete: false }));
-        }
         if self.cas.has(&rn.digest).await? {
             return Ok(Response::new(QueryWriteStatusResponse {
                 committed_size: rn.digest.size as i64,
                 complete: true,
             }));
         }
-        Err(Error::not_found(format!("no upload of '{name}' is in progress")).into())
+        let session = self.sessions.lock().expect("poisoned").get(&name).cloned();
+        // An unknown upload is reported as committed_size 0 rather than NOT_FOUND: Bazel
+        // restarts from 0 on that, but gives up on an error.
+        let committed = match session {
+            Some(s) => match s.upload.try_lock() {
+                Ok(up) if up.dirty => 0,
+                _ => s.committed.load(Ordering::Acquire),
+            },
+            None => 0,
+        };
+        Ok(Response::new(QueryWriteStatusResponse { committed_size: committed, complete: false }))
     }
 }
 

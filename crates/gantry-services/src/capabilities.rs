@@ -8,13 +8,15 @@ use tonic::{Request, Response, Status};
 
 pub struct CapabilitiesService {
     max_batch_size: u64,
+    /// Largest blob the CAS can hold at all (its capacity).
+    max_blob_size: u64,
     /// Execution capabilities, set once an execution service is mounted.
     execution: Option<reapi::ExecutionCapabilities>,
 }
 
 impl CapabilitiesService {
-    pub fn new(max_batch_size: u64, execution: Option<reapi::ExecutionCapabilities>) -> Self {
-        CapabilitiesService { max_batch_size, execution }
+    pub fn new(max_batch_size: u64, max_blob_size: u64, execution: Option<reapi::ExecutionCapabilities>) -> Self {
+        CapabilitiesService { max_batch_size, max_blob_size, execution }
     }
 }
 
@@ -33,7 +35,7 @@ impl Capabilities for CapabilitiesService {
             symlink_absolute_path_strategy: symlink_absolute_path_strategy::Value::Allowed as i32,
             supported_compressors: zstd.clone(),
             supported_batch_update_compressors: zstd,
-            max_cas_blob_size_bytes: 0,
+            max_cas_blob_size_bytes: self.max_blob_size as i64,
             split_blob_support: false,
             splice_blob_support: false,
             ..Default::default()

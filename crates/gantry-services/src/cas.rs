@@ -35,6 +35,13 @@ impl CasService {
 
     async fn update_one(&self, f: DigestFunction, i: usize, r: reapi::batch_update_blobs_request::Request) -> Result<()> {
         let d = Digest::from_proto(f, r.digest.as_ref(), &format!("requests[{i}].digest"))?;
+        if d.size > self.max_batch_size {
+            // Checked before decompressing: the declared size sizes the output buffer.
+            return Err(Error::invalid(format!(
+                "requests[{i}]: blob {d} is larger than max_batch_total_size_bytes {}; use ByteStream",
+                self.max_batch_size
+            )));
+        }
         let data = match Compressor::from_proto(r.compressor).map_err(|e| e.context(format_args!("requests[{i}]")))? {
             Compressor::Identity => r.data,
             Compressor::Zstd => {
@@ -150,7 +157,8 @@ impl ContentAddressableStorage for CasService {
             .enumerate()
             .map(|(i, d)| Digest::from_proto(f, Some(d), &format!("digests[{i}]")))
             .collect::<Result<Vec<_>>>()?;
-        let total: u64 = digests.iter().map(|d| d.size).sum();
+        // Saturating: client-declared sizes must not wrap the sum past the limit.
+        let total = digests.iter().fold(0u64, |a, d| a.saturating_add(d.size));
         if total > self.max_batch_size {
             return Err(Error::invalid(format!(
                 "digests: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",

@@ -22,11 +22,15 @@ impl StreamDecoder {
         })
     }
 
-    /// Decompresses one chunk of compressed input into zero or more output chunks.
-    pub fn feed(&mut self, input: &[u8]) -> Result<Vec<Bytes>> {
+    /// Decompresses one chunk of compressed input into zero or more output chunks,
+    /// refusing to produce more than `budget` bytes: a few KiB of crafted zstd can expand
+    /// ~32,000x, so the declared blob size is enforced while decompressing, not after.
+    pub fn feed(&mut self, input: &[u8], budget: u64) -> Result<Vec<Bytes>> {
         let mut out_chunks = Vec::new();
+        let mut produced_total = 0u64;
         let mut inb = InBuffer::around(input);
         loop {
+            let before = inb.pos();
             let mut out = vec![0u8; OUT_CHUNK];
             let mut outb = OutBuffer::around(&mut out[..]);
             let hint = self
@@ -34,7 +38,17 @@ impl StreamDecoder {
                 .run(&mut inb, &mut outb)
                 .map_err(|e| Error::invalid(format!("zstd data is corrupt: {e}")))?;
             let produced = outb.pos();
-            self.frame_done = hint == 0;
+            // A call that consumed and produced nothing says nothing about frame state:
+            // after a frame ends, zstd reports the next header as wanted.
+            if produced > 0 || inb.pos() > before {
+                self.frame_done = hint == 0;
+            }
+            produced_total += produced as u64;
+            if produced_total > budget {
+                return Err(Error::invalid(format!(
+                    "zstd data decompresses to more than the {budget} bytes the digest leaves room for"
+                )));
+            }
             if produced > 0 {
                 out.truncate(produced);
                 out_chunks.push(Bytes::from(out));
@@ -107,6 +121,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn frame_end_on_an_output_buffer_boundary_is_complete() {
+        // 1 MiB of zeros decompresses in exactly four full 256 KiB output buffers; the
+        // extra empty call after the last one must not un-finish the frame.
+        let data = vec![0u8; 1 << 20];
+        let c = compress(&data).unwrap();
+        let mut dec = StreamDecoder::new().unwrap();
+        let out: usize = dec.feed(&c, 1 << 20).unwrap().iter().map(|b| b.len()).sum();
+        assert_eq!(out, 1 << 20);
+        dec.finish().unwrap();
+        // a trailing empty message (finish_write with no data) changes nothing
+        assert!(dec.feed(&[], 0).unwrap().is_empty());
+        dec.finish().unwrap();
+    }
+
+    #[test]
+    fn decompression_stops_at_the_budget() {
+        let bomb = compress(&vec![0u8; 64 << 20]).unwrap();
+        assert!(bomb.len() < 1 << 20);
+        let mut dec = StreamDecoder::new().unwrap();
+        let e = dec.feed(&bomb, 1000).unwrap_err();
+        assert!(e.to_string().contains("1000 bytes"), "{e}");
+    }
+
+    #[test]
     fn streaming_round_trip_any_chunking() {
         let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8 ^ (i / 7000) as u8).collect();
         let mut enc = StreamEncoder::new().unwrap();
@@ -121,7 +159,7 @@ mod tests {
             let mut dec = StreamDecoder::new().unwrap();
             let mut out = Vec::new();
             for c in compressed.chunks(chunk) {
-                for o in dec.feed(c).unwrap() {
+                for o in dec.feed(c, u64::MAX).unwrap() {
                     out.extend_from_slice(&o);
                 }
             }
@@ -135,10 +173,10 @@ mod tests {
     fn truncated_and_corrupt_input_are_rejected() {
         let c = compress(&vec![5u8; 100_000]).unwrap();
         let mut dec = StreamDecoder::new().unwrap();
-        dec.feed(&c[..c.len() / 2]).unwrap();
+        dec.feed(&c[..c.len() / 2], u64::MAX).unwrap();
         assert!(dec.finish().is_err());
         let mut dec = StreamDecoder::new().unwrap();
-        assert!(dec.feed(b"definitely not zstd").is_err());
+        assert!(dec.feed(b"definitely not zstd", u64::MAX).is_err());
         assert!(decompress(&c, 10).is_err(), "output beyond the declared size is refused");
     }
 }

@@ -6,6 +6,7 @@
 //! on two listeners and shuts down gracefully.
 
 pub mod action_cache;
+pub mod batcher;
 pub mod bytestream;
 pub mod capabilities;
 pub mod cas;
@@ -23,6 +24,7 @@ use gantry_core::reapi::capabilities_server::CapabilitiesServer;
 use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorageServer;
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{ActionCache, BlobStore, Error, Result};
+use gantry_proto::batch::v1::batcher_server::BatcherServer;
 use tokio::net::TcpListener;
 use tonic::codec::CompressionEncoding;
 
@@ -47,12 +49,25 @@ pub struct Services {
     pub ac: Arc<dyn ActionCache>,
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
+    pub batcher: Arc<batcher::BatcherService>,
 }
 
 impl Services {
+    /// The cache services, with a batcher on default planner settings and no models.
     pub fn new(cas: Arc<dyn BlobStore>, ac: Arc<dyn ActionCache>, limits: Limits) -> Self {
+        let batcher = batcher::BatcherService::new(Default::default(), Default::default())
+            .expect("default planner config is valid");
+        Self::with_batcher(cas, ac, limits, batcher)
+    }
+
+    pub fn with_batcher(
+        cas: Arc<dyn BlobStore>,
+        ac: Arc<dyn ActionCache>,
+        limits: Limits,
+        batcher: batcher::BatcherService,
+    ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits }
+        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher) }
     }
 
     /// Every gRPC service on one router, behind the metrics layer.
@@ -83,17 +98,26 @@ impl Services {
         ))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
-        let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(self.limits.max_batch_size, None));
+        let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(
+            self.limits.max_batch_size,
+            self.cas.usage().max_bytes,
+            None,
+        ));
         tonic::transport::Server::builder()
             // h2's default 64 KiB windows cap an upload at one window per round trip;
             // large windows let a client stream a 64 MiB blob at memory speed.
             .initial_stream_window_size(Some(16 << 20))
             .initial_connection_window_size(Some(64 << 20))
+            // Detect half-open connections, so a vanished client cannot hold an upload
+            // session (and graceful shutdown) forever.
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
             .layer(MetricsLayer(self.metrics.clone()))
             .add_service(caps)
             .add_service(cas)
             .add_service(bs)
             .add_service(ac)
+            .add_service(BatcherServer::from_arc(self.batcher.clone()))
     }
 
     /// `/metrics` (Prometheus text format) and `/healthz`.
@@ -110,6 +134,9 @@ impl Services {
             .route("/healthz", axum::routing::get(|| async { "ok\n" }))
     }
 }
+
+/// How long shutdown waits for in-flight calls before abandoning them.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A server serving gRPC and HTTP until `shutdown` is called or the guard is dropped.
 pub struct RunningServer {
@@ -171,7 +198,14 @@ impl RunningServer {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(true);
         }
-        grpc.await.map_err(|e| Error::internal(format!("gRPC task: {e}")))?
+        match tokio::time::timeout(DRAIN_TIMEOUT, &mut grpc).await {
+            Ok(res) => res.map_err(|e| Error::internal(format!("gRPC task: {e}")))?,
+            Err(_) => {
+                tracing::warn!("requests still running after {DRAIN_TIMEOUT:?}; stopping anyway");
+                grpc.abort();
+                Ok(())
+            }
+        }
     }
 
     pub async fn shutdown(self) -> Result<()> {

@@ -88,6 +88,8 @@ impl Metrics {
 }
 
 /// Tower layer that records each gRPC call's method, status code and latency.
+const KNOWN_SERVICE_PREFIXES: [&str; 3] = ["/build.bazel.remote.execution.v2.", "/google.bytestream.", "/gantry."];
+
 #[derive(Clone)]
 pub struct MetricsLayer(pub Arc<Metrics>);
 
@@ -118,10 +120,13 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        // "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs" -> short form
-        let method = req.uri().path().rsplit('/').take(2).collect::<Vec<_>>();
-        let method = match method.as_slice() {
-            [m, svc] => format!("{}/{}", svc.rsplit('.').next().unwrap_or(svc), m),
+        // "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs" -> short
+        // form. Only our own services get a label of their own: the path comes from the
+        // client, and arbitrary paths must not create unbounded metric series.
+        let path = req.uri().path();
+        let known = KNOWN_SERVICE_PREFIXES.iter().any(|p| path.starts_with(p));
+        let method = match path.rsplit('/').take(2).collect::<Vec<_>>().as_slice() {
+            [m, svc] if known && m.len() <= 64 => format!("{}/{}", svc.rsplit('.').next().unwrap_or(svc), m),
             _ => "unknown".to_string(),
         };
         let metrics = self.metrics.clone();

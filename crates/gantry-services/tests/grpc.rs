@@ -266,9 +266,9 @@ async fn resumable_write() {
     let data = pattern(3 << 20, 5);
     let d = DigestFunction::Sha256.digest_of(&data);
     let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
-    // Unknown upload: NOT_FOUND
-    let err = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
+    // Unknown upload: committed_size 0 (Bazel restarts from 0 on that; an error is fatal to it)
+    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    assert_eq!((st.committed_size, st.complete), (0, false));
     // Send the first 1 MiB + a bit, then end the stream without finish_write.
     let first_part = 1_200_000;
     let reqs = write_reqs(&name, &data[..first_part], 0, 100_000, false);
@@ -283,9 +283,9 @@ async fn resumable_write() {
     let err = h.bs().write(futures::stream::iter(bad)).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("write_offset 5") && err.message().contains(&first_part.to_string()), "{err}");
-    // The refused resume poisoned nothing that was committed? It discards the upload, so start over.
-    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await;
-    assert_eq!(st.unwrap_err().code(), Code::NotFound);
+    // A refused resume discards the upload: the client is told to start over from 0.
+    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    assert_eq!(st.committed_size, 0);
     let reqs = write_reqs(&name, &data[..first_part], 0, 100_000, false);
     let _ = h.bs().write(futures::stream::iter(reqs)).await.unwrap_err();
     // Resume from committed_size and finish.
@@ -305,10 +305,15 @@ async fn idle_uploads_are_dropped() {
     let d = DigestFunction::Sha256.digest_of(&data);
     let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
     let _ = h.bs().write(futures::stream::iter(write_reqs(&name, &data[..5000], 0, 1000, false))).await;
-    assert!(h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.is_ok());
+    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap();
+    assert_eq!(st.into_inner().committed_size, 5000);
     tokio::time::sleep(Duration::from_millis(900)).await;
-    let err = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
+    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap();
+    assert_eq!(st.into_inner().committed_size, 0, "the idle upload was dropped");
+    // and resuming it is refused with a hint
+    let resume = vec![WriteRequest { resource_name: name.clone(), write_offset: 5000, finish_write: true, data: data[5000..].to_vec() }];
+    let err = h.bs().write(futures::stream::iter(resume)).await.unwrap_err();
+    assert!(err.code() == Code::InvalidArgument && err.message().contains("start at offset 0"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -530,4 +535,134 @@ async fn graceful_shutdown_finishes() {
     let addr = server.grpc_addr;
     tokio::time::timeout(Duration::from_secs(10), server.shutdown()).await.unwrap().unwrap();
     assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_frame_ending_on_a_buffer_boundary_and_empty_finish_message() {
+    let h = harness().await;
+    let data = vec![0u8; 1 << 20];
+    let d = DigestFunction::Sha256.digest_of(&data);
+    let compressed = zstd::bulk::compress(&data, 3).unwrap();
+    let name = format!("uploads/{}/compressed-blobs/zstd/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
+    let mut reqs = write_reqs(&name, &compressed, 0, 1 << 20, false);
+    reqs.push(WriteRequest { resource_name: String::new(), write_offset: compressed.len() as i64, finish_write: true, data: vec![] });
+    let resp = h.bs().write(futures::stream::iter(reqs)).await.unwrap().into_inner();
+    assert_eq!(resp.committed_size, compressed.len() as i64);
+    assert!(h.cas.get(&d).await.unwrap() == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_sizes_are_refused_without_harm() {
+    let h = harness().await;
+    // A zstd bomb through ByteStream: 64 MiB of zeros claimed as a 1000-byte blob.
+    let bomb = zstd::bulk::compress(&vec![0u8; 64 << 20], 3).unwrap();
+    let fake = reapi::Digest { hash: DigestFunction::Sha256.digest_of(b"x").hash_hex(), size_bytes: 1000 };
+    let name = format!("uploads/{}/compressed-blobs/zstd/{}/1000", uuid::Uuid::new_v4(), fake.hash);
+    let err = h.bs().write(futures::stream::iter(write_reqs(&name, &bomb, 0, 1 << 20, true))).await.unwrap_err();
+    assert!(err.code() == Code::InvalidArgument && err.message().contains("decompresses to more"), "{err}");
+    // A compressed batch entry claiming an enormous size is refused before allocating.
+    let resp = h
+        .cas_client()
+        .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
+            requests: vec![reapi::batch_update_blobs_request::Request {
+                digest: Some(reapi::Digest { hash: fake.hash.clone(), size_bytes: 1 << 50 }),
+                data: bomb[..100].to_vec(),
+                compressor: compressor::Value::Zstd as i32,
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let st = resp.responses[0].status.clone().unwrap();
+    assert_eq!(st.code, Code::InvalidArgument as i32, "{}", st.message);
+    // BatchReadBlobs sizes that would wrap a u64 sum are refused, not wrapped.
+    let err = h
+        .cas_client()
+        .batch_read_blobs(reapi::BatchReadBlobsRequest {
+            digests: vec![
+                reapi::Digest { hash: fake.hash.clone(), size_bytes: i64::MAX },
+                reapi::Digest { hash: fake.hash.clone(), size_bytes: i64::MAX },
+                reapi::Digest { hash: fake.hash.clone(), size_bytes: 10 },
+            ],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // the server still answers
+    h.upload(b"still alive").await;
+}
+
+/// A store whose writes hang while `hang` is set, to drop a Write handler mid-write.
+struct HangingStore {
+    inner: Arc<dyn BlobStore>,
+    hang: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct HangingWriter {
+    inner: Box<dyn gantry_core::BlobWriter>,
+    hang: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl gantry_core::BlobWriter for HangingWriter {
+    fn committed(&self) -> u64 {
+        self.inner.committed()
+    }
+    async fn write(&mut self, chunk: bytes::Bytes) -> gantry_core::Result<()> {
+        if self.hang.load(std::sync::atomic::Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.write(chunk).await
+    }
+    async fn commit(self: Box<Self>) -> gantry_core::Result<()> {
+        self.inner.commit().await
+    }
+}
+
+#[async_trait::async_trait]
+impl BlobStore for HangingStore {
+    async fn find_present(&self, d: &[Digest]) -> gantry_core::Result<Vec<bool>> {
+        self.inner.find_present(d).await
+    }
+    async fn read(&self, d: &Digest, o: u64, l: Option<u64>) -> gantry_core::Result<gantry_core::BlobStream> {
+        self.inner.read(d, o, l).await
+    }
+    async fn begin_write(&self, d: &Digest) -> gantry_core::Result<Box<dyn gantry_core::BlobWriter>> {
+        Ok(Box::new(HangingWriter { inner: self.inner.begin_write(d).await?, hang: self.hang.clone() }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_cancelled_mid_chunk_restarts_cleanly() {
+    let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mem: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(HangingStore { inner: mem, hang: hang.clone() })));
+    let ac = Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap());
+    let services = Services::new(cas.clone(), ac, Limits::default());
+    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
+    let mut bs = ByteStreamClient::new(channel);
+
+    let data = pattern(300_000, 9);
+    let d = DigestFunction::Sha256.digest_of(&data);
+    let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
+    // First 100 KB lands; the stream ends without finish_write.
+    let _ = bs.write(futures::stream::iter(write_reqs(&name, &data[..100_000], 0, 50_000, false))).await.unwrap_err();
+    // The next chunk hangs in the store until the client's deadline drops the handler.
+    hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut req = tonic::Request::new(futures::stream::iter(write_reqs(&name, &data[..200_000], 100_000, 100_000, false)));
+    req.set_timeout(Duration::from_millis(300));
+    let err = bs.write(req).await.unwrap_err();
+    assert!(matches!(err.code(), Code::DeadlineExceeded | Code::Cancelled), "{err}");
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The interrupted chunk left the writer in an unknown state: the client is told 0.
+    let st = bs.query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    assert_eq!((st.committed_size, st.complete), (0, false));
+    // Starting over at 0 works, and the stored blob is exactly the data.
+    let resp = bs.write(futures::stream::iter(write_reqs(&name, &data, 0, 64_000, true))).await.unwrap().into_inner();
+    assert_eq!(resp.committed_size, data.len() as i64);
+    assert!(cas.get(&d).await.unwrap() == data);
 }

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use gantry_core::reapi::{ActionResult, Tree};
 use gantry_core::action_cache::{referenced_blobs, ReferencedBlobs};
-use gantry_core::{ActionCache, BlobStore, Digest, Result, ResultExt};
+use gantry_core::{ActionCache, BlobStore, Digest, Result};
+
 use prost::Message;
 
 pub struct CompletenessCheckingActionCache {
@@ -40,13 +41,25 @@ impl CompletenessCheckingActionCache {
                 Err(e) if e.is_not_found() => return Ok(false),
                 Err(e) => return Err(e.context(format_args!("reading output tree {t}"))),
             };
-            let tree = Tree::decode(bytes).map_err(|e| {
-                gantry_core::Error::invalid(format!("output tree {t} of action {action} is not a Tree: {e}"))
-            })?;
+            // A tree the client stored that cannot be decoded can never be served; say so
+            // in the log and answer a miss so the client rebuilds and overwrites it.
+            let tree = match Tree::decode(bytes) {
+                Ok(tree) => tree,
+                Err(e) => {
+                    tracing::warn!(%action, tree = %t, error = %e, "output tree is not a Tree; treating entry as a miss");
+                    return Ok(false);
+                }
+            };
             let mut files = Vec::new();
             for dir in tree.root.iter().chain(tree.children.iter()) {
                 for file in &dir.files {
-                    files.push(parse(file.digest.as_ref(), "tree file digest").context(format_args!("tree {t}"))?);
+                    match parse(file.digest.as_ref(), "tree file digest") {
+                        Ok(d) => files.push(d),
+                        Err(e) => {
+                            tracing::warn!(%action, tree = %t, error = %e, "output tree has a bad digest; treating entry as a miss");
+                            return Ok(false);
+                        }
+                    }
                 }
             }
             if !self.cas.find_present(&files).await?.into_iter().all(|p| p) {

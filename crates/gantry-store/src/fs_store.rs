@@ -59,9 +59,8 @@ impl FsStore {
     fn writer(&self, digest: &Digest) -> Result<FsWriter> {
         let max = self.inner.index.lock().expect("poisoned").max_bytes();
         if digest.size > max {
-            return Err(Error::ResourceExhausted(format!(
-                "blob {digest} is larger than the whole store ({max} bytes)"
-            )));
+            // INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: retrying can never succeed.
+            return Err(Error::invalid(format!("blob {digest} is larger than the whole store ({max} bytes)")));
         }
         Ok(FsWriter { inner: self.inner.clone(), digest: *digest, committed: 0, state: WriteState::Buffered(BytesMut::new()) })
     }
@@ -138,8 +137,13 @@ impl Inner {
         Ok(())
     }
 
+    /// Drops a blob whose file vanished. Re-checked under the lock: a concurrent upload
+    /// of the same digest may have just put a fresh file in place.
     fn forget(&self, digest: &Digest) {
-        self.index.lock().expect("poisoned").remove(digest);
+        let mut index = self.index.lock().expect("poisoned");
+        if !blob_path(&self.root, digest).exists() {
+            index.remove(digest);
+        }
     }
 }
 
@@ -261,7 +265,15 @@ impl Drop for TempFile {
 impl TempFile {
     fn create(dir: &Path) -> Result<TempFile> {
         let path = dir.join(uuid::Uuid::new_v4().to_string());
-        let file = File::create(&path).context(format_args!("creating temp file {}", path.display()))?;
+        let file = match File::create(&path) {
+            // Something (a tmp cleaner) removed the directory: recreate it once.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                fs::create_dir_all(dir).context(format_args!("recreating {}", dir.display()))?;
+                File::create(&path)
+            }
+            other => other,
+        }
+        .context(format_args!("creating temp file {}", path.display()))?;
         Ok(TempFile { path, file: Some(file) })
     }
 

@@ -51,9 +51,8 @@ impl BlobStore for MemoryStore {
     async fn begin_write(&self, digest: &Digest) -> Result<Box<dyn BlobWriter>> {
         let max = self.index.lock().expect("poisoned").max_bytes();
         if digest.size > max {
-            return Err(Error::ResourceExhausted(format!(
-                "blob {digest} is larger than the whole store ({max} bytes)"
-            )));
+            // INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: retrying can never succeed.
+            return Err(Error::invalid(format!("blob {digest} is larger than the whole store ({max} bytes)")));
         }
         Ok(Box::new(MemoryWriter {
             index: self.index.clone(),

@@ -110,7 +110,9 @@ impl ActionCache for SqlActionCache {
         .await
         .map_err(db_err("reading an entry"))?;
         let Some(row) = row else { return Ok(None) };
-        let bytes: Vec<u8> = row.try_get(0).map_err(db_err("decoding a row"))?;
+        let bytes: Vec<u8> = row
+            .try_get(0)
+            .map_err(|e| Error::internal(format!("action cache entry for {action}: undecodable row: {e}")))?;
         let result = ActionResult::decode(bytes.as_slice())
             .map_err(|e| Error::internal(format!("action cache entry for {action} is corrupt: {e}")))?;
         Ok(Some(result))
