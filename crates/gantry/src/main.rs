@@ -1,7 +1,9 @@
 //! The `gantry` binary. It stays thin: parse flags and config, build the parts from the
 //! library crates, run. Every role of gantry is a subcommand of this one binary.
 
+mod batch;
 mod bench;
+mod model;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -17,7 +19,12 @@ struct Cli {
 enum Command {
     /// Serve the Remote Execution API (cache services) and /metrics.
     Serve(serve::ServeArgs),
-    /// Measure gantry against a running server or one started in-process.
+    /// Cut a stream of targets into builds (`gantry batch plan` plans offline).
+    Batch(batch::BatchArgs),
+    /// Train and evaluate the batching service's models.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
+    /// Measure gantry: CAS throughput, batch planning speed and quality.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
 }
@@ -34,6 +41,8 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve::run(args).await,
+            Command::Batch(args) => batch::run(args).await,
+            Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
             Command::Bench(cmd) => bench::run(cmd).await,
         }
     })

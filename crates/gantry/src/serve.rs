@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use gantry_config::Config;
+use gantry_batch::Models;
+use gantry_services::batcher::{planner_config, BatcherService};
 use gantry_services::{Limits, RunningServer, Services};
 
 #[derive(clap::Args, Debug)]
@@ -54,7 +56,21 @@ pub fn limits(config: &Config) -> Limits {
 pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
     let ac = gantry_store::build_action_cache(config, cas.clone()).await.context("setting up the action cache")?;
-    Ok(Services::new(cas, ac, limits(config)))
+    let batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
+    Ok(Services::with_batcher(cas, ac, limits(config), batcher))
+}
+
+/// The batching models, if a model directory exists; a directory that exists but does
+/// not load is an error at startup, not a silent fallback.
+fn load_models(config: &Config) -> anyhow::Result<Models> {
+    let dir = config.batch_model_dir();
+    if !dir.join(gantry_batch::model::MANIFEST_FILE).exists() {
+        tracing::info!(dir = %dir.display(), "no batching models yet; batches use the fallback size");
+        return Ok(Models::default());
+    }
+    let models = Models::load(&dir).with_context(|| format!("loading batching models from {}", dir.display()))?;
+    tracing::info!(dir = %dir.display(), "loaded batching models");
+    Ok(models)
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
