@@ -9,6 +9,7 @@ pub mod action_cache;
 pub mod blob_store;
 pub mod digest;
 pub mod error;
+pub mod execution_log;
 pub mod resource;
 pub mod task;
 
@@ -16,6 +17,7 @@ pub use action_cache::ActionCache;
 pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
+pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary};
 pub use task::TaskGuard;
 
 /// Re-export of the generated REAPI types so downstream crates name one path.

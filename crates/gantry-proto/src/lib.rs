@@ -6,3 +6,9 @@ pub mod batch {
         tonic::include_proto!("gantry.batch.v1");
     }
 }
+
+pub mod worker {
+    pub mod v1 {
+        tonic::include_proto!("gantry.worker.v1");
+    }
+}

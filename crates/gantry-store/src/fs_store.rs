@@ -56,6 +56,13 @@ impl FsStore {
         &self.inner.root
     }
 
+    /// The file holding `digest`, if the store has it (touching it). Workers hard-link
+    /// inputs from here; the file must be treated as read-only.
+    pub fn path_of(&self, digest: &Digest) -> Option<PathBuf> {
+        let mut index = self.inner.index.lock().expect("poisoned");
+        index.touch(digest).map(|_| blob_path(&self.inner.root, digest))
+    }
+
     fn writer(&self, digest: &Digest) -> Result<FsWriter> {
         let max = self.inner.index.lock().expect("poisoned").max_bytes();
         if digest.size > max {

@@ -2,27 +2,33 @@
 //!
 //! - `FsStore` (`[cas] kind = "fs"`): blobs as files, atomic writes, LRU eviction.
 //! - `MemoryStore` (`[cas] kind = "memory"`): blobs in RAM, LRU eviction.
+//! - `GrpcStore`: blobs on a remote REAPI server (used by separate worker processes).
 //! - `IntegrityStore`: verifies every write against its digest; serves the empty blob.
 //! - `SqlActionCache` (`[action_cache] kind = "sql"`): ActionResults in SQLite via sqlx,
 //!   written in portable SQL so PostgreSQL can take its place.
 //! - `CompletenessCheckingActionCache`: serves an entry only while its blobs exist.
+//! - `SqlExecutionLog`: per-action metering records, in the same database.
 //!
 //! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
 
 pub mod completeness_check;
 pub mod factory;
 pub mod fs_store;
+pub mod grpc_store;
 pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
 pub mod sql_action_cache;
+pub mod sql_execution_log;
 
 pub use completeness_check::CompletenessCheckingActionCache;
 pub use factory::{build_action_cache, build_cas};
 pub use fs_store::FsStore;
+pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use sql_action_cache::SqlActionCache;
+pub use sql_execution_log::SqlExecutionLog;
 
 #[cfg(test)]
 mod store_suite;

@@ -93,6 +93,11 @@ impl SqlActionCache {
         pool.execute(schema(d).as_str()).await.map_err(db_err("creating table action_cache"))?;
         Ok(SqlActionCache { pool })
     }
+
+    /// The connection pool, shared by other tables of the metadata database.
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
 }
 
 #[async_trait]

@@ -1,0 +1,71 @@
+//! The execution log: one record per executed action with what it cost (peak memory,
+//! CPU, wall and queue time) and who asked for it (Bazel's tool_invocation_id and
+//! action_mnemonic). The batching service's occupancy model and the size-class learner
+//! are trained from it, so it is a storage trait like the caches, with backends elsewhere.
+
+use async_trait::async_trait;
+
+use crate::Result;
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ActionRecord {
+    pub operation: String,
+    pub instance: String,
+    /// `{hash}/{size}` of the action.
+    pub action_digest: String,
+    pub tool_invocation_id: String,
+    pub action_mnemonic: String,
+    pub target_id: String,
+    pub worker: String,
+    pub size_class: u32,
+    pub exit_code: i32,
+    /// gRPC status code of the execution (0 for a completed run, whatever its exit code).
+    pub status_code: i32,
+    pub peak_memory_bytes: u64,
+    pub user_cpu_seconds: f64,
+    pub system_cpu_seconds: f64,
+    pub wall_seconds: f64,
+    pub queued_seconds: f64,
+    /// How memory was measured: "rusage" or "cgroup-v2".
+    pub metering: String,
+    pub completed_unix_ms: i64,
+}
+
+impl ActionRecord {
+    /// Executor service time: the wall time the action held a worker slot.
+    pub fn service_seconds(&self) -> f64 {
+        self.wall_seconds
+    }
+}
+
+/// Totals of one Bazel invocation.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct InvocationSummary {
+    pub tool_invocation_id: String,
+    pub actions: u64,
+    pub executor_service_seconds: f64,
+    pub cpu_seconds: f64,
+    pub max_peak_memory_bytes: u64,
+    pub failed_actions: u64,
+}
+
+#[async_trait]
+pub trait ExecutionLog: Send + Sync + 'static {
+    async fn record(&self, record: &ActionRecord) -> Result<()>;
+    /// Every action recorded for the invocation, oldest first.
+    async fn actions(&self, tool_invocation_id: &str) -> Result<Vec<ActionRecord>>;
+
+    /// The invocation's action count and total executor service time. The batching
+    /// service divides the latter by build wall time to get occupancy.
+    async fn invocation(&self, tool_invocation_id: &str) -> Result<InvocationSummary> {
+        let actions = self.actions(tool_invocation_id).await?;
+        Ok(InvocationSummary {
+            tool_invocation_id: tool_invocation_id.to_string(),
+            actions: actions.len() as u64,
+            executor_service_seconds: actions.iter().map(|a| a.service_seconds()).sum(),
+            cpu_seconds: actions.iter().map(|a| a.user_cpu_seconds + a.system_cpu_seconds).sum(),
+            max_peak_memory_bytes: actions.iter().map(|a| a.peak_memory_bytes).max().unwrap_or(0),
+            failed_actions: actions.iter().filter(|a| a.status_code != 0 || a.exit_code != 0).count() as u64,
+        })
+    }
+}

@@ -1,0 +1,12 @@
+//! gantry-execution owns remote execution on the server side: the `Scheduler` (queue,
+//! platform matching, dedup of identical in-flight actions, worker registry, re-queue of
+//! actions whose worker was lost), the REAPI Execution and google.longrunning Operations
+//! services on top of it, and the `WorkerService` endpoint that separate worker processes
+//! connect to. In-process workers talk to the same scheduler through channels.
+
+pub mod operations;
+pub mod platform;
+pub mod scheduler;
+pub mod worker_service;
+
+pub use scheduler::{Scheduler, SchedulerConfig, WorkerLink};

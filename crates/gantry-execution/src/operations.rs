@@ -1,0 +1,215 @@
+//! The REAPI Execution service (Execute, WaitExecution) and the google.longrunning
+//! Operations service (Get, List, Cancel, Delete, Wait) over the scheduler.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gantry_core::google::longrunning::operations_server::Operations;
+use gantry_core::google::longrunning::{
+    self as lr, CancelOperationRequest, DeleteOperationRequest, GetOperationRequest, ListOperationsRequest,
+    ListOperationsResponse, Operation, WaitOperationRequest,
+};
+use gantry_core::google::protobuf::{Any, Empty};
+use gantry_core::reapi::execution_server::Execution;
+use gantry_core::reapi::{self, execution_stage, ExecuteOperationMetadata, ExecuteResponse};
+use gantry_core::{ActionCache, BlobStore, Digest, DigestFunction, Error, Result};
+use prost::Message;
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+
+use crate::scheduler::{JobSpec, OpState, Requester, Scheduler, Stage};
+
+const METADATA_HEADER: &str = "build.bazel.remote.execution.v2.requestmetadata-bin";
+
+pub struct ExecutionService {
+    scheduler: Arc<Scheduler>,
+    cas: Arc<dyn BlobStore>,
+    ac: Arc<dyn ActionCache>,
+}
+
+fn any<M: Message>(type_name: &str, m: &M) -> Any {
+    Any { type_url: format!("type.googleapis.com/{type_name}"), value: m.encode_to_vec() }
+}
+
+/// The longrunning form of an operation's state.
+pub fn to_operation(s: &OpState) -> Operation {
+    let stage = match s.stage {
+        Stage::Queued => execution_stage::Value::Queued,
+        Stage::Executing => execution_stage::Value::Executing,
+        Stage::Completed => execution_stage::Value::Completed,
+    };
+    let metadata = ExecuteOperationMetadata {
+        stage: stage as i32,
+        action_digest: Some(s.action_digest.to_proto()),
+        ..Default::default()
+    };
+    Operation {
+        name: s.name.clone(),
+        metadata: Some(any("build.bazel.remote.execution.v2.ExecuteOperationMetadata", &metadata)),
+        done: s.stage == Stage::Completed,
+        result: s.response.as_ref().map(|r| {
+            lr::operation::Result::Response(any("build.bazel.remote.execution.v2.ExecuteResponse", r))
+        }),
+    }
+}
+
+type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
+
+/// Streams every state change until the operation completes.
+fn op_stream(rx: watch::Receiver<OpState>) -> OpStream {
+    futures::stream::unfold((rx, false, false), |(mut rx, first_sent, done)| async move {
+        if done {
+            return None;
+        }
+        if first_sent && rx.changed().await.is_err() {
+            // The scheduler dropped the operation (deleted): end the stream.
+            return None;
+        }
+        let s = rx.borrow_and_update().clone();
+        let done = s.stage == Stage::Completed;
+        Some((Ok(to_operation(&s)), (rx, true, done)))
+    })
+    .boxed()
+}
+
+fn requester<T>(req: &Request<T>) -> Requester {
+    let Some(v) = req.metadata().get_bin(METADATA_HEADER) else { return Requester::default() };
+    let Ok(bytes) = v.to_bytes() else { return Requester::default() };
+    match reapi::RequestMetadata::decode(bytes) {
+        Ok(m) => Requester {
+            tool_invocation_id: m.tool_invocation_id,
+            action_mnemonic: m.action_mnemonic,
+            target_id: m.target_id,
+        },
+        Err(_) => Requester::default(),
+    }
+}
+
+impl ExecutionService {
+    pub fn new(scheduler: Arc<Scheduler>, cas: Arc<dyn BlobStore>, ac: Arc<dyn ActionCache>) -> Self {
+        ExecutionService { scheduler, cas, ac }
+    }
+
+    async fn fetch<M: Message + Default>(&self, d: &Digest, what: &str) -> Result<M> {
+        let bytes = self.cas.get(d).await.map_err(|e| {
+            if e.is_not_found() {
+                // REAPI: a missing input is FAILED_PRECONDITION, so the client re-uploads.
+                Error::FailedPrecondition(format!("{what} {d} is not in the CAS"))
+            } else {
+                e
+            }
+        })?;
+        M::decode(bytes).map_err(|e| Error::invalid(format!("{what} {d} does not decode: {e}")))
+    }
+}
+
+#[tonic::async_trait]
+impl Execution for ExecutionService {
+    type ExecuteStream = OpStream;
+
+    async fn execute(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, Status> {
+        let who = requester(&request);
+        let req = request.into_inner();
+        let f = DigestFunction::from_proto(req.digest_function)?;
+        let digest = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;
+        if !req.skip_cache_lookup {
+            if let Some(result) = self.ac.get(&req.instance_name, &digest).await? {
+                let state = OpState {
+                    name: format!("operations/cached-{}", uuid::Uuid::new_v4()),
+                    stage: Stage::Completed,
+                    action_digest: digest,
+                    response: Some(ExecuteResponse {
+                        result: Some(result),
+                        cached_result: true,
+                        status: Some(Default::default()),
+                        ..Default::default()
+                    }),
+                };
+                return Ok(Response::new(futures::stream::once(async move { Ok(to_operation(&state)) }).boxed()));
+            }
+        }
+        let action: reapi::Action = self.fetch(&digest, "action").await?;
+        let cmd_digest = Digest::from_proto(f, action.command_digest.as_ref(), "action.command_digest")?;
+        Digest::from_proto(f, action.input_root_digest.as_ref(), "action.input_root_digest")?;
+        let command: reapi::Command = self.fetch(&cmd_digest, "command").await?;
+        if command.arguments.is_empty() {
+            return Err(Error::invalid("command.arguments: empty").into());
+        }
+        let priority = req.execution_policy.as_ref().map_or(0, |p| p.priority);
+        let (_, rx) = self.scheduler.submit(JobSpec {
+            instance: req.instance_name,
+            action_digest: digest,
+            action,
+            command,
+            priority,
+            requester: who,
+        })?;
+        Ok(Response::new(op_stream(rx)))
+    }
+
+    type WaitExecutionStream = OpStream;
+
+    async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
+        let name = request.into_inner().name;
+        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
+        Ok(Response::new(op_stream(rx)))
+    }
+}
+
+pub struct OperationsService {
+    scheduler: Arc<Scheduler>,
+}
+
+impl OperationsService {
+    pub fn new(scheduler: Arc<Scheduler>) -> Self {
+        OperationsService { scheduler }
+    }
+}
+
+#[tonic::async_trait]
+impl Operations for OperationsService {
+    async fn list_operations(&self, request: Request<ListOperationsRequest>) -> Result<Response<ListOperationsResponse>, Status> {
+        let req = request.into_inner();
+        let all = self.scheduler.list();
+        let start: usize = if req.page_token.is_empty() {
+            0
+        } else {
+            req.page_token.parse().map_err(|_| Status::invalid_argument(format!("page_token '{}' is not valid", req.page_token)))?
+        };
+        let size = if req.page_size <= 0 { 1000 } else { req.page_size as usize };
+        let page: Vec<Operation> = all.iter().skip(start).take(size).map(to_operation).collect();
+        let next = if start + page.len() < all.len() { (start + page.len()).to_string() } else { String::new() };
+        Ok(Response::new(ListOperationsResponse { operations: page, next_page_token: next, unreachable: vec![] }))
+    }
+
+    async fn get_operation(&self, request: Request<GetOperationRequest>) -> Result<Response<Operation>, Status> {
+        let name = request.into_inner().name;
+        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
+        let s = rx.borrow().clone();
+        Ok(Response::new(to_operation(&s)))
+    }
+
+    async fn delete_operation(&self, request: Request<DeleteOperationRequest>) -> Result<Response<Empty>, Status> {
+        self.scheduler.delete(&request.into_inner().name)?;
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn cancel_operation(&self, request: Request<CancelOperationRequest>) -> Result<Response<Empty>, Status> {
+        self.scheduler.cancel(&request.into_inner().name)?;
+        Ok(Response::new(Empty {}))
+    }
+
+    async fn wait_operation(&self, request: Request<WaitOperationRequest>) -> Result<Response<Operation>, Status> {
+        let req = request.into_inner();
+        let mut rx = self.scheduler.watch(&req.name).ok_or_else(|| Status::not_found(format!("no operation {}", req.name)))?;
+        let timeout = req
+            .timeout
+            .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32))
+            .filter(|d| !d.is_zero())
+            .unwrap_or(Duration::from_secs(60));
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.stage == Stage::Completed)).await;
+        let s = rx.borrow().clone();
+        Ok(Response::new(to_operation(&s)))
+    }
+}

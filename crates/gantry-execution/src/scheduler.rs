@@ -1,0 +1,788 @@
+//! The scheduler: actions wait in a queue ordered by (priority, arrival); a dispatch pass
+//! hands each to the first idle worker whose platform properties satisfy it. Identical
+//! in-flight actions (same instance and action digest) share one execution. A worker that
+//! disconnects or misses heartbeats loses its actions back to the queue, up to a limit.
+//!
+//! All state sits behind one mutex, held only for in-memory bookkeeping; the awaits of a
+//! completion (action cache write, execution log) happen outside it.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use gantry_core::google::rpc::Status as RpcStatus;
+use gantry_core::reapi::{self, ActionResult, ExecuteResponse};
+use gantry_core::task::{spawn_named, TaskGuard};
+use gantry_core::{ActionCache, ActionRecord, Digest, DigestFunction, Error, ExecutionLog, Result};
+use gantry_proto::worker::v1 as wpb;
+use prost::Message;
+use tokio::sync::{mpsc, watch};
+
+use crate::platform::{self, Property};
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// How many times an action may lose its worker before it fails with UNAVAILABLE.
+    pub max_worker_losses: u32,
+    /// A remote worker silent for this long is considered lost.
+    pub heartbeat_timeout: Duration,
+    /// Finished operations stay queryable (GetOperation, WaitExecution) this long.
+    pub completed_retention: Duration,
+    /// Timeout for actions that ask for none.
+    pub default_timeout: Duration,
+    /// Upper bound on any action's timeout.
+    pub max_timeout: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_worker_losses: 3,
+            heartbeat_timeout: Duration::from_secs(15),
+            completed_retention: Duration::from_secs(600),
+            default_timeout: Duration::from_secs(3600),
+            max_timeout: Duration::from_secs(3 * 3600),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Queued,
+    Executing,
+    Completed,
+}
+
+/// What watchers of an operation see; every change is published.
+#[derive(Debug, Clone)]
+pub struct OpState {
+    pub name: String,
+    pub stage: Stage,
+    pub action_digest: Digest,
+    pub response: Option<ExecuteResponse>,
+}
+
+/// Who asked for an action, from Bazel's RequestMetadata header.
+#[derive(Debug, Clone, Default)]
+pub struct Requester {
+    pub tool_invocation_id: String,
+    pub action_mnemonic: String,
+    pub target_id: String,
+}
+
+pub struct JobSpec {
+    pub instance: String,
+    pub action_digest: Digest,
+    pub action: reapi::Action,
+    pub command: reapi::Command,
+    pub priority: i32,
+    pub requester: Requester,
+}
+
+struct Job {
+    name: String,
+    key: (String, Digest),
+    spec: JobSpec,
+    platform: Vec<Property>,
+    timeout: Duration,
+    seq: u64,
+    queued_at: SystemTime,
+    worker: Option<String>,
+    losses: u32,
+    cancel_requested: bool,
+    tx: watch::Sender<OpState>,
+    completed_at: Option<Instant>,
+}
+
+struct WorkerEntry {
+    properties: Vec<Property>,
+    slots: usize,
+    running: HashSet<String>,
+    tx: mpsc::UnboundedSender<wpb::SchedulerMessage>,
+    last_seen: Instant,
+    /// In-process workers cannot be lost to a network, so they are not timed out.
+    local: bool,
+    size_class: u32,
+    metering: String,
+}
+
+#[derive(Default)]
+struct State {
+    jobs: HashMap<String, Job>,
+    /// (priority, seq, job name): lower priority values run first, FIFO within one.
+    queue: BTreeSet<(i32, u64, String)>,
+    in_flight: HashMap<(String, Digest), String>,
+    workers: HashMap<String, WorkerEntry>,
+    seq: u64,
+}
+
+struct Gauges {
+    queued: prometheus::IntGauge,
+    running: prometheus::IntGauge,
+    workers: prometheus::IntGauge,
+    completed: prometheus::IntCounterVec,
+}
+
+pub struct Scheduler {
+    state: Mutex<State>,
+    config: SchedulerConfig,
+    ac: Arc<dyn ActionCache>,
+    log: Arc<dyn ExecutionLog>,
+    gauges: Gauges,
+    monitor: Mutex<Option<TaskGuard>>,
+}
+
+/// A registered worker's end of the scheduler: assignments and cancellations arrive here.
+pub struct WorkerLink {
+    pub id: String,
+    pub messages: mpsc::UnboundedReceiver<wpb::SchedulerMessage>,
+}
+
+fn now_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+pub fn timestamp(t: SystemTime) -> gantry_core::google::protobuf::Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    gantry_core::google::protobuf::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+}
+
+fn status(code: tonic::Code, message: impl Into<String>) -> RpcStatus {
+    RpcStatus { code: code as i32, message: message.into(), details: vec![] }
+}
+
+impl Scheduler {
+    pub fn new(
+        config: SchedulerConfig,
+        ac: Arc<dyn ActionCache>,
+        log: Arc<dyn ExecutionLog>,
+        registry: &prometheus::Registry,
+    ) -> Arc<Self> {
+        let g = |n: &str, h: &str| {
+            let g = prometheus::IntGauge::new(n, h).expect("valid metric");
+            let _ = registry.register(Box::new(g.clone()));
+            g
+        };
+        let completed = prometheus::IntCounterVec::new(
+            prometheus::Opts::new("gantry_executions_total", "Executions finished, by outcome"),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let _ = registry.register(Box::new(completed.clone()));
+        let gauges = Gauges {
+            queued: g("gantry_execution_queue_depth", "Actions waiting for a worker"),
+            running: g("gantry_execution_running", "Actions running on workers"),
+            workers: g("gantry_execution_workers", "Registered workers"),
+            completed,
+        };
+        let s = Arc::new(Scheduler {
+            state: Mutex::default(),
+            config,
+            ac,
+            log,
+            gauges,
+            monitor: Mutex::new(None),
+        });
+        let weak: Weak<Scheduler> = Arc::downgrade(&s);
+        let guard = spawn_named("scheduler-monitor", async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                let Some(s) = weak.upgrade() else { return };
+                s.check_workers_and_gc();
+            }
+        });
+        *s.monitor.lock().expect("poisoned") = Some(guard);
+        s
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues an action (or joins an identical one in flight) and returns the operation
+    /// name and a receiver of its state changes.
+    pub fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
+        // Bazel puts platform properties in both Action.platform and the (deprecated)
+        // Command.platform; older clients only in the latter, so both are honoured.
+        #[allow(deprecated)]
+        let mut required = platform::from_platform(spec.command.platform.as_ref());
+        required.extend(platform::from_platform(spec.action.platform.as_ref()));
+        required.sort();
+        required.dedup();
+        let requested = spec.action.timeout.as_ref().map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32));
+        let timeout = match requested {
+            Some(t) if !t.is_zero() => t.min(self.config.max_timeout),
+            _ => self.config.default_timeout,
+        };
+        let key = (spec.instance.clone(), spec.action_digest);
+        let mut st = self.state.lock().expect("poisoned");
+        if let Some(name) = st.in_flight.get(&key) {
+            let job = &st.jobs[name];
+            return Ok((name.clone(), job.tx.subscribe()));
+        }
+        if !st.workers.is_empty() {
+            let offers = st.workers.values().map(|w| w.properties.as_slice());
+            if let Some(p) = platform::first_unoffered(offers.clone(), &required) {
+                return Err(Error::FailedPrecondition(format!(
+                    "platform property {}={} is offered by no worker",
+                    p.name, p.value
+                )));
+            }
+            if !st.workers.values().any(|w| platform::satisfies(&w.properties, &required)) {
+                return Err(Error::FailedPrecondition(format!(
+                    "no worker offers all of the platform properties {}",
+                    required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
+                )));
+            }
+        }
+        let name = format!("operations/{}", uuid::Uuid::new_v4());
+        st.seq += 1;
+        let seq = st.seq;
+        let state = OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
+        let (tx, rx) = watch::channel(state);
+        st.queue.insert((spec.priority, seq, name.clone()));
+        st.in_flight.insert(key.clone(), name.clone());
+        st.jobs.insert(
+            name.clone(),
+            Job {
+                name: name.clone(),
+                key,
+                spec,
+                platform: required,
+                timeout,
+                seq,
+                queued_at: SystemTime::now(),
+                worker: None,
+                losses: 0,
+                cancel_requested: false,
+                tx,
+                completed_at: None,
+            },
+        );
+        self.dispatch(&mut st);
+        Ok((name, rx))
+    }
+
+    /// Hands queued actions to idle workers that can run them.
+    fn dispatch(&self, st: &mut State) {
+        let mut assigned = Vec::new();
+        for (prio, seq, name) in st.queue.iter() {
+            if !st.workers.values().any(|w| w.running.len() < w.slots) {
+                break;
+            }
+            let job = &st.jobs[name];
+            // Among the idle workers that can run it, prefer the least loaded.
+            let pick = st
+                .workers
+                .iter()
+                .filter(|(_, w)| w.running.len() < w.slots && platform::satisfies(&w.properties, &job.platform))
+                .min_by_key(|(id, w)| (w.running.len() * 1000 / w.slots.max(1), (*id).clone()))
+                .map(|(id, _)| id.clone());
+            if let Some(wid) = pick {
+                let msg = wpb::SchedulerMessage {
+                    kind: Some(wpb::scheduler_message::Kind::Assignment(wpb::Assignment {
+                        job_id: name.clone(),
+                        instance_name: job.spec.instance.clone(),
+                        digest_function: job.spec.action_digest.function.to_proto(),
+                        action: job.spec.action.encode_to_vec(),
+                        command: job.spec.command.encode_to_vec(),
+                        action_digest: job.spec.action_digest.to_proto().encode_to_vec(),
+                        timeout_ms: job.timeout.as_millis() as u64,
+                        queued_unix_ms: now_ms(job.queued_at),
+                    })),
+                };
+                let w = st.workers.get_mut(&wid).expect("picked");
+                if w.tx.send(msg).is_ok() {
+                    w.running.insert(name.clone());
+                    assigned.push(((*prio, *seq, name.clone()), wid));
+                }
+            }
+        }
+        for (k, wid) in assigned {
+            st.queue.remove(&k);
+            let job = st.jobs.get_mut(&k.2).expect("queued job exists");
+            job.worker = Some(wid);
+            job.tx.send_modify(|s| s.stage = Stage::Executing);
+        }
+        self.update_gauges(st);
+    }
+
+    fn update_gauges(&self, st: &State) {
+        self.gauges.queued.set(st.queue.len() as i64);
+        self.gauges.running.set(st.workers.values().map(|w| w.running.len() as i64).sum());
+        self.gauges.workers.set(st.workers.len() as i64);
+    }
+
+    /// Registers a worker; `local` workers (in-process) are never timed out.
+    pub fn register(&self, reg: wpb::Register, local: bool) -> Result<WorkerLink> {
+        if reg.worker_id.is_empty() {
+            return Err(Error::invalid("register.worker_id: required"));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut props: Vec<Property> =
+            reg.properties.iter().map(|p| Property { name: p.name.clone(), value: p.value.clone() }).collect();
+        props.sort();
+        props.dedup();
+        let mut st = self.state.lock().expect("poisoned");
+        if st.workers.contains_key(&reg.worker_id) {
+            return Err(Error::FailedPrecondition(format!("worker id {} is already registered", reg.worker_id)));
+        }
+        st.workers.insert(
+            reg.worker_id.clone(),
+            WorkerEntry {
+                properties: props,
+                slots: reg.slots.max(1) as usize,
+                running: HashSet::new(),
+                tx,
+                last_seen: Instant::now(),
+                local,
+                size_class: reg.size_class.max(1),
+                metering: reg.metering.clone(),
+            },
+        );
+        tracing::info!(worker = %reg.worker_id, slots = reg.slots, local, "worker registered");
+        self.dispatch(&mut st);
+        Ok(WorkerLink { id: reg.worker_id, messages: rx })
+    }
+
+    /// Registers an in-process worker and bridges its reports into the scheduler. The
+    /// worker reads assignments from the returned receiver and reports on the sender; the
+    /// bridge task lives as long as the guard.
+    pub fn attach_local(
+        self: &Arc<Self>,
+        reg: wpb::Register,
+    ) -> Result<(mpsc::UnboundedReceiver<wpb::SchedulerMessage>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)> {
+        let link = self.register(reg, true)?;
+        let (tx, mut rx) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
+        let s = self.clone();
+        let id = link.id.clone();
+        let guard = spawn_named("local-worker-bridge", async move {
+            while let Some(m) = rx.recv().await {
+                match m.kind {
+                    Some(wpb::worker_message::Kind::Started(x)) => s.started(&id, &x.job_id),
+                    Some(wpb::worker_message::Kind::Finished(f)) => s.finished(&id, f).await,
+                    _ => s.heartbeat(&id),
+                }
+            }
+            s.worker_lost(&id, "in-process worker stopped");
+        });
+        Ok((link.messages, tx, guard))
+    }
+
+    pub fn heartbeat(&self, worker: &str) {
+        if let Some(w) = self.state.lock().expect("poisoned").workers.get_mut(worker) {
+            w.last_seen = Instant::now();
+        }
+    }
+
+    pub fn started(&self, worker: &str, job_id: &str) {
+        let mut st = self.state.lock().expect("poisoned");
+        if let Some(w) = st.workers.get_mut(worker) {
+            w.last_seen = Instant::now();
+        }
+        if let Some(job) = st.jobs.get(job_id).filter(|j| j.worker.as_deref() == Some(worker)) {
+            job.tx.send_modify(|s| s.stage = Stage::Executing);
+        }
+    }
+
+    /// A worker reports a finished (or failed, timed-out, cancelled) execution.
+    pub async fn finished(&self, worker: &str, f: wpb::ExecutionFinished) {
+        let (spec_instance, digest, do_not_cache, record, queued_at) = {
+            let mut st = self.state.lock().expect("poisoned");
+            let size_class = st.workers.get(worker).map_or(1, |w| w.size_class);
+            if let Some(w) = st.workers.get_mut(worker) {
+                w.running.remove(&f.job_id);
+                w.last_seen = Instant::now();
+            }
+            let Some(job) = st.jobs.get(&f.job_id) else { return };
+            if job.worker.as_deref() != Some(worker) || job.completed_at.is_some() {
+                // A stale report from a worker the action was taken away from.
+                return;
+            }
+            let m = f.metering.clone().unwrap_or_default();
+            let record = ActionRecord {
+                operation: job.name.clone(),
+                instance: job.spec.instance.clone(),
+                action_digest: job.spec.action_digest.to_string(),
+                tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
+                action_mnemonic: job.spec.requester.action_mnemonic.clone(),
+                target_id: job.spec.requester.target_id.clone(),
+                worker: worker.to_string(),
+                size_class,
+                exit_code: 0,
+                status_code: f.status_code,
+                peak_memory_bytes: m.peak_memory_bytes,
+                user_cpu_seconds: m.user_cpu_seconds,
+                system_cpu_seconds: m.system_cpu_seconds,
+                wall_seconds: m.wall_seconds,
+                queued_seconds: 0.0,
+                metering: m.method,
+                completed_unix_ms: now_ms(SystemTime::now()),
+            };
+            (
+                job.spec.instance.clone(),
+                job.spec.action_digest,
+                job.spec.action.do_not_cache,
+                record,
+                job.queued_at,
+            )
+        };
+        let mut result = match f.action_result.as_deref() {
+            None => None,
+            Some(bytes) => match ActionResult::decode(bytes) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    tracing::error!(job = %f.job_id, error = %e, "worker sent an undecodable ActionResult");
+                    None
+                }
+            },
+        };
+        let mut code = f.status_code;
+        let mut message = f.status_message.clone();
+        if code == 0 && result.is_none() {
+            code = tonic::Code::Internal as i32;
+            message = "worker returned no result".into();
+        }
+        if let Some(r) = result.as_mut() {
+            let md = r.execution_metadata.get_or_insert_with(Default::default);
+            md.worker = worker.to_string();
+            md.queued_timestamp = Some(timestamp(queued_at));
+        }
+        let mut record = record;
+        record.exit_code = result.as_ref().map_or(-1, |r| r.exit_code);
+        if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref()) {
+            if let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp) {
+                record.queued_seconds = ((s.seconds - q.seconds) as f64 + (s.nanos - q.nanos) as f64 / 1e9).max(0.0);
+            }
+        }
+        // Only successful runs are cached: a failure may be flaky or environmental.
+        let cacheable = code == 0 && result.as_ref().is_some_and(|r| r.exit_code == 0) && !do_not_cache;
+        if cacheable {
+            if let Err(e) = self.ac.put(&spec_instance, &digest, result.as_ref().expect("cacheable")).await {
+                tracing::error!(action = %digest, error = %e, "could not store the action result");
+                message = format!("{message}{}result not cached: {e}", if message.is_empty() { "" } else { "; " });
+            }
+        }
+        if let Err(e) = self.log.record(&record).await {
+            tracing::error!(action = %digest, error = %e, "could not record the execution");
+        }
+        let outcome = match (code, result.as_ref().map(|r| r.exit_code)) {
+            (0, Some(0)) => "success",
+            (0, _) => "nonzero_exit",
+            (c, _) if c == tonic::Code::DeadlineExceeded as i32 => "timeout",
+            (c, _) if c == tonic::Code::Cancelled as i32 => "cancelled",
+            _ => "error",
+        };
+        self.gauges.completed.with_label_values(&[outcome]).inc();
+        let response = ExecuteResponse {
+            result,
+            cached_result: false,
+            status: Some(RpcStatus { code, message: message.clone(), details: vec![] }),
+            server_logs: Default::default(),
+            message: if f.message.is_empty() { message } else { f.message },
+        };
+        let mut st = self.state.lock().expect("poisoned");
+        self.complete(&mut st, &f.job_id, response);
+        self.dispatch(&mut st);
+    }
+
+    fn complete(&self, st: &mut State, name: &str, response: ExecuteResponse) {
+        let Some(job) = st.jobs.get_mut(name) else { return };
+        if job.completed_at.is_some() {
+            return;
+        }
+        job.completed_at = Some(Instant::now());
+        let key = job.key.clone();
+        job.tx.send_modify(|s| {
+            s.stage = Stage::Completed;
+            s.response = Some(response);
+        });
+        st.queue.remove(&(job.spec.priority, job.seq, job.name.clone()));
+        if st.in_flight.get(&key).map(String::as_str) == Some(name) {
+            st.in_flight.remove(&key);
+        }
+    }
+
+    /// Removes a worker and re-queues what it was running.
+    pub fn worker_lost(&self, worker: &str, why: &str) {
+        let mut st = self.state.lock().expect("poisoned");
+        let Some(w) = st.workers.remove(worker) else { return };
+        tracing::warn!(worker, why, running = w.running.len(), "worker lost");
+        for name in w.running {
+            let Some(job) = st.jobs.get_mut(&name) else { continue };
+            if job.completed_at.is_some() {
+                continue;
+            }
+            job.losses += 1;
+            job.worker = None;
+            if job.cancel_requested {
+                let resp = cancelled_response();
+                self.complete(&mut st, &name, resp);
+            } else if job.losses > self.config.max_worker_losses {
+                let losses = job.losses;
+                let resp = ExecuteResponse {
+                    status: Some(status(
+                        tonic::Code::Unavailable,
+                        format!("the action lost its worker {losses} times (last: {worker}, {why})"),
+                    )),
+                    ..Default::default()
+                };
+                self.complete(&mut st, &name, resp);
+            } else {
+                job.tx.send_modify(|s| s.stage = Stage::Queued);
+                let key = (job.spec.priority, job.seq, name.clone());
+                st.queue.insert(key);
+            }
+        }
+        self.dispatch(&mut st);
+    }
+
+    /// Cancels an operation: a queued one completes as CANCELLED at once, a running one
+    /// when its worker has killed the process.
+    pub fn cancel(&self, name: &str) -> Result<()> {
+        let mut st = self.state.lock().expect("poisoned");
+        let job = st.jobs.get_mut(name).ok_or_else(|| Error::not_found(format!("no operation {name}")))?;
+        if job.completed_at.is_some() {
+            return Ok(());
+        }
+        job.cancel_requested = true;
+        match job.worker.clone() {
+            None => {
+                self.complete(&mut st, name, cancelled_response());
+                self.update_gauges(&st);
+            }
+            Some(w) => {
+                if let Some(w) = st.workers.get(&w) {
+                    let _ = w.tx.send(wpb::SchedulerMessage {
+                        kind: Some(wpb::scheduler_message::Kind::Cancel(wpb::Cancel { job_id: name.to_string() })),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
+        self.state.lock().expect("poisoned").jobs.get(name).map(|j| j.tx.subscribe())
+    }
+
+    pub fn list(&self) -> Vec<OpState> {
+        let st = self.state.lock().expect("poisoned");
+        let mut v: Vec<_> = st.jobs.values().map(|j| (j.seq, j.tx.borrow().clone())).collect();
+        v.sort_by_key(|(s, _)| *s);
+        v.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Forgets a finished operation. Running ones cannot be deleted (cancel them first).
+    pub fn delete(&self, name: &str) -> Result<()> {
+        let mut st = self.state.lock().expect("poisoned");
+        match st.jobs.get(name) {
+            None => Err(Error::not_found(format!("no operation {name}"))),
+            Some(j) if j.completed_at.is_none() => {
+                Err(Error::FailedPrecondition(format!("operation {name} is still running; cancel it first")))
+            }
+            Some(_) => {
+                st.jobs.remove(name);
+                Ok(())
+            }
+        }
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.state.lock().expect("poisoned").workers.len()
+    }
+
+    /// Metering method of each registered worker (for status and logs).
+    pub fn worker_metering(&self) -> Vec<(String, String)> {
+        let st = self.state.lock().expect("poisoned");
+        st.workers.iter().map(|(id, w)| (id.clone(), w.metering.clone())).collect()
+    }
+
+    fn check_workers_and_gc(&self) {
+        let lost: Vec<String> = {
+            let st = self.state.lock().expect("poisoned");
+            st.workers
+                .iter()
+                .filter(|(_, w)| !w.local && w.last_seen.elapsed() > self.config.heartbeat_timeout)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for w in lost {
+            self.worker_lost(&w, "missed heartbeats");
+        }
+        let mut st = self.state.lock().expect("poisoned");
+        let keep = self.config.completed_retention;
+        st.jobs.retain(|_, j| j.completed_at.is_none_or(|t| t.elapsed() < keep));
+    }
+}
+
+fn cancelled_response() -> ExecuteResponse {
+    ExecuteResponse { status: Some(status(tonic::Code::Cancelled, "cancelled")), ..Default::default() }
+}
+
+/// The digest function and digest of an assignment, decoded.
+pub fn assignment_digest(a: &wpb::Assignment) -> Result<Digest> {
+    let f = DigestFunction::from_proto(a.digest_function)?;
+    let d = reapi::Digest::decode(a.action_digest.as_slice()).map_err(|e| Error::invalid(format!("action_digest: {e}")))?;
+    Digest::from_proto(f, Some(&d), "action_digest")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gantry_core::reapi::platform::Property as PProp;
+
+    async fn scheduler(max_losses: u32) -> Arc<Scheduler> {
+        let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
+        let cfg = SchedulerConfig { max_worker_losses: max_losses, ..Default::default() };
+        Scheduler::new(cfg, ac, log, &prometheus::Registry::new())
+    }
+
+    fn spec(tag: &str, priority: i32, props: &[(&str, &str)]) -> JobSpec {
+        let action = reapi::Action {
+            platform: Some(reapi::Platform {
+                properties: props.iter().map(|(n, v)| PProp { name: n.to_string(), value: v.to_string() }).collect(),
+            }),
+            ..Default::default()
+        };
+        JobSpec {
+            instance: String::new(),
+            action_digest: DigestFunction::Sha256.digest_of(tag.as_bytes()),
+            action,
+            command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
+            priority,
+            requester: Requester::default(),
+        }
+    }
+
+    fn reg(id: &str, slots: u32, props: &[(&str, &str)]) -> wpb::Register {
+        wpb::Register {
+            worker_id: id.into(),
+            properties: props.iter().map(|(n, v)| wpb::Property { name: n.to_string(), value: v.to_string() }).collect(),
+            slots,
+            size_class: 1,
+            metering: "rusage".into(),
+        }
+    }
+
+    fn assigned(link: &mut WorkerLink) -> Vec<String> {
+        let mut v = Vec::new();
+        while let Ok(m) = link.messages.try_recv() {
+            if let Some(wpb::scheduler_message::Kind::Assignment(a)) = m.kind {
+                v.push(a.job_id);
+            }
+        }
+        v
+    }
+
+    fn finished_ok(job: &str) -> wpb::ExecutionFinished {
+        wpb::ExecutionFinished {
+            job_id: job.into(),
+            action_result: Some(ActionResult { exit_code: 0, ..Default::default() }.encode_to_vec()),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn priority_then_fifo_order() {
+        let s = scheduler(3).await;
+        let (a, _) = s.submit(spec("a", 5, &[])).unwrap();
+        let (b, _) = s.submit(spec("b", 1, &[])).unwrap();
+        let (c, _) = s.submit(spec("c", 5, &[])).unwrap();
+        let (d, _) = s.submit(spec("d", -1, &[])).unwrap();
+        let mut w = s.register(reg("w", 1, &[]), true).unwrap();
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let got = assigned(&mut w);
+            assert_eq!(got.len(), 1, "one slot: one assignment at a time");
+            order.push(got[0].clone());
+            s.finished("w", finished_ok(&got[0])).await;
+        }
+        assert_eq!(order, vec![d, b, a, c], "lower priority value first, FIFO within a priority");
+    }
+
+    #[tokio::test]
+    async fn platform_matching_and_unoffered_property() {
+        let s = scheduler(3).await;
+        let mut plain = s.register(reg("plain", 1, &[("OSFamily", "linux")]), true).unwrap();
+        let mut gpu = s.register(reg("gpu", 1, &[("OSFamily", "linux"), ("pool", "gpu")]), true).unwrap();
+        let e = s.submit(spec("x", 0, &[("pool", "tpu")])).unwrap_err();
+        assert!(matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("pool=tpu"), "{e}");
+        let (g, _) = s.submit(spec("g", 0, &[("pool", "gpu")])).unwrap();
+        assert_eq!(assigned(&mut gpu), vec![g]);
+        assert!(assigned(&mut plain).is_empty());
+        let (any, _) = s.submit(spec("any", 0, &[])).unwrap();
+        assert_eq!(assigned(&mut plain), vec![any], "an empty platform runs anywhere");
+    }
+
+    #[tokio::test]
+    async fn identical_actions_in_flight_share_one_execution() {
+        let s = scheduler(3).await;
+        let (n1, mut r1) = s.submit(spec("same", 0, &[])).unwrap();
+        let (n2, mut r2) = s.submit(spec("same", 0, &[])).unwrap();
+        assert_eq!(n1, n2);
+        let mut w = s.register(reg("w", 4, &[]), true).unwrap();
+        assert_eq!(assigned(&mut w).len(), 1, "executed once");
+        s.finished("w", finished_ok(&n1)).await;
+        for r in [&mut r1, &mut r2] {
+            let st = r.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
+            assert_eq!(st.response.unwrap().result.unwrap().exit_code, 0);
+        }
+        // once finished, the same action is a new execution
+        let (n3, _) = s.submit(spec("same", 0, &[])).unwrap();
+        assert_ne!(n3, n1);
+    }
+
+    #[tokio::test]
+    async fn worker_loss_requeues_then_fails_unavailable() {
+        let s = scheduler(1).await;
+        let (n, mut rx) = s.submit(spec("lossy", 0, &[])).unwrap();
+        let mut w1 = s.register(reg("w1", 1, &[]), false).unwrap();
+        assert_eq!(assigned(&mut w1), vec![n.clone()]);
+        s.worker_lost("w1", "test");
+        assert_eq!(rx.borrow_and_update().stage, Stage::Queued, "re-queued after the first loss");
+        let mut w2 = s.register(reg("w2", 1, &[]), false).unwrap();
+        assert_eq!(assigned(&mut w2), vec![n.clone()], "picked up by another worker");
+        s.worker_lost("w2", "test");
+        let st = rx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
+        let status = st.response.unwrap().status.unwrap();
+        assert_eq!(status.code, tonic::Code::Unavailable as i32);
+        assert!(status.message.contains("2 times"), "{}", status.message);
+    }
+
+    #[tokio::test]
+    async fn silent_remote_worker_is_lost_and_its_action_moves() {
+        let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
+        let cfg = SchedulerConfig { heartbeat_timeout: Duration::from_millis(600), ..Default::default() };
+        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new());
+        let mut remote = s.register(reg("remote", 1, &[]), false).unwrap();
+        let (n, _) = s.submit(spec("hb", 0, &[])).unwrap();
+        assert_eq!(assigned(&mut remote), vec![n.clone()]);
+        let mut local = s.register(reg("local", 1, &[]), true).unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(assigned(&mut local), vec![n], "moved after missed heartbeats");
+        assert_eq!(s.worker_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn cancel_queued_and_running() {
+        let s = scheduler(3).await;
+        let (q, mut qrx) = s.submit(spec("queued", 0, &[])).unwrap();
+        s.cancel(&q).unwrap();
+        let st = qrx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
+        assert_eq!(st.response.unwrap().status.unwrap().code, tonic::Code::Cancelled as i32);
+        let mut w = s.register(reg("w", 1, &[]), true).unwrap();
+        assert!(assigned(&mut w).is_empty(), "a cancelled action is not dispatched");
+        let (r, _) = s.submit(spec("running", 0, &[])).unwrap();
+        assert_eq!(assigned(&mut w), vec![r.clone()]);
+        s.cancel(&r).unwrap();
+        let m = w.messages.try_recv().unwrap();
+        assert!(matches!(m.kind, Some(wpb::scheduler_message::Kind::Cancel(c)) if c.job_id == r));
+        assert!(s.delete(&r).is_err(), "running operations cannot be deleted");
+        assert!(s.delete(&q).is_ok());
+        assert!(s.watch(&q).is_none());
+    }
+}

@@ -1,0 +1,159 @@
+//! One assignment, end to end: decode, materialize inputs into a fresh directory, create
+//! output parents, run metered and bounded, upload outputs and logs, clean up. Every
+//! stage is timestamped in ExecutedActionMetadata.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use gantry_core::reapi::{self, ActionResult, ExecutedActionMetadata};
+use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
+use gantry_proto::worker::v1 as wpb;
+use gantry_store::FsStore;
+use prost::Message;
+
+use crate::materialize::Materializer;
+use crate::outputs::{Declared, Uploader};
+use crate::process::{self, Ending};
+
+pub struct Executor {
+    pub worker_id: String,
+    pub cas: Arc<dyn BlobStore>,
+    pub cache: Arc<FsStore>,
+    /// Each action runs in `{work_root}/{job}`; removed afterwards.
+    pub work_root: PathBuf,
+    pub metering: &'static str,
+}
+
+fn ts() -> gantry_core::google::protobuf::Timestamp {
+    let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    gantry_core::google::protobuf::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
+}
+
+fn safe_relative(p: &str, what: &str) -> Result<()> {
+    if p.starts_with('/') || p.split('/').any(|s| s == "..") {
+        return Err(Error::invalid(format!("{what} '{p}' must be a relative path inside the input root")));
+    }
+    Ok(())
+}
+
+impl Executor {
+    /// Runs the assignment; never fails, because every failure is reported to the client
+    /// as an ExecutionFinished with a status.
+    pub async fn execute(&self, a: wpb::Assignment, cancel: impl std::future::Future<Output = ()>) -> wpb::ExecutionFinished {
+        let job_id = a.job_id.clone();
+        let dir = self.work_root.join(job_id.replace('/', "_"));
+        let res = self.execute_in(&a, &dir, cancel).await;
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                // Make read-only inputs removable, then try again.
+                let _ = std::process::Command::new("chmod").args(["-R", "u+w"]).arg(&dir).status();
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+        match res {
+            Ok(f) => f,
+            Err(e) => wpb::ExecutionFinished {
+                job_id,
+                action_result: None,
+                status_code: e.code() as i32,
+                status_message: e.to_string(),
+                metering: None,
+                message: format!("worker {}: {e}", self.worker_id),
+            },
+        }
+    }
+
+    async fn execute_in(
+        &self,
+        a: &wpb::Assignment,
+        dir: &std::path::Path,
+        cancel: impl std::future::Future<Output = ()>,
+    ) -> Result<wpb::ExecutionFinished> {
+        let mut md = ExecutedActionMetadata { worker: self.worker_id.clone(), worker_start_timestamp: Some(ts()), ..Default::default() };
+        let f = DigestFunction::from_proto(a.digest_function)?;
+        let action = reapi::Action::decode(a.action.as_slice()).map_err(|e| Error::invalid(format!("action: {e}")))?;
+        let command = reapi::Command::decode(a.command.as_slice()).map_err(|e| Error::invalid(format!("command: {e}")))?;
+        let input_root = Digest::from_proto(f, action.input_root_digest.as_ref(), "action.input_root_digest")?;
+        if command.arguments.is_empty() {
+            return Err(Error::invalid("command.arguments: empty"));
+        }
+        safe_relative(&command.working_directory, "working_directory")?;
+        #[allow(deprecated)]
+        let declared = Declared { files: &command.output_files, directories: &command.output_directories, paths: &command.output_paths };
+        for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
+            safe_relative(p, "output path")?;
+        }
+        let _ = std::fs::remove_dir_all(dir);
+        let exec_root = dir.join("root");
+        std::fs::create_dir_all(&exec_root).context(format_args!("creating {}", exec_root.display()))?;
+
+        md.input_fetch_start_timestamp = Some(ts());
+        let materializer = Materializer { cas: self.cas.clone(), cache: self.cache.clone() };
+        materializer.materialize(f, input_root, &exec_root).await?;
+        md.input_fetch_completed_timestamp = Some(ts());
+
+        let cwd = exec_root.join(&command.working_directory);
+        std::fs::create_dir_all(&cwd).context("creating the working directory")?;
+        for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
+            if let Some(parent) = cwd.join(p).parent() {
+                std::fs::create_dir_all(parent).context(format_args!("creating the parent of output {p}"))?;
+            }
+        }
+        let env: Vec<(String, String)> =
+            command.environment_variables.iter().map(|e| (e.name.clone(), e.value.clone())).collect();
+        let (stdout, stderr) = (dir.join("stdout"), dir.join("stderr"));
+        let timeout = Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms });
+        md.execution_start_timestamp = Some(ts());
+        let outcome = process::run(
+            process::Spec { args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
+            cancel,
+        )
+        .await?;
+        md.execution_completed_timestamp = Some(ts());
+
+        md.output_upload_start_timestamp = Some(ts());
+        let up = Uploader { cas: self.cas.clone(), function: f };
+        let mut result = ActionResult::default();
+        result.stdout_digest = Some(up.upload_file(&stdout).await?.to_proto());
+        result.stderr_digest = Some(up.upload_file(&stderr).await?.to_proto());
+        // A timed-out action still reports whatever outputs it produced.
+        up.collect(&cwd, &declared, &mut result).await?;
+        md.output_upload_completed_timestamp = Some(ts());
+        md.worker_completed_timestamp = Some(ts());
+
+        let (code, message) = match outcome.ending {
+            Ending::Exited(c) => {
+                result.exit_code = c;
+                (0, String::new())
+            }
+            Ending::Signaled(sig) => {
+                result.exit_code = 128 + sig;
+                (0, format!("killed by signal {sig}"))
+            }
+            Ending::TimedOut => {
+                result.exit_code = -1;
+                (tonic::Code::DeadlineExceeded as i32, format!("timed out after {timeout:?}"))
+            }
+            Ending::Cancelled => {
+                result.exit_code = -1;
+                (tonic::Code::Cancelled as i32, "cancelled".to_string())
+            }
+        };
+        result.execution_metadata = Some(md);
+        Ok(wpb::ExecutionFinished {
+            job_id: a.job_id.clone(),
+            action_result: Some(result.encode_to_vec()),
+            status_code: code,
+            status_message: message.clone(),
+            metering: Some(wpb::Metering {
+                peak_memory_bytes: outcome.peak_memory_bytes,
+                user_cpu_seconds: outcome.user_cpu_seconds,
+                system_cpu_seconds: outcome.system_cpu_seconds,
+                wall_seconds: outcome.wall_seconds,
+                method: self.metering.to_string(),
+            }),
+            message,
+        })
+    }
+}

@@ -1,0 +1,146 @@
+//! Materializing an input root: the Directory tree is read from the CAS, every file is
+//! brought into the worker's local cache once, then hard-linked into the action's fresh
+//! directory (executables are copied, since a hard link shares permission bits with the
+//! cache file). Names are validated so a malicious tree cannot escape the directory.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt};
+use gantry_core::reapi::Directory;
+use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
+use gantry_store::FsStore;
+use prost::Message;
+
+/// Files fetched into the cache at once.
+const FETCH_CONCURRENCY: usize = 8;
+
+pub struct Materializer {
+    pub cas: Arc<dyn BlobStore>,
+    pub cache: Arc<FsStore>,
+}
+
+struct FileEntry {
+    path: PathBuf,
+    digest: Digest,
+    executable: bool,
+}
+
+fn check_name(name: &str, what: &str) -> Result<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
+        return Err(Error::invalid(format!("input tree: invalid {what} name '{name}'")));
+    }
+    Ok(())
+}
+
+impl Materializer {
+    /// Creates the input tree under `root` (which must exist). Returns the number of
+    /// files and bytes materialized.
+    pub async fn materialize(&self, f: DigestFunction, input_root: Digest, root: &Path) -> Result<(usize, u64)> {
+        let mut files = Vec::new();
+        let mut symlinks = Vec::new();
+        let mut queue = VecDeque::from([(input_root, root.to_path_buf())]);
+        let mut fetched: HashMap<Digest, Directory> = HashMap::new();
+        while let Some((d, path)) = queue.pop_front() {
+            let dir = match fetched.get(&d) {
+                Some(dir) => dir.clone(),
+                None => {
+                    let bytes = self.cas.get(&d).await.map_err(|e| {
+                        if e.is_not_found() {
+                            Error::FailedPrecondition(format!("input directory {d} is not in the CAS"))
+                        } else {
+                            e
+                        }
+                    })?;
+                    let dir = Directory::decode(bytes)
+                        .map_err(|e| Error::invalid(format!("input directory {d} does not decode: {e}")))?;
+                    fetched.insert(d, dir.clone());
+                    dir
+                }
+            };
+            std::fs::create_dir_all(&path).context(format_args!("creating {}", path.display()))?;
+            for file in &dir.files {
+                check_name(&file.name, "file")?;
+                files.push(FileEntry {
+                    path: path.join(&file.name),
+                    digest: Digest::from_proto(f, file.digest.as_ref(), &format!("file {}", file.name))?,
+                    executable: file.is_executable,
+                });
+            }
+            for sub in &dir.directories {
+                check_name(&sub.name, "directory")?;
+                queue.push_back((Digest::from_proto(f, sub.digest.as_ref(), &format!("directory {}", sub.name))?, path.join(&sub.name)));
+            }
+            for link in &dir.symlinks {
+                check_name(&link.name, "symlink")?;
+                symlinks.push((path.join(&link.name), link.target.clone()));
+            }
+        }
+        self.fill_cache(&files).await?;
+        let bytes: u64 = files.iter().map(|e| e.digest.size).sum();
+        let count = files.len();
+        let cache = self.cache.clone();
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            for e in &files {
+                let src = cache
+                    .path_of(&e.digest)
+                    .ok_or_else(|| Error::internal(format!("input {} vanished from the worker cache", e.digest)))?;
+                place(&src, &e.path, e.executable)?;
+            }
+            for (path, target) in &symlinks {
+                std::os::unix::fs::symlink(target, path).context(format_args!("creating symlink {}", path.display()))?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::internal(format!("materialize task: {e}")))??;
+        Ok((count, bytes))
+    }
+
+    /// Brings every missing input into the local cache, a few at a time.
+    async fn fill_cache(&self, files: &[FileEntry]) -> Result<()> {
+        let mut unique: Vec<Digest> = files.iter().map(|e| e.digest).collect();
+        unique.sort();
+        unique.dedup();
+        let present = self.cache.find_present(&unique).await?;
+        let missing: Vec<Digest> = unique.into_iter().zip(present).filter(|(_, p)| !p).map(|(d, _)| d).collect();
+        futures::stream::iter(missing)
+            .map(|d| async move {
+                let mut src = self.cas.read(&d, 0, None).await.map_err(|e| {
+                    if e.is_not_found() { Error::FailedPrecondition(format!("input file {d} is not in the CAS")) } else { e }
+                })?;
+                let mut w = self.cache.begin_write(&d).await?;
+                while let Some(chunk) = src.next().await {
+                    w.write(chunk?).await?;
+                }
+                w.commit().await?;
+                // Cache files are shared by hard links: make accidental writes fail.
+                if let Some(p) = self.cache.path_of(&d) {
+                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444));
+                }
+                Ok::<(), Error>(())
+            })
+            .buffer_unordered(FETCH_CONCURRENCY)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+}
+
+fn place(src: &Path, dest: &Path, executable: bool) -> Result<()> {
+    if executable {
+        std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
+        std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o555))
+            .context(format_args!("chmod {}", dest.display()))?;
+        return Ok(());
+    }
+    if std::fs::hard_link(src, dest).is_err() {
+        // Different filesystem, or link limits: a copy is always correct.
+        std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
+        std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o444))
+            .context(format_args!("chmod {}", dest.display()))?;
+    }
+    Ok(())
+}

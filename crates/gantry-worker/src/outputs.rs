@@ -1,0 +1,208 @@
+//! Collecting an action's outputs: files (with their executable bit), directories as
+//! Tree messages, symlinks as symlinks; every blob is uploaded to the CAS unless it is
+//! there already.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use gantry_core::reapi::{
+    ActionResult, Directory, DirectoryNode, FileNode, OutputDirectory, OutputFile, OutputSymlink, SymlinkNode, Tree,
+};
+use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
+use prost::Message;
+
+const UPLOAD_CHUNK: usize = 1 << 20;
+
+pub struct Uploader {
+    pub cas: Arc<dyn BlobStore>,
+    pub function: DigestFunction,
+}
+
+/// What the command declared as outputs, relative to its working directory.
+pub struct Declared<'a> {
+    pub files: &'a [String],
+    pub directories: &'a [String],
+    /// REAPI v2.1 `output_paths`: the type is whatever the command produced.
+    pub paths: &'a [String],
+}
+
+impl Uploader {
+    /// Digests a file and uploads it if the CAS lacks it.
+    pub async fn upload_file(&self, path: &Path) -> Result<Digest> {
+        let p = path.to_owned();
+        let f = self.function;
+        let (digest, small) = tokio::task::spawn_blocking(move || -> Result<(Digest, Option<Vec<u8>>)> {
+            use std::io::Read;
+            let mut file = std::fs::File::open(&p).context(format_args!("opening output {}", p.display()))?;
+            let mut h = f.hasher();
+            let mut buf = vec![0u8; UPLOAD_CHUNK];
+            let mut first = Vec::new();
+            loop {
+                let n = file.read(&mut buf).context(format_args!("reading {}", p.display()))?;
+                if n == 0 {
+                    break;
+                }
+                h.update(&buf[..n]);
+                if first.len() < UPLOAD_CHUNK {
+                    first.extend_from_slice(&buf[..n]);
+                }
+            }
+            let d = h.finish();
+            // Small files are uploaded from memory; large ones are streamed again.
+            let small = (d.size as usize <= UPLOAD_CHUNK).then_some(first);
+            Ok((d, small))
+        })
+        .await
+        .map_err(|e| Error::internal(format!("hash task: {e}")))??;
+        if self.cas.has(&digest).await? {
+            return Ok(digest);
+        }
+        match small {
+            Some(data) => self.cas.put(&digest, Bytes::from(data)).await?,
+            None => {
+                let mut w = self.cas.begin_write(&digest).await?;
+                let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes>>(2);
+                let p = path.to_owned();
+                let reader = tokio::task::spawn_blocking(move || {
+                    use std::io::Read;
+                    let mut file = match std::fs::File::open(&p) {
+                        Ok(f) => f,
+                        Err(e) => {
+                            let _ = tx.blocking_send(Err(Error::io(format!("opening {}", p.display()), e)));
+                            return;
+                        }
+                    };
+                    loop {
+                        let mut buf = vec![0u8; UPLOAD_CHUNK];
+                        match file.read(&mut buf) {
+                            Ok(0) => return,
+                            Ok(n) => {
+                                buf.truncate(n);
+                                if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                                    return;
+                                }
+                            }
+                            Err(e) => {
+                                let _ = tx.blocking_send(Err(Error::io(format!("reading {}", p.display()), e)));
+                                return;
+                            }
+                        }
+                    }
+                });
+                while let Some(chunk) = rx.recv().await {
+                    w.write(chunk?).await?;
+                }
+                reader.await.map_err(|e| Error::internal(format!("read task: {e}")))?;
+                w.commit().await?;
+            }
+        }
+        Ok(digest)
+    }
+
+    async fn upload_bytes(&self, data: Vec<u8>) -> Result<Digest> {
+        let d = self.function.digest_of(&data);
+        if !self.cas.has(&d).await? {
+            self.cas.put(&d, Bytes::from(data)).await?;
+        }
+        Ok(d)
+    }
+
+    /// Builds (and uploads) the Directory for `dir`, adding every descendant to
+    /// `children`.
+    fn directory<'a>(
+        &'a self,
+        dir: &'a Path,
+        children: &'a mut BTreeMap<Digest, Directory>,
+    ) -> futures::future::BoxFuture<'a, Result<Directory>> {
+        Box::pin(async move {
+            let mut entries: Vec<_> = std::fs::read_dir(dir)
+                .context(format_args!("listing output directory {}", dir.display()))?
+                .collect::<std::io::Result<Vec<_>>>()
+                .context(format_args!("listing {}", dir.display()))?;
+            entries.sort_by_key(|e| e.file_name());
+            let mut out = Directory::default();
+            for e in entries {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let path = e.path();
+                let meta = std::fs::symlink_metadata(&path).context(format_args!("stat {}", path.display()))?;
+                if meta.file_type().is_symlink() {
+                    let target = std::fs::read_link(&path).context(format_args!("readlink {}", path.display()))?;
+                    out.symlinks.push(SymlinkNode { name, target: target.to_string_lossy().into_owned(), ..Default::default() });
+                } else if meta.is_dir() {
+                    let sub = self.directory(&path, children).await?;
+                    let bytes = sub.encode_to_vec();
+                    let d = self.function.digest_of(&bytes);
+                    children.insert(d, sub);
+                    out.directories.push(DirectoryNode { name, digest: Some(d.to_proto()) });
+                } else {
+                    let d = self.upload_file(&path).await?;
+                    out.files.push(FileNode {
+                        name,
+                        digest: Some(d.to_proto()),
+                        is_executable: meta.permissions().mode() & 0o111 != 0,
+                        ..Default::default()
+                    });
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Uploads every declared output that exists and records it in `result`.
+    pub async fn collect(&self, cwd: &Path, declared: &Declared<'_>, result: &mut ActionResult) -> Result<()> {
+        let mut all: Vec<(&String, Option<bool>)> = Vec::new();
+        all.extend(declared.files.iter().map(|p| (p, Some(false))));
+        all.extend(declared.directories.iter().map(|p| (p, Some(true))));
+        all.extend(declared.paths.iter().map(|p| (p, None)));
+        all.sort();
+        all.dedup_by(|a, b| a.0 == b.0);
+        for (rel, expect_dir) in all {
+            let path = cwd.join(rel);
+            let meta = match std::fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue, // not produced
+                Err(e) => return Err(Error::io(format!("stat output {rel}"), e)),
+            };
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&path).context(format_args!("readlink {rel}"))?.to_string_lossy().into_owned();
+                let link = OutputSymlink { path: rel.clone(), target, ..Default::default() };
+                let points_to_dir = std::fs::metadata(&path).map(|m| m.is_dir()).unwrap_or(false);
+                #[allow(deprecated)]
+                if points_to_dir {
+                    result.output_directory_symlinks.push(link.clone());
+                } else {
+                    result.output_file_symlinks.push(link.clone());
+                }
+                result.output_symlinks.push(link);
+            } else if meta.is_dir() {
+                if expect_dir == Some(false) {
+                    return Err(Error::FailedPrecondition(format!("output file {rel} is a directory")));
+                }
+                let mut children = BTreeMap::new();
+                let root = self.directory(&path, &mut children).await?;
+                let tree = Tree { root: Some(root), children: children.into_values().collect() };
+                let tree_digest = self.upload_bytes(tree.encode_to_vec()).await?;
+                result.output_directories.push(OutputDirectory {
+                    path: rel.clone(),
+                    tree_digest: Some(tree_digest.to_proto()),
+                    ..Default::default()
+                });
+            } else {
+                if expect_dir == Some(true) {
+                    return Err(Error::FailedPrecondition(format!("output directory {rel} is a file")));
+                }
+                let d = self.upload_file(&path).await?;
+                result.output_files.push(OutputFile {
+                    path: rel.clone(),
+                    digest: Some(d.to_proto()),
+                    is_executable: meta.permissions().mode() & 0o111 != 0,
+                    ..Default::default()
+                });
+            }
+        }
+        Ok(())
+    }
+}

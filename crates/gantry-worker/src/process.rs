@@ -1,0 +1,195 @@
+//! Running one command: its own process group (so a timeout or cancel kills everything it
+//! started), stdout/stderr to files, and `wait4` on its pid for the rusage of the process
+//! and the descendants it reaped: peak RSS of the largest of them, user and system CPU.
+//!
+//! cgroup v2 would measure the whole tree's peak, but needs a delegated cgroup2
+//! hierarchy; `metering_method()` says which one this machine allows.
+
+use std::fs::File;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use gantry_core::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Exited(i32),
+    /// Killed by a signal (not by us).
+    Signaled(i32),
+    TimedOut,
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    pub ending: Ending,
+    pub peak_memory_bytes: u64,
+    pub user_cpu_seconds: f64,
+    pub system_cpu_seconds: f64,
+    pub wall_seconds: f64,
+}
+
+/// "cgroup-v2" if this machine has a writable cgroup2 hierarchy with the memory
+/// controller, else "rusage".
+pub fn metering_method() -> &'static str {
+    let is_cgroup2 = std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|m| m.lines().any(|l| l.contains(" /sys/fs/cgroup ") && l.contains(" - cgroup2 ")))
+        .unwrap_or(false);
+    let has_memory = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+        .map(|c| c.split_whitespace().any(|x| x == "memory"))
+        .unwrap_or(false);
+    if is_cgroup2 && has_memory { "cgroup-v2" } else { "rusage" }
+}
+
+pub struct Spec<'a> {
+    pub args: &'a [String],
+    pub env: &'a [(String, String)],
+    pub cwd: &'a Path,
+    pub stdout: &'a Path,
+    pub stderr: &'a Path,
+    pub timeout: Duration,
+}
+
+fn kill_group(pgid: i32) {
+    // SAFETY: kill(2) with a negative pid signals the process group; no memory is touched.
+    unsafe {
+        libc::kill(-pgid, libc::SIGKILL);
+    }
+}
+
+/// Runs the command to completion, timeout or cancellation.
+pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) -> Result<RunOutcome> {
+    let program = &spec.args[0];
+    // A relative program path with a slash is relative to the action's working directory.
+    let program_path = if program.contains('/') && !program.starts_with('/') {
+        spec.cwd.join(program).into_os_string()
+    } else {
+        program.into()
+    };
+    let mut cmd = std::process::Command::new(&program_path);
+    cmd.args(&spec.args[1..])
+        .env_clear()
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(spec.cwd)
+        .stdin(Stdio::null())
+        .stdout(File::create(spec.stdout).map_err(|e| Error::io("creating stdout file", e))?)
+        .stderr(File::create(spec.stderr).map_err(|e| Error::io("creating stderr file", e))?)
+        .process_group(0);
+    let start = Instant::now();
+    let child = cmd
+        .spawn()
+        .map_err(|e| Error::FailedPrecondition(format!("could not start {}: {e}", program_path.to_string_lossy())))?;
+    let pid = child.id() as i32;
+    // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
+    drop(child);
+    let mut wait = tokio::task::spawn_blocking(move || {
+        let mut status = 0;
+        // SAFETY: rusage is plain old data; wait4 fills it in.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: waiting on our own child pid with valid out-pointers.
+            let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+            if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return (r, status, ru);
+        }
+    });
+    tokio::pin!(cancel);
+    let mut forced = None;
+    let (r, status, ru) = tokio::select! {
+        res = &mut wait => res.map_err(|e| Error::internal(format!("wait task: {e}")))?,
+        _ = tokio::time::sleep(spec.timeout) => {
+            kill_group(pid);
+            forced = Some(Ending::TimedOut);
+            wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
+        }
+        _ = &mut cancel => {
+            kill_group(pid);
+            forced = Some(Ending::Cancelled);
+            wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
+        }
+    };
+    // Whatever the command left running in its group goes with it.
+    kill_group(pid);
+    if r == -1 {
+        return Err(Error::internal(format!("wait4({pid}): {}", std::io::Error::last_os_error())));
+    }
+    let ending = forced.unwrap_or(if libc::WIFEXITED(status) {
+        Ending::Exited(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        Ending::Signaled(libc::WTERMSIG(status))
+    } else {
+        Ending::Exited(-1)
+    });
+    let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    Ok(RunOutcome {
+        ending,
+        // Linux reports ru_maxrss in KiB.
+        peak_memory_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
+        user_cpu_seconds: secs(ru.ru_utime),
+        system_cpu_seconds: secs(ru.ru_stime),
+        wall_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec<'a>(dir: &'a Path, args: &'a [String], timeout: Duration) -> Spec<'a> {
+        Spec { args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
+    }
+
+    fn sh(script: &str) -> Vec<String> {
+        vec!["/bin/sh".into(), "-c".into(), script.into()]
+    }
+
+    #[tokio::test]
+    async fn exit_code_output_and_metering() {
+        let d = tempfile::tempdir().unwrap();
+        // allocate ~50 MB in a child process so the peak is clearly above a shell's
+        let args = sh("echo hello; echo oops >&2; head -c 50000000 /dev/zero | python3 -c 'import sys; d=sys.stdin.buffer.read(); print(len(d))'; exit 3");
+        let out = run(spec(d.path(), &args, Duration::from_secs(30)), std::future::pending()).await.unwrap();
+        assert_eq!(out.ending, Ending::Exited(3));
+        let stdout = std::fs::read_to_string(d.path().join("out")).unwrap();
+        assert_eq!(stdout, "hello\n50000000\n");
+        assert_eq!(std::fs::read_to_string(d.path().join("err")).unwrap(), "oops\n");
+        assert!(out.peak_memory_bytes > 45_000_000, "peak {}", out.peak_memory_bytes);
+        assert!(out.user_cpu_seconds + out.system_cpu_seconds > 0.0);
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_whole_group() {
+        let d = tempfile::tempdir().unwrap();
+        let marker = d.path().join("grandchild-alive");
+        // The grandchild would write the marker after 2 s unless the group is killed.
+        let script = format!("(sleep 2; touch {}) & sleep 30", marker.display());
+        let args = sh(&script);
+        let start = Instant::now();
+        let out = run(spec(d.path(), &args, Duration::from_millis(300)), std::future::pending()).await.unwrap();
+        assert_eq!(out.ending, Ending::TimedOut);
+        assert!(start.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(!marker.exists(), "the background grandchild was killed with the group");
+    }
+
+    #[tokio::test]
+    async fn cancel_kills_and_reports_cancelled() {
+        let d = tempfile::tempdir().unwrap();
+        let args = sh("sleep 30");
+        let out = run(spec(d.path(), &args, Duration::from_secs(60)), tokio::time::sleep(Duration::from_millis(200))).await.unwrap();
+        assert_eq!(out.ending, Ending::Cancelled);
+        assert!(out.wall_seconds < 5.0);
+    }
+
+    #[tokio::test]
+    async fn missing_program_is_a_clear_error() {
+        let d = tempfile::tempdir().unwrap();
+        let args = vec!["./no-such-tool".to_string()];
+        let e = run(spec(d.path(), &args, Duration::from_secs(5)), std::future::pending()).await.unwrap_err();
+        assert!(e.to_string().contains("no-such-tool"), "{e}");
+    }
+}

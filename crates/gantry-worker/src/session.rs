@@ -1,0 +1,54 @@
+//! The worker loop: assignments arrive, each runs in its own task, and started/finished
+//! reports go back; a cancellation kills the matching process group.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use gantry_proto::worker::v1 as wpb;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::Executor;
+
+/// Serves assignments until the scheduler side closes `messages`.
+pub async fn run_worker(
+    mut messages: mpsc::UnboundedReceiver<wpb::SchedulerMessage>,
+    reports: mpsc::UnboundedSender<wpb::WorkerMessage>,
+    executor: Arc<Executor>,
+) {
+    let cancels: Arc<Mutex<HashMap<String, oneshot::Sender<()>>>> = Arc::default();
+    let mut tasks = tokio::task::JoinSet::new();
+    while let Some(m) = messages.recv().await {
+        match m.kind {
+            Some(wpb::scheduler_message::Kind::Assignment(a)) => {
+                let (ctx, crx) = oneshot::channel();
+                cancels.lock().expect("poisoned").insert(a.job_id.clone(), ctx);
+                let (exec, reports, cancels) = (executor.clone(), reports.clone(), cancels.clone());
+                tasks.spawn(async move {
+                    let job = a.job_id.clone();
+                    let _ = reports.send(wpb::WorkerMessage {
+                        kind: Some(wpb::worker_message::Kind::Started(wpb::ExecutionStarted { job_id: job.clone() })),
+                    });
+                    let cancel = async move {
+                        // A dropped sender (job finished) must not count as a cancel.
+                        if crx.await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    };
+                    let finished = exec.execute(a, cancel).await;
+                    cancels.lock().expect("poisoned").remove(&job);
+                    let _ = reports.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Finished(finished)) });
+                });
+            }
+            Some(wpb::scheduler_message::Kind::Cancel(c)) => {
+                if let Some(tx) = cancels.lock().expect("poisoned").remove(&c.job_id) {
+                    let _ = tx.send(());
+                }
+            }
+            None => {}
+        }
+        while tasks.try_join_next().is_some() {}
+    }
+    // The scheduler is gone: running actions are abandoned (the JoinSet aborts them,
+    // and with them their process groups' waits; the scheduler re-queues the actions).
+    tasks.shutdown().await;
+}
