@@ -36,6 +36,56 @@ pub struct Config {
     pub action_cache: ActionCacheConfig,
     /// The target batching service (`gantry.batch.v1.Batcher`).
     pub batch: BatchConfig,
+    /// Remote execution: the scheduler and the in-process workers.
+    pub execution: ExecutionConfig,
+}
+
+/// `[execution]`: remote execution. `gantry serve` always runs the scheduler (separate
+/// `gantry worker` processes can connect to it) and starts in-process workers.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecutionConfig {
+    /// In-process workers (one action each at a time). Default: the number of cores.
+    /// 0 runs no local workers, only separate `gantry worker` processes.
+    pub workers: Option<usize>,
+    /// Platform properties of the in-process workers, on top of OSFamily=linux and
+    /// ISA=x86-64 which every worker offers.
+    pub properties: std::collections::BTreeMap<String, String>,
+    /// Where workers run actions and keep their input cache. Default `{data_dir}/workers`.
+    pub work_dir: Option<PathBuf>,
+    /// Size of the workers' local input cache. Default "10GiB".
+    pub cache_max_size: ByteSize,
+    /// Times an action may lose its worker (crash, network) before it fails with
+    /// UNAVAILABLE. Default 3.
+    pub max_worker_losses: u32,
+    /// A separate worker silent this long is considered lost. Default "15s".
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_timeout: Duration,
+    /// Timeout of actions that ask for none. Default "1h".
+    #[serde(with = "humantime_serde")]
+    pub default_timeout: Duration,
+    /// Upper bound on any action's timeout. Default "3h".
+    #[serde(with = "humantime_serde")]
+    pub max_timeout: Duration,
+    /// Finished operations stay visible to GetOperation/WaitExecution this long. Default "10m".
+    #[serde(with = "humantime_serde")]
+    pub completed_retention: Duration,
+}
+
+impl Default for ExecutionConfig {
+    fn default() -> Self {
+        ExecutionConfig {
+            workers: None,
+            properties: Default::default(),
+            work_dir: None,
+            cache_max_size: ByteSize::gib(10),
+            max_worker_losses: 3,
+            heartbeat_timeout: Duration::from_secs(15),
+            default_timeout: Duration::from_secs(3600),
+            max_timeout: Duration::from_secs(3 * 3600),
+            completed_retention: Duration::from_secs(600),
+        }
+    }
 }
 
 /// `[server]`: listeners, data directory and protocol limits.
@@ -205,6 +255,11 @@ impl Default for BatchConfig {
 }
 
 impl Config {
+    /// Directory of the workers, resolved against `data_dir`.
+    pub fn worker_dir(&self) -> PathBuf {
+        self.execution.work_dir.clone().unwrap_or_else(|| self.server.data_dir.join("workers"))
+    }
+
     /// Directory of the batching models, resolved against `data_dir`.
     pub fn batch_model_dir(&self) -> PathBuf {
         self.batch.model_dir.clone().unwrap_or_else(|| self.server.data_dir.join("models"))

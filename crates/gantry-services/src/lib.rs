@@ -24,7 +24,10 @@ use gantry_core::reapi::capabilities_server::CapabilitiesServer;
 use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorageServer;
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{ActionCache, BlobStore, Error, Result};
+use gantry_core::google::longrunning::operations_server::OperationsServer;
+use gantry_core::reapi::execution_server::ExecutionServer;
 use gantry_proto::batch::v1::batcher_server::BatcherServer;
+use gantry_proto::worker::v1::worker_service_server::WorkerServiceServer;
 use tokio::net::TcpListener;
 use tonic::codec::CompressionEncoding;
 
@@ -50,6 +53,8 @@ pub struct Services {
     pub metrics: Arc<Metrics>,
     pub limits: Limits,
     pub batcher: Arc<batcher::BatcherService>,
+    /// Remote execution, when a scheduler is attached.
+    pub scheduler: Option<Arc<gantry_execution::Scheduler>>,
 }
 
 impl Services {
@@ -67,7 +72,13 @@ impl Services {
         batcher: batcher::BatcherService,
     ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher) }
+        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None }
+    }
+
+    /// Adds remote execution: Execution, Operations and the worker endpoint.
+    pub fn with_scheduler(mut self, scheduler: Arc<gantry_execution::Scheduler>) -> Self {
+        self.scheduler = Some(scheduler);
+        self
     }
 
     /// Every gRPC service on one router, behind the metrics layer.
@@ -98,11 +109,43 @@ impl Services {
         ))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
+        let exec_caps = self.scheduler.as_ref().map(|_| gantry_core::reapi::ExecutionCapabilities {
+            digest_function: gantry_core::reapi::digest_function::Value::Sha256 as i32,
+            exec_enabled: true,
+            execution_priority_capabilities: Some(gantry_core::reapi::PriorityCapabilities {
+                priorities: vec![gantry_core::reapi::priority_capabilities::PriorityRange {
+                    min_priority: i32::MIN,
+                    max_priority: i32::MAX,
+                }],
+            }),
+            supported_node_properties: vec![],
+            digest_functions: gantry_core::DigestFunction::ALL.iter().map(|f| f.to_proto()).collect(),
+            ..Default::default()
+        });
         let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(
             self.limits.max_batch_size,
             self.cas.usage().max_bytes,
-            None,
+            exec_caps,
         ));
+        let (exec, ops, workers) = match &self.scheduler {
+            Some(s) => (
+                Some(
+                    ExecutionServer::new(gantry_execution::operations::ExecutionService::new(
+                        s.clone(),
+                        self.cas.clone(),
+                        self.ac.clone(),
+                    ))
+                    .max_encoding_message_size(max_msg),
+                ),
+                Some(OperationsServer::new(gantry_execution::operations::OperationsService::new(s.clone()))),
+                Some(
+                    WorkerServiceServer::new(gantry_execution::worker_service::WorkerService::new(s.clone()))
+                        .max_decoding_message_size(max_msg)
+                        .max_encoding_message_size(max_msg),
+                ),
+            ),
+            None => (None, None, None),
+        };
         tonic::transport::Server::builder()
             // h2's default 64 KiB windows cap an upload at one window per round trip;
             // large windows let a client stream a 64 MiB blob at memory speed.
@@ -118,6 +161,9 @@ impl Services {
             .add_service(bs)
             .add_service(ac)
             .add_service(BatcherServer::from_arc(self.batcher.clone()))
+            .add_optional_service(exec)
+            .add_optional_service(ops)
+            .add_optional_service(workers)
     }
 
     /// `/metrics` (Prometheus text format) and `/healthz`.

@@ -37,3 +37,14 @@ pub async fn build_action_cache(config: &Config, cas: Arc<dyn BlobStore>) -> Res
         }
     }
 }
+
+/// The execution log, in the same database as the action cache.
+pub async fn build_execution_log(config: &Config) -> Result<Arc<dyn gantry_core::ExecutionLog>> {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => {
+            let url = config.action_cache_url(sql);
+            let log = crate::SqlExecutionLog::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
+            Ok(Arc::new(log))
+        }
+    }
+}

@@ -22,7 +22,7 @@ pub mod sql_action_cache;
 pub mod sql_execution_log;
 
 pub use completeness_check::CompletenessCheckingActionCache;
-pub use factory::{build_action_cache, build_cas};
+pub use factory::{build_action_cache, build_cas, build_execution_log};
 pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;

@@ -23,6 +23,8 @@ pub struct Executor {
     /// Each action runs in `{work_root}/{job}`; removed afterwards.
     pub work_root: PathBuf,
     pub metering: &'static str,
+    /// The gantry binary, used as the metering trampoline (see meter.rs).
+    pub meter: Option<PathBuf>,
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -106,7 +108,7 @@ impl Executor {
         let timeout = Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms });
         md.execution_start_timestamp = Some(ts());
         let outcome = process::run(
-            process::Spec { args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
+            process::Spec { meter: self.meter.as_deref(), args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
             cancel,
         )
         .await?;

@@ -6,6 +6,7 @@
 
 pub mod executor;
 pub mod materialize;
+pub mod meter;
 pub mod outputs;
 pub mod process;
 pub mod remote;

@@ -44,6 +44,9 @@ pub fn metering_method() -> &'static str {
 }
 
 pub struct Spec<'a> {
+    /// A binary that understands `__meter` (gantry itself); without it the command is
+    /// spawned directly and its peak memory includes this process's (see meter.rs).
+    pub meter: Option<&'a Path>,
     pub args: &'a [String],
     pub env: &'a [(String, String)],
     pub cwd: &'a Path,
@@ -68,9 +71,22 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     } else {
         program.into()
     };
-    let mut cmd = std::process::Command::new(&program_path);
-    cmd.args(&spec.args[1..])
-        .env_clear()
+    let result_file = spec.stdout.with_extension("meter");
+    let mut cmd = match spec.meter {
+        Some(meter) => {
+            // Resolve the program now: the trampoline does no PATH magic of its own
+            // beyond what the action's environment gives it.
+            let mut c = std::process::Command::new(meter);
+            c.arg(crate::meter::SUBCOMMAND).arg(&result_file).arg("--").arg(&program_path).args(&spec.args[1..]);
+            c
+        }
+        None => {
+            let mut c = std::process::Command::new(&program_path);
+            c.args(&spec.args[1..]);
+            c
+        }
+    };
+    cmd.env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .current_dir(spec.cwd)
         .stdin(Stdio::null())
@@ -125,12 +141,22 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         Ending::Exited(-1)
     });
     let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    let (mut peak, mut user, mut sys) = (ru.ru_maxrss.max(0) as u64 * 1024, secs(ru.ru_utime), secs(ru.ru_stime));
+    if spec.meter.is_some() {
+        // The trampoline's own numbers are polluted the same way; its report on the
+        // command is not. Killed before it could report: memory unknown (0), CPU kept.
+        match crate::meter::read_result(&result_file) {
+            Some((p, u, s)) => (peak, user, sys) = (p, u, s),
+            None => peak = 0,
+        }
+        let _ = std::fs::remove_file(&result_file);
+    }
     Ok(RunOutcome {
         ending,
         // Linux reports ru_maxrss in KiB.
-        peak_memory_bytes: ru.ru_maxrss.max(0) as u64 * 1024,
-        user_cpu_seconds: secs(ru.ru_utime),
-        system_cpu_seconds: secs(ru.ru_stime),
+        peak_memory_bytes: peak,
+        user_cpu_seconds: user,
+        system_cpu_seconds: sys,
         wall_seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -140,7 +166,7 @@ mod tests {
     use super::*;
 
     fn spec<'a>(dir: &'a Path, args: &'a [String], timeout: Duration) -> Spec<'a> {
-        Spec { args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
+        Spec { meter: None, args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
     }
 
     fn sh(script: &str) -> Vec<String> {

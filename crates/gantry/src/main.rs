@@ -3,8 +3,10 @@
 
 mod batch;
 mod bench;
+mod invocation;
 mod model;
 mod serve;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -17,8 +19,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serve the Remote Execution API (cache services) and /metrics.
+    /// Serve the Remote Execution API (cache, execution with in-process workers) and /metrics.
     Serve(serve::ServeArgs),
+    /// Run a worker process that takes actions from a `gantry serve` scheduler.
+    Worker(worker::WorkerArgs),
+    /// Show what one Bazel invocation cost on gantry's executors.
+    Invocation(invocation::InvocationArgs),
     /// Cut a stream of targets into builds (`gantry batch plan` plans offline).
     Batch(batch::BatchArgs),
     /// Train and evaluate the batching service's models.
@@ -30,6 +36,11 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The metering trampoline must stay tiny: dispatch it before any runtime starts.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(gantry_worker::meter::SUBCOMMAND) {
+        gantry_worker::meter::meter_main(&argv[2..]);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,h2=warn".into()),
@@ -41,6 +52,8 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve::run(args).await,
+            Command::Worker(args) => worker::run(args).await,
+            Command::Invocation(args) => invocation::run(args).await,
             Command::Batch(args) => batch::run(args).await,
             Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
             Command::Bench(cmd) => bench::run(cmd).await,

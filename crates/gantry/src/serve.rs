@@ -6,7 +6,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use gantry_config::Config;
+use std::sync::Arc;
+
 use gantry_batch::Models;
+use gantry_core::task::TaskGuard;
+use gantry_execution::{Scheduler, SchedulerConfig};
+use gantry_proto::worker::v1 as wpb;
+use gantry_store::FsStore;
+use gantry_worker::Executor;
 use gantry_services::batcher::{planner_config, BatcherService};
 use gantry_services::{Limits, RunningServer, Services};
 
@@ -56,8 +63,73 @@ pub fn limits(config: &Config) -> Limits {
 pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
     let ac = gantry_store::build_action_cache(config, cas.clone()).await.context("setting up the action cache")?;
+    let log = gantry_store::build_execution_log(config).await.context("setting up the execution log")?;
     let batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
-    Ok(Services::with_batcher(cas, ac, limits(config), batcher))
+    let services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
+    let e = &config.execution;
+    let scheduler = Scheduler::new(
+        SchedulerConfig {
+            max_worker_losses: e.max_worker_losses,
+            heartbeat_timeout: e.heartbeat_timeout,
+            completed_retention: e.completed_retention,
+            default_timeout: e.default_timeout,
+            max_timeout: e.max_timeout,
+        },
+        ac,
+        log,
+        services.metrics.registry(),
+    );
+    Ok(services.with_scheduler(scheduler))
+}
+
+/// Starts the in-process workers; they run until the returned guards are dropped.
+pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow::Result<Vec<TaskGuard>> {
+    let scheduler = services.scheduler.clone().expect("built with a scheduler");
+    let n = config.execution.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let dir = config.worker_dir();
+    let cache = Arc::new(
+        FsStore::open(dir.join("cache"), config.execution.cache_max_size.as_u64())
+            .await
+            .with_context(|| format!("opening the worker cache in {}", dir.display()))?,
+    );
+    let metering = gantry_worker::process::metering_method();
+    if metering == "rusage" {
+        tracing::info!("no delegated cgroup v2 hierarchy: actions are metered with rusage of their reaped processes");
+    }
+    let mut properties: Vec<wpb::Property> = gantry_worker::base_properties()
+        .into_iter()
+        .chain(config.execution.properties.clone())
+        .map(|(name, value)| wpb::Property { name, value })
+        .collect();
+    properties.dedup();
+    let host = hostname();
+    let mut guards = Vec::new();
+    for i in 0..n {
+        let id = format!("{host}-local-{i}");
+        let work_root = dir.join(format!("w{i}"));
+        std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
+        let executor = Arc::new(Executor {
+            worker_id: id.clone(),
+            cas: services.cas.clone(),
+            cache: cache.clone(),
+            work_root,
+            metering,
+            meter: std::env::current_exe().ok(),
+        });
+        let reg = wpb::Register { worker_id: id, properties: properties.clone(), slots: 1, size_class: 1, metering: metering.into() };
+        let (messages, reports, bridge) = scheduler.attach_local(reg)?;
+        guards.push(bridge);
+        guards.push(gantry_core::task::spawn_named("local-worker", gantry_worker::run_worker(messages, reports, executor)));
+    }
+    tracing::info!(workers = n, "in-process workers started");
+    Ok(guards)
+}
+
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "gantry".into())
 }
 
 /// The batching models, if a model directory exists; a directory that exists but does
@@ -76,6 +148,7 @@ fn load_models(config: &Config) -> anyhow::Result<Models> {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     let services = build_services(&config).await?;
+    let _workers = start_local_workers(&config, &services).await?;
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
@@ -84,7 +157,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
     tokio::select! {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod reapi;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -99,6 +101,11 @@ impl BazelWorkspace {
 
     /// Runs `bazel <command> <fixture flags> <extra>` in batch mode with private output dirs.
     pub fn bazel(&self, command: &str, extra: &[String]) -> Output {
+        self.bazel_with_strategy(command, extra, "local")
+    }
+
+    /// Like `bazel`, with `--spawn_strategy=<strategy>` instead of the fixture's `local`.
+    pub fn bazel_with_strategy(&self, command: &str, extra: &[String], strategy: &str) -> Output {
         let mut cmd = Command::new("bazel");
         cmd.arg("--batch")
             .arg(format!("--output_user_root={}", self.dir.path().join("user_root").display()))
@@ -107,7 +114,9 @@ impl BazelWorkspace {
             .arg("--noworkspace_rc")
             .arg(command);
         if command != "clean" && command != "shutdown" {
-            cmd.args(self.base_flags());
+            cmd.args(self.base_flags().into_iter().map(|f| {
+                if f.starts_with("--spawn_strategy=") { format!("--spawn_strategy={strategy}") } else { f }
+            }));
         }
         cmd.args(extra).current_dir(self.ws()).stdin(Stdio::null());
         let out = cmd.output().expect("running bazel (is Debian's bazel-bootstrap installed? .ci/run installs it)");
@@ -117,6 +126,18 @@ impl BazelWorkspace {
             String::from_utf8_lossy(&out.stderr)
         );
         out
+    }
+
+    /// The bazel-testlogs directory of the fixture workspace.
+    pub fn testlogs(&self) -> PathBuf {
+        let execroot = self.dir.path().join("base/execroot/gantry_fixture/bazel-out");
+        for entry in std::fs::read_dir(&execroot).unwrap() {
+            let p = entry.unwrap().path().join("testlogs");
+            if p.exists() {
+                return p;
+            }
+        }
+        panic!("no testlogs under {}", execroot.display());
     }
 
     /// The bazel-bin directory of the fixture workspace.

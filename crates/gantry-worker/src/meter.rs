@@ -1,0 +1,76 @@
+//! The metering trampoline, `gantry __meter RESULT_FILE -- PROGRAM ARGS...`.
+//!
+//! Why it exists: a child spawned directly from the server inherits the server's address
+//! space until it execs, and Linux folds that address space's high-water RSS into the
+//! child's `ru_maxrss`, so every action would "use" as much memory as gantry itself. The
+//! trampoline is a fresh, tiny process: the command it spawns inherits only its small
+//! footprint, and the rusage it reaps (the command and all descendants it waited for) is
+//! written to RESULT_FILE as `maxrss_kib utime_s stime_s`. It then exits the way the
+//! command did, so the worker sees the command's exit status.
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+
+/// The hidden subcommand name; `main` must dispatch it before starting any runtime.
+pub const SUBCOMMAND: &str = "__meter";
+
+/// Runs the trampoline with `args` = [RESULT_FILE, "--", PROGRAM, ARGS...]. Never returns.
+pub fn meter_main(args: &[String]) -> ! {
+    let (result_file, cmd) = match args {
+        [file, sep, cmd @ ..] if sep == "--" && !cmd.is_empty() => (file, cmd),
+        _ => {
+            eprintln!("usage: gantry {SUBCOMMAND} RESULT_FILE -- PROGRAM [ARGS...]");
+            std::process::exit(2);
+        }
+    };
+    // The environment and working directory were set up by the worker for us; the
+    // command inherits them, and stays in our process group.
+    let err = match std::process::Command::new(&cmd[0]).args(&cmd[1..]).spawn() {
+        Ok(child) => {
+            let pid = child.id() as i32;
+            drop(child);
+            let mut status = 0;
+            // SAFETY: rusage is plain data; wait4 on our own child.
+            let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+            loop {
+                // SAFETY: valid pointers, our child.
+                let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+                if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+            if let Ok(mut f) = std::fs::File::create(result_file) {
+                let _ = writeln!(f, "{} {} {}", ru.ru_maxrss, secs(ru.ru_utime), secs(ru.ru_stime));
+            }
+            if libc::WIFEXITED(status) {
+                std::process::exit(libc::WEXITSTATUS(status));
+            }
+            if libc::WIFSIGNALED(status) {
+                let sig = libc::WTERMSIG(status);
+                // SAFETY: restore default action and die of the same signal.
+                unsafe {
+                    libc::signal(sig, libc::SIG_DFL);
+                    libc::raise(sig);
+                }
+            }
+            std::process::exit(128);
+        }
+        Err(e) => e,
+    };
+    // Could not start it: mirror a shell's "command not found".
+    eprintln!("gantry: could not start {}: {err}", cmd[0]);
+    let _ = std::process::Command::new("/bin/false").exec();
+    std::process::exit(127);
+}
+
+/// Parses the trampoline's result file.
+pub fn read_result(path: &std::path::Path) -> Option<(u64, f64, f64)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let mut it = s.split_whitespace();
+    let kib: u64 = it.next()?.parse().ok()?;
+    let user: f64 = it.next()?.parse().ok()?;
+    let sys: f64 = it.next()?.parse().ok()?;
+    Some((kib * 1024, user, sys))
+}

@@ -1,0 +1,68 @@
+//! `gantry invocation <id>`: what one Bazel invocation cost on gantry's executors, from
+//! the execution log (total executor service time, action count, per-action metering).
+
+use anyhow::Context;
+
+#[derive(clap::Args)]
+pub struct InvocationArgs {
+    /// Bazel's --invocation_id (tool_invocation_id in RequestMetadata).
+    id: String,
+    #[command(flatten)]
+    serve: crate::serve::ServeArgs,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
+    let config = crate::serve::load_config(&args.serve)?;
+    let log = gantry_store::build_execution_log(&config).await.context("opening the execution log")?;
+    let summary = log.invocation(&args.id).await?;
+    let actions = log.actions(&args.id).await?;
+    if args.json {
+        let v = serde_json::json!({
+            "tool_invocation_id": summary.tool_invocation_id,
+            "actions": summary.actions,
+            "executor_service_seconds": summary.executor_service_seconds,
+            "cpu_seconds": summary.cpu_seconds,
+            "max_peak_memory_bytes": summary.max_peak_memory_bytes,
+            "failed_actions": summary.failed_actions,
+            "executions": actions.iter().map(|a| serde_json::json!({
+                "operation": a.operation, "mnemonic": a.action_mnemonic, "target": a.target_id,
+                "worker": a.worker, "exit_code": a.exit_code, "status_code": a.status_code,
+                "peak_memory_bytes": a.peak_memory_bytes, "user_cpu_seconds": a.user_cpu_seconds,
+                "system_cpu_seconds": a.system_cpu_seconds, "wall_seconds": a.wall_seconds,
+                "queued_seconds": a.queued_seconds, "metering": a.metering,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    if summary.actions == 0 {
+        anyhow::bail!("no executed actions recorded for invocation {}", args.id);
+    }
+    println!(
+        "invocation {}: {} actions executed, {:.2} s executor service time, {:.2} s CPU, peak {:.1} MiB, {} failed",
+        summary.tool_invocation_id,
+        summary.actions,
+        summary.executor_service_seconds,
+        summary.cpu_seconds,
+        summary.max_peak_memory_bytes as f64 / (1 << 20) as f64,
+        summary.failed_actions
+    );
+    println!("{:<14} {:<40} {:>6} {:>10} {:>8} {:>8} {:>8}  metering", "mnemonic", "target", "exit", "peak MiB", "user s", "sys s", "wall s");
+    for a in &actions {
+        println!(
+            "{:<14} {:<40} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>8.3}  {}",
+            a.action_mnemonic,
+            a.target_id,
+            a.exit_code,
+            a.peak_memory_bytes as f64 / (1 << 20) as f64,
+            a.user_cpu_seconds,
+            a.system_cpu_seconds,
+            a.wall_seconds,
+            a.metering
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,97 @@
+//! `gantry worker`: a worker in its own process, connected to a scheduler over gRPC.
+//! It reconnects with backoff when the session breaks, and stops on SIGINT/SIGTERM.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytesize::ByteSize;
+use gantry_proto::worker::v1 as wpb;
+use gantry_store::{FsStore, GrpcStore};
+use gantry_worker::Executor;
+
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    /// Scheduler to connect to (a `gantry serve`), e.g. grpc://127.0.0.1:8980.
+    #[arg(long, env = "GANTRY_SCHEDULER")]
+    scheduler: String,
+    /// Worker id [default: {hostname}-{pid}].
+    #[arg(long)]
+    id: Option<String>,
+    /// Actions run at once.
+    #[arg(long, default_value_t = 1)]
+    slots: u32,
+    /// Extra platform property NAME=VALUE (repeatable).
+    #[arg(long = "property", value_parser = parse_property)]
+    properties: Vec<(String, String)>,
+    /// Where actions run and inputs are cached.
+    #[arg(long, default_value = "./gantry-worker")]
+    work_dir: PathBuf,
+    /// Size of the local input cache.
+    #[arg(long, default_value = "10GiB")]
+    cache_size: ByteSize,
+}
+
+fn parse_property(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or_else(|| format!("'{s}' is not NAME=VALUE"))?;
+    if k.is_empty() {
+        return Err(format!("'{s}' has an empty name"));
+    }
+    Ok((k.to_string(), v.to_string()))
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let endpoint = args.scheduler.replacen("grpc://", "http://", 1);
+    let channel = tonic::transport::Endpoint::from_shared(endpoint)
+        .context("--scheduler")?
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .connect_lazy();
+    let id = args.id.clone().unwrap_or_else(|| format!("{}-{}", crate::serve::hostname(), std::process::id()));
+    let cache = Arc::new(FsStore::open(args.work_dir.join("cache"), args.cache_size.as_u64()).await?);
+    let work_root = args.work_dir.join("actions");
+    std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
+    let metering = gantry_worker::process::metering_method();
+    let executor = Arc::new(Executor {
+        worker_id: id.clone(),
+        cas: Arc::new(GrpcStore::new(channel.clone(), "")),
+        cache,
+        work_root,
+        metering,
+        meter: std::env::current_exe().ok(),
+    });
+    let properties: Vec<wpb::Property> = gantry_worker::base_properties()
+        .into_iter()
+        .chain(args.properties.clone())
+        .map(|(name, value)| wpb::Property { name, value })
+        .collect();
+    tracing::info!(worker = %id, scheduler = %args.scheduler, metering, "worker starting");
+    let mut backoff = Duration::from_millis(200);
+    let work = async {
+        loop {
+            let reg = wpb::Register {
+                worker_id: id.clone(),
+                properties: properties.clone(),
+                slots: args.slots,
+                size_class: 1,
+                metering: metering.into(),
+            };
+            let started = std::time::Instant::now();
+            match gantry_worker::remote::session(channel.clone(), reg, executor.clone()).await {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(error = %e, "worker session ended; reconnecting"),
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                backoff = Duration::from_millis(200);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(10));
+        }
+    };
+    tokio::select! {
+        _ = work => {}
+        _ = crate::serve::shutdown_signal() => tracing::info!("worker stopping"),
+    }
+    Ok(())
+}
