@@ -23,6 +23,39 @@ pub enum BenchCommand {
     /// Batch planning: speed on millions of synthetic targets with trained models, or
     /// with --simulate, plan quality (OOM, DE, density) against a hidden ground truth.
     Batch(BatchBenchArgs),
+    /// Remote execution: no-op action throughput and Execute latency on cache hits.
+    Exec(ExecBenchArgs),
+    /// Bazel on a generated genrule workspace: local, remote execution, and cached.
+    Bazel(BazelBenchArgs),
+}
+
+#[derive(clap::Args)]
+pub struct ExecBenchArgs {
+    /// Server to measure. Default: start one in-process with `--workers` local workers.
+    #[arg(long)]
+    target: Option<String>,
+    /// In-process workers when no --target is given [default: cores].
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Distinct no-op actions to execute.
+    #[arg(long, default_value_t = 2000)]
+    actions: usize,
+    /// Execute calls in flight.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Sequential Execute calls answered from the action cache.
+    #[arg(long, default_value_t = 2000)]
+    cache_hits: usize,
+}
+
+#[derive(clap::Args)]
+pub struct BazelBenchArgs {
+    /// Genrule targets in the generated workspace.
+    #[arg(long, default_value_t = 500)]
+    targets: usize,
+    /// Directory holding bazel_repos/ (the offline overrides) and bazel_flags.txt.
+    #[arg(long, default_value = "crates/gantry/tests/fixtures")]
+    fixtures: std::path::PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -91,6 +124,8 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Cas(args) => cas(args).await,
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
+        BenchCommand::Exec(args) => exec(args).await,
+        BenchCommand::Bazel(args) => bazel(args).await,
     }
 }
 
@@ -349,5 +384,185 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
         peak_rss_mib().unwrap_or(0.0),
         rss_before.unwrap_or(0.0)
     );
+    Ok(())
+}
+
+/// A server for a benchmark: `--target`, or one started in-process with local workers.
+async fn bench_server(target: &Option<String>, workers: Option<usize>) -> anyhow::Result<(String, Option<(gantry_services::RunningServer, gantry_services::Services, Vec<gantry_core::TaskGuard>, tempfile::TempDir)>)> {
+    if let Some(t) = target {
+        return Ok((t.clone(), None));
+    }
+    let dir = tempfile::tempdir().context("creating a temporary data dir")?;
+    let mut config = gantry_config::Config::default();
+    config.server.data_dir = dir.path().to_owned();
+    config.execution.workers = workers;
+    let services = crate::serve::build_services(&config).await?;
+    let guards = crate::serve::start_local_workers(&config, &services).await?;
+    let server = gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;
+    let t = format!("grpc://{}", server.grpc_addr);
+    Ok((t, Some((server, services, guards, dir))))
+}
+
+async fn put_blob(channel: &Channel, data: Vec<u8>) -> anyhow::Result<Digest> {
+    let d = DigestFunction::Sha256.digest_of(&data);
+    let r = ContentAddressableStorageClient::new(channel.clone())
+        .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
+            requests: vec![batch_update_blobs_request::Request { digest: Some(d.to_proto()), data, compressor: 0 }],
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    if let Some(s) = r.responses.first().and_then(|r| r.status.as_ref()).filter(|s| s.code != 0) {
+        bail!("upload failed: {}", s.message);
+    }
+    Ok(d)
+}
+
+/// Runs Execute to completion and returns the final ExecuteResponse.
+async fn run_execute(channel: &Channel, action: Digest, skip_cache_lookup: bool) -> anyhow::Result<reapi::ExecuteResponse> {
+    use prost::Message;
+    let mut s = reapi::execution_client::ExecutionClient::new(channel.clone())
+        .execute(reapi::ExecuteRequest { action_digest: Some(action.to_proto()), skip_cache_lookup, ..Default::default() })
+        .await?
+        .into_inner();
+    while let Some(op) = s.message().await? {
+        if op.done {
+            if let Some(gantry_core::google::longrunning::operation::Result::Response(any)) = op.result {
+                return Ok(reapi::ExecuteResponse::decode(any.value.as_slice())?);
+            }
+            bail!("operation {} finished without a response", op.name);
+        }
+    }
+    bail!("Execute stream ended early")
+}
+
+async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
+    use prost::Message;
+    let (target, _local) = bench_server(&args.target, args.workers).await?;
+    let channel = Channel::from_shared(target.replacen("grpc://", "http://", 1))?.connect().await?;
+    eprintln!("gantry bench exec against {target}");
+    let empty_dir = put_blob(&channel, reapi::Directory::default().encode_to_vec()).await?;
+    let run_id = uuid::Uuid::new_v4().to_string();
+    eprintln!("  uploading {} distinct no-op actions...", args.actions);
+    let mut actions = Vec::with_capacity(args.actions);
+    for i in 0..args.actions {
+        #[allow(deprecated)]
+        let cmd = reapi::Command {
+            arguments: vec!["/bin/true".into(), format!("{run_id}-{i}")],
+            ..Default::default()
+        };
+        let cd = put_blob(&channel, cmd.encode_to_vec()).await?;
+        let a = reapi::Action { command_digest: Some(cd.to_proto()), input_root_digest: Some(empty_dir.to_proto()), ..Default::default() };
+        actions.push(put_blob(&channel, a.encode_to_vec()).await?);
+    }
+    eprintln!("  executing them, {} in flight...", args.concurrency);
+    let start = Instant::now();
+    let results: Vec<reapi::ExecuteResponse> = futures::stream::iter(actions.iter().copied())
+        .map(|a| {
+            let ch = channel.clone();
+            async move { run_execute(&ch, a, true).await }
+        })
+        .buffer_unordered(args.concurrency)
+        .try_collect()
+        .await?;
+    let throughput = args.actions as f64 / start.elapsed().as_secs_f64();
+    anyhow::ensure!(
+        results.iter().all(|r| r.status.as_ref().is_none_or(|s| s.code == 0) && r.result.as_ref().is_some_and(|x| x.exit_code == 0)),
+        "some no-op actions failed"
+    );
+    eprintln!("  {} sequential cache hits...", args.cache_hits);
+    let hit = actions[0];
+    let mut lat = Vec::with_capacity(args.cache_hits);
+    for _ in 0..args.cache_hits {
+        let t = Instant::now();
+        let r = run_execute(&channel, hit, false).await?;
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(r.cached_result, "expected a cache hit");
+    }
+    lat.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+    let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p).round() as usize];
+    println!("| measurement | result |");
+    println!("|---|---|");
+    println!("| no-op actions (`/bin/true`), {} actions, {} in flight | {throughput:.0} actions/s |", args.actions, args.concurrency);
+    println!("| Execute on a cache hit, p50 | {:.3} ms |", pct(0.5));
+    println!("| Execute on a cache hit, p99 | {:.3} ms |", pct(0.99));
+    Ok(())
+}
+
+/// Writes a workspace of `n` genrules in 25 packages; each does a little real work and
+/// some depend on others, like a small real build.
+fn write_genrule_workspace(dir: &std::path::Path, n: usize) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("WORKSPACE"), "workspace(name = \"gantry_bench\")\n")?;
+    std::fs::write(dir.join("BUILD"), "")?;
+    let packages = 25;
+    for p in 0..packages {
+        let pkg = dir.join(format!("p{p}"));
+        std::fs::create_dir_all(&pkg)?;
+        let mut build = String::new();
+        for i in (p..n).step_by(packages) {
+            let dep = if i >= packages { format!("\"//p{}:g{}\"", (i - packages) % packages, i - packages) } else { String::new() };
+            let srcs = if dep.is_empty() { String::new() } else { format!("    srcs = [{dep}],\n") };
+            let cat = if dep.is_empty() { String::new() } else { "cat $(SRCS) > $@; ".to_string() };
+            build.push_str(&format!(
+                "genrule(\n    name = \"g{i}\",\n{srcs}    outs = [\"g{i}.txt\"],\n    cmd = \"{cat}seq 1 20000 | sha256sum >> $@; echo {i} >> $@\",\n)\n\n"
+            ));
+        }
+        std::fs::write(pkg.join("BUILD"), build)?;
+    }
+    Ok(())
+}
+
+async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
+    let fixtures = std::fs::canonicalize(&args.fixtures)
+        .with_context(|| format!("--fixtures {} (run from the repository root)", args.fixtures.display()))?;
+    let flags_text = std::fs::read_to_string(fixtures.join("bazel_flags.txt"))?;
+    let base: Vec<String> = flags_text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
+        .map(|l| l.replace("@FIXTURES@", &fixtures.display().to_string()))
+        .collect();
+    let tmp = tempfile::tempdir()?;
+    let ws = tmp.path().join("ws");
+    write_genrule_workspace(&ws, args.targets)?;
+    let (target, _local) = bench_server(&None, None).await?;
+    let run = |name: &str, extra: Vec<String>, clean_first: bool| -> anyhow::Result<f64> {
+        let bazel = |cmd: &str, more: &[String]| -> anyhow::Result<std::process::Output> {
+            let mut c = std::process::Command::new("bazel");
+            c.arg("--batch")
+                .arg(format!("--output_user_root={}", tmp.path().join("ur").display()))
+                .arg(format!("--output_base={}", tmp.path().join(format!("base-{name}")).display()))
+                .args(["--nohome_rc", "--noworkspace_rc", cmd]);
+            if cmd != "clean" {
+                c.args(&base);
+            }
+            c.args(more).current_dir(&ws).stdin(std::process::Stdio::null());
+            Ok(c.output().context("running bazel")?)
+        };
+        if clean_first {
+            bazel("clean", &[])?;
+        }
+        eprintln!("  bazel build //... ({name})...");
+        let t = Instant::now();
+        let mut more = extra.clone();
+        more.push("//...".into());
+        let out = bazel("build", &more)?;
+        let secs = t.elapsed().as_secs_f64();
+        let err = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(out.status.success(), "bazel build ({name}) failed:\n{err}");
+        let summary = err.lines().rev().find(|l| l.contains(" processes")).unwrap_or("").to_string();
+        eprintln!("    {secs:.1} s; {summary}");
+        Ok(secs)
+    };
+    let remote = vec![format!("--remote_executor={target}"), "--spawn_strategy=remote".to_string(), "--jobs=16".to_string()];
+    let local = run("local", vec!["--spawn_strategy=local".into()], false)?;
+    let rx = run("remote", remote.clone(), false)?;
+    let cached = run("remote", remote, true)?;
+    println!("| {} genrules, Bazel 4.2.3 `build //...` (batch mode, includes JVM start) | wall time |", args.targets);
+    println!("|---|---|");
+    println!("| local (`--spawn_strategy=local`) | {local:.1} s |");
+    println!("| gantry remote execution (in-process workers) | {rx:.1} s |");
+    println!("| gantry cache after `bazel clean` | {cached:.1} s |");
     Ok(())
 }
