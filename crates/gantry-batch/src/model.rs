@@ -315,12 +315,7 @@ impl LinearModel {
 
     /// Predict for a build (set semantics over the labels).
     pub fn predict(&self, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
-        let parsed = labels
-            .iter()
-            .map(|l| parse_label(l))
-            .collect::<Result<Vec<Label<'_>>>>()?;
-        let btv = BuildTargetValues::from_labels(parsed.iter());
-        self.predict_values(ctx, &btv)
+        with_target_values(labels, |btv| self.predict_values(ctx, btv))
     }
 
     /// Predict from pre-extracted target values.
@@ -334,6 +329,12 @@ impl LinearModel {
     }
 }
 
+/// Parses `labels` and hands their target feature values to `f`.
+fn with_target_values<T>(labels: &[&str], f: impl FnOnce(&BuildTargetValues) -> Result<T>) -> Result<T> {
+    let parsed = labels.iter().map(|l| parse_label(l)).collect::<Result<Vec<Label<'_>>>>()?;
+    f(&BuildTargetValues::from_labels(parsed.iter()))
+}
+
 /// Memory estimate = max(long-window model, short-window model). The short
 /// model reacts within a day to e.g. a Bazel memory regression that the
 /// 17-day model would average away.
@@ -345,12 +346,7 @@ pub struct MemoryEstimator {
 
 impl MemoryEstimator {
     pub fn predict(&self, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
-        let parsed = labels
-            .iter()
-            .map(|l| parse_label(l))
-            .collect::<Result<Vec<Label<'_>>>>()?;
-        let btv = BuildTargetValues::from_labels(parsed.iter());
-        self.predict_values(ctx, &btv)
+        with_target_values(labels, |btv| self.predict_values(ctx, btv))
     }
 
     pub fn predict_values(&self, ctx: &BuildContext, btv: &BuildTargetValues) -> Result<f64> {

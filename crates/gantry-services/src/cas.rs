@@ -33,6 +33,16 @@ impl CasService {
         CasService { cas, metrics, max_batch_size }
     }
 
+    fn check_batch_size(&self, field: &str, total: u64) -> Result<()> {
+        if total > self.max_batch_size {
+            return Err(Error::invalid(format!(
+                "{field}: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",
+                self.max_batch_size
+            )));
+        }
+        Ok(())
+    }
+
     async fn update_one(&self, f: DigestFunction, i: usize, r: reapi::batch_update_blobs_request::Request) -> Result<()> {
         let d = Digest::from_proto(f, r.digest.as_ref(), &format!("requests[{i}].digest"))?;
         if d.size > self.max_batch_size {
@@ -122,13 +132,7 @@ impl ContentAddressableStorage for CasService {
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let total: u64 = req.requests.iter().map(|r| r.data.len() as u64).sum();
-        if total > self.max_batch_size {
-            return Err(Error::invalid(format!(
-                "requests: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",
-                self.max_batch_size
-            ))
-            .into());
-        }
+        self.check_batch_size("requests", total)?;
         self.metrics.bytes_received.inc_by(total);
         let responses = futures::stream::iter(req.requests.into_iter().enumerate())
             .map(|(i, r)| async move {
@@ -159,13 +163,7 @@ impl ContentAddressableStorage for CasService {
             .collect::<Result<Vec<_>>>()?;
         // Saturating: client-declared sizes must not wrap the sum past the limit.
         let total = digests.iter().fold(0u64, |a, d| a.saturating_add(d.size));
-        if total > self.max_batch_size {
-            return Err(Error::invalid(format!(
-                "digests: {total} bytes in one batch exceed max_batch_total_size_bytes {}; use ByteStream",
-                self.max_batch_size
-            ))
-            .into());
-        }
+        self.check_batch_size("digests", total)?;
         let zstd = req.acceptable_compressors.contains(&(compressor::Value::Zstd as i32));
         let responses: Vec<_> = futures::stream::iter(digests)
             .map(|d| async move {

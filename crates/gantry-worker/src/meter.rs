@@ -29,18 +29,7 @@ pub fn meter_main(args: &[String]) -> ! {
         Ok(child) => {
             let pid = child.id() as i32;
             drop(child);
-            let mut status = 0;
-            // SAFETY: rusage is plain data; wait4 on our own child.
-            let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-            loop {
-                // SAFETY: valid pointers, our child.
-                let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-                if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                break;
-            }
-            let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+            let (_, status, ru) = wait_child(pid);
             if let Ok(mut f) = std::fs::File::create(result_file) {
                 let _ = writeln!(f, "{} {} {}", ru.ru_maxrss, secs(ru.ru_utime), secs(ru.ru_stime));
             }
@@ -63,6 +52,27 @@ pub fn meter_main(args: &[String]) -> ! {
     eprintln!("gantry: could not start {}: {err}", cmd[0]);
     let _ = std::process::Command::new("/bin/false").exec();
     std::process::exit(127);
+}
+
+/// Waits for child `pid` with wait4, retrying on EINTR: (return value, status, rusage).
+/// std's Child::wait cannot give the rusage of one specific child.
+pub fn wait_child(pid: i32) -> (i32, i32, libc::rusage) {
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; wait4 fills it in.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: waiting on our own child pid with valid out-pointers.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+        if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        return (r, status, ru);
+    }
+}
+
+/// Seconds in a timeval.
+pub fn secs(tv: libc::timeval) -> f64 {
+    tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6
 }
 
 /// Parses the trampoline's result file.

@@ -100,19 +100,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     let pid = child.id() as i32;
     // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
     drop(child);
-    let mut wait = tokio::task::spawn_blocking(move || {
-        let mut status = 0;
-        // SAFETY: rusage is plain old data; wait4 fills it in.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        loop {
-            // SAFETY: waiting on our own child pid with valid out-pointers.
-            let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-            if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return (r, status, ru);
-        }
-    });
+    let mut wait = tokio::task::spawn_blocking(move || crate::meter::wait_child(pid));
     tokio::pin!(cancel);
     let mut forced = None;
     let (r, status, ru) = tokio::select! {
@@ -140,7 +128,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     } else {
         Ending::Exited(-1)
     });
-    let secs = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    let secs = crate::meter::secs;
     let (mut peak, mut user, mut sys) = (ru.ru_maxrss.max(0) as u64 * 1024, secs(ru.ru_utime), secs(ru.ru_stime));
     if spec.meter.is_some() {
         // The trampoline's own numbers are polluted the same way; its report on the
