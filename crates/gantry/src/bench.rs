@@ -25,6 +25,8 @@ pub enum BenchCommand {
     Batch(BatchBenchArgs),
     /// Remote execution: no-op action throughput and Execute latency on cache hits.
     Exec(ExecBenchArgs),
+    /// Worker size classes: replay a trace through learned selection and two baselines.
+    Sizeclass(SizeclassBenchArgs),
     /// Bazel on a generated genrule workspace: local, remote execution, and cached.
     Bazel(BazelBenchArgs),
 }
@@ -46,6 +48,26 @@ pub struct ExecBenchArgs {
     /// Sequential Execute calls answered from the action cache.
     #[arg(long, default_value_t = 2000)]
     cache_hits: usize,
+}
+
+#[derive(clap::Args)]
+pub struct SizeclassBenchArgs {
+    /// Trace of actions, one JSON object per line (see README). Default: a synthetic
+    /// trace of 100,000 actions with Pareto-distributed resource needs.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
+    /// Fleet as class:count pairs.
+    #[arg(long, default_value = "1:48,2:24,4:16,8:64")]
+    fleet: String,
+    /// Seed of the synthetic trace and of the selection draws.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Acceptable-time exponent x of the learned policy [default: the production 0.5].
+    #[arg(long)]
+    exponent: Option<f64>,
+    /// Print `{"policies":{...}}` as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -125,6 +147,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Cas(args) => cas(args).await,
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
         BenchCommand::Exec(args) => exec(args).await,
+        BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
     }
 }
@@ -564,5 +587,27 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
     println!("| local (`--spawn_strategy=local`) | {local:.1} s |");
     println!("| gantry remote execution (in-process workers) | {rx:.1} s |");
     println!("| gantry cache after `bazel clean` | {cached:.1} s |");
+    Ok(())
+}
+
+fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
+    use gantry_sizeclass::sim::{parse_fleet, parse_trace, run_bench, BenchConfig};
+    let mut cfg = BenchConfig { fleet: parse_fleet(&args.fleet).context("--fleet")?, seed: args.seed, ..BenchConfig::default() };
+    cfg.synthetic.seed = args.seed;
+    if let Some(x) = args.exponent {
+        cfg.selection.acceptable_time_exponent = x;
+    }
+    if let Some(path) = &args.trace {
+        let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        cfg.trace = Some(parse_trace(std::io::BufReader::new(f)).with_context(|| format!("trace {}", path.display()))?);
+    }
+    let start = Instant::now();
+    let report = run_bench(&cfg)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+        println!("(x = {}, {:.1} s)", cfg.selection.acceptable_time_exponent, start.elapsed().as_secs_f64());
+    }
     Ok(())
 }

@@ -1,0 +1,238 @@
+//! Tunables of size class selection and history keeping, with the defaults
+//! from the issue tracker, serde support (durations as float seconds) and
+//! range validation.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::types::secs_f64;
+
+/// Selection and learning parameters. `Default` gives the documented
+/// defaults; call [`SelectionConfig::validate`] after loading user input
+/// (selection also validates, so a bad config can never pick a class).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SelectionConfig {
+    /// Outcomes kept per key and size class (oldest dropped first). Default 32.
+    pub history_size: usize,
+
+    /// How long a failure on the largest class boosts the key to the largest
+    /// class. Default 24 h.
+    #[serde(with = "secs_f64", rename = "failure_cache_duration_s")]
+    pub failure_cache_duration: Duration,
+
+    /// Floor for timeouts on smaller classes and the timeout of probes.
+    /// Default 10 s.
+    #[serde(with = "secs_f64", rename = "minimum_execution_timeout_s")]
+    pub minimum_execution_timeout: Duration,
+
+    /// Exponent `x` in `T_acceptable = T_largest * (S_largest / S)^x`.
+    /// 0 tolerates no slowdown, 1 expects linear scaling. Default 0.5.
+    pub acceptable_time_exponent: f64,
+
+    /// Smaller-class timeout = acceptable time × this, so runs close to the
+    /// acceptable time are not killed. Default 1.5.
+    pub timeout_multiplier: f64,
+
+    /// A smaller class is a full candidate when its smoothed success
+    /// probability is at least this. Default 0.5 (see `select` module docs).
+    pub success_threshold: f64,
+
+    /// Classes below the threshold are still taken with probability
+    /// `p × exploration_factor`, so their history keeps being refreshed
+    /// when an action's behaviour changes. 0 disables. Default 0.1.
+    pub exploration_factor: f64,
+
+    /// Beta prior pseudo-successes (α). Default 1 (Laplace smoothing).
+    pub prior_successes: f64,
+
+    /// Beta prior pseudo-failures (β). Default 1 (Laplace smoothing).
+    pub prior_failures: f64,
+
+    /// Queue awareness: a smaller class is skipped when its expected
+    /// completion (queue wait + expected run time) exceeds
+    /// `acceptable time × queue_tolerance` while a larger class has idle
+    /// workers and would finish sooner. Default 1.0.
+    pub queue_tolerance: f64,
+}
+
+impl Default for SelectionConfig {
+    fn default() -> Self {
+        Self {
+            history_size: 32,
+            failure_cache_duration: Duration::from_secs(24 * 3600),
+            minimum_execution_timeout: Duration::from_secs(10),
+            acceptable_time_exponent: 0.5,
+            timeout_multiplier: 1.5,
+            success_threshold: 0.5,
+            exploration_factor: 0.1,
+            prior_successes: 1.0,
+            prior_failures: 1.0,
+            queue_tolerance: 1.0,
+        }
+    }
+}
+
+fn check(ok: bool, field: &'static str, reason: impl FnOnce() -> String) -> Result<(), Error> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig {
+            field,
+            reason: reason(),
+        })
+    }
+}
+
+impl SelectionConfig {
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<(), Error> {
+        check(self.history_size >= 1, "history_size", || {
+            "must be at least 1".into()
+        })?;
+        check(
+            !self.minimum_execution_timeout.is_zero(),
+            "minimum_execution_timeout",
+            || "must be positive".into(),
+        )?;
+        let x = self.acceptable_time_exponent;
+        check(
+            x.is_finite() && x >= 0.0,
+            "acceptable_time_exponent",
+            || format!("must be finite and >= 0, got {x}"),
+        )?;
+        let m = self.timeout_multiplier;
+        check(m.is_finite() && m >= 1.0, "timeout_multiplier", || {
+            format!("must be finite and >= 1, got {m}")
+        })?;
+        let t = self.success_threshold;
+        check((0.0..=1.0).contains(&t), "success_threshold", || {
+            format!("must be in [0, 1], got {t}")
+        })?;
+        let e = self.exploration_factor;
+        check((0.0..=1.0).contains(&e), "exploration_factor", || {
+            format!("must be in [0, 1], got {e}")
+        })?;
+        let a = self.prior_successes;
+        check(a.is_finite() && a > 0.0, "prior_successes", || {
+            format!("must be finite and > 0, got {a}")
+        })?;
+        let b = self.prior_failures;
+        check(b.is_finite() && b > 0.0, "prior_failures", || {
+            format!("must be finite and > 0, got {b}")
+        })?;
+        let q = self.queue_tolerance;
+        check(q.is_finite() && q > 0.0, "queue_tolerance", || {
+            format!("must be finite and > 0, got {q}")
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_spec() {
+        let c = SelectionConfig::default();
+        assert_eq!(c.history_size, 32);
+        assert_eq!(c.failure_cache_duration, Duration::from_secs(86_400));
+        assert_eq!(c.minimum_execution_timeout, Duration::from_secs(10));
+        assert_eq!(c.acceptable_time_exponent, 0.5);
+        assert_eq!(c.timeout_multiplier, 1.5);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn validation_names_the_bad_field() {
+        let cases: Vec<(SelectionConfig, &str)> = vec![
+            (
+                SelectionConfig {
+                    history_size: 0,
+                    ..Default::default()
+                },
+                "history_size",
+            ),
+            (
+                SelectionConfig {
+                    minimum_execution_timeout: Duration::ZERO,
+                    ..Default::default()
+                },
+                "minimum_execution_timeout",
+            ),
+            (
+                SelectionConfig {
+                    acceptable_time_exponent: -0.1,
+                    ..Default::default()
+                },
+                "acceptable_time_exponent",
+            ),
+            (
+                SelectionConfig {
+                    timeout_multiplier: 0.9,
+                    ..Default::default()
+                },
+                "timeout_multiplier",
+            ),
+            (
+                SelectionConfig {
+                    success_threshold: 1.5,
+                    ..Default::default()
+                },
+                "success_threshold",
+            ),
+            (
+                SelectionConfig {
+                    exploration_factor: f64::NAN,
+                    ..Default::default()
+                },
+                "exploration_factor",
+            ),
+            (
+                SelectionConfig {
+                    prior_successes: 0.0,
+                    ..Default::default()
+                },
+                "prior_successes",
+            ),
+            (
+                SelectionConfig {
+                    prior_failures: f64::INFINITY,
+                    ..Default::default()
+                },
+                "prior_failures",
+            ),
+            (
+                SelectionConfig {
+                    queue_tolerance: 0.0,
+                    ..Default::default()
+                },
+                "queue_tolerance",
+            ),
+        ];
+        for (cfg, field) in cases {
+            match cfg.validate() {
+                Err(Error::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn serde_uses_seconds_and_fills_defaults() {
+        let c: SelectionConfig = serde_json::from_str(
+            r#"{"failure_cache_duration_s": 3600, "acceptable_time_exponent": 0.3}"#,
+        )
+        .unwrap();
+        assert_eq!(c.failure_cache_duration, Duration::from_secs(3600));
+        assert_eq!(c.acceptable_time_exponent, 0.3);
+        assert_eq!(c.history_size, 32);
+        let back: SelectionConfig =
+            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert!(serde_json::from_str::<SelectionConfig>(r#"{"histroy_size": 3}"#).is_err());
+    }
+}

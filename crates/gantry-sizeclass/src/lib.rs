@@ -1,0 +1,46 @@
+//! `gantry-sizeclass`: automatic worker size class selection for gantry's
+//! scheduler, after Buildbarn ADR #7, plus queue awareness and a replay
+//! simulator.
+//!
+//! Pure logic: no I/O, clocks, gRPC or databases. The caller computes the
+//! action-shape key (a reduced action digest), loads and stores
+//! [`ActionStats`] (JSON via [`ActionStats::to_json`]), passes the current
+//! time and a random draw, and enforces decisions.
+//!
+//! Typical use by the scheduler:
+//! 1. `let d = select(&cfg, &SelectionInput { stats, classes, requested_timeout, queues, draw, now })?;`
+//!    run on `d.size_class` with `d.timeout`.
+//! 2. On completion, `retry_on_largest(class, outcome, classes, requested_timeout)`;
+//!    if it returns a [`Retry`], run again there.
+//! 3. When the final result is known, `record(&mut stats, &cfg, largest, &Execution { .. }, now)?`
+//!    and persist `stats`.
+//!
+//! Module map:
+//! * [`types`]: [`SizeClass`], [`SizeClasses`], [`Timestamp`].
+//! * [`config`]: [`SelectionConfig`] and its defaults.
+//! * [`stats`]: [`Outcome`], [`ActionStats`] and the persisted JSON form.
+//! * [`mod@select`]: the selection function and [`Decision`].
+//! * [`retry`]: retry policy and the outcome attribution rule ([`record`]).
+//! * [`metrics`]: counters and the per-key history view.
+//! * [`sim`]: discrete-event replay simulator and benchmark.
+//! * [`error`]: the crate's [`Error`].
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod retry;
+pub mod select;
+pub mod sim;
+pub mod stats;
+pub mod types;
+
+pub use config::SelectionConfig;
+pub use error::Error;
+pub use metrics::{ClassHistoryView, KeyStatsView, SelectionMetrics};
+pub use retry::{Attribution, Execution, RecordSummary, Retry, record, retry_on_largest};
+pub use select::{
+    ClassEstimate, ClassQueue, Decision, QueueState, Reason, SelectionInput, acceptable_time,
+    count_trials, select, smaller_class_timeout, smoothed_probability,
+};
+pub use stats::{ActionStats, Outcome, STATS_FORMAT_VERSION};
+pub use types::{SizeClass, SizeClasses, Timestamp};

@@ -1,0 +1,420 @@
+//! The Initial Size Class Cache value: per action-shape key, a bounded
+//! history of recent outcomes per size class plus the time of the last
+//! failure on the largest class, and its compact, versioned JSON form.
+//!
+//! The caller owns the key (a reduced action digest) and the storage; this
+//! module only defines the value and how it serializes.
+//!
+//! # JSON form (version 1)
+//!
+//! ```json
+//! {"v":1,"classes":{"1":[{"ok_ms":5200},{"timeout_ms":10000},"failed"],"8":[{"ok_ms":2100}]},"largest_failure_ms":1700000000000}
+//! ```
+//!
+//! * `v`: format version, currently 1; other values are rejected.
+//! * `classes`: size class (decimal string key, sorted numerically) to its
+//!   outcomes, oldest first. An outcome is `{"ok_ms":N}` (succeeded after N
+//!   ms), `{"timeout_ms":N}` (killed after N ms) or `"failed"`.
+//! * `largest_failure_ms`: Unix milliseconds of the last failure on the
+//!   largest class; omitted when there is none.
+//!
+//! Durations are whole milliseconds. Outcomes are rounded to the millisecond
+//! when recorded, so decoding an encoded value gives back an equal value.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, SizeClass, Timestamp};
+
+/// The current JSON format version.
+pub const STATS_FORMAT_VERSION: u64 = 1;
+
+/// The outcome of one execution on one size class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Completed successfully after the given execution time.
+    Succeeded(Duration),
+    /// Was killed when its timeout (the given duration) expired.
+    TimedOut(Duration),
+    /// Failed (non-zero exit, OOM kill, ...). The time is not kept: a failure
+    /// says nothing about how long a successful run would take.
+    Failed,
+}
+
+impl Outcome {
+    /// True for [`Outcome::Succeeded`].
+    pub fn is_success(self) -> bool {
+        matches!(self, Outcome::Succeeded(_))
+    }
+
+    /// The same outcome with its duration rounded to the nearest millisecond
+    /// (the precision of the persisted form).
+    pub fn to_millis_precision(self) -> Self {
+        match self {
+            Outcome::Succeeded(d) => Outcome::Succeeded(round_ms(d)),
+            Outcome::TimedOut(d) => Outcome::TimedOut(round_ms(d)),
+            Outcome::Failed => Outcome::Failed,
+        }
+    }
+}
+
+fn round_ms(d: Duration) -> Duration {
+    Duration::from_millis(millis_rounded(d))
+}
+
+fn millis_rounded(d: Duration) -> u64 {
+    let ms = (d.as_nanos() + 500_000) / 1_000_000;
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Succeeded(d) => write!(f, "ok {:.3}s", d.as_secs_f64()),
+            Outcome::TimedOut(d) => write!(f, "timeout {:.3}s", d.as_secs_f64()),
+            Outcome::Failed => f.write_str("failed"),
+        }
+    }
+}
+
+/// Previous execution statistics of one action-shape key.
+///
+/// Mutate it with [`crate::record`] (which applies the retry attribution
+/// rule); [`ActionStats::push`] is the raw append it builds on.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "StatsWire", try_from = "StatsWire")]
+pub struct ActionStats {
+    classes: BTreeMap<SizeClass, VecDeque<Outcome>>,
+    last_largest_failure: Option<Timestamp>,
+}
+
+impl ActionStats {
+    /// Statistics of a key never seen before.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// True when nothing has been recorded.
+    pub fn is_empty(&self) -> bool {
+        self.classes.values().all(VecDeque::is_empty) && self.last_largest_failure.is_none()
+    }
+
+    /// Outcomes recorded on `class`, oldest first.
+    pub fn outcomes(&self, class: SizeClass) -> impl Iterator<Item = Outcome> + '_ {
+        self.classes.get(&class).into_iter().flatten().copied()
+    }
+
+    /// Number of outcomes recorded on `class`.
+    pub fn sample_count(&self, class: SizeClass) -> usize {
+        self.classes.get(&class).map_or(0, VecDeque::len)
+    }
+
+    /// Classes that have at least one outcome, ascending.
+    pub fn classes(&self) -> impl Iterator<Item = SizeClass> + '_ {
+        self.classes
+            .iter()
+            .filter(|(_, h)| !h.is_empty())
+            .map(|(c, _)| *c)
+    }
+
+    /// When the action last failed (or timed out) on the largest class.
+    pub fn last_largest_failure(&self) -> Option<Timestamp> {
+        self.last_largest_failure
+    }
+
+    /// Sets the time of the last failure on the largest class.
+    pub fn set_last_largest_failure(&mut self, at: Timestamp) {
+        // Keep the latest; outcomes may be reported out of order.
+        self.last_largest_failure = Some(self.last_largest_failure.map_or(at, |t| t.max(at)));
+    }
+
+    /// Appends `outcome` (rounded to milliseconds) to `class`'s history and
+    /// drops the oldest entries beyond `history_size` (at least 1 is kept).
+    pub fn push(&mut self, class: SizeClass, outcome: Outcome, history_size: usize) {
+        let h = self.classes.entry(class).or_default();
+        h.push_back(outcome.to_millis_precision());
+        while h.len() > history_size.max(1) {
+            h.pop_front();
+        }
+    }
+
+    /// Median of the successful execution times on `class`; the mean of the
+    /// two middle values for an even count. `None` without successes.
+    pub fn median_success(&self, class: SizeClass) -> Option<Duration> {
+        let durations: Vec<Duration> = self
+            .classes
+            .get(&class)?
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::Succeeded(d) => Some(*d),
+                _ => None,
+            })
+            .collect();
+        median(durations)
+    }
+
+    /// Encodes the version-1 JSON form (see the module docs).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("stats wire form always serializes")
+    }
+
+    /// Decodes the JSON form, checking the version and every field.
+    pub fn from_json(s: &str) -> Result<Self, Error> {
+        // Peek at the version first so a future format gets a precise error
+        // instead of an "unknown field" one.
+        let raw: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| Error::StatsFormat(e.to_string()))?;
+        match raw.get("v").and_then(serde_json::Value::as_u64) {
+            Some(STATS_FORMAT_VERSION) => {}
+            Some(found) => {
+                return Err(Error::StatsVersion {
+                    found,
+                    supported: STATS_FORMAT_VERSION,
+                });
+            }
+            None => return Err(Error::StatsFormat("missing or non-integer `v`".into())),
+        }
+        serde_json::from_value(raw).map_err(|e| Error::StatsFormat(e.to_string()))
+    }
+}
+
+/// Median of durations; mean of the middle two for even counts.
+pub(crate) fn median(mut v: Vec<Duration>) -> Option<Duration> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable();
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatsWire {
+    v: u64,
+    classes: BTreeMap<SizeClass, Vec<WireOutcome>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    largest_failure_ms: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum WireOutcome {
+    OkMs(u64),
+    TimeoutMs(u64),
+    Failed,
+}
+
+impl From<ActionStats> for StatsWire {
+    fn from(s: ActionStats) -> Self {
+        let classes = s
+            .classes
+            .into_iter()
+            .filter(|(_, h)| !h.is_empty())
+            .map(|(c, h)| {
+                let v = h
+                    .into_iter()
+                    .map(|o| match o {
+                        Outcome::Succeeded(d) => WireOutcome::OkMs(millis_rounded(d)),
+                        Outcome::TimedOut(d) => WireOutcome::TimeoutMs(millis_rounded(d)),
+                        Outcome::Failed => WireOutcome::Failed,
+                    })
+                    .collect();
+                (c, v)
+            })
+            .collect();
+        StatsWire {
+            v: STATS_FORMAT_VERSION,
+            classes,
+            largest_failure_ms: s.last_largest_failure.map(Timestamp::unix_millis),
+        }
+    }
+}
+
+impl TryFrom<StatsWire> for ActionStats {
+    type Error = Error;
+    fn try_from(w: StatsWire) -> Result<Self, Error> {
+        if w.v != STATS_FORMAT_VERSION {
+            return Err(Error::StatsVersion {
+                found: w.v,
+                supported: STATS_FORMAT_VERSION,
+            });
+        }
+        let mut classes = BTreeMap::new();
+        for (c, outcomes) in w.classes {
+            if c == 0 {
+                return Err(Error::StatsFormat("size class 0 in `classes`".into()));
+            }
+            if outcomes.is_empty() {
+                continue;
+            }
+            let h: VecDeque<Outcome> = outcomes
+                .into_iter()
+                .map(|o| match o {
+                    WireOutcome::OkMs(ms) => Outcome::Succeeded(Duration::from_millis(ms)),
+                    WireOutcome::TimeoutMs(ms) => Outcome::TimedOut(Duration::from_millis(ms)),
+                    WireOutcome::Failed => Outcome::Failed,
+                })
+                .collect();
+            classes.insert(c, h);
+        }
+        Ok(ActionStats {
+            classes,
+            last_largest_failure: w.largest_failure_ms.map(Timestamp::from_unix_millis),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn push_keeps_the_newest_entries() {
+        let mut s = ActionStats::new();
+        for i in 1..=5 {
+            s.push(2, Outcome::Succeeded(ms(i)), 3);
+        }
+        assert_eq!(
+            s.outcomes(2).collect::<Vec<_>>(),
+            vec![
+                Outcome::Succeeded(ms(3)),
+                Outcome::Succeeded(ms(4)),
+                Outcome::Succeeded(ms(5))
+            ]
+        );
+        // A history size of 0 still keeps the newest outcome.
+        s.push(4, Outcome::Failed, 0);
+        s.push(4, Outcome::TimedOut(ms(7)), 0);
+        assert_eq!(
+            s.outcomes(4).collect::<Vec<_>>(),
+            vec![Outcome::TimedOut(ms(7))]
+        );
+        assert_eq!(s.sample_count(8), 0);
+        assert_eq!(s.classes().collect::<Vec<_>>(), vec![2, 4]);
+    }
+
+    #[test]
+    fn push_rounds_to_milliseconds() {
+        let mut s = ActionStats::new();
+        s.push(1, Outcome::Succeeded(Duration::from_micros(1_234_500)), 32);
+        s.push(1, Outcome::TimedOut(Duration::from_micros(2_000_499)), 32);
+        assert_eq!(
+            s.outcomes(1).collect::<Vec<_>>(),
+            vec![Outcome::Succeeded(ms(1235)), Outcome::TimedOut(ms(2000))]
+        );
+    }
+
+    #[test]
+    fn median_uses_successes_only() {
+        let mut s = ActionStats::new();
+        assert_eq!(s.median_success(8), None);
+        s.push(8, Outcome::Failed, 32);
+        s.push(8, Outcome::TimedOut(ms(100_000)), 32);
+        assert_eq!(s.median_success(8), None);
+        for d in [30, 10, 20] {
+            s.push(8, Outcome::Succeeded(ms(d)), 32);
+        }
+        assert_eq!(s.median_success(8), Some(ms(20)));
+        s.push(8, Outcome::Succeeded(ms(40)), 32);
+        assert_eq!(s.median_success(8), Some(ms(25)));
+    }
+
+    #[test]
+    fn last_largest_failure_keeps_the_latest() {
+        let mut s = ActionStats::new();
+        assert!(s.is_empty());
+        s.set_last_largest_failure(Timestamp::from_unix_millis(50));
+        s.set_last_largest_failure(Timestamp::from_unix_millis(20));
+        assert_eq!(
+            s.last_largest_failure(),
+            Some(Timestamp::from_unix_millis(50))
+        );
+        assert!(!s.is_empty());
+    }
+
+    #[test]
+    fn json_form_is_the_documented_one() {
+        let mut s = ActionStats::new();
+        s.push(8, Outcome::Succeeded(ms(2100)), 32);
+        s.push(1, Outcome::Succeeded(ms(5200)), 32);
+        s.push(1, Outcome::TimedOut(ms(10_000)), 32);
+        s.push(1, Outcome::Failed, 32);
+        s.push(10, Outcome::Failed, 32);
+        s.set_last_largest_failure(Timestamp::from_unix_millis(1_700_000_000_000));
+        let json = s.to_json();
+        assert_eq!(
+            json,
+            r#"{"v":1,"classes":{"1":[{"ok_ms":5200},{"timeout_ms":10000},"failed"],"8":[{"ok_ms":2100}],"10":["failed"]},"largest_failure_ms":1700000000000}"#
+        );
+        assert_eq!(ActionStats::from_json(&json).unwrap(), s);
+        assert_eq!(ActionStats::new().to_json(), r#"{"v":1,"classes":{}}"#);
+    }
+
+    #[test]
+    fn from_json_rejects_bad_input() {
+        let cases = [
+            (r#"{"v":2,"classes":{}}"#, "version"),
+            (r#"{"classes":{}}"#, "`v`"),
+            (r#"[]"#, "`v`"),
+            (r#"{"v":1,"classes":{"0":["failed"]}}"#, "class 0"),
+            (r#"{"v":1,"classes":{"1":[{"ok":5}]}}"#, "unknown variant"),
+            (r#"{"v":1,"classes":{},"extra":true}"#, "unknown field"),
+            (r#"{"v":1,"classes":{"x":[]}}"#, "invalid"),
+            ("{", "EOF"),
+        ];
+        for (input, want) in cases {
+            let e = ActionStats::from_json(input).unwrap_err();
+            assert!(e.to_string().contains(want), "{input}: {e}");
+        }
+        assert_eq!(
+            ActionStats::from_json(r#"{"v":2,"classes":{}}"#),
+            Err(Error::StatsVersion {
+                found: 2,
+                supported: 1
+            })
+        );
+    }
+
+    fn outcome() -> impl Strategy<Value = Outcome> {
+        prop_oneof![
+            (0u64..10_000_000).prop_map(|n| Outcome::Succeeded(Duration::from_micros(n * 7))),
+            (0u64..10_000_000).prop_map(|n| Outcome::TimedOut(Duration::from_micros(n * 3))),
+            Just(Outcome::Failed),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn json_round_trips(
+            entries in proptest::collection::vec((1u32..20, outcome()), 0..60),
+            failure in proptest::option::of(0u64..u64::MAX / 2),
+            cap in 1usize..40,
+        ) {
+            let mut s = ActionStats::new();
+            for (c, o) in entries {
+                s.push(c, o, cap);
+            }
+            if let Some(t) = failure {
+                s.set_last_largest_failure(Timestamp::from_unix_millis(t));
+            }
+            for c in s.classes() {
+                prop_assert!(s.sample_count(c) <= cap);
+            }
+            let back = ActionStats::from_json(&s.to_json()).unwrap();
+            prop_assert_eq!(back, s);
+        }
+    }
+}
