@@ -45,9 +45,19 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutionConfig {
-    /// In-process workers (one action each at a time). Default: the number of cores.
-    /// 0 runs no local workers, only separate `gantry worker` processes.
-    pub workers: Option<usize>,
+    /// In-process workers (one action each at a time): a count (all size class 1), or a
+    /// list of size classes, e.g. `[{size_class = 1, count = 2}, {size_class = 4, count = 1}]`.
+    /// Default: the number of cores. 0 runs no local workers, only `gantry worker` processes.
+    pub workers: Option<Workers>,
+    /// Memory an action may use per unit of size class, enforced on in-process workers as
+    /// an address-space limit (RLIMIT_AS) when no cgroup v2 hierarchy is delegated. Unset:
+    /// actions are metered only.
+    pub memory_per_size_class: Option<ByteSize>,
+    /// CPUs an action is pinned to per unit of size class (sched_setaffinity). Unset: no
+    /// pinning.
+    pub cpus_per_size_class: Option<usize>,
+    /// How the scheduler learns each action shape's size class.
+    pub size_classes: SizeClassConfig,
     /// Platform properties of the in-process workers, on top of OSFamily=linux and
     /// ISA=x86-64 which every worker offers.
     pub properties: std::collections::BTreeMap<String, String>,
@@ -72,10 +82,72 @@ pub struct ExecutionConfig {
     pub completed_retention: Duration,
 }
 
+/// `workers = 4` or `workers = [{size_class = 1, count = 2}, ...]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Workers {
+    Count(usize),
+    Classes(Vec<WorkerClass>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerClass {
+    pub size_class: u32,
+    pub count: usize,
+}
+
+impl Workers {
+    /// (size class, count) pairs.
+    pub fn classes(&self) -> Vec<(u32, usize)> {
+        match self {
+            Workers::Count(n) => vec![(1, *n)],
+            Workers::Classes(v) => v.iter().map(|c| (c.size_class, c.count)).collect(),
+        }
+    }
+}
+
+/// `[execution.size_classes]`: learning the cheapest acceptable size class per action
+/// shape (see README, "Size classes").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SizeClassConfig {
+    /// Outcomes kept per action shape and size class. Default 32.
+    pub history_size: usize,
+    /// After a failure on the largest class, run the shape there for this long. Default "24h".
+    #[serde(with = "humantime_serde")]
+    pub failure_cache_duration: Duration,
+    /// Timeout of probes and floor of smaller-class timeouts. Default "10s".
+    #[serde(with = "humantime_serde")]
+    pub minimum_execution_timeout: Duration,
+    /// x in acceptable time = median on largest x (largest/S)^x. Default 0.5.
+    pub acceptable_time_exponent: f64,
+    /// Smaller-class timeout = acceptable time x this. Default 1.5.
+    pub timeout_multiplier: f64,
+    /// Seed of the selection draws; unset draws from the OS. Set it for reproducible runs.
+    pub seed: Option<u64>,
+}
+
+impl Default for SizeClassConfig {
+    fn default() -> Self {
+        SizeClassConfig {
+            history_size: 32,
+            failure_cache_duration: Duration::from_secs(24 * 3600),
+            minimum_execution_timeout: Duration::from_secs(10),
+            acceptable_time_exponent: 0.5,
+            timeout_multiplier: 1.5,
+            seed: None,
+        }
+    }
+}
+
 impl Default for ExecutionConfig {
     fn default() -> Self {
         ExecutionConfig {
             workers: None,
+            memory_per_size_class: None,
+            cpus_per_size_class: None,
+            size_classes: SizeClassConfig::default(),
             properties: Default::default(),
             work_dir: None,
             cache_max_size: ByteSize::gib(10),
@@ -294,6 +366,14 @@ impl Config {
                 s.read_chunk_size, s.max_batch_size
             )));
         }
+        if let Some(Workers::Classes(v)) = &self.execution.workers {
+            if let Some(c) = v.iter().find(|c| c.size_class == 0) {
+                return Err(ConfigError::Invalid(format!(
+                    "execution.workers: size_class must be at least 1 (found {} with count {})",
+                    c.size_class, c.count
+                )));
+            }
+        }
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,
             CasConfig::Memory(m) => m.max_size,
@@ -353,6 +433,17 @@ mod tests {
             assert!(e.contains("test.toml"), "{bad}: {e}");
             assert!(e.contains("unknown"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn workers_as_count_or_size_classes() {
+        let c = parse("[execution]\nworkers = 3").unwrap();
+        assert_eq!(c.execution.workers.unwrap().classes(), vec![(1, 3)]);
+        let c = parse("[execution]\nworkers = [{size_class = 1, count = 2}, {size_class = 4, count = 1}]\nmemory_per_size_class = \"512MiB\"").unwrap();
+        assert_eq!(c.execution.workers.unwrap().classes(), vec![(1, 2), (4, 1)]);
+        assert_eq!(c.execution.memory_per_size_class.unwrap().as_u64(), 512 << 20);
+        assert!(parse("[execution]\nworkers = [{size_class = 0, count = 1}]").unwrap_err().to_string().contains("size_class"));
+        assert!(parse("[execution.size_classes]\nexponent = 0.2").is_err());
     }
 
     #[test]

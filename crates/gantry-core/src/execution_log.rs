@@ -69,3 +69,13 @@ pub trait ExecutionLog: Send + Sync + 'static {
         })
     }
 }
+
+/// Persisted per-key statistics of the size-class learner (an opaque JSON document per
+/// action shape key), so learning survives restarts.
+#[async_trait]
+pub trait SizeClassStore: Send + Sync + 'static {
+    async fn get(&self, key: &str) -> Result<Option<String>>;
+    async fn put(&self, key: &str, stats_json: &str) -> Result<()>;
+    /// Every key, most recently updated first, at most `limit`.
+    async fn keys(&self, limit: usize) -> Result<Vec<String>>;
+}

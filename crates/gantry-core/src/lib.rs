@@ -17,7 +17,7 @@ pub use action_cache::ActionCache;
 pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
-pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary};
+pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore};
 pub use task::TaskGuard;
 
 /// Re-export of the generated REAPI types so downstream crates name one path.

@@ -7,6 +7,7 @@
 pub mod operations;
 pub mod platform;
 pub mod scheduler;
+pub mod sizing;
 pub mod worker_service;
 
 pub use scheduler::{Scheduler, SchedulerConfig, WorkerLink};

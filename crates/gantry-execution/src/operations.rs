@@ -81,6 +81,7 @@ fn requester<T>(req: &Request<T>) -> Requester {
             tool_invocation_id: m.tool_invocation_id,
             action_mnemonic: m.action_mnemonic,
             target_id: m.target_id,
+            configuration_id: m.configuration_id,
         },
         Err(_) => Requester::default(),
     }
@@ -144,7 +145,7 @@ impl Execution for ExecutionService {
             command,
             priority,
             requester: who,
-        })?;
+        }).await?;
         Ok(Response::new(op_stream(rx)))
     }
 

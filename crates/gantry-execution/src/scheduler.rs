@@ -68,6 +68,7 @@ pub struct Requester {
     pub tool_invocation_id: String,
     pub action_mnemonic: String,
     pub target_id: String,
+    pub configuration_id: String,
 }
 
 pub struct JobSpec {
@@ -90,6 +91,15 @@ struct Job {
     worker: Option<String>,
     losses: u32,
     cancel_requested: bool,
+    /// Size class the action must run on (None: any worker).
+    size_class: Option<u32>,
+    /// Largest class with workers when the action was submitted.
+    largest_class: u32,
+    requested_timeout: Duration,
+    shape_key: String,
+    /// A failed or timed-out run on a smaller class, waiting for the largest class's result.
+    first_try: Option<(u32, gantry_sizeclass::Outcome)>,
+    notes: Vec<String>,
     tx: watch::Sender<OpState>,
     completed_at: Option<Instant>,
 }
@@ -114,6 +124,8 @@ struct State {
     in_flight: HashMap<(String, Digest), String>,
     workers: HashMap<String, WorkerEntry>,
     seq: u64,
+    /// Moving average of execution seconds per size class, for expected queue waits.
+    class_avg_seconds: HashMap<u32, f64>,
 }
 
 struct Gauges {
@@ -130,6 +142,7 @@ pub struct Scheduler {
     log: Arc<dyn ExecutionLog>,
     gauges: Gauges,
     monitor: Mutex<Option<TaskGuard>>,
+    sizing: Option<crate::sizing::Sizing>,
 }
 
 /// A registered worker's end of the scheduler: assignments and cancellations arrive here.
@@ -157,6 +170,7 @@ impl Scheduler {
         ac: Arc<dyn ActionCache>,
         log: Arc<dyn ExecutionLog>,
         registry: &prometheus::Registry,
+        sizing: Option<crate::sizing::Sizing>,
     ) -> Arc<Self> {
         let g = |n: &str, h: &str| {
             let g = prometheus::IntGauge::new(n, h).expect("valid metric");
@@ -182,6 +196,7 @@ impl Scheduler {
             log,
             gauges,
             monitor: Mutex::new(None),
+            sizing,
         });
         let weak: Weak<Scheduler> = Arc::downgrade(&s);
         let guard = spawn_named("scheduler-monitor", async move {
@@ -202,7 +217,11 @@ impl Scheduler {
 
     /// Queues an action (or joins an identical one in flight) and returns the operation
     /// name and a receiver of its state changes.
-    pub fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
+    pub async fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
+        let shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
+        if let Some(sizing) = &self.sizing {
+            sizing.load(&shape_key).await?;
+        }
         // Bazel puts platform properties in both Action.platform and the (deprecated)
         // Command.platform; older clients only in the latter, so both are honoured.
         #[allow(deprecated)]
@@ -236,6 +255,27 @@ impl Scheduler {
                 )));
             }
         }
+        // Size classes with a worker that can run this action.
+        let classes: BTreeSet<u32> = st
+            .workers
+            .values()
+            .filter(|w| platform::satisfies(&w.properties, &required))
+            .map(|w| w.size_class)
+            .collect();
+        let largest_class = classes.iter().next_back().copied().unwrap_or(1);
+        let requested_timeout = timeout;
+        let (size_class, timeout) = match (&self.sizing, classes.len()) {
+            (Some(sizing), n) if n > 1 => {
+                let set = gantry_sizeclass::SizeClasses::new(classes.iter().copied()).expect("non-empty, non-zero");
+                let queues = self.queue_state(&st, &classes);
+                match sizing.choose(&shape_key, &set, timeout, Some(&queues)) {
+                    Some(d) => (Some(d.size_class), d.timeout),
+                    None => (Some(largest_class), timeout),
+                }
+            }
+            (_, 1) => (classes.iter().next().copied(), timeout),
+            _ => (None, timeout),
+        };
         let name = format!("operations/{}", uuid::Uuid::new_v4());
         st.seq += 1;
         let seq = st.seq;
@@ -256,6 +296,12 @@ impl Scheduler {
                 worker: None,
                 losses: 0,
                 cancel_requested: false,
+                size_class,
+                largest_class,
+                requested_timeout,
+                shape_key,
+                first_try: None,
+                notes: Vec::new(),
                 tx,
                 completed_at: None,
             },
@@ -276,7 +322,11 @@ impl Scheduler {
             let pick = st
                 .workers
                 .iter()
-                .filter(|(_, w)| w.running.len() < w.slots && platform::satisfies(&w.properties, &job.platform))
+                .filter(|(_, w)| {
+                    w.running.len() < w.slots
+                        && platform::satisfies(&w.properties, &job.platform)
+                        && job.size_class.is_none_or(|c| w.size_class == c)
+                })
                 .min_by_key(|(id, w)| (w.running.len() * 1000 / w.slots.max(1), (*id).clone()))
                 .map(|(id, _)| id.clone());
             if let Some(wid) = pick {
@@ -306,6 +356,21 @@ impl Scheduler {
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
         self.update_gauges(st);
+    }
+
+    /// Expected wait and idle workers per size class, for queue-aware selection.
+    fn queue_state(&self, st: &State, classes: &BTreeSet<u32>) -> gantry_sizeclass::QueueState {
+        let mut q = gantry_sizeclass::QueueState::new();
+        for &c in classes {
+            let workers: Vec<&WorkerEntry> = st.workers.values().filter(|w| w.size_class == c).collect();
+            let slots: usize = workers.iter().map(|w| w.slots).sum();
+            let idle: usize = workers.iter().map(|w| w.slots.saturating_sub(w.running.len())).sum();
+            let queued = st.queue.iter().filter(|(_, _, n)| st.jobs[n].size_class == Some(c)).count();
+            let avg = st.class_avg_seconds.get(&c).copied().unwrap_or(1.0);
+            let wait = if idle > 0 { 0.0 } else { (queued + 1) as f64 * avg / slots.max(1) as f64 };
+            q.set(c, gantry_sizeclass::ClassQueue { expected_wait: Duration::from_secs_f64(wait), idle_workers: idle as u32 });
+        }
+        q
     }
 
     fn update_gauges(&self, st: &State) {
@@ -401,6 +466,10 @@ impl Scheduler {
                 return;
             }
             let m = f.metering.clone().unwrap_or_default();
+            let c = size_class;
+            let e = st.class_avg_seconds.entry(c).or_insert(m.wall_seconds.max(0.001));
+            *e = 0.8 * *e + 0.2 * m.wall_seconds;
+            let Some(job) = st.jobs.get(&f.job_id) else { return };
             let record = ActionRecord {
                 operation: job.name.clone(),
                 instance: job.spec.instance.clone(),
@@ -451,6 +520,66 @@ impl Scheduler {
         }
         let mut record = record;
         record.exit_code = result.as_ref().map_or(-1, |r| r.exit_code);
+        let wall = Duration::from_secs_f64(f.metering.as_ref().map_or(0.0, |m| m.wall_seconds).max(0.0));
+        let ran_on = record.size_class;
+        let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall);
+        // A failure or timeout on a smaller class is retried on the largest class with the
+        // original timeout; the client sees one execution.
+        let retry = {
+            let mut st = self.state.lock().expect("poisoned");
+            let Some(job) = st.jobs.get_mut(&f.job_id) else { return };
+            let smaller = self.sizing.is_some() && job.size_class.is_some_and(|c| c < job.largest_class);
+            if smaller && !this_outcome.is_success() && !job.cancel_requested && code != tonic::Code::Cancelled as i32 {
+                job.first_try = Some((ran_on, this_outcome));
+                job.notes.push(format!(
+                    "{} on size class {ran_on} after {:.1}s; retried on size class {}",
+                    match this_outcome {
+                        gantry_sizeclass::Outcome::TimedOut(_) => "timed out",
+                        _ => "failed",
+                    },
+                    wall.as_secs_f64(),
+                    job.largest_class
+                ));
+                job.size_class = Some(job.largest_class);
+                job.timeout = job.requested_timeout;
+                job.worker = None;
+                job.tx.send_modify(|s| s.stage = Stage::Queued);
+                let key = (job.spec.priority, job.seq, job.name.clone());
+                st.queue.insert(key);
+                true
+            } else {
+                false
+            }
+        };
+        if retry {
+            if let Some(s) = &self.sizing {
+                s.retries.with_label_values(&[&ran_on.to_string()]).inc();
+            }
+            if let Err(e) = self.log.record(&record).await {
+                tracing::error!(action = %digest, error = %e, "could not record the execution");
+            }
+            let mut st = self.state.lock().expect("poisoned");
+            self.dispatch(&mut st);
+            return;
+        }
+        let learn = {
+            let st = self.state.lock().expect("poisoned");
+            st.jobs.get(&f.job_id).and_then(|job| {
+                let sizing_on = self.sizing.is_some() && job.size_class.is_some() && code != tonic::Code::Cancelled as i32;
+                sizing_on.then(|| {
+                    let execution = match job.first_try {
+                        Some((c0, o0)) => gantry_sizeclass::Execution { size_class: c0, outcome: o0, largest_outcome: Some(this_outcome) },
+                        None => gantry_sizeclass::Execution { size_class: ran_on, outcome: this_outcome, largest_outcome: None },
+                    };
+                    (job.shape_key.clone(), job.largest_class, execution, job.notes.join("; "))
+                })
+            })
+        };
+        let mut notes = String::new();
+        if let (Some(sizing), Some((key, largest, execution, n))) = (&self.sizing, learn) {
+            sizing.record(&key, largest, execution).await;
+            notes = n;
+        }
         if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref()) {
             if let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp) {
                 record.queued_seconds = ((s.seconds - q.seconds) as f64 + (s.nanos - q.nanos) as f64 / 1e9).max(0.0);
@@ -475,12 +604,16 @@ impl Scheduler {
             _ => "error",
         };
         self.gauges.completed.with_label_values(&[outcome]).inc();
+        let mut human = if f.message.is_empty() { message.clone() } else { f.message.clone() };
+        if !notes.is_empty() {
+            human = if human.is_empty() { notes } else { format!("{human}; {notes}") };
+        }
         let response = ExecuteResponse {
             result,
             cached_result: false,
             status: Some(RpcStatus { code, message: message.clone(), details: vec![] }),
             server_logs: Default::default(),
-            message: if f.message.is_empty() { message } else { f.message },
+            message: human,
         };
         let mut st = self.state.lock().expect("poisoned");
         self.complete(&mut st, &f.job_id, response);
@@ -637,7 +770,7 @@ mod tests {
         let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
         let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
         let cfg = SchedulerConfig { max_worker_losses: max_losses, ..Default::default() };
-        Scheduler::new(cfg, ac, log, &prometheus::Registry::new())
+        Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None)
     }
 
     fn spec(tag: &str, priority: i32, props: &[(&str, &str)]) -> JobSpec {
@@ -688,10 +821,10 @@ mod tests {
     #[tokio::test]
     async fn priority_then_fifo_order() {
         let s = scheduler(3).await;
-        let (a, _) = s.submit(spec("a", 5, &[])).unwrap();
-        let (b, _) = s.submit(spec("b", 1, &[])).unwrap();
-        let (c, _) = s.submit(spec("c", 5, &[])).unwrap();
-        let (d, _) = s.submit(spec("d", -1, &[])).unwrap();
+        let (a, _) = s.submit(spec("a", 5, &[])).await.unwrap();
+        let (b, _) = s.submit(spec("b", 1, &[])).await.unwrap();
+        let (c, _) = s.submit(spec("c", 5, &[])).await.unwrap();
+        let (d, _) = s.submit(spec("d", -1, &[])).await.unwrap();
         let mut w = s.register(reg("w", 1, &[]), true).unwrap();
         let mut order = Vec::new();
         for _ in 0..4 {
@@ -708,20 +841,20 @@ mod tests {
         let s = scheduler(3).await;
         let mut plain = s.register(reg("plain", 1, &[("OSFamily", "linux")]), true).unwrap();
         let mut gpu = s.register(reg("gpu", 1, &[("OSFamily", "linux"), ("pool", "gpu")]), true).unwrap();
-        let e = s.submit(spec("x", 0, &[("pool", "tpu")])).unwrap_err();
+        let e = s.submit(spec("x", 0, &[("pool", "tpu")])).await.unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("pool=tpu"), "{e}");
-        let (g, _) = s.submit(spec("g", 0, &[("pool", "gpu")])).unwrap();
+        let (g, _) = s.submit(spec("g", 0, &[("pool", "gpu")])).await.unwrap();
         assert_eq!(assigned(&mut gpu), vec![g]);
         assert!(assigned(&mut plain).is_empty());
-        let (any, _) = s.submit(spec("any", 0, &[])).unwrap();
+        let (any, _) = s.submit(spec("any", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut plain), vec![any], "an empty platform runs anywhere");
     }
 
     #[tokio::test]
     async fn identical_actions_in_flight_share_one_execution() {
         let s = scheduler(3).await;
-        let (n1, mut r1) = s.submit(spec("same", 0, &[])).unwrap();
-        let (n2, mut r2) = s.submit(spec("same", 0, &[])).unwrap();
+        let (n1, mut r1) = s.submit(spec("same", 0, &[])).await.unwrap();
+        let (n2, mut r2) = s.submit(spec("same", 0, &[])).await.unwrap();
         assert_eq!(n1, n2);
         let mut w = s.register(reg("w", 4, &[]), true).unwrap();
         assert_eq!(assigned(&mut w).len(), 1, "executed once");
@@ -731,14 +864,14 @@ mod tests {
             assert_eq!(st.response.unwrap().result.unwrap().exit_code, 0);
         }
         // once finished, the same action is a new execution
-        let (n3, _) = s.submit(spec("same", 0, &[])).unwrap();
+        let (n3, _) = s.submit(spec("same", 0, &[])).await.unwrap();
         assert_ne!(n3, n1);
     }
 
     #[tokio::test]
     async fn worker_loss_requeues_then_fails_unavailable() {
         let s = scheduler(1).await;
-        let (n, mut rx) = s.submit(spec("lossy", 0, &[])).unwrap();
+        let (n, mut rx) = s.submit(spec("lossy", 0, &[])).await.unwrap();
         let mut w1 = s.register(reg("w1", 1, &[]), false).unwrap();
         assert_eq!(assigned(&mut w1), vec![n.clone()]);
         s.worker_lost("w1", "test");
@@ -757,9 +890,9 @@ mod tests {
         let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
         let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
         let cfg = SchedulerConfig { heartbeat_timeout: Duration::from_millis(600), ..Default::default() };
-        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new());
+        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let mut remote = s.register(reg("remote", 1, &[]), false).unwrap();
-        let (n, _) = s.submit(spec("hb", 0, &[])).unwrap();
+        let (n, _) = s.submit(spec("hb", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut remote), vec![n.clone()]);
         let mut local = s.register(reg("local", 1, &[]), true).unwrap();
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -770,13 +903,13 @@ mod tests {
     #[tokio::test]
     async fn cancel_queued_and_running() {
         let s = scheduler(3).await;
-        let (q, mut qrx) = s.submit(spec("queued", 0, &[])).unwrap();
+        let (q, mut qrx) = s.submit(spec("queued", 0, &[])).await.unwrap();
         s.cancel(&q).unwrap();
         let st = qrx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
         assert_eq!(st.response.unwrap().status.unwrap().code, tonic::Code::Cancelled as i32);
         let mut w = s.register(reg("w", 1, &[]), true).unwrap();
         assert!(assigned(&mut w).is_empty(), "a cancelled action is not dispatched");
-        let (r, _) = s.submit(spec("running", 0, &[])).unwrap();
+        let (r, _) = s.submit(spec("running", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut w), vec![r.clone()]);
         s.cancel(&r).unwrap();
         let m = w.messages.try_recv().unwrap();

@@ -48,3 +48,14 @@ pub async fn build_execution_log(config: &Config) -> Result<Arc<dyn gantry_core:
         }
     }
 }
+
+/// The size-class learner's statistics, in the same database as the action cache.
+pub async fn build_size_class_store(config: &Config) -> Result<Arc<dyn gantry_core::SizeClassStore>> {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => {
+            let url = config.action_cache_url(sql);
+            let s = crate::SqlSizeClassStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
+            Ok(Arc::new(s))
+        }
+    }
+}

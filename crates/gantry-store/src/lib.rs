@@ -22,13 +22,13 @@ pub mod sql_action_cache;
 pub mod sql_execution_log;
 
 pub use completeness_check::CompletenessCheckingActionCache;
-pub use factory::{build_action_cache, build_cas, build_execution_log};
+pub use factory::{build_action_cache, build_cas, build_execution_log, build_size_class_store};
 pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use sql_action_cache::SqlActionCache;
-pub use sql_execution_log::SqlExecutionLog;
+pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
 
 #[cfg(test)]
 mod store_suite;

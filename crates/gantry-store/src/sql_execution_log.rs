@@ -154,3 +154,88 @@ mod tests {
         assert_eq!(log.invocation("none").await.unwrap().actions, 0);
     }
 }
+
+/// `SqlSizeClassStore`: the size-class learner's per-key statistics, one row per key.
+pub struct SqlSizeClassStore {
+    pool: AnyPool,
+}
+
+impl SqlSizeClassStore {
+    pub async fn new(pool: AnyPool) -> Result<Self> {
+        pool.execute(
+            "CREATE TABLE IF NOT EXISTS size_class_stats (
+                stats_key TEXT NOT NULL PRIMARY KEY,
+                stats TEXT NOT NULL,
+                updated_unix_ms BIGINT NOT NULL
+            )",
+        )
+        .await
+        .map_err(db_err("creating table size_class_stats"))?;
+        Ok(SqlSizeClassStore { pool })
+    }
+
+    pub async fn connect(url: &str) -> Result<Self> {
+        let ac = crate::SqlActionCache::connect(url).await?;
+        Self::new(ac.pool().clone()).await
+    }
+}
+
+#[async_trait]
+impl gantry_core::SizeClassStore for SqlSizeClassStore {
+    async fn get(&self, key: &str) -> Result<Option<String>> {
+        let row = sqlx::query("SELECT stats FROM size_class_stats WHERE stats_key = $1")
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err("reading size class stats"))?;
+        row.map(|r| r.try_get::<String, _>(0))
+            .transpose()
+            .map_err(|e| Error::internal(format!("size class stats: undecodable row: {e}")))
+    }
+
+    async fn put(&self, key: &str, stats: &str) -> Result<()> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        sqlx::query(
+            "INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (stats_key) DO UPDATE SET stats = excluded.stats, updated_unix_ms = excluded.updated_unix_ms",
+        )
+        .bind(key)
+        .bind(stats)
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err("writing size class stats"))?;
+        Ok(())
+    }
+
+    async fn keys(&self, limit: usize) -> Result<Vec<String>> {
+        let rows = sqlx::query("SELECT stats_key FROM size_class_stats ORDER BY updated_unix_ms DESC LIMIT $1")
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err("listing size class stats"))?;
+        rows.iter()
+            .map(|r| r.try_get::<String, _>(0))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::internal(format!("size class stats: undecodable row: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod size_class_store_tests {
+    use super::*;
+    use gantry_core::SizeClassStore;
+
+    #[tokio::test]
+    async fn upsert_and_list() {
+        let s = SqlSizeClassStore::connect("sqlite::memory:").await.unwrap();
+        assert_eq!(s.get("k").await.unwrap(), None);
+        s.put("k", "{\"v\":1}").await.unwrap();
+        s.put("k", "{\"v\":2}").await.unwrap();
+        s.put("j", "{}").await.unwrap();
+        assert_eq!(s.get("k").await.unwrap().as_deref(), Some("{\"v\":2}"));
+        let keys = s.keys(10).await.unwrap();
+        assert_eq!(keys.len(), 2);
+        assert!(keys.contains(&"k".to_string()) && keys.contains(&"j".to_string()));
+    }
+}

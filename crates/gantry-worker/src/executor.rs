@@ -25,6 +25,8 @@ pub struct Executor {
     pub metering: &'static str,
     /// The gantry binary, used as the metering trampoline (see meter.rs).
     pub meter: Option<PathBuf>,
+    /// Limits of this worker's size class (enforced through the trampoline).
+    pub limits: process::Limits,
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -108,7 +110,7 @@ impl Executor {
         let timeout = Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms });
         md.execution_start_timestamp = Some(ts());
         let outcome = process::run(
-            process::Spec { meter: self.meter.as_deref(), args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
+            process::Spec { limits: self.limits, meter: self.meter.as_deref(), args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
             cancel,
         )
         .await?;

@@ -1,4 +1,9 @@
-//! The metering trampoline, `gantry __meter RESULT_FILE -- PROGRAM ARGS...`.
+//! The metering trampoline,
+//! `gantry __meter RESULT_FILE [--memory-limit BYTES] [--cpus N] -- PROGRAM ARGS...`.
+//!
+//! It also applies a size class's limits where no cgroup v2 hierarchy is delegated: an
+//! address-space limit (RLIMIT_AS, so an allocation past it fails) and CPU pinning
+//! (sched_setaffinity to N CPUs), both inherited by the command.
 //!
 //! Why it exists: a child spawned directly from the server inherits the server's address
 //! space until it execs, and Linux folds that address space's high-water RSS into the
@@ -16,13 +21,40 @@ pub const SUBCOMMAND: &str = "__meter";
 
 /// Runs the trampoline with `args` = [RESULT_FILE, "--", PROGRAM, ARGS...]. Never returns.
 pub fn meter_main(args: &[String]) -> ! {
-    let (result_file, cmd) = match args {
-        [file, sep, cmd @ ..] if sep == "--" && !cmd.is_empty() => (file, cmd),
-        _ => {
-            eprintln!("usage: gantry {SUBCOMMAND} RESULT_FILE -- PROGRAM [ARGS...]");
-            std::process::exit(2);
-        }
+    let usage = || -> ! {
+        eprintln!("usage: gantry {SUBCOMMAND} RESULT_FILE [--memory-limit BYTES] [--cpus N] -- PROGRAM [ARGS...]");
+        std::process::exit(2);
     };
+    let Some((result_file, mut rest)) = args.split_first() else { usage() };
+    let (mut memory, mut cpus) = (None::<u64>, None::<usize>);
+    loop {
+        match rest {
+            [flag, value, tail @ ..] if flag == "--memory-limit" => {
+                memory = Some(value.parse().unwrap_or_else(|_| usage()));
+                rest = tail;
+            }
+            [flag, value, tail @ ..] if flag == "--cpus" => {
+                cpus = Some(value.parse().unwrap_or_else(|_| usage()));
+                rest = tail;
+            }
+            [sep, cmd @ ..] if sep == "--" && !cmd.is_empty() => {
+                rest = cmd;
+                break;
+            }
+            _ => usage(),
+        }
+    }
+    let cmd = rest;
+    if let Some(limit) = memory {
+        let rl = libc::rlimit { rlim_cur: limit as libc::rlim_t, rlim_max: limit as libc::rlim_t };
+        // SAFETY: setrlimit with a valid struct; applies to us and is inherited.
+        if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) } != 0 {
+            eprintln!("gantry: could not set the memory limit: {}", std::io::Error::last_os_error());
+        }
+    }
+    if let Some(n) = cpus {
+        pin_to_cpus(n);
+    }
     // The environment and working directory were set up by the worker for us; the
     // command inherits them, and stays in our process group.
     let err = match std::process::Command::new(&cmd[0]).args(&cmd[1..]).spawn() {
@@ -52,6 +84,31 @@ pub fn meter_main(args: &[String]) -> ! {
     eprintln!("gantry: could not start {}: {err}", cmd[0]);
     let _ = std::process::Command::new("/bin/false").exec();
     std::process::exit(127);
+}
+
+/// Restricts this process (and what it spawns) to the first `n` CPUs it may use.
+fn pin_to_cpus(n: usize) {
+    // SAFETY: cpu_set_t is plain data, manipulated with the libc macros' equivalents.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let mut taken = 0;
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            if taken == n {
+                break;
+            }
+            if libc::CPU_ISSET(cpu, &allowed) {
+                libc::CPU_SET(cpu, &mut set);
+                taken += 1;
+            }
+        }
+        if taken > 0 {
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
 }
 
 /// Waits for child `pid` with wait4, retrying on EINTR: (return value, status, rusage).

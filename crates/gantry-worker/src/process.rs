@@ -43,7 +43,15 @@ pub fn metering_method() -> &'static str {
     if is_cgroup2 && has_memory { "cgroup-v2" } else { "rusage" }
 }
 
+/// Resource limits of a size class (applied through the trampoline).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: Option<u64>,
+    pub cpus: Option<usize>,
+}
+
 pub struct Spec<'a> {
+    pub limits: Limits,
     /// A binary that understands `__meter` (gantry itself); without it the command is
     /// spawned directly and its peak memory includes this process's (see meter.rs).
     pub meter: Option<&'a Path>,
@@ -77,7 +85,14 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
             // Resolve the program now: the trampoline does no PATH magic of its own
             // beyond what the action's environment gives it.
             let mut c = std::process::Command::new(meter);
-            c.arg(crate::meter::SUBCOMMAND).arg(&result_file).arg("--").arg(&program_path).args(&spec.args[1..]);
+            c.arg(crate::meter::SUBCOMMAND).arg(&result_file);
+            if let Some(m) = spec.limits.memory_bytes {
+                c.arg("--memory-limit").arg(m.to_string());
+            }
+            if let Some(n) = spec.limits.cpus {
+                c.arg("--cpus").arg(n.to_string());
+            }
+            c.arg("--").arg(&program_path).args(&spec.args[1..]);
             c
         }
         None => {
@@ -154,7 +169,7 @@ mod tests {
     use super::*;
 
     fn spec<'a>(dir: &'a Path, args: &'a [String], timeout: Duration) -> Spec<'a> {
-        Spec { meter: None, args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
+        Spec { limits: Limits::default(), meter: None, args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
     }
 
     fn sh(script: &str) -> Vec<String> {

@@ -418,7 +418,7 @@ async fn bench_server(target: &Option<String>, workers: Option<usize>) -> anyhow
     let dir = tempfile::tempdir().context("creating a temporary data dir")?;
     let mut config = gantry_config::Config::default();
     config.server.data_dir = dir.path().to_owned();
-    config.execution.workers = workers;
+    config.execution.workers = workers.map(gantry_config::Workers::Count);
     let services = crate::serve::build_services(&config).await?;
     let guards = crate::serve::start_local_workers(&config, &services).await?;
     let server = gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;

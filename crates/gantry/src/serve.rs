@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use gantry_batch::Models;
 use gantry_core::task::TaskGuard;
+use gantry_execution::sizing::Sizing;
 use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
 use gantry_store::FsStore;
@@ -67,6 +68,20 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
     let batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
     let services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
     let e = &config.execution;
+    let sc = &e.size_classes;
+    let sizing = Sizing::new(
+        gantry_sizeclass::SelectionConfig {
+            history_size: sc.history_size,
+            failure_cache_duration: sc.failure_cache_duration,
+            minimum_execution_timeout: sc.minimum_execution_timeout,
+            acceptable_time_exponent: sc.acceptable_time_exponent,
+            timeout_multiplier: sc.timeout_multiplier,
+            ..Default::default()
+        },
+        gantry_store::build_size_class_store(config).await.context("setting up the size class store")?,
+        sc.seed,
+        services.metrics.registry(),
+    )?;
     let scheduler = Scheduler::new(
         SchedulerConfig {
             max_worker_losses: e.max_worker_losses,
@@ -78,6 +93,7 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
         ac,
         log,
         services.metrics.registry(),
+        Some(sizing),
     );
     Ok(services.with_scheduler(scheduler))
 }
@@ -85,7 +101,11 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
 /// Starts the in-process workers; they run until the returned guards are dropped.
 pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow::Result<Vec<TaskGuard>> {
     let scheduler = services.scheduler.clone().expect("built with a scheduler");
-    let n = config.execution.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let classes = match &config.execution.workers {
+        Some(w) => w.classes(),
+        None => vec![(1, std::thread::available_parallelism().map_or(1, |n| n.get()))],
+    };
+    let n: usize = classes.iter().map(|(_, c)| c).sum();
     if n == 0 {
         return Ok(vec![]);
     }
@@ -98,6 +118,11 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
     let metering = gantry_worker::process::metering_method();
     if metering == "rusage" {
         tracing::info!("no delegated cgroup v2 hierarchy: actions are metered with rusage of their reaped processes");
+        if config.execution.memory_per_size_class.is_some() || config.execution.cpus_per_size_class.is_some() {
+            tracing::info!("size class limits are enforced as an address-space limit (RLIMIT_AS) and CPU pinning");
+        } else {
+            tracing::info!("no memory_per_size_class or cpus_per_size_class set: size classes are metered only, not enforced");
+        }
     }
     let mut properties: Vec<wpb::Property> = gantry_worker::base_properties()
         .into_iter()
@@ -107,8 +132,13 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
     properties.dedup();
     let host = hostname();
     let mut guards = Vec::new();
-    for i in 0..n {
+    let per_worker = classes.iter().flat_map(|&(class, count)| std::iter::repeat_n(class, count));
+    for (i, class) in per_worker.enumerate() {
         let id = format!("{host}-local-{i}");
+        let limits = gantry_worker::process::Limits {
+            memory_bytes: config.execution.memory_per_size_class.map(|m| m.as_u64() * class as u64),
+            cpus: config.execution.cpus_per_size_class.map(|c| c * class as usize),
+        };
         let work_root = dir.join(format!("w{i}"));
         std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
         let executor = Arc::new(Executor {
@@ -118,13 +148,14 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             work_root,
             metering,
             meter: std::env::current_exe().ok(),
+            limits,
         });
-        let reg = wpb::Register { worker_id: id, properties: properties.clone(), slots: 1, size_class: 1, metering: metering.into() };
+        let reg = wpb::Register { worker_id: id, properties: properties.clone(), slots: 1, size_class: class, metering: metering.into() };
         let (messages, reports, bridge) = scheduler.attach_local(reg)?;
         guards.push(bridge);
         guards.push(gantry_core::task::spawn_named("local-worker", gantry_worker::run_worker(messages, reports, executor)));
     }
-    tracing::info!(workers = n, "in-process workers started");
+    tracing::info!(workers = n, classes = ?classes, "in-process workers started");
     Ok(guards)
 }
 

@@ -31,6 +31,15 @@ pub struct WorkerArgs {
     /// Size of the local input cache.
     #[arg(long, default_value = "10GiB")]
     cache_size: ByteSize,
+    /// Size class of this worker.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    size_class: u32,
+    /// Address-space limit per action (RLIMIT_AS), e.g. 4GiB. Default: none (meter only).
+    #[arg(long)]
+    memory_limit: Option<ByteSize>,
+    /// Pin each action to this many CPUs. Default: no pinning.
+    #[arg(long)]
+    cpus: Option<usize>,
 }
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
@@ -60,6 +69,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         work_root,
         metering,
         meter: std::env::current_exe().ok(),
+        limits: gantry_worker::process::Limits { memory_bytes: args.memory_limit.map(|m| m.as_u64()), cpus: args.cpus },
     });
     let properties: Vec<wpb::Property> = gantry_worker::base_properties()
         .into_iter()
@@ -74,7 +84,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                 worker_id: id.clone(),
                 properties: properties.clone(),
                 slots: args.slots,
-                size_class: 1,
+                size_class: args.size_class,
                 metering: metering.into(),
             };
             let started = std::time::Instant::now();
