@@ -235,8 +235,10 @@ impl Scheduler {
             _ => self.config.default_timeout,
         };
         let key = (spec.instance.clone(), spec.action_digest);
+        // REAPI: in-flight requests for a do_not_cache action may not be merged.
+        let mergeable = !spec.action.do_not_cache;
         let mut st = self.state.lock().expect("poisoned");
-        if let Some(name) = st.in_flight.get(&key) {
+        if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable) {
             let job = &st.jobs[name];
             return Ok((name.clone(), job.tx.subscribe()));
         }
@@ -282,7 +284,9 @@ impl Scheduler {
         let state = OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
         st.queue.insert((spec.priority, seq, name.clone()));
-        st.in_flight.insert(key.clone(), name.clone());
+        if mergeable {
+            st.in_flight.insert(key.clone(), name.clone());
+        }
         st.jobs.insert(
             name.clone(),
             Job {
@@ -426,7 +430,11 @@ impl Scheduler {
             while let Some(m) = rx.recv().await {
                 match m.kind {
                     Some(wpb::worker_message::Kind::Started(x)) => s.started(&id, &x.job_id),
-                    Some(wpb::worker_message::Kind::Finished(f)) => s.finished(&id, f).await,
+                    Some(wpb::worker_message::Kind::Finished(f)) => {
+                        // Detached, like remote sessions: a result is always saved.
+                        let (s, id) = (s.clone(), id.clone());
+                        tokio::spawn(async move { s.finished(&id, f).await });
+                    }
                     _ => s.heartbeat(&id),
                 }
             }
@@ -680,6 +688,12 @@ impl Scheduler {
             return Ok(());
         }
         job.cancel_requested = true;
+        let key = job.key.clone();
+        // New requests for the same action start afresh instead of joining a cancelled one.
+        if st.in_flight.get(&key).map(String::as_str) == Some(name) {
+            st.in_flight.remove(&key);
+        }
+        let job = st.jobs.get_mut(name).expect("checked above");
         match job.worker.clone() {
             None => {
                 self.complete(&mut st, name, cancelled_response());
@@ -866,6 +880,22 @@ mod tests {
         // once finished, the same action is a new execution
         let (n3, _) = s.submit(spec("same", 0, &[])).await.unwrap();
         assert_ne!(n3, n1);
+    }
+
+    #[tokio::test]
+    async fn do_not_cache_actions_are_not_merged_and_cancel_detaches() {
+        let s = scheduler(3).await;
+        let mut a = spec("nc", 0, &[]);
+        a.action.do_not_cache = true;
+        let mut b = spec("nc", 0, &[]);
+        b.action.do_not_cache = true;
+        let (n1, _) = s.submit(a).await.unwrap();
+        let (n2, _) = s.submit(b).await.unwrap();
+        assert_ne!(n1, n2, "do_not_cache actions run separately");
+        let (c1, _) = s.submit(spec("c", 0, &[])).await.unwrap();
+        s.cancel(&c1).unwrap();
+        let (c2, _) = s.submit(spec("c", 0, &[])).await.unwrap();
+        assert_ne!(c1, c2, "a new request does not join a cancelled operation");
     }
 
     #[tokio::test]

@@ -58,7 +58,12 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
                     Ok(Some(m)) => match m.kind {
                         Some(wpb::worker_message::Kind::Heartbeat(_)) => scheduler.heartbeat(&worker),
                         Some(wpb::worker_message::Kind::Started(s)) => scheduler.started(&worker, &s.job_id),
-                        Some(wpb::worker_message::Kind::Finished(f)) => scheduler.finished(&worker, f).await,
+                        Some(wpb::worker_message::Kind::Finished(f)) => {
+                            // Its own task: a result must be saved even if this session is
+                            // aborted meanwhile, and heartbeats must not wait on the database.
+                            let (s, w) = (scheduler.clone(), worker.clone());
+                            tokio::spawn(async move { s.finished(&w, f).await });
+                        }
                         Some(wpb::worker_message::Kind::Register(_)) | None => {
                             tracing::warn!(%worker, "ignoring an unexpected worker message");
                         }

@@ -34,6 +34,32 @@ fn ts() -> gantry_core::google::protobuf::Timestamp {
     gantry_core::google::protobuf::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
 }
 
+/// Removes an action directory. Unlinking needs write permission on directories only, so
+/// only directories are made writable: files may be hard links into the input cache, and
+/// changing their mode would change the cache's copy.
+pub fn remove_tree(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if std::fs::remove_dir_all(dir).is_ok() {
+        return;
+    }
+    fn open_dirs(d: &std::path::Path) {
+        let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
+        if let Ok(entries) = std::fs::read_dir(d) {
+            for e in entries.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    open_dirs(&e.path());
+                }
+            }
+        }
+    }
+    open_dirs(dir);
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(dir = %dir.display(), error = %e, "could not remove an action directory");
+        }
+    }
+}
+
 fn safe_relative(p: &str, what: &str) -> Result<()> {
     if p.starts_with('/') || p.split('/').any(|s| s == "..") {
         return Err(Error::invalid(format!("{what} '{p}' must be a relative path inside the input root")));
@@ -48,13 +74,8 @@ impl Executor {
         let job_id = a.job_id.clone();
         let dir = self.work_root.join(job_id.replace('/', "_"));
         let res = self.execute_in(&a, &dir, cancel).await;
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                // Make read-only inputs removable, then try again.
-                let _ = std::process::Command::new("chmod").args(["-R", "u+w"]).arg(&dir).status();
-                let _ = std::fs::remove_dir_all(&dir);
-            }
-        }
+        let d = dir.clone();
+        let _ = tokio::task::spawn_blocking(move || remove_tree(&d)).await;
         match res {
             Ok(f) => f,
             Err(e) => wpb::ExecutionFinished {

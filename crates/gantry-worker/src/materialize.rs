@@ -61,6 +61,19 @@ impl Materializer {
                 }
             };
             std::fs::create_dir_all(&path).context(format_args!("creating {}", path.display()))?;
+            // REAPI requires names sorted and unique within a directory; a duplicate would
+            // make two inputs share a path, so it is refused rather than guessed at.
+            let mut names: Vec<&str> = dir
+                .files
+                .iter()
+                .map(|f| f.name.as_str())
+                .chain(dir.directories.iter().map(|d| d.name.as_str()))
+                .chain(dir.symlinks.iter().map(|s| s.name.as_str()))
+                .collect();
+            names.sort_unstable();
+            if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Error::invalid(format!("input directory {d}: name '{}' appears twice", w[0])));
+            }
             for file in &dir.files {
                 check_name(&file.name, "file")?;
                 files.push(FileEntry {
@@ -136,11 +149,21 @@ fn place(src: &Path, dest: &Path, executable: bool) -> Result<()> {
             .context(format_args!("chmod {}", dest.display()))?;
         return Ok(());
     }
-    if std::fs::hard_link(src, dest).is_err() {
-        // Different filesystem, or link limits: a copy is always correct.
-        std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
-        std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o444))
-            .context(format_args!("chmod {}", dest.display()))?;
+    match std::fs::hard_link(src, dest) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) || e.raw_os_error() == Some(libc::EMLINK) => {
+            // Different filesystem, or link limits: a copy, into a new file only, so an
+            // existing path (a hard link into the cache) is never truncated.
+            let mut from = std::fs::File::open(src).context(format_args!("opening cached input for {}", dest.display()))?;
+            let mut to = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(dest)
+                .context(format_args!("creating input {}", dest.display()))?;
+            std::io::copy(&mut from, &mut to).context(format_args!("copying input {}", dest.display()))?;
+            std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o444))
+                .context(format_args!("chmod {}", dest.display()))
+        }
+        Err(e) => Err(Error::io(format!("linking input {}", dest.display()), e)),
     }
-    Ok(())
 }

@@ -14,7 +14,6 @@
 //! command did, so the worker sees the command's exit status.
 
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 
 /// The hidden subcommand name; `main` must dispatch it before starting any runtime.
 pub const SUBCOMMAND: &str = "__meter";
@@ -61,7 +60,12 @@ pub fn meter_main(args: &[String]) -> ! {
         Ok(child) => {
             let pid = child.id() as i32;
             drop(child);
-            let (_, status, ru) = wait_child(pid);
+            let (r, status, ru) = wait_child(pid);
+            if r == -1 {
+                // Never report success for a child we could not wait for.
+                eprintln!("gantry: waiting for {}: {}", cmd[0], std::io::Error::last_os_error());
+                std::process::exit(125);
+            }
             if let Ok(mut f) = std::fs::File::create(result_file) {
                 let _ = writeln!(f, "{} {} {}", ru.ru_maxrss, secs(ru.ru_utime), secs(ru.ru_stime));
             }
@@ -82,7 +86,6 @@ pub fn meter_main(args: &[String]) -> ! {
     };
     // Could not start it: mirror a shell's "command not found".
     eprintln!("gantry: could not start {}: {err}", cmd[0]);
-    let _ = std::process::Command::new("/bin/false").exec();
     std::process::exit(127);
 }
 

@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("gantry").build()?;
-    rt.block_on(async {
+    let result = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve::run(args).await,
             Command::Worker(args) => worker::run(args).await,
@@ -58,5 +58,9 @@ fn main() -> anyhow::Result<()> {
             Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
             Command::Bench(cmd) => bench::run(cmd).await,
         }
-    })
+    });
+    // Blocking tasks (an action's wait) must not hold the process up after shutdown:
+    // their process groups are killed by their guards when the tasks are dropped.
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
+    result
 }

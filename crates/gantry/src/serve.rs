@@ -110,6 +110,9 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
         return Ok(vec![]);
     }
     let dir = config.worker_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Absolute, because actions run through a trampoline inside their own directory.
+    let dir = std::fs::canonicalize(&dir).with_context(|| format!("resolving {}", dir.display()))?;
     let cache = Arc::new(
         FsStore::open(dir.join("cache"), config.execution.cache_max_size.as_u64())
             .await
@@ -140,6 +143,8 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             cpus: config.execution.cpus_per_size_class.map(|c| c * class as usize),
         };
         let work_root = dir.join(format!("w{i}"));
+        // Leftovers of a previous run (a crash mid-action) are removed before starting.
+        gantry_worker::executor::remove_tree(&work_root);
         std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
         let executor = Arc::new(Executor {
             worker_id: id.clone(),

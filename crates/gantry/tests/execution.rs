@@ -270,3 +270,24 @@ async fn metering_measures_the_action_not_the_server() {
     assert!(peaks[1] > 55_000_000, "the 60 MB allocation is seen: {}", peaks[1]);
     server.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relative_data_dir_and_relative_program_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("gantry.toml"), "[execution]\nworkers = 1\n").unwrap();
+    // --data-dir relative to the server's working directory, as with the defaults.
+    let server = GantryServer::start_in(Some(tmp.path()), std::path::Path::new("data"), &["--config", "gantry.toml"]);
+    let c = Client::connect(&server.grpc).await;
+    let script = "#!/bin/sh\necho from a relative tool\n";
+    let input = c.tree(&root(vec![("bin", dir(vec![("tool.sh", Node::File(script.as_bytes().to_vec(), true))]))])).await;
+    let mut cmd = command(&["bin/tool.sh"], &[], &[]);
+    cmd.working_directory = String::new();
+    let action = c.action(cmd, input, 60, false).await;
+    let (_, _, resp) = c.execute(action, false).await;
+    assert_eq!(resp.status.as_ref().unwrap().code, 0, "{:?}", resp.status);
+    let r = resp.result.unwrap();
+    assert_eq!(r.exit_code, 0, "{}", String::from_utf8_lossy(&c.get(r.stderr_digest.as_ref().unwrap()).await));
+    assert_eq!(c.get(r.stdout_digest.as_ref().unwrap()).await, b"from a relative tool\n");
+    assert!(tmp.path().join("data/workers/w0").is_dir());
+    server.stop();
+}

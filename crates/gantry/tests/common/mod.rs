@@ -20,7 +20,16 @@ pub struct GantryServer {
 impl GantryServer {
     /// Starts `gantry serve` with ports picked by the OS, and waits for its ready line.
     pub fn start(data_dir: &Path, extra: &[&str]) -> GantryServer {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gantry"))
+        Self::start_in(None, data_dir, extra)
+    }
+
+    /// Like `start`, with the server's working directory set (for relative paths).
+    pub fn start_in(cwd: Option<&Path>, data_dir: &Path, extra: &[&str]) -> GantryServer {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gantry"));
+        if let Some(c) = cwd {
+            cmd.current_dir(c);
+        }
+        let mut child = cmd
             .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
