@@ -6,6 +6,7 @@ mod bench;
 mod invocation;
 mod model;
 mod serve;
+mod sizeclass;
 mod worker;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +26,9 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Show what one Bazel invocation cost on gantry's executors.
     Invocation(invocation::InvocationArgs),
+    /// Inspect what the scheduler learned about worker size classes.
+    #[command(subcommand)]
+    Sizeclass(sizeclass::SizeclassCommand),
     /// Cut a stream of targets into builds (`gantry batch plan` plans offline).
     Batch(batch::BatchArgs),
     /// Train and evaluate the batching service's models.
@@ -54,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             Command::Serve(args) => serve::run(args).await,
             Command::Worker(args) => worker::run(args).await,
             Command::Invocation(args) => invocation::run(args).await,
+            Command::Sizeclass(cmd) => sizeclass::run(cmd).await,
             Command::Batch(args) => batch::run(args).await,
             Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
             Command::Bench(cmd) => bench::run(cmd).await,

@@ -1,0 +1,63 @@
+//! `gantry sizeclass stats [--key KEY]`: what the size-class learner knows, from the
+//! metadata database: the most recently updated action shapes, or one shape's history
+//! per class with its acceptable times and success estimates.
+
+use anyhow::Context;
+use gantry_sizeclass::{ActionStats, KeyStatsView, SelectionConfig, SizeClasses};
+
+#[derive(clap::Subcommand)]
+pub enum SizeclassCommand {
+    /// Learned statistics: recent action shapes, or one with --key.
+    Stats(StatsArgs),
+}
+
+#[derive(clap::Args)]
+pub struct StatsArgs {
+    /// An action shape key (as listed without --key).
+    #[arg(long)]
+    key: Option<String>,
+    /// How many shapes to list.
+    #[arg(long, default_value_t = 20)]
+    limit: usize,
+    #[command(flatten)]
+    serve: crate::serve::ServeArgs,
+}
+
+pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
+    let SizeclassCommand::Stats(args) = cmd;
+    let config = crate::serve::load_config(&args.serve)?;
+    let store = gantry_store::build_size_class_store(&config).await.context("opening the size class store")?;
+    let sc = &config.execution.size_classes;
+    let selection = SelectionConfig {
+        history_size: sc.history_size,
+        failure_cache_duration: sc.failure_cache_duration,
+        minimum_execution_timeout: sc.minimum_execution_timeout,
+        acceptable_time_exponent: sc.acceptable_time_exponent,
+        timeout_multiplier: sc.timeout_multiplier,
+        ..Default::default()
+    };
+    let keys = match &args.key {
+        Some(k) => vec![k.clone()],
+        None => store.keys(args.limit).await?,
+    };
+    if keys.is_empty() {
+        println!("no size class statistics yet");
+        return Ok(());
+    }
+    for key in keys {
+        let json = store.get(&key).await?.with_context(|| format!("no statistics for key {key}"))?;
+        let stats = ActionStats::from_json(&json).with_context(|| format!("statistics of {key}"))?;
+        let classes: Vec<u32> = stats.classes().collect();
+        if classes.is_empty() {
+            continue;
+        }
+        let set = SizeClasses::new(classes)?;
+        if args.key.is_some() {
+            print!("{}", KeyStatsView::new(key.clone(), &stats, &set, &selection, gantry_execution::sizing::now()));
+        } else {
+            let samples: Vec<String> = set.iter().map(|c| format!("{c}:{}", stats.sample_count(c))).collect();
+            println!("{key}  samples per class {}", samples.join(" "));
+        }
+    }
+    Ok(())
+}
