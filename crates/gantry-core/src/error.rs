@@ -13,6 +13,10 @@ pub enum Error {
     NotFound(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// Blobs a request needs are not in the CAS (FAILED_PRECONDITION with MISSING
+    /// violations, so clients upload them and retry).
+    #[error("{what}: missing from the CAS: {}", .digests.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "))]
+    MissingBlobs { what: String, digests: Vec<crate::Digest> },
     #[error("{0}")]
     ResourceExhausted(String),
     #[error("{0}")]
@@ -50,7 +54,7 @@ impl Error {
         match self {
             Error::InvalidArgument(_) => tonic::Code::InvalidArgument,
             Error::NotFound(_) => tonic::Code::NotFound,
-            Error::FailedPrecondition(_) => tonic::Code::FailedPrecondition,
+            Error::FailedPrecondition(_) | Error::MissingBlobs { .. } => tonic::Code::FailedPrecondition,
             Error::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
             Error::OutOfRange(_) => tonic::Code::OutOfRange,
             Error::Unavailable(_) => tonic::Code::Unavailable,
@@ -76,6 +80,7 @@ impl Error {
             Error::InvalidArgument(m) => Error::InvalidArgument(format!("{ctx}: {m}")),
             Error::NotFound(m) => Error::NotFound(format!("{ctx}: {m}")),
             Error::FailedPrecondition(m) => Error::FailedPrecondition(format!("{ctx}: {m}")),
+            Error::MissingBlobs { what, digests } => Error::MissingBlobs { what: format!("{ctx}: {what}"), digests },
             Error::ResourceExhausted(m) => Error::ResourceExhausted(format!("{ctx}: {m}")),
             Error::OutOfRange(m) => Error::OutOfRange(format!("{ctx}: {m}")),
             Error::Unavailable(m) => Error::Unavailable(format!("{ctx}: {m}")),

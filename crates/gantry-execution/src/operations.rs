@@ -96,7 +96,7 @@ impl ExecutionService {
         let bytes = self.cas.get(d).await.map_err(|e| {
             if e.is_not_found() {
                 // REAPI: a missing input is FAILED_PRECONDITION, so the client re-uploads.
-                Error::FailedPrecondition(format!("{what} {d} is not in the CAS"))
+                Error::MissingBlobs { what: what.to_string(), digests: vec![*d] }
             } else {
                 e
             }
@@ -110,6 +110,64 @@ impl Execution for ExecutionService {
     type ExecuteStream = OpStream;
 
     async fn execute(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, Status> {
+        self.execute_inner(request).await.map_err(|e| match e {
+            ExecError::Status(s) => s,
+            ExecError::Gantry(e) => to_status(e),
+        })
+    }
+
+    type WaitExecutionStream = OpStream;
+
+    async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
+        let name = request.into_inner().name;
+        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
+        Ok(Response::new(op_stream(rx)))
+    }
+}
+
+enum ExecError {
+    Status(Status),
+    Gantry(Error),
+}
+
+impl From<Error> for ExecError {
+    fn from(e: Error) -> Self {
+        ExecError::Gantry(e)
+    }
+}
+
+impl From<Status> for ExecError {
+    fn from(s: Status) -> Self {
+        ExecError::Status(s)
+    }
+}
+
+/// The google.rpc.Status of an error, with MISSING violations for missing blobs.
+pub fn rpc_status(e: &Error) -> gantry_core::google::rpc::Status {
+    let mut st = e.to_rpc_status();
+    if let Error::MissingBlobs { digests, .. } = e {
+        st.details.push(missing_details(digests.iter().map(|d| format!("blobs/{}/{}", d.hash_hex(), d.size))));
+    }
+    st
+}
+
+/// A PreconditionFailure with one MISSING violation per subject, packed in an Any.
+pub fn missing_details(subjects: impl Iterator<Item = String>) -> Any {
+    use gantry_proto::rpc::{precondition_failure::Violation, PreconditionFailure};
+    let pf = PreconditionFailure {
+        violations: subjects.map(|s| Violation { r#type: "MISSING".into(), subject: s, description: String::new() }).collect(),
+    };
+    any("google.rpc.PreconditionFailure", &pf)
+}
+
+/// A tonic Status carrying the rpc Status (and its details) in grpc-status-details-bin.
+fn to_status(e: Error) -> Status {
+    let st = rpc_status(&e);
+    Status::with_details(e.code(), e.to_string(), st.encode_to_vec().into())
+}
+
+impl ExecutionService {
+    async fn execute_inner(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, ExecError> {
         let who = requester(&request);
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
@@ -146,14 +204,6 @@ impl Execution for ExecutionService {
             priority,
             requester: who,
         }).await?;
-        Ok(Response::new(op_stream(rx)))
-    }
-
-    type WaitExecutionStream = OpStream;
-
-    async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
-        let name = request.into_inner().name;
-        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
         Ok(Response::new(op_stream(rx)))
     }
 }

@@ -537,7 +537,10 @@ impl Scheduler {
             let mut st = self.state.lock().expect("poisoned");
             let Some(job) = st.jobs.get_mut(&f.job_id) else { return };
             let smaller = self.sizing.is_some() && job.size_class.is_some_and(|c| c < job.largest_class);
-            if smaller && !this_outcome.is_success() && !job.cancel_requested && code != tonic::Code::Cancelled as i32 {
+            // Only a run that happened says something about the class: not a missing input
+            // or another infrastructure error.
+            let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
+            if smaller && ran && !this_outcome.is_success() && !job.cancel_requested {
                 job.first_try = Some((ran_on, this_outcome));
                 job.notes.push(format!(
                     "{} on size class {ran_on} after {:.1}s; retried on size class {}",
@@ -616,10 +619,15 @@ impl Scheduler {
         if !notes.is_empty() {
             human = if human.is_empty() { notes } else { format!("{human}; {notes}") };
         }
+        let details = if f.missing_blobs.is_empty() {
+            vec![]
+        } else {
+            vec![crate::operations::missing_details(f.missing_blobs.iter().cloned())]
+        };
         let response = ExecuteResponse {
             result,
             cached_result: false,
-            status: Some(RpcStatus { code, message: message.clone(), details: vec![] }),
+            status: Some(RpcStatus { code, message: message.clone(), details }),
             server_logs: Default::default(),
             message: human,
         };

@@ -12,3 +12,8 @@ pub mod worker {
         tonic::include_proto!("gantry.worker.v1");
     }
 }
+
+/// `google.rpc.PreconditionFailure`, for MISSING blob reports.
+pub mod rpc {
+    tonic::include_proto!("google.rpc");
+}

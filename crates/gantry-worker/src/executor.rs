@@ -85,6 +85,10 @@ impl Executor {
                 status_message: e.to_string(),
                 metering: None,
                 message: format!("worker {}: {e}", self.worker_id),
+                missing_blobs: match &e {
+                    Error::MissingBlobs { digests, .. } => digests.iter().map(|d| format!("blobs/{}/{}", d.hash_hex(), d.size)).collect(),
+                    _ => vec![],
+                },
             },
         }
     }
@@ -179,6 +183,7 @@ impl Executor {
                 method: self.metering.to_string(),
             }),
             message,
+            missing_blobs: vec![],
         })
     }
 }

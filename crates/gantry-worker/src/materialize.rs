@@ -49,7 +49,7 @@ impl Materializer {
                 None => {
                     let bytes = self.cas.get(&d).await.map_err(|e| {
                         if e.is_not_found() {
-                            Error::FailedPrecondition(format!("input directory {d} is not in the CAS"))
+                            Error::MissingBlobs { what: "input directory".into(), digests: vec![d] }
                         } else {
                             e
                         }
@@ -119,10 +119,16 @@ impl Materializer {
         unique.dedup();
         let present = self.cache.find_present(&unique).await?;
         let missing: Vec<Digest> = unique.into_iter().zip(present).filter(|(_, p)| !p).map(|(d, _)| d).collect();
+        // Report every input the CAS lacks at once, so the client uploads them in one go.
+        let in_cas = self.cas.find_present(&missing).await?;
+        let absent: Vec<Digest> = missing.iter().zip(&in_cas).filter(|(_, p)| !**p).map(|(d, _)| *d).collect();
+        if !absent.is_empty() {
+            return Err(Error::MissingBlobs { what: "input files".into(), digests: absent });
+        }
         futures::stream::iter(missing)
             .map(|d| async move {
                 let mut src = self.cas.read(&d, 0, None).await.map_err(|e| {
-                    if e.is_not_found() { Error::FailedPrecondition(format!("input file {d} is not in the CAS")) } else { e }
+                    if e.is_not_found() { Error::MissingBlobs { what: "input file".into(), digests: vec![d] } } else { e }
                 })?;
                 let mut w = self.cache.begin_write(&d).await?;
                 while let Some(chunk) = src.next().await {

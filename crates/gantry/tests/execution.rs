@@ -291,3 +291,45 @@ async fn relative_data_dir_and_relative_program_path() {
     assert!(tmp.path().join("data/workers/w0").is_dir());
     server.stop();
 }
+
+fn missing_subjects(details: &[gantry_core::google::protobuf::Any]) -> Vec<String> {
+    details
+        .iter()
+        .filter(|a| a.type_url.ends_with("google.rpc.PreconditionFailure"))
+        .flat_map(|a| gantry_proto::rpc::PreconditionFailure::decode(a.value.as_slice()).unwrap().violations)
+        .map(|v| {
+            assert_eq!(v.r#type, "MISSING");
+            v.subject
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_blobs_are_failed_precondition_with_missing_violations() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve(tmp.path(), 1);
+    let c = Client::connect(&server.grpc).await;
+    // An input file whose blob was never uploaded (e.g. evicted after FindMissingBlobs).
+    let ghost = gantry_core::DigestFunction::Sha256.digest_of(b"never uploaded input");
+    let dir = reapi::Directory {
+        files: vec![reapi::FileNode { name: "in.txt".into(), digest: Some(ghost.to_proto()), ..Default::default() }],
+        ..Default::default()
+    };
+    let input = c.put(&dir.encode_to_vec()).await;
+    let action = c.action(command(&["/bin/cat", "in.txt"], &[], &[]), input, 60, false).await;
+    let (_, _, resp) = c.execute(action, false).await;
+    let st = resp.status.unwrap();
+    assert_eq!(st.code, tonic::Code::FailedPrecondition as i32, "{}", st.message);
+    assert_eq!(missing_subjects(&st.details), vec![format!("blobs/{}/{}", ghost.hash_hex(), ghost.size)]);
+
+    // A missing Action blob is refused by Execute itself, with the same details.
+    let phantom = gantry_core::DigestFunction::Sha256.digest_of(b"no such action");
+    let err = gantry_core::reapi::execution_client::ExecutionClient::new(c.channel.clone())
+        .execute(reapi::ExecuteRequest { action_digest: Some(phantom.to_proto()), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    let rpc = gantry_core::google::rpc::Status::decode(err.details()).unwrap();
+    assert_eq!(missing_subjects(&rpc.details), vec![format!("blobs/{}/{}", phantom.hash_hex(), phantom.size)]);
+    server.stop();
+}
