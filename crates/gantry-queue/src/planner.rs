@@ -1,0 +1,1112 @@
+//! The planner: a pure, deterministic state machine driven by [`Event`]s.
+//!
+//! Every call to [`Planner::handle`] applies one event at a caller-supplied
+//! time and returns the [`Action`]s to execute. Given the same events and
+//! times, the planner produces the same actions, so the integrator can persist
+//! the event journal and rebuild the state by replay.
+//!
+//! # Speculation model
+//!
+//! Pending changes are kept in queue (enqueue) order. For change `i`, `D(i)`
+//! is the set of earlier pending changes not proven independent of `i`. A
+//! build of `i` assumes a subset `S ⊆ D(i)` lands (and `D(i) \ S` is
+//! rejected); changes outside `D(i)` are irrelevant to `i` by independence.
+//! Such a build is *decisive* once every change in `D(i)` is resolved and
+//! exactly `S` landed.
+//!
+//! The *value* of a candidate build is the probability that it is the
+//! decisive one, `Π_{j∈D(i)} (π_j if j∈S else 1-π_j)`, where `π_j` is the
+//! probability that `j` lands. `π` is computed once per event in queue order:
+//! `π_j = ŝ_j · Π_{k∈D(j)} (1 − π_k·c_jk)` (ŝ = P(success) from the model or
+//! the prior, c = P(conflict), 0 for independent pairs), refined by finished
+//! builds of `j`: with known results on assumption sets `K`,
+//! `π_j = Σ_K P(K)·[K passed] + (1 − Σ_K P(K))·ŝ_j·Π(…)`.
+//! Outcomes of different earlier changes are treated as independent
+//! (mean-field); the values are exact whenever no two changes on one
+//! speculation path conflict (c = 0 between them), as on the paper's examples.
+//!
+//! Candidates per change are enumerated lazily in non-increasing value order
+//! (most likely assignment first, then flips of its least certain members),
+//! and merged across changes through one heap, so filling `k` free slots costs
+//! O(k log n) after an O(edges) probability pass.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::conflict::ChangeAnalysis;
+use crate::error::QueueError;
+use crate::model::{ChangeFeatures, FeatureVector, LogisticModel, TrainParams, TrainingExample};
+use crate::types::{
+    Action, BuildId, BuildOutcome, BuildSpec, ChangeId, Event, LandProof, Millis, RejectReason,
+};
+
+/// Most evidence snapshots per change used for training.
+const MAX_SNAPSHOTS: usize = 4;
+
+/// How candidate builds are ranked. `Value` is SubmitQueue; the others exist
+/// so the simulator can compare against the baselines with the same engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Strategy {
+    /// Highest probability-of-being-needed first (SubmitQueue).
+    Value,
+    /// Breadth-first over the speculation tree, every candidate, no ranking.
+    SpeculateAll,
+    /// Only the "everything ahead lands" build per change, in queue order (Zuul-like).
+    Optimistic,
+}
+
+/// Planner tuning. `Default` gives the SubmitQueue configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannerConfig {
+    /// Number of builds that may run at once.
+    pub capacity: usize,
+    /// Extra attempts of the same tree before a failure is believed (flaky tests).
+    pub max_retries: u32,
+    /// P(success) used until the model is trained.
+    pub prior_success: f64,
+    /// P(conflict) for a dependent pair before any history exists.
+    pub prior_conflict: f64,
+    /// Weight (in pseudo-observations) of `prior_conflict` against learned evidence.
+    pub conflict_prior_weight: f64,
+    /// Prior P(a retry passes after a failure), i.e. how flaky builds are.
+    pub prior_retry_pass: f64,
+    /// Weight (pseudo-observations) of `prior_retry_pass`.
+    pub flake_prior_weight: f64,
+    /// Offer a concurrent second attempt of a running build, valued at the
+    /// build's value times P(its change fails there). Only matters with
+    /// `max_retries > 0`: it turns "retry after failure" into "retry alongside".
+    pub hedge_retries: bool,
+    /// Candidate ranking.
+    pub strategy: Strategy,
+    /// When false, every pair of changes is treated as dependent.
+    pub use_analyzer: bool,
+    /// Builds whose value is not above this are never started.
+    pub min_value: f64,
+    /// Values are compared after rounding down to this step; within a step,
+    /// the earlier change wins. 0 disables. Trades a little expected waste for
+    /// queue-order fairness.
+    pub value_quantum: f64,
+    /// Preemption: with no free slot, a running build is cancelled for a
+    /// candidate whose value is at least this factor times the running
+    /// build's value per remaining slot-time (value / fraction of the typical
+    /// build duration still to go, so nearly finished builds are kept).
+    /// `None` never preempts (running builds only stop when impossible).
+    pub preempt_factor: Option<f64>,
+    /// ...and whose value exceeds that by at least this much (avoids churn
+    /// among near-worthless builds).
+    pub preempt_min_gain: f64,
+    /// Ranking weight per pending change waiting on the build's change:
+    /// priority = value × (1 + w × dependents). 0 ranks by value alone.
+    pub blocking_weight: f64,
+    /// Retrain the model after this many decisions.
+    pub retrain_every: usize,
+    /// Do not train on fewer examples than this.
+    pub min_training_examples: usize,
+    /// Keep at most this many (most recent) training examples.
+    pub max_history: usize,
+    /// Gradient-descent settings.
+    pub train: TrainParams,
+    /// Number of recent decisions per author used for the author success rate.
+    pub author_window: usize,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            capacity: 100,
+            max_retries: 1,
+            prior_success: 0.9,
+            prior_conflict: 0.05,
+            conflict_prior_weight: 20.0,
+            prior_retry_pass: 0.1,
+            flake_prior_weight: 10.0,
+            hedge_retries: true,
+            strategy: Strategy::Value,
+            use_analyzer: true,
+            min_value: 0.0,
+            value_quantum: 0.0,
+            preempt_factor: Some(2.0),
+            preempt_min_gain: 0.05,
+            blocking_weight: 1.0,
+            retrain_every: 50,
+            min_training_examples: 50,
+            max_history: 5000,
+            train: TrainParams::default(),
+            author_window: 20,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Pending,
+    /// Position in the mainline.
+    Landed(usize),
+    Rejected,
+    Cancelled,
+}
+
+#[derive(Clone, Debug)]
+struct Change {
+    id: ChangeId,
+    features: ChangeFeatures,
+    /// Earlier changes (pending at enqueue time) not proven independent.
+    deps: Vec<usize>,
+    status: Status,
+    /// Builds still worth remembering (running, or finished with possible assumptions).
+    builds: Vec<u64>,
+    success_override: Option<f64>,
+    spec_passed: u32,
+    spec_failed: u32,
+    /// Distinct (passed, failed) build counts seen before the decision; each
+    /// becomes a training example, so the model learns P(lands | evidence so far)
+    /// exactly as it is asked at prediction time.
+    snapshots: Vec<(u32, u32)>,
+    enqueued: Millis,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BuildState {
+    Running,
+    Passed,
+    Failed,
+}
+
+#[derive(Clone, Debug)]
+struct BuildRec {
+    spec: BuildSpec,
+    change: usize,
+    /// Sorted change indices assumed landed.
+    assumed: Vec<usize>,
+    base: usize,
+    state: BuildState,
+    started: Millis,
+}
+
+#[derive(Clone, Debug, Default)]
+struct KeyStat {
+    running: Option<u64>,
+    running_n: u32,
+    passed: Option<u64>,
+    failures: u32,
+    last_failed: Option<u64>,
+}
+
+impl KeyStat {
+    fn confirmed_failed(&self, max_attempts: u32) -> bool {
+        self.passed.is_none() && self.failures >= max_attempts
+    }
+}
+
+/// Counters for monitoring and the simulator.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlannerStats {
+    /// Builds started (retries included).
+    pub builds_started: u64,
+    /// Builds cancelled by the planner (preemptions included).
+    pub builds_cancelled: u64,
+    /// Builds cancelled to make room for more valuable ones.
+    pub builds_preempted: u64,
+    /// Changes landed.
+    pub landed: u64,
+    /// Changes rejected.
+    pub rejected: u64,
+    /// Times the model was retrained.
+    pub retrains: u64,
+}
+
+/// Read-only view of one pending change, for dashboards and debugging.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingView {
+    /// The change.
+    pub change: ChangeId,
+    /// Current P(lands).
+    pub landing_probability: f64,
+    /// Earlier pending changes it waits for.
+    pub waits_for: Vec<ChangeId>,
+    /// Builds still relevant: spec, and `None` while running, else whether it passed.
+    pub builds: Vec<(BuildSpec, Option<bool>)>,
+}
+
+/// A candidate in the global selection heap.
+struct Cand {
+    prio: f64,
+    pos: usize,
+    flips: Vec<u32>,
+    value: f64,
+    /// A concurrent second attempt of an already running build (hedged retry).
+    hedge: bool,
+}
+
+impl PartialEq for Cand {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Cand {}
+impl PartialOrd for Cand {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Cand {
+    fn cmp(&self, o: &Self) -> Ordering {
+        // Max-heap: higher priority, then earlier change, then fewer flips,
+        // then higher exact value.
+        self.prio
+            .total_cmp(&o.prio)
+            .then_with(|| o.pos.cmp(&self.pos))
+            .then_with(|| o.flips.len().cmp(&self.flips.len()))
+            .then_with(|| self.value.total_cmp(&o.value))
+            .then_with(|| o.flips.cmp(&self.flips))
+            .then_with(|| o.hedge.cmp(&self.hedge))
+    }
+}
+
+/// Per-event view of one pending change used by scheduling.
+struct View {
+    /// Positions (in the pending order) of pending dependencies.
+    pdeps: Vec<usize>,
+    /// Most likely outcome of each pending dependency (true = lands).
+    main: Vec<bool>,
+    /// Lazily: indices into `pdeps` sorted by flip ratio, and the ratios.
+    flip_order: Option<(Vec<u32>, Vec<f64>)>,
+    stats: HashMap<Vec<usize>, KeyStat>,
+}
+
+/// The SubmitQueue planner. See the module docs for the model.
+pub struct Planner {
+    config: PlannerConfig,
+    changes: Vec<Change>,
+    by_id: HashMap<ChangeId, usize>,
+    pending: BTreeSet<usize>,
+    mainline: Vec<usize>,
+    builds: BTreeMap<u64, BuildRec>,
+    running: BTreeSet<u64>,
+    next_build: u64,
+    last_now: Millis,
+    targets: HashMap<String, u32>,
+    /// Interned, sorted affected targets and graph flag per change (None = unknown).
+    analysis: Vec<Option<(Vec<u32>, bool)>>,
+    conflict_override: HashMap<(usize, usize), f64>,
+    model: Option<LogisticModel>,
+    history: VecDeque<TrainingExample>,
+    decisions_since_train: usize,
+    authors: HashMap<String, VecDeque<bool>>,
+    conflict_pairs: f64,
+    conflict_events: f64,
+    retry_trials: f64,
+    retry_passes: f64,
+    duration_sum: f64,
+    duration_n: f64,
+    stats: PlannerStats,
+}
+
+fn disjoint(a: &[u32], b: &[u32]) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            Ordering::Less => i += 1,
+            Ordering::Greater => j += 1,
+            Ordering::Equal => return false,
+        }
+    }
+    true
+}
+
+impl Planner {
+    /// A planner with no history, using the configured priors.
+    pub fn new(config: PlannerConfig) -> Self {
+        Planner {
+            config,
+            changes: Vec::new(),
+            by_id: HashMap::new(),
+            pending: BTreeSet::new(),
+            mainline: Vec::new(),
+            builds: BTreeMap::new(),
+            running: BTreeSet::new(),
+            next_build: 0,
+            last_now: Millis(0),
+            targets: HashMap::new(),
+            analysis: Vec::new(),
+            conflict_override: HashMap::new(),
+            model: None,
+            history: VecDeque::new(),
+            decisions_since_train: 0,
+            authors: HashMap::new(),
+            conflict_pairs: 0.0,
+            conflict_events: 0.0,
+            retry_trials: 0.0,
+            retry_passes: 0.0,
+            duration_sum: 0.0,
+            duration_n: 0.0,
+            stats: PlannerStats::default(),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.config
+    }
+
+    /// Installs a previously persisted model (e.g. from another queue's history).
+    pub fn set_model(&mut self, model: Option<LogisticModel>) {
+        self.model = model;
+    }
+
+    /// The current P(success) model, if one has been trained or installed.
+    pub fn model(&self) -> Option<&LogisticModel> {
+        self.model.as_ref()
+    }
+
+    /// Training examples gathered so far (most recent last).
+    pub fn training_history(&self) -> impl Iterator<Item = &TrainingExample> {
+        self.history.iter()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &PlannerStats {
+        &self.stats
+    }
+
+    /// Landed changes in landing order (index = mainline version - 1).
+    pub fn mainline(&self) -> Vec<ChangeId> {
+        self.mainline.iter().map(|&i| self.changes[i].id.clone()).collect()
+    }
+
+    /// Pending changes in queue order.
+    pub fn pending(&self) -> Vec<ChangeId> {
+        self.pending.iter().map(|&i| self.changes[i].id.clone()).collect()
+    }
+
+    /// Builds currently running.
+    pub fn running_builds(&self) -> Vec<BuildSpec> {
+        self.running.iter().map(|b| self.builds[b].spec.clone()).collect()
+    }
+
+    /// Start time of a running build.
+    pub fn build_started(&self, id: BuildId) -> Option<Millis> {
+        self.builds.get(&id.0).map(|b| b.started)
+    }
+
+    /// Time a change was enqueued.
+    pub fn enqueued_at(&self, change: &ChangeId) -> Option<Millis> {
+        self.by_id.get(change).map(|&i| self.changes[i].enqueued)
+    }
+
+    /// Replaces the model's P(success) of a change with a known value (an
+    /// oracle in simulation, or an operator hint). Takes effect at the next event.
+    pub fn override_success(&mut self, change: &ChangeId, p: f64) -> Result<(), QueueError> {
+        let i = self.index(change)?;
+        self.changes[i].success_override = Some(p.clamp(0.0, 1.0));
+        Ok(())
+    }
+
+    /// Replaces P(conflict) of `later` given that `earlier` lands first.
+    /// Has no effect on pairs proven independent.
+    pub fn override_conflict(&mut self, later: &ChangeId, earlier: &ChangeId, p: f64) -> Result<(), QueueError> {
+        let (l, e) = (self.index(later)?, self.index(earlier)?);
+        self.conflict_override.insert((l, e), p.clamp(0.0, 1.0));
+        Ok(())
+    }
+
+    /// Whether the planner treats two changes as dependent (the later one must
+    /// wait for the earlier one's decision).
+    pub fn dependent(&self, a: &ChangeId, b: &ChangeId) -> Result<bool, QueueError> {
+        let (a, b) = (self.index(a)?, self.index(b)?);
+        let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+        Ok(self.changes[hi].deps.contains(&lo))
+    }
+
+    fn index(&self, c: &ChangeId) -> Result<usize, QueueError> {
+        self.by_id.get(c).copied().ok_or_else(|| QueueError::UnknownChange(c.0.clone()))
+    }
+
+    /// Every pending change in queue order with what it waits for.
+    pub fn snapshot(&self) -> Vec<PendingView> {
+        let (order, pi) = self.probabilities();
+        order
+            .iter()
+            .zip(pi)
+            .map(|(&i, p)| PendingView {
+                change: self.changes[i].id.clone(),
+                landing_probability: p,
+                waits_for: self.changes[i]
+                    .deps
+                    .iter()
+                    .filter(|&&d| self.changes[d].status == Status::Pending)
+                    .map(|&d| self.changes[d].id.clone())
+                    .collect(),
+                builds: self.changes[i]
+                    .builds
+                    .iter()
+                    .map(|b| {
+                        let r = &self.builds[b];
+                        let state = match r.state {
+                            BuildState::Running => None,
+                            BuildState::Passed => Some(true),
+                            BuildState::Failed => Some(false),
+                        };
+                        (r.spec.clone(), state)
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Current P(lands) of every pending change, in queue order.
+    pub fn landing_probabilities(&self) -> Vec<(ChangeId, f64)> {
+        let (order, pi) = self.probabilities();
+        order.iter().zip(pi).map(|(&i, p)| (self.changes[i].id.clone(), p)).collect()
+    }
+
+    /// Value (probability of being the decisive build) of building `change`
+    /// assuming exactly `assumed` among its pending dependencies land.
+    /// Returns `None` if `change` is not pending or `assumed` names a change
+    /// that is not a pending dependency of it.
+    pub fn value_of(&self, change: &ChangeId, assumed: &[ChangeId]) -> Option<f64> {
+        let i = *self.by_id.get(change)?;
+        if self.changes[i].status != Status::Pending {
+            return None;
+        }
+        let (order, pi) = self.probabilities();
+        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        let mut set = BTreeSet::new();
+        for a in assumed {
+            let j = *self.by_id.get(a)?;
+            if self.changes[j].status != Status::Pending || !self.changes[i].deps.contains(&j) {
+                return None;
+            }
+            set.insert(j);
+        }
+        let mut v = 1.0;
+        for &d in &self.changes[i].deps {
+            if let Some(&p) = pos.get(&d) {
+                v *= if set.contains(&d) { pi[p] } else { 1.0 - pi[p] };
+            }
+        }
+        Some(v)
+    }
+
+    /// Applies one event at time `now` and returns the actions to execute, in order.
+    pub fn handle(&mut self, now: Millis, event: Event) -> Result<Vec<Action>, QueueError> {
+        if now < self.last_now {
+            return Err(QueueError::ClockWentBackwards { now_ms: now.0, last_ms: self.last_now.0 });
+        }
+        self.last_now = now;
+        let mut actions = Vec::new();
+        match event {
+            Event::Enqueue { change, features, analysis } => self.enqueue(now, change, features, analysis)?,
+            Event::BuildFinished { build, outcome } => {
+                if build.0 >= self.next_build {
+                    return Err(QueueError::UnknownBuild(build.0));
+                }
+                if !self.running.remove(&build.0) {
+                    // A result racing with our own cancellation: harmless, ignore.
+                    return Ok(actions);
+                }
+                let rec = self.builds.get_mut(&build.0).expect("running builds are recorded");
+                self.duration_sum += now.0.saturating_sub(rec.started.0) as f64;
+                self.duration_n += 1.0;
+                if rec.spec.attempt > 1 {
+                    self.retry_trials += 1.0;
+                    if outcome == BuildOutcome::Passed {
+                        self.retry_passes += 1.0;
+                    }
+                }
+                let ch = &mut self.changes[rec.change];
+                match outcome {
+                    BuildOutcome::Passed => {
+                        rec.state = BuildState::Passed;
+                        ch.spec_passed += 1;
+                    }
+                    BuildOutcome::Failed => {
+                        rec.state = BuildState::Failed;
+                        ch.spec_failed += 1;
+                    }
+                }
+                // Bounded so a change with many builds does not dominate training.
+                if ch.snapshots.len() < MAX_SNAPSHOTS {
+                    ch.snapshots.push((ch.spec_passed, ch.spec_failed));
+                }
+            }
+            Event::SetCapacity { capacity } => self.config.capacity = capacity,
+            Event::Cancel { change } => {
+                let i = self.index(&change)?;
+                if self.changes[i].status == Status::Pending {
+                    self.changes[i].status = Status::Cancelled;
+                    self.pending.remove(&i);
+                }
+            }
+        }
+        self.decide(&mut actions);
+        self.cleanup(&mut actions);
+        self.schedule(now, &mut actions);
+        Ok(actions)
+    }
+
+    fn enqueue(
+        &mut self,
+        now: Millis,
+        id: ChangeId,
+        features: ChangeFeatures,
+        analysis: Option<ChangeAnalysis>,
+    ) -> Result<(), QueueError> {
+        if self.by_id.contains_key(&id) {
+            return Err(QueueError::DuplicateChange(id.0));
+        }
+        let interned = analysis.map(|a| {
+            let mut v: Vec<u32> = a
+                .affected
+                .iter()
+                .map(|t| {
+                    let n = self.targets.len() as u32;
+                    *self.targets.entry(t.clone()).or_insert(n)
+                })
+                .collect();
+            v.sort_unstable();
+            (v, a.alters_graph)
+        });
+        let deps: Vec<usize> = self
+            .pending
+            .iter()
+            .copied()
+            .filter(|&j| {
+                if !self.config.use_analyzer {
+                    return true;
+                }
+                match (&interned, &self.analysis[j]) {
+                    (Some((a, ga)), Some((b, gb))) => *ga || *gb || !disjoint(a, b),
+                    _ => true,
+                }
+            })
+            .collect();
+        let i = self.changes.len();
+        self.changes.push(Change {
+            id: id.clone(),
+            features,
+            deps,
+            status: Status::Pending,
+            builds: Vec::new(),
+            success_override: None,
+            spec_passed: 0,
+            spec_failed: 0,
+            snapshots: vec![(0, 0)],
+            enqueued: now,
+        });
+        self.analysis.push(interned);
+        self.by_id.insert(id, i);
+        self.pending.insert(i);
+        Ok(())
+    }
+
+    /// The set of pending changes a build assumes, or `None` when its
+    /// assumptions can no longer all hold (the build can never be decisive).
+    fn build_key(&self, b: &BuildRec) -> Option<Vec<usize>> {
+        for &a in &b.assumed {
+            if matches!(self.changes[a].status, Status::Rejected | Status::Cancelled) {
+                return None;
+            }
+        }
+        // A dependency that landed after the base must be among the assumed
+        // changes. Walk the (short) mainline suffix rather than all deps;
+        // `deps` is sorted because it is collected from the ordered pending set.
+        let deps = &self.changes[b.change].deps;
+        for &x in &self.mainline[b.base.min(self.mainline.len())..] {
+            if deps.binary_search(&x).is_ok() && b.assumed.binary_search(&x).is_err() {
+                return None;
+            }
+        }
+        Some(b.assumed.iter().copied().filter(|&a| self.changes[a].status == Status::Pending).collect())
+    }
+
+    fn key_stats(&self, i: usize) -> HashMap<Vec<usize>, KeyStat> {
+        let mut m: HashMap<Vec<usize>, KeyStat> = HashMap::new();
+        for bid in &self.changes[i].builds {
+            let b = &self.builds[bid];
+            let Some(k) = self.build_key(b) else { continue };
+            let s = m.entry(k).or_default();
+            match b.state {
+                BuildState::Running => {
+                    s.running = Some(*bid);
+                    s.running_n += 1;
+                }
+                BuildState::Passed => s.passed = Some(*bid),
+                BuildState::Failed => {
+                    s.failures += 1;
+                    s.last_failed = Some(*bid);
+                }
+            }
+        }
+        m
+    }
+
+    fn max_attempts(&self) -> u32 {
+        1 + self.config.max_retries
+    }
+
+    /// Lands or rejects every change whose decisive build is done. One pass in
+    /// queue order suffices: a decision only unblocks later changes.
+    fn decide(&mut self, actions: &mut Vec<Action>) {
+        let order: Vec<usize> = self.pending.iter().copied().collect();
+        for i in order {
+            // Newest dependencies first: they are the ones most likely still pending.
+            if self.changes[i].deps.iter().rev().any(|&d| self.changes[d].status == Status::Pending) {
+                continue;
+            }
+            let stats = self.key_stats(i);
+            let Some(s) = stats.get(&Vec::new()) else { continue };
+            if let Some(bid) = s.passed {
+                let base = self.builds[&bid].base;
+                let assumed = &self.builds[&bid].assumed;
+                let since: Vec<ChangeId> = self.mainline[base.min(self.mainline.len())..]
+                    .iter()
+                    .filter(|c| assumed.binary_search(c).is_err())
+                    .map(|&c| self.changes[c].id.clone())
+                    .collect();
+                let spec = self.builds[&bid].spec.clone();
+                self.changes[i].status = Status::Landed(self.mainline.len());
+                self.mainline.push(i);
+                self.pending.remove(&i);
+                self.record_decision(i, true, stats.len() > 1 && stats.values().any(|k| k.confirmed_failed(self.max_attempts())));
+                self.stats.landed += 1;
+                actions.push(Action::Land {
+                    change: self.changes[i].id.clone(),
+                    proof: LandProof { build: spec, new_version: self.mainline.len() as u64, landed_since_base: since },
+                });
+            } else if s.confirmed_failed(self.max_attempts()) {
+                let bid = s.last_failed.expect("failures recorded");
+                let attempts = s.failures;
+                let spec = self.builds[&bid].spec.clone();
+                self.changes[i].status = Status::Rejected;
+                self.pending.remove(&i);
+                self.record_decision(i, false, stats.values().any(|k| k.passed.is_some()));
+                self.stats.rejected += 1;
+                actions.push(Action::Reject { change: self.changes[i].id.clone(), reason: RejectReason { build: spec, attempts } });
+            }
+        }
+    }
+
+    /// Adds a training example and updates author and conflict statistics.
+    /// `conflict_evidence`: the change both passed and failed on different
+    /// assumption sets, which only a conflict explains (flakes are retried).
+    fn record_decision(&mut self, i: usize, landed: bool, conflict_evidence: bool) {
+        let ch = &self.changes[i];
+        let author_rate = self.author_rate(&ch.features.author);
+        // The snapshot taken when the decisive result arrived already reflects
+        // the outcome; everything before it was genuinely uncertain.
+        let n_snap = ch.snapshots.len().saturating_sub(1).max(1);
+        let xs: Vec<FeatureVector> = ch.snapshots[..n_snap]
+            .iter()
+            .map(|&(p, f)| FeatureVector::new(&ch.features, author_rate, p, f))
+            .collect();
+        let dep_landed = ch.deps.iter().filter(|&&d| matches!(self.changes[d].status, Status::Landed(_))).count();
+        self.conflict_pairs += dep_landed as f64;
+        if conflict_evidence {
+            self.conflict_events += 1.0;
+        }
+        let author = ch.features.author.clone();
+        let w = self.authors.entry(author).or_default();
+        w.push_back(landed);
+        while w.len() > self.config.author_window {
+            w.pop_front();
+        }
+        for x in xs {
+            self.history.push_back(TrainingExample { features: x, landed });
+        }
+        while self.history.len() > self.config.max_history {
+            self.history.pop_front();
+        }
+        self.decisions_since_train += 1;
+        if self.decisions_since_train >= self.config.retrain_every && self.history.len() >= self.config.min_training_examples {
+            self.decisions_since_train = 0;
+            let examples: Vec<TrainingExample> = self.history.iter().cloned().collect();
+            // A one-sided history cannot be fitted; keep the previous model.
+            if let Ok(m) = LogisticModel::train(&examples, &self.config.train) {
+                self.model = Some(m);
+                self.stats.retrains += 1;
+            }
+        }
+    }
+
+    fn author_rate(&self, author: &str) -> f64 {
+        let (succ, n) = self
+            .authors
+            .get(author)
+            .map(|w| (w.iter().filter(|&&b| b).count() as f64, w.len() as f64))
+            .unwrap_or((0.0, 0.0));
+        // Two pseudo-observations at the prior keep new authors near it.
+        (succ + 2.0 * self.config.prior_success) / (n + 2.0)
+    }
+
+    /// Mean duration of finished builds, once any finished.
+    pub fn mean_build_ms(&self) -> Option<f64> {
+        (self.duration_n > 0.0).then(|| self.duration_sum / self.duration_n)
+    }
+
+    /// Learned P(a retry passes | the first attempt of the same tree failed).
+    pub fn retry_pass_rate(&self) -> f64 {
+        let w = self.config.flake_prior_weight;
+        (w * self.config.prior_retry_pass + self.retry_passes) / (w + self.retry_trials)
+    }
+
+    /// Learned P(conflict) for a dependent pair: prior-weighted rate.
+    pub fn conflict_rate(&self) -> f64 {
+        let w = self.config.conflict_prior_weight;
+        (w * self.config.prior_conflict + self.conflict_events) / (w + self.conflict_pairs)
+    }
+
+    fn success_probability(&self, i: usize) -> f64 {
+        let ch = &self.changes[i];
+        if let Some(p) = ch.success_override {
+            return p;
+        }
+        match &self.model {
+            Some(m) => m.predict(&FeatureVector::new(
+                &ch.features,
+                self.author_rate(&ch.features.author),
+                ch.spec_passed,
+                ch.spec_failed,
+            )),
+            None => self.config.prior_success,
+        }
+    }
+
+    /// Cancels running builds that can no longer be decisive (their change is
+    /// decided or cancelled, an assumption became false, or the same
+    /// assumption set already passed), and forgets dead build records.
+    fn cleanup(&mut self, actions: &mut Vec<Action>) {
+        let mut cancel = Vec::new();
+        let mut forget = Vec::new();
+        let mut passed_keys: HashSet<(usize, Vec<usize>)> = HashSet::new();
+        for b in self.builds.values() {
+            if b.state == BuildState::Passed
+                && self.changes[b.change].status == Status::Pending
+                && let Some(k) = self.build_key(b)
+            {
+                passed_keys.insert((b.change, k));
+            }
+        }
+        for (&bid, b) in &self.builds {
+            let dead = self.changes[b.change].status != Status::Pending;
+            let key = if dead { None } else { self.build_key(b) };
+            let running = b.state == BuildState::Running;
+            match key {
+                None if running => cancel.push(bid),
+                None => forget.push(bid),
+                Some(k) => {
+                    if running && passed_keys.contains(&(b.change, k)) {
+                        cancel.push(bid);
+                    }
+                }
+            }
+        }
+        for bid in cancel {
+            self.running.remove(&bid);
+            self.stats.builds_cancelled += 1;
+            actions.push(Action::CancelBuild { id: BuildId(bid) });
+            forget.push(bid);
+        }
+        for bid in forget {
+            if let Some(b) = self.builds.remove(&bid) {
+                self.changes[b.change].builds.retain(|&x| x != bid);
+            }
+        }
+    }
+
+    /// π for every pending change, in queue order (see module docs).
+    fn probabilities(&self) -> (Vec<usize>, Vec<f64>) {
+        let (order, pi, _) = self.probabilities_full();
+        (order, pi)
+    }
+
+    /// π, plus each change's P(pass) on its most likely tree (ignoring
+    /// finished builds), which prices hedged retries.
+    fn probabilities_full(&self) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
+        let order: Vec<usize> = self.pending.iter().copied().collect();
+        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        let c_default = self.conflict_rate();
+        let mut pi = vec![0.0; order.len()];
+        let mut bases = vec![0.0; order.len()];
+        for (p, &i) in order.iter().enumerate() {
+            let mut pdeps = Vec::new();
+            let mut mf = 1.0;
+            for &d in &self.changes[i].deps {
+                // Dependencies that already landed are certain (π = 1): the
+                // change still has to survive a possible conflict with them.
+                let p_lands = match (pos.get(&d), self.changes[d].status) {
+                    (Some(&q), _) => {
+                        pdeps.push(q);
+                        pi[q]
+                    }
+                    (None, Status::Landed(_)) => 1.0,
+                    (None, _) => continue,
+                };
+                let c = self.conflict_override.get(&(i, d)).copied().unwrap_or(c_default);
+                mf *= 1.0 - p_lands * c;
+            }
+            let base = self.success_probability(i) * mf;
+            bases[p] = base;
+            let retry_pass = self.retry_pass_rate();
+            let mut known_mass = 0.0;
+            let mut pass_mass = 0.0;
+            if !self.changes[i].builds.is_empty() {
+                for (k, s) in self.key_stats(i) {
+                    // P(this assumption set passes eventually): certain after a
+                    // pass or confirmed failure; after an unconfirmed failure,
+                    // only a flake would save it.
+                    let p_pass = if s.passed.is_some() {
+                        1.0
+                    } else if s.failures == 0 {
+                        continue;
+                    } else if s.confirmed_failed(self.max_attempts()) {
+                        0.0
+                    } else {
+                        retry_pass
+                    };
+                    let mut pk = 1.0;
+                    for &q in &pdeps {
+                        pk *= if k.binary_search(&order[q]).is_ok() { pi[q] } else { 1.0 - pi[q] };
+                    }
+                    known_mass += pk;
+                    pass_mass += pk * p_pass;
+                }
+            }
+            pi[p] = (pass_mass + (1.0 - known_mass).max(0.0) * base).clamp(0.0, 1.0);
+        }
+        (order, pi, bases)
+    }
+
+    fn view(&self, i: usize, pos: &HashMap<usize, usize>, pi: &[f64]) -> View {
+        let pdeps: Vec<usize> = self.changes[i].deps.iter().filter_map(|d| pos.get(d).copied()).collect();
+        let main: Vec<bool> = match self.config.strategy {
+            Strategy::Value => pdeps.iter().map(|&q| pi[q] >= 0.5).collect(),
+            Strategy::SpeculateAll | Strategy::Optimistic => vec![true; pdeps.len()],
+        };
+        let stats = if self.changes[i].builds.is_empty() { HashMap::new() } else { self.key_stats(i) };
+        View { pdeps, main, flip_order: None, stats }
+    }
+
+    fn quantize(&self, v: f64) -> f64 {
+        let q = self.config.value_quantum;
+        if q > 0.0 { (v / q).floor() * q } else { v }
+    }
+
+    /// Fills free capacity with the best candidates.
+    fn schedule(&mut self, now: Millis, actions: &mut Vec<Action>) {
+        let mut free = self.config.capacity.saturating_sub(self.running.len());
+        let strategy = self.config.strategy;
+        let preempt = strategy == Strategy::Value && self.config.preempt_factor.is_some();
+        if self.pending.is_empty() || (free == 0 && !preempt) {
+            return;
+        }
+        // Only value ranking needs probabilities; the baselines skip the O(edges) pass.
+        let (order, pi, bases) = if strategy == Strategy::Value {
+            self.probabilities_full()
+        } else {
+            let order: Vec<usize> = self.pending.iter().copied().collect();
+            let n = order.len();
+            (order, vec![1.0; n], vec![1.0; n])
+        };
+        let hedge = strategy == Strategy::Value && self.config.hedge_retries;
+        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        // Deciding a change also unblocks every pending change that waits for
+        // it, so rank by value times (1 + w·direct dependents): the expected
+        // number of decisions the build can advance.
+        let mut weight = vec![1.0; order.len()];
+        if strategy == Strategy::Value && self.config.blocking_weight > 0.0 {
+            for &i in &order {
+                for d in &self.changes[i].deps {
+                    if let Some(&q) = pos.get(d) {
+                        weight[q] += self.config.blocking_weight;
+                    }
+                }
+            }
+        }
+        let mut views: Vec<Option<View>> = (0..order.len()).map(|_| None).collect();
+        let mut heap = BinaryHeap::new();
+        for (p, &i) in order.iter().enumerate() {
+            if strategy == Strategy::Value {
+                let view = self.view(i, &pos, &pi);
+                let main_value: f64 =
+                    view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
+                heap.push(Cand {
+                    prio: self.quantize(main_value) * weight[p],
+                    pos: p,
+                    flips: Vec::new(),
+                    value: main_value,
+                    hedge: false,
+                });
+                views[p] = Some(view);
+            } else {
+                // Baselines rank by queue position only; views are built on demand.
+                heap.push(Cand { prio: 0.0, pos: p, flips: Vec::new(), value: 1.0, hedge: false });
+            }
+        }
+        let max_attempts = self.max_attempts();
+        // Running builds by current value, cheapest first: the preemption victims.
+        let mut victims: Vec<(f64, u64, usize, Vec<usize>)> = Vec::new();
+        if preempt {
+            for &bid in &self.running {
+                let b = &self.builds[&bid];
+                let (Some(&p), Some(key)) = (pos.get(&b.change), self.build_key(b)) else { continue };
+                let view = views[p].as_ref().expect("value strategy builds every view");
+                // A concurrent extra attempt is only needed if the other one fails.
+                let hedged = b.spec.attempt > 1 && view.stats.get(&key).is_some_and(|s| s.running_n > 1);
+                let p_needed = if hedged { 1.0 - bases[p] } else { 1.0 };
+                let v: f64 = p_needed * view
+                    .pdeps
+                    .iter()
+                    .map(|&q| if key.binary_search(&order[q]).is_ok() { pi[q] } else { 1.0 - pi[q] })
+                    .product::<f64>();
+                // Value per remaining slot-time: sunk work is not wasted by finishing.
+                let remaining = match self.mean_build_ms() {
+                    Some(mean) => (1.0 - now.0.saturating_sub(b.started.0) as f64 / mean).max(0.05),
+                    None => 1.0,
+                };
+                victims.push((v * weight[p] / remaining, bid, p, key));
+            }
+            // Cheapest first; among equals, the newest build (least sunk work).
+            victims.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
+        }
+        let factor = self.config.preempt_factor.unwrap_or(f64::INFINITY);
+        let min_gain = self.config.preempt_min_gain;
+        let mut next_victim = 0;
+        while free > 0 || (preempt && next_victim < victims.len()) {
+            let Some(c) = heap.pop() else { break };
+            if strategy == Strategy::Value && c.value <= self.config.min_value {
+                // Values only decrease along each change's enumeration, but a
+                // quantised priority may hide a later non-zero one; skip, don't stop.
+                continue;
+            }
+            let (key, startable) = {
+                let view = views[c.pos].get_or_insert_with(|| self.view(order[c.pos], &pos, &pi));
+                // Key: assumed-landed set after applying the flips to the main assignment.
+                let mut assign = view.main.clone();
+                if let Some((ord, _)) = &view.flip_order {
+                    for &f in &c.flips {
+                        let k = ord[f as usize] as usize;
+                        assign[k] = !assign[k];
+                    }
+                }
+                let mut key: Vec<usize> =
+                    view.pdeps.iter().zip(&assign).filter(|(_, a)| **a).map(|(&q, _)| order[q]).collect();
+                key.sort_unstable();
+                let startable = match (c.hedge, view.stats.get(&key)) {
+                    (false, None) => Some(1),
+                    (false, Some(s)) if s.running_n == 0 && s.passed.is_none() && s.failures < max_attempts => {
+                        Some(s.failures + 1)
+                    }
+                    (true, Some(s))
+                        if s.running_n > 0 && s.passed.is_none() && s.failures + s.running_n < max_attempts =>
+                    {
+                        Some(s.failures + s.running_n + 1)
+                    }
+                    _ => None,
+                };
+                // Offer a concurrent retry of a first attempt that is (or is
+                // about to be) running: if the first attempt fails, the
+                // confirmation arrives with it instead of one build later.
+                let can_hedge = match view.stats.get(&key) {
+                    _ if c.hedge || !hedge => false,
+                    None => startable.is_some() && max_attempts > 1,
+                    Some(s) => s.passed.is_none() && s.failures + s.running_n + u32::from(startable.is_some()) < max_attempts,
+                };
+                if can_hedge {
+                    let v = c.value * (1.0 - bases[c.pos]);
+                    heap.push(Cand { prio: self.quantize(v) * weight[c.pos], pos: c.pos, flips: c.flips.clone(), value: v, hedge: true });
+                }
+                (key, startable)
+            };
+            if startable.is_some() && free == 0 {
+                // Only worth it if the candidate is clearly more likely to be
+                // needed than the least valuable running build.
+                let Some((v, bid, vp, vkey)) = victims.get(next_victim).cloned() else { break };
+                if c.prio < v * factor || c.prio - v < min_gain {
+                    break;
+                }
+                next_victim += 1;
+                self.running.remove(&bid);
+                if let Some(b) = self.builds.remove(&bid) {
+                    self.changes[b.change].builds.retain(|&x| x != bid);
+                }
+                if let Some(vv) = views[vp].as_mut()
+                    && let Some(st) = vv.stats.get_mut(&vkey)
+                {
+                    st.running = None;
+                    st.running_n = st.running_n.saturating_sub(1);
+                }
+                self.stats.builds_cancelled += 1;
+                self.stats.builds_preempted += 1;
+                actions.push(Action::CancelBuild { id: BuildId(bid) });
+                free += 1;
+            }
+            let view = views[c.pos].as_mut().expect("view built above");
+            if let Some(attempt) = startable {
+                let i = order[c.pos];
+                let id = self.next_build;
+                self.next_build += 1;
+                let spec = BuildSpec {
+                    id: BuildId(id),
+                    change: self.changes[i].id.clone(),
+                    base_version: self.mainline.len() as u64,
+                    assumed: key.iter().map(|&a| self.changes[a].id.clone()).collect(),
+                    attempt,
+                };
+                let st = view.stats.entry(key.clone()).or_default();
+                st.running = Some(id);
+                st.running_n += 1;
+                self.builds.insert(
+                    id,
+                    BuildRec { spec: spec.clone(), change: i, assumed: key, base: self.mainline.len(), state: BuildState::Running, started: now },
+                );
+                self.changes[i].builds.push(id);
+                self.running.insert(id);
+                self.stats.builds_started += 1;
+                actions.push(Action::StartBuild { build: spec });
+                free -= 1;
+            }
+            if strategy == Strategy::Optimistic || view.pdeps.is_empty() || c.hedge {
+                continue;
+            }
+            // Successors in the k-best subset enumeration: from a flip set
+            // ending at t, "extend with t+1" and "replace t by t+1".
+            if view.flip_order.is_none() {
+                let mut idx: Vec<u32> = (0..view.pdeps.len() as u32).collect();
+                let ratio = |k: usize| -> f64 {
+                    if strategy != Strategy::Value {
+                        return 1.0;
+                    }
+                    let p = pi[view.pdeps[k]];
+                    let (hi, lo) = if view.main[k] { (p, 1.0 - p) } else { (1.0 - p, p) };
+                    if hi > 0.0 { lo / hi } else { 0.0 }
+                };
+                let ratios_raw: Vec<f64> = (0..view.pdeps.len()).map(ratio).collect();
+                idx.sort_by(|&a, &b| ratios_raw[b as usize].total_cmp(&ratios_raw[a as usize]).then(a.cmp(&b)));
+                let ratios = idx.iter().map(|&k| ratios_raw[k as usize]).collect();
+                view.flip_order = Some((idx, ratios));
+            }
+            let (_, ratios) = view.flip_order.as_ref().expect("just built");
+            let d = ratios.len() as u32;
+            let t = c.flips.last().copied();
+            let next = t.map_or(0, |t| t + 1);
+            if next < d {
+                let mut ext = c.flips.clone();
+                ext.push(next);
+                let v = c.value * ratios[next as usize];
+                let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
+                heap.push(Cand { prio, pos: c.pos, flips: ext, value: v, hedge: false });
+                if let Some(t) = t {
+                    let mut rep = c.flips.clone();
+                    *rep.last_mut().expect("non-empty") = next;
+                    let rt = ratios[t as usize];
+                    let v = if rt > 0.0 { c.value / rt * ratios[next as usize] } else { 0.0 };
+                    let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
+                    heap.push(Cand { prio, pos: c.pos, flips: rep, value: v, hedge: false });
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! Vocabulary shared by the planner, the simulator and the integrator:
+//! identifiers, time, events in and actions out.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::conflict::ChangeAnalysis;
+use crate::model::ChangeFeatures;
+
+/// Integrator-chosen identifier of a change (e.g. a review id).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ChangeId(pub String);
+
+impl fmt::Display for ChangeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for ChangeId {
+    fn from(s: &str) -> Self {
+        ChangeId(s.to_string())
+    }
+}
+
+impl From<String> for ChangeId {
+    fn from(s: String) -> Self {
+        ChangeId(s)
+    }
+}
+
+/// Planner-chosen identifier of a build; unique for the planner's lifetime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BuildId(pub u64);
+
+impl fmt::Display for BuildId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "b{}", self.0)
+    }
+}
+
+/// Milliseconds on the integrator's clock. Only differences and ordering matter;
+/// the planner never reads a clock itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Millis(pub u64);
+
+/// What a build tests: `change` applied on top of the first `base_version`
+/// changes of the planner's mainline, plus the still-pending changes in
+/// `assumed` (in queue order), which the build speculates will land.
+///
+/// The tested tree is therefore `mainline[..base_version] ⊕ assumed ⊕ change`.
+/// `base_version` is an index into [`crate::Planner::mainline`]; the integrator
+/// maps it to its commit id (version 0 is the mainline head when the planner started).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildSpec {
+    /// Identifier used in later `BuildFinished` events and `CancelBuild` actions.
+    pub id: BuildId,
+    /// The change whose build steps are run.
+    pub change: ChangeId,
+    /// Number of landed changes the base includes.
+    pub base_version: u64,
+    /// Pending changes assumed to land before `change`, in queue order.
+    pub assumed: Vec<ChangeId>,
+    /// 1 for the first try of this assumption set; higher for flaky-failure retries.
+    pub attempt: u32,
+}
+
+/// Result of a build, as reported by the integrator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BuildOutcome {
+    /// All build steps passed.
+    Passed,
+    /// Some build step failed (possibly flakily).
+    Failed,
+}
+
+/// Inputs to the planner.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    /// A developer enqueued a change. Queue order is enqueue order.
+    Enqueue {
+        /// New change id.
+        change: ChangeId,
+        /// Model features.
+        features: ChangeFeatures,
+        /// Conflict analysis against the current mainline; `None` means unknown,
+        /// which makes the change dependent on every other change.
+        analysis: Option<ChangeAnalysis>,
+    },
+    /// A build started by a `StartBuild` action finished.
+    BuildFinished {
+        /// The build.
+        build: BuildId,
+        /// Its outcome.
+        outcome: BuildOutcome,
+    },
+    /// The developer withdrew a pending change.
+    Cancel {
+        /// The withdrawn change.
+        change: ChangeId,
+    },
+    /// The build farm's capacity changed. Lowering it cancels nothing:
+    /// running builds finish and no new ones start until below capacity.
+    SetCapacity {
+        /// New number of concurrent build slots.
+        capacity: usize,
+    },
+}
+
+/// Evidence attached to every `Land`: the build that proved the change.
+///
+/// Check: `build.assumed` ⊆ landed changes, every change in
+/// `landed_since_base` was proven independent of `change`, and then the new
+/// mainline tree equals the tested tree up to those independent changes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LandProof {
+    /// The passing build whose tree decides the change.
+    pub build: BuildSpec,
+    /// Mainline version after this landing (`mainline.len()`).
+    pub new_version: u64,
+    /// Changes that landed after the build's base and are not in `assumed`;
+    /// all are independent of the landing change (parallel lanes). Empty means
+    /// the new mainline tree is exactly the tested tree.
+    pub landed_since_base: Vec<ChangeId>,
+}
+
+/// Why a change was rejected.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejectReason {
+    /// The last failing build; its assumptions equal the real outcome of every
+    /// earlier dependent change, so its base is (up to independent changes) the mainline.
+    pub build: BuildSpec,
+    /// How many times that exact assumption set failed (retries included).
+    pub attempts: u32,
+}
+
+/// Outputs of the planner, to be executed by the integrator in order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action {
+    /// Start a build of the tree described by the spec.
+    StartBuild {
+        /// What to build.
+        build: BuildSpec,
+    },
+    /// Stop a running build; its result is no longer useful.
+    CancelBuild {
+        /// The build to stop.
+        id: BuildId,
+    },
+    /// Push the change to the mainline.
+    Land {
+        /// The landing change.
+        change: ChangeId,
+        /// The build that proved it.
+        proof: LandProof,
+    },
+    /// Reject the change back to its author.
+    Reject {
+        /// The rejected change.
+        change: ChangeId,
+        /// The decisive failing build.
+        reason: RejectReason,
+    },
+}

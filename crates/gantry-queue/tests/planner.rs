@@ -1,0 +1,540 @@
+//! Unit tests of the pure planner through its public API: speculation values
+//! on hand-computed trees, pruning, parallel lanes, retries, error handling,
+//! and a property test of serializability under random outcomes.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use gantry_queue::{
+    Action, BuildId, BuildOutcome, BuildSpec, ChangeAnalysis, ChangeFeatures, ChangeId, Event, Millis, Planner,
+    PlannerConfig, QueueError,
+};
+use proptest::prelude::*;
+
+fn id(s: &str) -> ChangeId {
+    ChangeId(s.to_string())
+}
+
+fn analysis(targets: &[&str]) -> Option<ChangeAnalysis> {
+    Some(ChangeAnalysis { affected: targets.iter().map(|t| t.to_string()).collect(), alters_graph: false })
+}
+
+fn enqueue(p: &mut Planner, t: u64, name: &str, a: Option<ChangeAnalysis>) -> Vec<Action> {
+    p.handle(Millis(t), Event::Enqueue { change: id(name), features: ChangeFeatures::default(), analysis: a }).unwrap()
+}
+
+fn finish(p: &mut Planner, t: u64, b: BuildId, ok: bool) -> Vec<Action> {
+    let outcome = if ok { BuildOutcome::Passed } else { BuildOutcome::Failed };
+    p.handle(Millis(t), Event::BuildFinished { build: b, outcome }).unwrap()
+}
+
+fn started(actions: &[Action]) -> Vec<BuildSpec> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::StartBuild { build } => Some(build.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn cancelled(actions: &[Action]) -> BTreeSet<BuildId> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::CancelBuild { id } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// (change, assumed) pairs, a readable handle on a build.
+fn shape(b: &BuildSpec) -> (String, Vec<String>) {
+    (b.change.0.clone(), b.assumed.iter().map(|c| c.0.clone()).collect())
+}
+
+fn find(builds: &[BuildSpec], change: &str, assumed: &[&str]) -> BuildId {
+    let want = (change.to_string(), assumed.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    builds.iter().find(|b| shape(b) == want).unwrap_or_else(|| panic!("no build {want:?}")).id
+}
+
+/// Pure value ranking (no blocking weight, no hedged retries), so values can
+/// be checked by hand; the extras have their own tests.
+fn cfg(capacity: usize) -> PlannerConfig {
+    PlannerConfig {
+        capacity,
+        prior_success: 0.9,
+        prior_conflict: 0.0,
+        blocking_weight: 0.0,
+        hedge_retries: false,
+        ..PlannerConfig::default()
+    }
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+#[test]
+fn speculation_values_match_hand_computed_tree() {
+    // C1 <- C2 <- C3, all dependent (no analysis), P(success)=0.9, no conflicts.
+    let mut p = Planner::new(cfg(0));
+    for c in ["c1", "c2", "c3"] {
+        assert!(enqueue(&mut p, 0, c, None).is_empty(), "capacity 0 starts nothing");
+    }
+    let v = |p: &Planner, c: &str, a: &[&str]| {
+        p.value_of(&id(c), &a.iter().map(|s| id(s)).collect::<Vec<_>>()).unwrap()
+    };
+    assert!(close(v(&p, "c1", &[]), 1.0));
+    assert!(close(v(&p, "c2", &["c1"]), 0.9));
+    assert!(close(v(&p, "c2", &[]), 0.1));
+    assert!(close(v(&p, "c3", &["c1", "c2"]), 0.81));
+    assert!(close(v(&p, "c3", &["c1"]), 0.09));
+    assert!(close(v(&p, "c3", &["c2"]), 0.09));
+    assert!(close(v(&p, "c3", &[]), 0.01));
+    // The seven candidate values of a tree sum to the number of changes: each
+    // change has exactly one decisive build.
+    let total: f64 = [
+        v(&p, "c1", &[]),
+        v(&p, "c2", &["c1"]),
+        v(&p, "c2", &[]),
+        v(&p, "c3", &["c1", "c2"]),
+        v(&p, "c3", &["c1"]),
+        v(&p, "c3", &["c2"]),
+        v(&p, "c3", &[]),
+    ]
+    .iter()
+    .sum();
+    assert!(close(total, 3.0));
+    assert_eq!(p.value_of(&id("c1"), &[id("c2")]), None, "c2 is not earlier than c1");
+
+    // With 4 slots the planner must pick the 4 most valuable: B1, B12, B123, B2.
+    let acts = p.handle(Millis(1), Event::SetCapacity { capacity: 4 }).unwrap();
+    let mut got: Vec<_> = started(&acts).iter().map(shape).collect();
+    got.sort();
+    let mut want = vec![
+        ("c1".to_string(), vec![]),
+        ("c2".to_string(), vec!["c1".to_string()]),
+        ("c2".to_string(), vec![]),
+        ("c3".to_string(), vec!["c1".to_string(), "c2".to_string()]),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn conflict_probabilities_shift_the_most_likely_path() {
+    // c2 conflicts with c1 with probability 0.5: π2 = 0.9·(1 − 0.9·0.5) = 0.495,
+    // so the most likely world for c3 is "c1 lands, c2 is rejected".
+    let mut p = Planner::new(cfg(0));
+    for c in ["c1", "c2", "c3"] {
+        enqueue(&mut p, 0, c, None);
+    }
+    p.override_conflict(&id("c2"), &id("c1"), 0.5).unwrap();
+    let probs: HashMap<_, _> = p.landing_probabilities().into_iter().collect();
+    assert!(close(probs[&id("c2")], 0.495));
+    let v13 = p.value_of(&id("c3"), &[id("c1")]).unwrap();
+    assert!(close(v13, 0.9 * 0.505));
+    let acts = p.handle(Millis(1), Event::SetCapacity { capacity: 3 }).unwrap();
+    let got: Vec<_> = started(&acts).iter().map(shape).collect();
+    assert!(got.contains(&("c3".to_string(), vec!["c1".to_string()])), "{got:?}");
+    assert!(!got.contains(&("c3".to_string(), vec!["c1".to_string(), "c2".to_string()])));
+}
+
+#[test]
+fn independent_changes_do_not_speculate_on_each_other() {
+    let mut p = Planner::new(cfg(0));
+    enqueue(&mut p, 0, "c1", analysis(&["//a"]));
+    enqueue(&mut p, 0, "c2", analysis(&["//b"]));
+    enqueue(&mut p, 0, "c3", analysis(&["//a", "//c"]));
+    assert!(!p.dependent(&id("c1"), &id("c2")).unwrap());
+    assert!(p.dependent(&id("c1"), &id("c3")).unwrap());
+    assert!(close(p.value_of(&id("c2"), &[]).unwrap(), 1.0));
+    assert_eq!(p.value_of(&id("c2"), &[id("c1")]), None, "c1 is irrelevant to c2");
+    assert!(close(p.value_of(&id("c3"), &[id("c1")]).unwrap(), 0.9));
+}
+
+#[test]
+fn outcome_prunes_impossible_builds() {
+    let mut p = Planner::new(PlannerConfig { max_retries: 0, ..cfg(10) });
+    let mut builds = Vec::new();
+    for c in ["c1", "c2", "c3"] {
+        builds.extend(started(&enqueue(&mut p, 0, c, None)));
+    }
+    assert_eq!(builds.len(), 7, "10 slots cover the whole tree: {:?}", builds.iter().map(shape).collect::<Vec<_>>());
+    // c1 fails: it is rejected and every build assuming it lands is cancelled.
+    let acts = finish(&mut p, 10, find(&builds, "c1", &[]), false);
+    assert!(matches!(&acts[0], Action::Reject { change, .. } if *change == id("c1")));
+    let want: BTreeSet<_> =
+        [find(&builds, "c2", &["c1"]), find(&builds, "c3", &["c1", "c2"]), find(&builds, "c3", &["c1"])].into();
+    assert_eq!(cancelled(&acts), want);
+    // c2's build without c1 passes: c2 lands at once, and c3's build that
+    // assumed c2 would be rejected is now impossible.
+    let acts = finish(&mut p, 20, find(&builds, "c2", &[]), true);
+    match &acts[0] {
+        Action::Land { change, proof } => {
+            assert_eq!(*change, id("c2"));
+            assert_eq!(proof.build.id, find(&builds, "c2", &[]));
+            assert!(proof.landed_since_base.is_empty(), "exact tree");
+        }
+        a => panic!("expected land, got {a:?}"),
+    }
+    assert_eq!(cancelled(&acts), [find(&builds, "c3", &[])].into());
+    // c3's build on c2 decides it.
+    let acts = finish(&mut p, 30, find(&builds, "c3", &["c2"]), true);
+    assert!(matches!(&acts[0], Action::Land { change, proof } if *change == id("c3") && proof.build.assumed == vec![id("c2")]));
+    assert_eq!(p.mainline(), vec![id("c2"), id("c3")]);
+    assert!(p.running_builds().is_empty());
+}
+
+#[test]
+fn independent_changes_land_in_parallel_lanes() {
+    let mut p = Planner::new(cfg(10));
+    let b1 = started(&enqueue(&mut p, 0, "c1", analysis(&["//a"])));
+    let b2 = started(&enqueue(&mut p, 1, "c2", analysis(&["//b"])));
+    let b3 = started(&enqueue(&mut p, 2, "c3", analysis(&["//b", "//c"])));
+    assert_eq!(b2.len(), 1);
+    assert!(b2[0].assumed.is_empty(), "decisive build is on the mainline");
+    // c2 finishes first and lands while c1 is still building.
+    let acts = finish(&mut p, 5, b2[0].id, true);
+    assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c2")));
+    assert_eq!(p.pending(), vec![id("c1"), id("c3")]);
+    // c3 depends on c2 only; its build assuming c2 now decides it.
+    let b3_main = b3.iter().find(|b| b.assumed == vec![id("c2")]).expect("main-path build");
+    let acts = finish(&mut p, 6, b3_main.id, true);
+    assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c3")));
+    // c1 lands last, with a proof naming the independent changes that landed meanwhile.
+    let acts = finish(&mut p, 7, b1[0].id, true);
+    match &acts[0] {
+        Action::Land { change, proof } => {
+            assert_eq!(*change, id("c1"));
+            assert_eq!(proof.landed_since_base, vec![id("c2"), id("c3")]);
+            assert_eq!(proof.new_version, 3);
+        }
+        a => panic!("{a:?}"),
+    }
+}
+
+#[test]
+fn graph_altering_change_blocks_parallel_lane() {
+    let mut p = Planner::new(cfg(10));
+    enqueue(&mut p, 0, "c1", Some(ChangeAnalysis { affected: ["//a".to_string()].into(), alters_graph: true }));
+    enqueue(&mut p, 0, "c2", analysis(&["//b"]));
+    assert!(p.dependent(&id("c1"), &id("c2")).unwrap());
+}
+
+#[test]
+fn flaky_failure_is_retried_before_rejecting() {
+    let mut p = Planner::new(PlannerConfig { max_retries: 1, ..cfg(1) });
+    let b = started(&enqueue(&mut p, 0, "c1", None));
+    let acts = finish(&mut p, 1, b[0].id, false);
+    let retry = started(&acts);
+    assert_eq!(retry.len(), 1);
+    assert_eq!(retry[0].attempt, 2);
+    assert!(!acts.iter().any(|a| matches!(a, Action::Reject { .. })));
+    let acts = finish(&mut p, 2, retry[0].id, true);
+    assert!(matches!(&acts[0], Action::Land { .. }));
+
+    let b = started(&enqueue(&mut p, 3, "c2", None));
+    let r = started(&finish(&mut p, 4, b[0].id, false));
+    let acts = finish(&mut p, 5, r[0].id, false);
+    assert!(matches!(&acts[0], Action::Reject { change, reason } if *change == id("c2") && reason.attempts == 2));
+}
+
+#[test]
+fn cancelling_a_change_cancels_builds_that_assume_it() {
+    let mut p = Planner::new(cfg(10));
+    let mut builds = started(&enqueue(&mut p, 0, "c1", None));
+    builds.extend(started(&enqueue(&mut p, 0, "c2", None)));
+    let acts = p.handle(Millis(1), Event::Cancel { change: id("c1") }).unwrap();
+    let want: BTreeSet<_> = [find(&builds, "c1", &[]), find(&builds, "c2", &["c1"])].into();
+    assert_eq!(cancelled(&acts), want);
+    // The surviving build of c2 (c1 absent) decides it.
+    let acts = finish(&mut p, 2, find(&builds, "c2", &[]), true);
+    assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c2")));
+    // A late result of a cancelled build is ignored, an invented one is an error.
+    assert!(finish(&mut p, 3, find(&builds, "c1", &[]), true).is_empty());
+    assert!(matches!(
+        p.handle(Millis(3), Event::BuildFinished { build: BuildId(999), outcome: BuildOutcome::Passed }),
+        Err(QueueError::UnknownBuild(999))
+    ));
+}
+
+#[test]
+fn preemption_makes_room_for_a_more_valuable_build() {
+    let mut p = Planner::new(cfg(0));
+    enqueue(&mut p, 0, "c1", analysis(&["//a"]));
+    enqueue(&mut p, 0, "c2", analysis(&["//a"]));
+    p.override_success(&id("c1"), 0.2).unwrap();
+    // Values: B1 = 1, B2 (c1 rejected) = 0.8, B12 = 0.2: two slots take B1 and B2.
+    let acts = p.handle(Millis(1), Event::SetCapacity { capacity: 2 }).unwrap();
+    let b = started(&acts);
+    let mut got: Vec<_> = b.iter().map(shape).collect();
+    got.sort();
+    assert_eq!(got, vec![("c1".to_string(), vec![]), ("c2".to_string(), vec![])]);
+    // c1 now looks very likely to land, so the running B2 is worth only 0.05,
+    // and a new independent change (value 1) takes its slot. B12 (0.95) is not
+    // worth twice the still-running B1 (1.0), so nothing else moves.
+    p.override_success(&id("c1"), 0.95).unwrap();
+    let acts = enqueue(&mut p, 2, "c9", analysis(&["//q"]));
+    assert_eq!(cancelled(&acts), [find(&b, "c2", &[])].into());
+    let got: Vec<_> = started(&acts).iter().map(shape).collect();
+    assert_eq!(got, vec![("c9".to_string(), vec![])]);
+    assert_eq!(p.stats().builds_preempted, 1);
+    // Without preemption nothing is cancelled.
+    let mut q = Planner::new(PlannerConfig { preempt_factor: None, ..cfg(0) });
+    enqueue(&mut q, 0, "c1", analysis(&["//a"]));
+    enqueue(&mut q, 0, "c2", analysis(&["//a"]));
+    q.override_success(&id("c1"), 0.2).unwrap();
+    q.handle(Millis(1), Event::SetCapacity { capacity: 2 }).unwrap();
+    q.override_success(&id("c1"), 0.95).unwrap();
+    assert!(enqueue(&mut q, 2, "c9", analysis(&["//q"])).is_empty());
+}
+
+#[test]
+fn hedged_retry_runs_alongside_a_risky_build() {
+    let mut p = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, ..cfg(2) });
+    enqueue(&mut p, 0, "solid", analysis(&["//a"]));
+    // With one slot left, a risky change gets its first attempt; a second
+    // slot then goes to a concurrent retry (value 1 × P(fail) = 0.7).
+    let mut p2 = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, ..cfg(0) });
+    enqueue(&mut p2, 0, "risky", None);
+    p2.override_success(&id("risky"), 0.3).unwrap();
+    let acts = p2.handle(Millis(1), Event::SetCapacity { capacity: 2 }).unwrap();
+    let b = started(&acts);
+    assert_eq!(b.len(), 2);
+    assert_eq!(b.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(b.iter().all(|x| x.assumed.is_empty()));
+    // Both fail: the change is rejected as soon as the second result arrives.
+    assert!(finish(&mut p2, 2, b[0].id, false).iter().all(|a| !matches!(a, Action::Reject { .. })));
+    let acts = finish(&mut p2, 3, b[1].id, false);
+    assert!(matches!(&acts[0], Action::Reject { reason, .. } if reason.attempts == 2));
+    // A passing attempt wins and the redundant one is cancelled.
+    let mut p3 = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, ..cfg(0) });
+    enqueue(&mut p3, 0, "risky", None);
+    p3.override_success(&id("risky"), 0.3).unwrap();
+    let b = started(&p3.handle(Millis(1), Event::SetCapacity { capacity: 2 }).unwrap());
+    let acts = finish(&mut p3, 2, b[0].id, true);
+    assert!(matches!(&acts[0], Action::Land { .. }));
+    assert_eq!(cancelled(&acts), [b[1].id].into());
+    // A likely-good change's hedge (worth 0.1) fills a spare slot but yields
+    // it to a new change's first build.
+    let acts = enqueue(&mut p, 1, "other", analysis(&["//b"]));
+    assert_eq!(cancelled(&acts).len(), 1, "{acts:?}");
+    assert_eq!(started(&acts).iter().map(shape).collect::<Vec<_>>(), vec![("other".to_string(), vec![])]);
+}
+
+#[test]
+fn blocking_weight_prefers_changes_others_wait_for() {
+    // c1 is uncertain (value of its own build is 1, but think of c3's
+    // alternatives): with weights, c1's hedge/alternatives outrank a lone
+    // independent change's speculative builds.
+    let mut p = Planner::new(PlannerConfig { blocking_weight: 1.0, ..cfg(0) });
+    enqueue(&mut p, 0, "a", analysis(&["//a"]));
+    enqueue(&mut p, 0, "b1", analysis(&["//a"]));
+    enqueue(&mut p, 0, "b2", analysis(&["//a"]));
+    enqueue(&mut p, 0, "x", analysis(&["//x"]));
+    enqueue(&mut p, 0, "y", analysis(&["//x"]));
+    p.override_success(&id("a"), 0.5).unwrap();
+    p.override_success(&id("x"), 0.5).unwrap();
+    // Pure values: a=1, x=1, b1|a=0.5, b1|¬a=0.5, y|x=0.5, y|¬x=0.5, b2 ...
+    // With weights, a's dependents (b1, b2) lift b1's builds (b2 waits on b1)
+    // above y's, which nobody waits for.
+    let acts = p.handle(Millis(1), Event::SetCapacity { capacity: 4 }).unwrap();
+    let got: Vec<_> = started(&acts).iter().map(shape).collect();
+    assert!(got.contains(&("a".to_string(), vec![])));
+    assert!(got.contains(&("x".to_string(), vec![])));
+    assert!(got.iter().filter(|(c, _)| c == "b1").count() == 2, "{got:?}");
+    assert!(!got.iter().any(|(c, _)| c == "y"), "{got:?}");
+}
+
+#[test]
+fn errors_are_reported() {
+    let mut p = Planner::new(cfg(1));
+    enqueue(&mut p, 10, "c1", None);
+    assert!(matches!(
+        p.handle(Millis(10), Event::Enqueue { change: id("c1"), features: ChangeFeatures::default(), analysis: None }),
+        Err(QueueError::DuplicateChange(_))
+    ));
+    assert!(matches!(p.handle(Millis(5), Event::Cancel { change: id("c1") }), Err(QueueError::ClockWentBackwards { .. })));
+    assert!(matches!(p.handle(Millis(11), Event::Cancel { change: id("nope") }), Err(QueueError::UnknownChange(_))));
+}
+
+#[test]
+fn model_is_trained_from_decisions() {
+    let mut p = Planner::new(PlannerConfig { retrain_every: 10, min_training_examples: 10, max_retries: 0, ..cfg(4) });
+    let mut t = 0;
+    for k in 0..40 {
+        let name = format!("c{k}");
+        let features = ChangeFeatures { presubmit_passed: k % 4 != 0, lines_changed: 10 + k, ..ChangeFeatures::default() };
+        let mut acts = p
+            .handle(Millis(t), Event::Enqueue { change: id(&name), features, analysis: analysis(&[&name]) })
+            .unwrap();
+        // Independent changes: the one build decides; fail exactly the presubmit failures.
+        while let Some(b) = started(&acts).first().cloned() {
+            t += 1;
+            acts = finish(&mut p, t, b.id, k % 4 != 0);
+        }
+    }
+    assert_eq!(p.stats().landed, 30);
+    assert_eq!(p.stats().rejected, 10);
+    assert!(p.stats().retrains >= 3);
+    let m = p.model().expect("trained");
+    assert_eq!(m.trained_on, 40);
+    let history: Vec<_> = p.training_history().cloned().collect();
+    let again = gantry_queue::LogisticModel::train(&history, &p.config().train).unwrap();
+    assert_eq!(&again, m, "training is a pure function of the history");
+}
+
+/// Ground truth for the property test: each change fails alone or conflicts
+/// with some earlier ones; a build passes iff the change is fine and no
+/// conflicting change is in its tree.
+#[derive(Debug, Clone)]
+struct World {
+    ok: Vec<bool>,
+    conflicts: Vec<Vec<usize>>,
+    targets: Vec<Option<Vec<u8>>>,
+}
+
+fn world(max: usize) -> impl Strategy<Value = World> {
+    (1..=max).prop_flat_map(|n| {
+        (
+            proptest::collection::vec(proptest::bool::weighted(0.8), n),
+            proptest::collection::vec(proptest::collection::vec(any::<proptest::sample::Index>(), 0..2), n),
+            proptest::collection::vec(proptest::option::weighted(0.8, proptest::collection::vec(0u8..4, 1..3)), n),
+        )
+            .prop_map(move |(ok, conf, targets)| {
+                let conflicts = conf
+                    .iter()
+                    .enumerate()
+                    .map(|(i, xs)| {
+                        let mut v: Vec<usize> = if i == 0 { vec![] } else { xs.iter().map(|x| x.index(i)).collect() };
+                        v.sort_unstable();
+                        v.dedup();
+                        v
+                    })
+                    .collect();
+                World { ok, conflicts, targets }
+            })
+    })
+}
+
+fn independent(w: &World, a: usize, b: usize) -> bool {
+    match (&w.targets[a], &w.targets[b]) {
+        (Some(x), Some(y)) => x.iter().all(|t| !y.contains(t)),
+        _ => false,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn serializability_under_random_outcomes(
+        mut w in world(7),
+        capacity in 1usize..6,
+        picks in proptest::collection::vec(any::<proptest::sample::Index>(), 200),
+        arrival_gaps in proptest::collection::vec(0usize..3, 7),
+    ) {
+        // Ground-truth conflicts only between changes the analyzer calls
+        // dependent; otherwise the analyzer would be wrong, not the planner.
+        let n = w.ok.len();
+        for i in 0..n {
+            let keep: Vec<usize> = w.conflicts[i].iter().copied().filter(|&j| !independent(&w, i, j)).collect();
+            w.conflicts[i] = keep;
+        }
+        let mut reference = vec![false; n];
+        for i in 0..n {
+            reference[i] = w.ok[i] && w.conflicts[i].iter().all(|&j| !reference[j]);
+        }
+        let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, ..PlannerConfig::default() });
+        let name = |i: usize| ChangeId(format!("c{i}"));
+        let index = |c: &ChangeId| c.0[1..].parse::<usize>().unwrap();
+        let mut running: Vec<BuildSpec> = Vec::new();
+        let mut passed: HashSet<BuildId> = HashSet::new();
+        let mut mainline: Vec<usize> = Vec::new();
+        let mut decided: HashMap<usize, bool> = HashMap::new();
+        let mut next_arrival = 0;
+        let mut gap = 0;
+        let mut t = 0u64;
+        let mut step = 0;
+        loop {
+            t += 1;
+            // Interleave arrivals and build completions in a random order.
+            let arrive = next_arrival < n && (running.is_empty() || gap >= arrival_gaps[next_arrival]);
+            let acts = if arrive {
+                gap = 0;
+                let i = next_arrival;
+                next_arrival += 1;
+                let analysis = w.targets[i].as_ref().map(|ts| ChangeAnalysis {
+                    affected: ts.iter().map(|t| format!("//t{t}")).collect(),
+                    alters_graph: false,
+                });
+                p.handle(Millis(t), Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis }).unwrap()
+            } else if let Some(pick) = picks.get(step % picks.len()) {
+                gap += 1;
+                step += 1;
+                if running.is_empty() { break; }
+                let b = running.remove(pick.index(running.len()));
+                let c = index(&b.change);
+                let tree: HashSet<usize> = mainline[..b.base_version as usize].iter().copied()
+                    .chain(b.assumed.iter().map(index)).collect();
+                let ok = w.ok[c] && w.conflicts[c].iter().all(|j| !tree.contains(j));
+                if ok { passed.insert(b.id); }
+                p.handle(Millis(t), Event::BuildFinished {
+                    build: b.id, outcome: if ok { BuildOutcome::Passed } else { BuildOutcome::Failed },
+                }).unwrap()
+            } else { unreachable!() };
+            for a in acts {
+                match a {
+                    Action::StartBuild { build } => {
+                        prop_assert_eq!(build.base_version as usize, mainline.len());
+                        running.push(build);
+                    }
+                    Action::CancelBuild { id } => {
+                        let before = running.len();
+                        running.retain(|b| b.id != id);
+                        prop_assert_eq!(running.len() + 1, before, "cancelled a build that was not running");
+                    }
+                    Action::Land { change, proof } => {
+                        let c = index(&change);
+                        // Every landed tree was tested: a passed build of this
+                        // change whose assumptions all landed, and anything else
+                        // that landed since its base is independent.
+                        prop_assert!(passed.contains(&proof.build.id));
+                        prop_assert_eq!(&proof.build.change, &change);
+                        for a in &proof.build.assumed { prop_assert!(mainline.contains(&index(a))); }
+                        for &x in &mainline[proof.build.base_version as usize..] {
+                            let assumed = proof.build.assumed.iter().any(|a| index(a) == x);
+                            prop_assert!(assumed || independent(&w, c, x));
+                        }
+                        // In order: every earlier dependent change is decided.
+                        for e in 0..c {
+                            prop_assert!(decided.contains_key(&e) || independent(&w, c, e), "c{} landed before c{}", c, e);
+                        }
+                        prop_assert!(reference[c], "c{} landed but must be rejected", c);
+                        mainline.push(c);
+                        decided.insert(c, true);
+                    }
+                    Action::Reject { change, .. } => {
+                        let c = index(&change);
+                        prop_assert!(!reference[c], "c{} rejected but must land", c);
+                        for e in 0..c {
+                            prop_assert!(decided.contains_key(&e) || independent(&w, c, e));
+                        }
+                        decided.insert(c, false);
+                    }
+                }
+            }
+            if next_arrival == n && running.is_empty() { break; }
+        }
+        // Everything decided, and the landed set is exactly the serial reference.
+        prop_assert_eq!(decided.len(), n);
+        for i in 0..n { prop_assert_eq!(decided[&i], reference[i]); }
+        // With no independence, the landed sequence is in queue order.
+        if w.targets.iter().all(Option::is_none) {
+            let mut sorted = mainline.clone();
+            sorted.sort_unstable();
+            prop_assert_eq!(sorted, mainline);
+        }
+    }
+}
