@@ -20,7 +20,10 @@ pub async fn session(channel: Channel, register: wpb::Register, executor: Arc<Ex
     report_tx
         .send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Register(register)) })
         .expect("receiver alive");
-    let mut client = wpb::worker_service_client::WorkerServiceClient::new(channel);
+    // Assignments carry the whole Command: one with many outputs can pass 4 MiB.
+    let mut client = wpb::worker_service_client::WorkerServiceClient::new(channel)
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20);
     let mut inbound = client
         .session(UnboundedReceiverStream::new(report_rx))
         .await
