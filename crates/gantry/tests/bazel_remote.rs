@@ -50,6 +50,22 @@ fn bazel_remote_execution_end_to_end() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("GANTRY_FIXTURE_FAIL_MARKER"), "{}", text(&out));
 
+    // 3b. Platform properties from Bazel reach the scheduler: one every worker offers runs,
+    // one no worker offers fails with the property named.
+    let out = ws.bazel_with_strategy(
+        "build",
+        &remote(&["--remote_default_exec_properties=OSFamily=linux", "--remote_instance_name=props", "//:chain_c"]),
+        "remote",
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let out = ws.bazel_with_strategy(
+        "build",
+        &remote(&["--remote_default_exec_properties=pool=tpu", "--remote_instance_name=props2", "//:chain_a"]),
+        "remote",
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("pool=tpu"), "{}", text(&out));
+
     // 4. A clean rebuild comes from gantry's cache.
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel_with_strategy("test", &remote(&["//..."]), "remote");
