@@ -46,9 +46,14 @@ impl SqlExecutionLog {
     }
 
     pub async fn connect(url: &str) -> Result<Self> {
-        let ac = crate::SqlActionCache::connect(url).await?;
-        Self::new(ac.pool().clone()).await
+        Self::new(metadata_pool(url).await?).await
     }
+}
+
+/// A pool on the metadata database at `url`, opened (and created) the way the action
+/// cache opens it, so every table lives in one database with one set of settings.
+async fn metadata_pool(url: &str) -> Result<AnyPool> {
+    Ok(crate::SqlActionCache::connect(url).await?.pool().clone())
 }
 
 #[async_trait]
@@ -175,8 +180,7 @@ impl SqlSizeClassStore {
     }
 
     pub async fn connect(url: &str) -> Result<Self> {
-        let ac = crate::SqlActionCache::connect(url).await?;
-        Self::new(ac.pool().clone()).await
+        Self::new(metadata_pool(url).await?).await
     }
 }
 

@@ -70,14 +70,7 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
     let e = &config.execution;
     let sc = &e.size_classes;
     let sizing = Sizing::new(
-        gantry_sizeclass::SelectionConfig {
-            history_size: sc.history_size,
-            failure_cache_duration: sc.failure_cache_duration,
-            minimum_execution_timeout: sc.minimum_execution_timeout,
-            acceptable_time_exponent: sc.acceptable_time_exponent,
-            timeout_multiplier: sc.timeout_multiplier,
-            ..Default::default()
-        },
+        selection_config(sc),
         gantry_store::build_size_class_store(config).await.context("setting up the size class store")?,
         sc.seed,
         services.metrics.registry(),
@@ -96,6 +89,18 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
         Some(sizing),
     );
     Ok(services.with_scheduler(scheduler))
+}
+
+/// The size-class selection settings of `[execution.size_classes]`.
+pub fn selection_config(sc: &gantry_config::SizeClassConfig) -> gantry_sizeclass::SelectionConfig {
+    gantry_sizeclass::SelectionConfig {
+        history_size: sc.history_size,
+        failure_cache_duration: sc.failure_cache_duration,
+        minimum_execution_timeout: sc.minimum_execution_timeout,
+        acceptable_time_exponent: sc.acceptable_time_exponent,
+        timeout_multiplier: sc.timeout_multiplier,
+        ..Default::default()
+    }
 }
 
 /// Starts the in-process workers; they run until the returned guards are dropped.

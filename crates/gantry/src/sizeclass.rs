@@ -3,7 +3,7 @@
 //! per class with its acceptable times and success estimates.
 
 use anyhow::Context;
-use gantry_sizeclass::{ActionStats, KeyStatsView, SelectionConfig, SizeClasses};
+use gantry_sizeclass::{ActionStats, KeyStatsView, SizeClasses};
 
 #[derive(clap::Subcommand)]
 pub enum SizeclassCommand {
@@ -27,15 +27,7 @@ pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
     let SizeclassCommand::Stats(args) = cmd;
     let config = crate::serve::load_config(&args.serve)?;
     let store = gantry_store::build_size_class_store(&config).await.context("opening the size class store")?;
-    let sc = &config.execution.size_classes;
-    let selection = SelectionConfig {
-        history_size: sc.history_size,
-        failure_cache_duration: sc.failure_cache_duration,
-        minimum_execution_timeout: sc.minimum_execution_timeout,
-        acceptable_time_exponent: sc.acceptable_time_exponent,
-        timeout_multiplier: sc.timeout_multiplier,
-        ..Default::default()
-    };
+    let selection = crate::serve::selection_config(&config.execution.size_classes);
     let keys = match &args.key {
         Some(k) => vec![k.clone()],
         None => store.keys(args.limit).await?,
