@@ -65,6 +65,12 @@ pub struct SizeclassBenchArgs {
     /// Acceptable-time exponent x of the learned policy [default: the production 0.5].
     #[arg(long)]
     exponent: Option<f64>,
+    /// Probability of success a smaller class needs to be chosen [default: 0.5].
+    #[arg(long)]
+    threshold: Option<f64>,
+    /// Queue awareness tolerance (1.0 = pass over a class whose queue makes it later than acceptable).
+    #[arg(long)]
+    queue_tolerance: Option<f64>,
     /// Print `{"policies":{...}}` as JSON.
     #[arg(long)]
     json: bool,
@@ -596,6 +602,12 @@ fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
     cfg.synthetic.seed = args.seed;
     if let Some(x) = args.exponent {
         cfg.selection.acceptable_time_exponent = x;
+    }
+    if let Some(t) = args.threshold {
+        cfg.selection.success_threshold = t;
+    }
+    if let Some(q) = args.queue_tolerance {
+        cfg.selection.queue_tolerance = q;
     }
     if let Some(path) = &args.trace {
         let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
