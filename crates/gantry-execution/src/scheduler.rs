@@ -93,6 +93,9 @@ struct Job {
     cancel_requested: bool,
     /// Size class the action must run on (None: any worker).
     size_class: Option<u32>,
+    /// Whether the class was chosen by the learner (more than one class could run it),
+    /// so its outcome should be recorded.
+    learning: bool,
     /// Largest class with workers when the action was submitted.
     largest_class: u32,
     requested_timeout: Duration,
@@ -219,7 +222,8 @@ impl Scheduler {
     /// name and a receiver of its state changes.
     pub async fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
         let shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
-        if let Some(sizing) = &self.sizing {
+        // With one size class there is nothing to choose or learn: skip the stats read.
+        if let Some(sizing) = self.sizing.as_ref().filter(|_| self.class_count() > 1) {
             sizing.load(&shape_key).await?;
         }
         // Bazel puts platform properties in both Action.platform and the (deprecated)
@@ -266,6 +270,7 @@ impl Scheduler {
             .collect();
         let largest_class = classes.iter().next_back().copied().unwrap_or(1);
         let requested_timeout = timeout;
+        let learning = self.sizing.is_some() && classes.len() > 1;
         let (size_class, timeout) = match (&self.sizing, classes.len()) {
             (Some(sizing), n) if n > 1 => {
                 let set = gantry_sizeclass::SizeClasses::new(classes.iter().copied()).expect("non-empty, non-zero");
@@ -301,6 +306,7 @@ impl Scheduler {
                 losses: 0,
                 cancel_requested: false,
                 size_class,
+                learning,
                 largest_class,
                 requested_timeout,
                 shape_key,
@@ -360,6 +366,12 @@ impl Scheduler {
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
         self.update_gauges(st);
+    }
+
+    /// Distinct size classes among registered workers.
+    fn class_count(&self) -> usize {
+        let st = self.state.lock().expect("poisoned");
+        st.workers.values().map(|w| w.size_class).collect::<BTreeSet<_>>().len()
     }
 
     /// Expected wait and idle workers per size class, for queue-aware selection.
@@ -468,16 +480,15 @@ impl Scheduler {
                 w.running.remove(&f.job_id);
                 w.last_seen = Instant::now();
             }
-            let Some(job) = st.jobs.get(&f.job_id) else { return };
-            if job.worker.as_deref() != Some(worker) || job.completed_at.is_some() {
+            let current = st.jobs.get(&f.job_id).is_some_and(|j| j.worker.as_deref() == Some(worker) && j.completed_at.is_none());
+            if !current {
                 // A stale report from a worker the action was taken away from.
                 return;
             }
             let m = f.metering.clone().unwrap_or_default();
-            let c = size_class;
-            let e = st.class_avg_seconds.entry(c).or_insert(m.wall_seconds.max(0.001));
-            *e = 0.8 * *e + 0.2 * m.wall_seconds;
-            let Some(job) = st.jobs.get(&f.job_id) else { return };
+            let avg = st.class_avg_seconds.entry(size_class).or_insert(m.wall_seconds.max(0.001));
+            *avg = 0.8 * *avg + 0.2 * m.wall_seconds;
+            let job = &st.jobs[&f.job_id];
             let record = ActionRecord {
                 operation: job.name.clone(),
                 instance: job.spec.instance.clone(),
@@ -536,7 +547,7 @@ impl Scheduler {
         let retry = {
             let mut st = self.state.lock().expect("poisoned");
             let Some(job) = st.jobs.get_mut(&f.job_id) else { return };
-            let smaller = self.sizing.is_some() && job.size_class.is_some_and(|c| c < job.largest_class);
+            let smaller = job.learning && job.size_class.is_some_and(|c| c < job.largest_class);
             // Only a run that happened says something about the class: not a missing input
             // or another infrastructure error.
             let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
@@ -576,8 +587,8 @@ impl Scheduler {
         let learn = {
             let st = self.state.lock().expect("poisoned");
             st.jobs.get(&f.job_id).and_then(|job| {
-                let sizing_on = self.sizing.is_some() && job.size_class.is_some() && code != tonic::Code::Cancelled as i32;
-                sizing_on.then(|| {
+                let learn = job.learning && code != tonic::Code::Cancelled as i32;
+                learn.then(|| {
                     let execution = match job.first_try {
                         Some((c0, o0)) => gantry_sizeclass::Execution { size_class: c0, outcome: o0, largest_outcome: Some(this_outcome) },
                         None => gantry_sizeclass::Execution { size_class: ran_on, outcome: this_outcome, largest_outcome: None },
