@@ -166,7 +166,13 @@ pub enum Outcome {
     Success,
     Oom,
     DeadlineExceeded,
+    /// Failed, cause not recorded (older histories and the simulator).
     Failed,
+    BuildFailed,
+    TestsFailed,
+    /// Not the targets' doing (Bazel crashed, lost its executor...): its labels are not
+    /// trusted, so training skips it.
+    InfraError,
 }
 
 /// One executed build: features (context + targets) and both labels.

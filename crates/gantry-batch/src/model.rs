@@ -510,6 +510,10 @@ fn prepare(records: &[&BuildRecord], valid_fraction: f64) -> (Vec<Prepared>, usi
     let mut skipped = 0;
     let cut = (valid_fraction * 1_000_000.0) as u64;
     for r in records {
+        if r.outcome == crate::history::Outcome::InfraError {
+            skipped += 1;
+            continue;
+        }
         let parsed: Result<Vec<Label<'_>>> = r.targets.iter().map(|t| parse_label(t)).collect();
         let Ok(parsed) = parsed else {
             skipped += 1;

@@ -305,6 +305,56 @@ pub struct BatchConfig {
     /// Targets buffered, sorted and cut together per executor group of a stream.
     /// Bounds memory per request. Default 100000.
     pub stream_sort_window: usize,
+    /// Bazel builds `gantry serve` runs at once, each in its own output base. 0: plan
+    /// only (EnqueueTargets answers with builds and nobody runs them). Default 2.
+    pub runners: usize,
+    /// The Bazel binary. Default "bazel" (found on PATH).
+    pub bazel: PathBuf,
+    /// Bazel startup options put before the command, e.g. ["--nohome_rc"]. gantry adds
+    /// `--output_base` (one per runner, reused between builds) and
+    /// `--host_jvm_args=-Xmx{bazel_memory}` itself.
+    pub startup_flags: Vec<String>,
+    /// Flags put after every build's own flags, e.g. `--override_repository=...`.
+    pub extra_flags: Vec<String>,
+    /// A build still running this long after it started is stopped and recorded as
+    /// DEADLINE_EXCEEDED. Default "30m".
+    #[serde(with = "humantime_serde")]
+    pub deadline: Duration,
+    /// After the deadline, Bazel's server gets SIGTERM and this long to exit before
+    /// SIGKILL (a JVM thrashing in GC ignores SIGTERM). Default "10s".
+    #[serde(with = "humantime_serde")]
+    pub kill_grace: Duration,
+    /// Runners' output bases and git worktrees. Default `{data_dir}/runners`.
+    pub runner_dir: Option<PathBuf>,
+    /// `--remote_executor` given to Bazel. Default: this server's gRPC address.
+    pub remote_executor: Option<String>,
+    /// Which measurement is the memory label the models learn: "used_heap_post_build"
+    /// (BEP usedHeapSizePostBuild, the default; see README for why), "peak_post_gc_heap"
+    /// (BEP peakPostGcHeapSize) or "server_vm_hwm" (the Bazel server's peak RSS).
+    pub memory_label: MemoryLabel,
+    /// How often the models retrain from the build history; "0s" only on request
+    /// (`gantry model train --server`). Default "10m".
+    #[serde(with = "humantime_serde")]
+    pub retrain_interval: Duration,
+    /// Finished builds the history must hold before the first training; until then
+    /// every build has `fallback_batch_size` targets. Default 20.
+    pub min_history_builds: usize,
+    /// Training windows: the long one feeds the main model, the short one tracks recent
+    /// change. Defaults "17days" and "1day".
+    #[serde(with = "humantime_serde")]
+    pub long_window: Duration,
+    #[serde(with = "humantime_serde")]
+    pub short_window: Duration,
+}
+
+/// The measurement the memory model learns (`[batch] memory_label`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryLabel {
+    #[default]
+    UsedHeapPostBuild,
+    PeakPostGcHeap,
+    ServerVmHwm,
 }
 
 impl Default for BatchConfig {
@@ -322,6 +372,19 @@ impl Default for BatchConfig {
             tag_executor_types: Default::default(),
             rule_kind_executor_types: Default::default(),
             stream_sort_window: 100_000,
+            runners: 2,
+            bazel: PathBuf::from("bazel"),
+            startup_flags: Vec::new(),
+            extra_flags: Vec::new(),
+            deadline: Duration::from_secs(30 * 60),
+            kill_grace: Duration::from_secs(10),
+            runner_dir: None,
+            remote_executor: None,
+            memory_label: MemoryLabel::UsedHeapPostBuild,
+            retrain_interval: Duration::from_secs(600),
+            min_history_builds: 20,
+            long_window: Duration::from_secs(17 * 86_400),
+            short_window: Duration::from_secs(86_400),
         }
     }
 }
@@ -330,6 +393,11 @@ impl Config {
     /// Directory of the workers, resolved against `data_dir`.
     pub fn worker_dir(&self) -> PathBuf {
         self.execution.work_dir.clone().unwrap_or_else(|| self.server.data_dir.join("workers"))
+    }
+
+    /// Directory of the batch runners, resolved against `data_dir`.
+    pub fn batch_runner_dir(&self) -> PathBuf {
+        self.batch.runner_dir.clone().unwrap_or_else(|| self.server.data_dir.join("runners"))
     }
 
     /// Directory of the batching models, resolved against `data_dir`.
@@ -373,6 +441,21 @@ impl Config {
                     c.size_class, c.count
                 )));
             }
+        }
+        let b = &self.batch;
+        if b.runners > 0 && b.deadline.is_zero() {
+            return Err(ConfigError::Invalid("batch.deadline must be greater than zero".into()));
+        }
+        if b.long_window < b.short_window || b.short_window.is_zero() {
+            return Err(ConfigError::Invalid(format!(
+                "batch.short_window ({:?}) must be non-zero and not longer than batch.long_window ({:?})",
+                b.short_window, b.long_window
+            )));
+        }
+        if b.startup_flags.iter().any(|f| f.starts_with("--output_base") || f.starts_with("--output_user_root")) {
+            return Err(ConfigError::Invalid(
+                "batch.startup_flags: --output_base/--output_user_root are set by gantry per runner".into(),
+            ));
         }
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,

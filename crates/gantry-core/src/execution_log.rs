@@ -36,7 +36,19 @@ impl ActionRecord {
     pub fn service_seconds(&self) -> f64 {
         self.wall_seconds
     }
+
+    /// Executor service time in ESU·s: an action on a size-class-S worker occupies S
+    /// executor standard units, or its peak memory in units of [`ESU_MEMORY_BYTES`] when
+    /// that is larger (a small-class action that used a lot of memory still crowded its
+    /// machine).
+    pub fn esu_seconds(&self) -> f64 {
+        let by_memory = self.peak_memory_bytes as f64 / ESU_MEMORY_BYTES as f64;
+        self.service_seconds() * (self.size_class.max(1) as f64).max(by_memory)
+    }
 }
+
+/// Memory of one executor standard unit (ESU): 2.5 GB.
+pub const ESU_MEMORY_BYTES: u64 = 2_500_000_000;
 
 /// Totals of one Bazel invocation.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -44,6 +56,8 @@ pub struct InvocationSummary {
     pub tool_invocation_id: String,
     pub actions: u64,
     pub executor_service_seconds: f64,
+    /// Executor service time weighted by the ESU each action occupied.
+    pub executor_esu_seconds: f64,
     pub cpu_seconds: f64,
     pub max_peak_memory_bytes: u64,
     pub failed_actions: u64,
@@ -63,6 +77,7 @@ pub trait ExecutionLog: Send + Sync + 'static {
             tool_invocation_id: tool_invocation_id.to_string(),
             actions: actions.len() as u64,
             executor_service_seconds: actions.iter().map(|a| a.service_seconds()).sum(),
+            executor_esu_seconds: actions.iter().map(|a| a.esu_seconds()).sum(),
             cpu_seconds: actions.iter().map(|a| a.user_cpu_seconds + a.system_cpu_seconds).sum(),
             max_peak_memory_bytes: actions.iter().map(|a| a.peak_memory_bytes).max().unwrap_or(0),
             failed_actions: actions.iter().filter(|a| a.status_code != 0 || a.exit_code != 0).count() as u64,

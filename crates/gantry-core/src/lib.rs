@@ -1,12 +1,13 @@
 //! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
 //! hash functions behind them, the error type (which maps to gRPC codes), ByteStream resource
-//! names, and the storage traits (`BlobStore`, `ActionCache`).
+//! names, and the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`).
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
 
 pub mod action_cache;
 pub mod blob_store;
+pub mod build_store;
 pub mod digest;
 pub mod error;
 pub mod execution_log;
@@ -15,9 +16,10 @@ pub mod task;
 
 pub use action_cache::ActionCache;
 pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
+pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
-pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore};
+pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore, ESU_MEMORY_BYTES};
 pub use task::TaskGuard;
 
 /// Re-export of the generated REAPI types so downstream crates name one path.

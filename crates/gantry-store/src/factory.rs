@@ -59,3 +59,14 @@ pub async fn build_size_class_store(config: &Config) -> Result<Arc<dyn gantry_co
         }
     }
 }
+
+/// The batching service's build records, in the metadata database.
+pub async fn build_build_store(config: &Config) -> Result<Arc<dyn gantry_core::BuildStore>> {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => {
+            let url = config.action_cache_url(sql);
+            let s = crate::SqlBuildStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
+            Ok(Arc::new(s))
+        }
+    }
+}

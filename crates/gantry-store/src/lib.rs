@@ -8,6 +8,7 @@
 //!   written in portable SQL so PostgreSQL can take its place.
 //! - `CompletenessCheckingActionCache`: serves an entry only while its blobs exist.
 //! - `SqlExecutionLog`: per-action metering records, in the same database.
+//! - `SqlBuildStore`: the batching service's builds and their outcomes (its training history).
 //!
 //! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
 
@@ -19,15 +20,17 @@ pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
 pub mod sql_action_cache;
+pub mod sql_build_store;
 pub mod sql_execution_log;
 
 pub use completeness_check::CompletenessCheckingActionCache;
-pub use factory::{build_action_cache, build_cas, build_execution_log, build_size_class_store};
+pub use factory::{build_action_cache, build_build_store, build_cas, build_execution_log, build_size_class_store};
 pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use sql_action_cache::SqlActionCache;
+pub use sql_build_store::SqlBuildStore;
 pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
 
 #[cfg(test)]

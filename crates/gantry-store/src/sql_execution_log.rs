@@ -52,7 +52,7 @@ impl SqlExecutionLog {
 
 /// A pool on the metadata database at `url`, opened (and created) the way the action
 /// cache opens it, so every table lives in one database with one set of settings.
-async fn metadata_pool(url: &str) -> Result<AnyPool> {
+pub(crate) async fn metadata_pool(url: &str) -> Result<AnyPool> {
     Ok(crate::SqlActionCache::connect(url).await?.pool().clone())
 }
 

@@ -1,0 +1,281 @@
+//! One Bazel runner: a directory with its own output base, reused between builds the way
+//! a build worker keeps a warm server, and the code that runs one build in it with a
+//! deadline and watches the server's memory while it runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use crate::bep::{self, BepSummary};
+use crate::classify::{classify, BuildOutcome, RunFacts};
+use crate::procfs;
+
+/// Runner settings from `[batch]`.
+#[derive(Debug, Clone)]
+pub struct RunnerSettings {
+    pub bazel: PathBuf,
+    pub startup_flags: Vec<String>,
+    pub extra_flags: Vec<String>,
+    /// `-Xmx` of every Bazel server.
+    pub heap_bytes: u64,
+    pub deadline: Duration,
+    pub kill_grace: Duration,
+    /// `--remote_executor` given to Bazel.
+    pub remote_executor: String,
+}
+
+/// Flags every build gets before its own flags, so a build may override them.
+///
+/// - the eager OOM threshold turns minutes of GC thrashing into a quick exit 33;
+/// - the used-heap metric forces a full GC after the build and puts the retained heap
+///   in the BEP, which is the memory label (see README);
+/// - dropping Skyframe state after each build keeps a warm server's heap about this
+///   build only: without it, heap grows with every earlier build's targets and the
+///   memory labels stop describing the build.
+pub const RUNNER_FLAGS: [&str; 3] = [
+    "--experimental_oom_more_eagerly_threshold=90",
+    "--bep_publish_used_heap_size_post_build",
+    "--nokeep_state_after_build",
+];
+
+/// One build to run.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    pub workspace: PathBuf,
+    /// "build" or "test".
+    pub command: String,
+    pub flags: Vec<String>,
+    pub targets: Vec<String>,
+    /// Bazel's `--invocation_id` (a UUID); gantry's execution log files actions under it.
+    pub invocation_id: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    pub outcome: BuildOutcome,
+    pub exit_code: Option<i32>,
+    pub bep: BepSummary,
+    /// Peak resident memory of the Bazel server JVM during the build.
+    pub server_vm_hwm: Option<u64>,
+    pub wall_seconds: f64,
+    /// One line for status displays: why it ended, in Bazel's words where possible.
+    pub message: String,
+}
+
+pub struct Runner {
+    pub index: usize,
+    dir: PathBuf,
+    settings: std::sync::Arc<RunnerSettings>,
+}
+
+/// Kills Bazel (client group and server) if a run is abandoned, e.g. the service's
+/// task is aborted at shutdown, so no build outlives its runner unaccounted.
+struct StopGuard {
+    pgid: Option<i32>,
+    output_base: PathBuf,
+    armed: bool,
+}
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(pgid) = self.pgid {
+            procfs::signal_group(pgid, libc::SIGKILL);
+        }
+        if let Some(pid) = procfs::server_pid(&self.output_base) {
+            procfs::signal(pid, libc::SIGKILL);
+        }
+    }
+}
+
+fn tail(path: &Path, max: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let start = text.len().saturating_sub(max);
+    String::from_utf8_lossy(&text[start..]).into_owned()
+}
+
+/// The line of Bazel's output that says what went wrong, if any.
+fn error_line(log: &str) -> Option<String> {
+    log.lines()
+        .rev()
+        .find(|l| l.starts_with("ERROR:") || l.contains("FAILED:") || l.contains("OutOfMemoryError") || l.contains("Server terminated"))
+        .map(|l| l.chars().take(300).collect())
+}
+
+impl Runner {
+    pub fn new(index: usize, root: &Path, settings: std::sync::Arc<RunnerSettings>) -> std::io::Result<Runner> {
+        let dir = root.join(format!("r{index}"));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Runner { index, dir, settings })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn output_base(&self) -> PathBuf {
+        self.dir.join("output_base")
+    }
+
+    /// Startup options: the same for every command of this runner, or Bazel would
+    /// restart its server to change them.
+    fn startup_args(&self) -> Vec<String> {
+        let s = &self.settings;
+        let mut a: Vec<String> = s.startup_flags.clone();
+        a.push(format!("--output_base={}", self.output_base().display()));
+        a.push(format!("--host_jvm_args=-Xmx{}k", (s.heap_bytes / 1024).max(4096)));
+        // A heap dump of a dying server is hundreds of MB per OOM build and minutes of I/O.
+        a.push("--host_jvm_args=-XX:-HeapDumpOnOutOfMemoryError".into());
+        a
+    }
+
+    /// The full command line (without the program), for logs and tests.
+    pub fn args(&self, spec: &RunSpec, bep_file: &Path) -> Vec<String> {
+        let s = &self.settings;
+        let mut a = self.startup_args();
+        a.push(spec.command.clone());
+        a.extend(RUNNER_FLAGS.iter().map(|f| f.to_string()));
+        a.extend(spec.flags.iter().cloned());
+        a.extend(s.extra_flags.iter().cloned());
+        a.push(format!("--remote_executor={}", s.remote_executor));
+        a.push(format!("--invocation_id={}", spec.invocation_id));
+        a.push(format!("--build_event_json_file={}", bep_file.display()));
+        a.push("--".into());
+        a.extend(spec.targets.iter().cloned());
+        a
+    }
+
+    /// Runs one build to its end or its deadline. Never fails: everything that goes
+    /// wrong is an outcome (INFRA_ERROR when Bazel could not even start).
+    pub async fn run(&self, spec: &RunSpec) -> RunReport {
+        let started = Instant::now();
+        let bep_file = self.dir.join("bep.json");
+        let log_file = self.dir.join("bazel.log");
+        let _ = std::fs::remove_file(&bep_file);
+        let ob = self.output_base();
+        let mut facts = RunFacts::default();
+        let fail_start = |message: String| RunReport {
+            outcome: BuildOutcome::InfraError,
+            exit_code: None,
+            bep: BepSummary::default(),
+            server_vm_hwm: None,
+            wall_seconds: started.elapsed().as_secs_f64(),
+            message,
+        };
+        let log = match std::fs::File::create(&log_file) {
+            Ok(f) => f,
+            Err(e) => return fail_start(format!("creating {}: {e}", log_file.display())),
+        };
+        let log2 = match log.try_clone() {
+            Ok(f) => f,
+            Err(e) => return fail_start(format!("{}: {e}", log_file.display())),
+        };
+        let mut cmd = tokio::process::Command::new(&self.settings.bazel);
+        cmd.args(self.args(spec, &bep_file))
+            .current_dir(&spec.workspace)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
+            .process_group(0)
+            .kill_on_drop(true);
+        // A warm server's peak RSS so far belongs to earlier builds.
+        if let Some(pid) = procfs::server_pid(&ob) {
+            procfs::reset_hwm(pid);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => return fail_start(format!("starting {}: {e}", self.settings.bazel.display())),
+        };
+        let mut guard = StopGuard { pgid: child.id().map(|p| p as i32), output_base: ob.clone(), armed: true };
+        let mut hwm: Option<u64> = None;
+        let sample = |hwm: &mut Option<u64>| {
+            if let Some(v) = procfs::server_pid(&ob).and_then(procfs::vm_hwm) {
+                *hwm = Some(hwm.map_or(v, |h| h.max(v)));
+            }
+        };
+        let deadline = tokio::time::sleep(self.settings.deadline);
+        tokio::pin!(deadline);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let status = loop {
+            tokio::select! {
+                s = child.wait() => break s,
+                _ = tick.tick() => sample(&mut hwm),
+                _ = &mut deadline, if !facts.deadline_hit => {
+                    facts.deadline_hit = true;
+                    tracing::warn!(runner = self.index, invocation = %spec.invocation_id, "build reached its deadline; stopping Bazel");
+                    if let Some(pid) = procfs::server_pid(&ob) {
+                        procfs::signal(pid, libc::SIGTERM);
+                    }
+                    if let Some(pgid) = guard.pgid {
+                        procfs::signal_group(pgid, libc::SIGINT);
+                    }
+                    let grace = tokio::time::sleep(self.settings.kill_grace);
+                    tokio::pin!(grace);
+                    tokio::select! {
+                        s = child.wait() => break s,
+                        _ = &mut grace => {}
+                    }
+                    // A JVM thrashing in GC ignores SIGTERM.
+                    if let Some(pid) = procfs::server_pid(&ob) {
+                        procfs::signal(pid, libc::SIGKILL);
+                    }
+                    if let Some(pgid) = guard.pgid {
+                        procfs::signal_group(pgid, libc::SIGKILL);
+                    }
+                    break child.wait().await;
+                }
+            }
+        };
+        sample(&mut hwm);
+        guard.armed = false;
+        facts.exit_code = status.ok().and_then(|s| s.code());
+        facts.bep = bep::read(&bep_file);
+        let log_tail = tail(&log_file, 16 * 1024);
+        let jvm_out = ob.join("server/jvm.out");
+        let jvm_fresh = std::fs::metadata(&jvm_out)
+            .and_then(|m| m.modified())
+            .map(|t| t.elapsed().map_or(true, |age| age <= started.elapsed()))
+            .unwrap_or(false);
+        facts.oom_in_log = log_tail.contains("java.lang.OutOfMemoryError")
+            || log_tail.contains("RetainedHeapLimiter")
+            || (jvm_fresh && tail(&jvm_out, 64 * 1024).contains("java.lang.OutOfMemoryError"));
+        let outcome = classify(&facts);
+        let message = match outcome {
+            BuildOutcome::Success => String::new(),
+            BuildOutcome::DeadlineExceeded => format!("stopped at the {:?} deadline", self.settings.deadline),
+            _ => error_line(&log_tail).unwrap_or_else(|| {
+                format!("bazel exited with {:?} ({})", facts.exit_code, facts.bep.exit_code_name.as_deref().unwrap_or("no BEP"))
+            }),
+        };
+        RunReport {
+            outcome,
+            exit_code: facts.exit_code,
+            bep: facts.bep,
+            server_vm_hwm: hwm,
+            wall_seconds: started.elapsed().as_secs_f64(),
+            message,
+        }
+    }
+
+    /// Stops this runner's Bazel server (at service shutdown).
+    pub async fn shutdown(&self) {
+        let ob = self.output_base();
+        if procfs::server_pid(&ob).is_none() {
+            return;
+        }
+        let mut cmd = tokio::process::Command::new(&self.settings.bazel);
+        cmd.args(self.startup_args())
+            .arg("shutdown")
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        let _ = tokio::time::timeout(Duration::from_secs(20), cmd.status()).await;
+        if let Some(pid) = procfs::server_pid(&ob) {
+            procfs::signal(pid, libc::SIGKILL);
+        }
+    }
+}
