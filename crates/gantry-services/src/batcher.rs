@@ -5,10 +5,16 @@
 //! client applies backpressure: a slow reader slows the planner, not the server's heap.
 //! The models are shared and can be swapped while streams run; a stream keeps the models
 //! it started with.
+//!
+//! With build runners attached (`[batch] runners > 0`), every build cut is also recorded
+//! and queued to run with Bazel; GetBuild, WatchBuilds, ListBuilds and TrainModels serve
+//! the build service's state.
 
-use std::sync::{Arc, RwLock};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use gantry_batch::{Batch, BatchError, BatchSizeReason, BuildContext, Models, PlannerConfig, StreamingPlanner};
+use gantry_builds::{BuildDoc, BuildService, BuildState, BuildOutcome, RetryKind};
 use gantry_core::task::{spawn_named, GuardedStream};
 use gantry_proto::batch::v1 as pb;
 use pb::batcher_server::Batcher;
@@ -21,12 +27,46 @@ const RESPONSE_BUFFER: usize = 64;
 pub struct BatcherService {
     models: Arc<RwLock<Arc<Models>>>,
     config: PlannerConfig,
+    /// Set once the runners start (they need the server's bound address).
+    builds: OnceLock<Arc<BuildService>>,
+    /// Builds are to be run: until `builds` is set, EnqueueTargets is UNAVAILABLE
+    /// rather than silently plan-only.
+    runs_builds: bool,
 }
 
 impl BatcherService {
     pub fn new(config: PlannerConfig, models: Models) -> Result<Self, BatchError> {
         config.validate()?;
-        Ok(BatcherService { models: Arc::new(RwLock::new(Arc::new(models))), config })
+        Ok(BatcherService { models: Arc::new(RwLock::new(Arc::new(models))), config, builds: OnceLock::new(), runs_builds: false })
+    }
+
+    /// Declares that builds will be run once [`attach_builds`](Self::attach_builds) is called.
+    pub fn expect_builds(mut self) -> Self {
+        self.runs_builds = true;
+        self
+    }
+
+    /// The models handle the build service retrains and swaps.
+    pub fn models(&self) -> Arc<RwLock<Arc<Models>>> {
+        self.models.clone()
+    }
+
+    pub fn planner_config(&self) -> &PlannerConfig {
+        &self.config
+    }
+
+    pub fn attach_builds(&self, builds: Arc<BuildService>) {
+        let _ = self.builds.set(builds);
+    }
+
+    fn builds(&self) -> Result<&Arc<BuildService>, Status> {
+        self.builds.get().ok_or_else(|| {
+            if self.runs_builds {
+                Status::unavailable("the build runners are starting")
+            } else {
+                Status::failed_precondition("this server runs no builds ([batch] runners = 0)")
+            }
+        })
     }
 
     /// Replaces the models for streams that start from now on.
@@ -145,7 +185,36 @@ fn target_from_proto(t: pb::Target) -> gantry_batch::Target {
 
 type Tx = tokio::sync::mpsc::Sender<Result<pb::EnqueueTargetsResponse, Status>>;
 
+/// Records and queues each build the planner cut, when builds are run.
+struct Submitter {
+    builds: Arc<BuildService>,
+    ctx: BuildContext,
+    stream_id: String,
+    /// Targets pushed and not yet in a build: their tags decide a retry's executor types.
+    pending: HashMap<String, gantry_batch::Target>,
+}
+
+impl Submitter {
+    async fn submit(&mut self, seq: u64, b: &Batch) -> Result<(), Status> {
+        let targets = b
+            .targets
+            .iter()
+            .map(|l| self.pending.remove(l).unwrap_or_else(|| gantry_batch::Target { label: l.clone(), rule_kind: None, tags: vec![] }))
+            .collect();
+        let id = format!("{}-{seq}", self.stream_id);
+        self.builds.submit(id, &self.stream_id, &self.ctx, targets, b).await.map_err(|e| Status::from(gantry_core::Error::from(e)))?;
+        Ok(())
+    }
+}
+
+impl Drop for Submitter {
+    fn drop(&mut self) {
+        self.builds.stream_finished(&self.stream_id);
+    }
+}
+
 /// Runs one stream to its end. Returns Err(()) once the client has gone away.
+#[allow(clippy::too_many_arguments)]
 async fn run_stream(
     ctx: BuildContext,
     config: PlannerConfig,
@@ -154,7 +223,12 @@ async fn run_stream(
     mut inbound: Streaming<pb::EnqueueTargetsRequest>,
     stream_id: String,
     tx: Tx,
+    builds: Option<Arc<BuildService>>,
 ) -> Result<(), ()> {
+    let mut submitter = builds.map(|builds| {
+        builds.stream_started(&stream_id);
+        Submitter { builds, ctx: ctx.clone(), stream_id: stream_id.clone(), pending: HashMap::new() }
+    });
     let mut planner = match StreamingPlanner::new(ctx, config, &*models) {
         Ok(p) => p,
         Err(e) => return tx.send(Err(invalid(e.to_string()))).await.map_err(|_| ()),
@@ -164,12 +238,21 @@ async fn run_stream(
     let mut targets = first_targets;
     loop {
         for (i, t) in targets.into_iter().enumerate() {
-            if let Err(e) = planner.push(target_from_proto(t)) {
+            let t = target_from_proto(t);
+            if let Some(s) = &mut submitter {
+                s.pending.insert(t.label.clone(), t.clone());
+            }
+            if let Err(e) = planner.push(t) {
                 let msg = format!("request {request_no}, targets[{i}]: {e}");
                 return tx.send(Err(invalid(msg))).await.map_err(|_| ());
             }
         }
         for b in planner.take_ready() {
+            if let Some(s) = &mut submitter {
+                if let Err(status) = s.submit(seq, &b).await {
+                    return tx.send(Err(status)).await.map_err(|_| ());
+                }
+            }
             tx.send(Ok(build_to_proto(&stream_id, seq, b))).await.map_err(|_| ())?;
             seq += 1;
         }
@@ -187,6 +270,11 @@ async fn run_stream(
         }
     }
     for b in planner.finish() {
+        if let Some(s) = &mut submitter {
+            if let Err(status) = s.submit(seq, &b).await {
+                return tx.send(Err(status)).await.map_err(|_| ());
+            }
+        }
         tx.send(Ok(build_to_proto(&stream_id, seq, b))).await.map_err(|_| ())?;
         seq += 1;
     }
@@ -207,15 +295,149 @@ impl Batcher for BatcherService {
         let ctx = context_from_proto(
             first.context.ok_or_else(|| invalid("context: the first request must carry the build context"))?,
         )?;
+        let builds = match self.builds() {
+            Ok(b) => Some(b.clone()),
+            Err(status) if self.runs_builds => return Err(status),
+            Err(_) => None,
+        };
         let stream_id = uuid::Uuid::new_v4().simple().to_string();
         let models = self.models.read().expect("poisoned").clone();
         let (tx, rx) = tokio::sync::mpsc::channel(RESPONSE_BUFFER);
         let config = self.config.clone();
         let sid = stream_id.clone();
         let guard = spawn_named("batcher-stream", async move {
-            let _ = run_stream(ctx, config, models, first.targets, inbound, sid, tx).await;
+            let _ = run_stream(ctx, config, models, first.targets, inbound, sid, tx, builds).await;
         });
         // The response stream owns the planner task: dropped together.
         Ok(Response::new(GuardedStream::new(ReceiverStream::new(rx), guard)))
+    }
+
+    async fn get_build(&self, request: Request<pb::GetBuildRequest>) -> Result<Response<pb::BuildStatus>, Status> {
+        let id = request.into_inner().build_id;
+        if id.is_empty() {
+            return Err(invalid("build_id: required"));
+        }
+        let doc = self.builds()?.get(&id).await.map_err(core_status)?;
+        Ok(Response::new(status_to_proto(&doc)))
+    }
+
+    type WatchBuildsStream = GuardedStream<ReceiverStream<Result<pb::BuildStatus, Status>>>;
+
+    async fn watch_builds(&self, request: Request<pb::WatchBuildsRequest>) -> Result<Response<Self::WatchBuildsStream>, Status> {
+        let stream_id = request.into_inner().stream_id;
+        if stream_id.is_empty() {
+            return Err(invalid("stream_id: required"));
+        }
+        let builds = self.builds()?.clone();
+        let mut changes = builds.changes();
+        // An unknown stream is an error now, not an empty stream later.
+        builds.stream_complete(&stream_id).await.map_err(core_status)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(RESPONSE_BUFFER);
+        let guard = spawn_named("batcher-watch", async move {
+            let mut sent: HashMap<String, String> = HashMap::new();
+            loop {
+                changes.borrow_and_update();
+                let (done, docs) = match builds.stream_complete(&stream_id).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = tx.send(Err(core_status(e))).await;
+                        return;
+                    }
+                };
+                for d in &docs {
+                    // Send a build again only when something a client sees has changed.
+                    let key = format!("{:?}/{:?}/{}/{}", d.state, d.outcome, d.retries.len(), d.attempts);
+                    if sent.get(&d.id) != Some(&key) {
+                        if tx.send(Ok(status_to_proto(d))).await.is_err() {
+                            return;
+                        }
+                        sent.insert(d.id.clone(), key);
+                    }
+                }
+                if done || changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(GuardedStream::new(ReceiverStream::new(rx), guard)))
+    }
+
+    async fn list_builds(&self, request: Request<pb::ListBuildsRequest>) -> Result<Response<pb::ListBuildsResponse>, Status> {
+        let r = request.into_inner();
+        let limit = match r.limit {
+            0 => 100,
+            n if n > 10_000 => return Err(invalid(format!("limit: {n} is above the maximum of 10000"))),
+            n => n as usize,
+        };
+        let query = gantry_core::BuildQuery {
+            oldest_first: !r.stream_id.is_empty(),
+            stream_id: (!r.stream_id.is_empty()).then_some(r.stream_id),
+            limit,
+            ..Default::default()
+        };
+        let docs = self.builds()?.list(&query).await.map_err(core_status)?;
+        Ok(Response::new(pb::ListBuildsResponse { builds: docs.iter().map(status_to_proto).collect() }))
+    }
+
+    async fn train_models(&self, _request: Request<pb::TrainModelsRequest>) -> Result<Response<pb::TrainModelsResponse>, Status> {
+        let s = self.builds()?.train_now().await.map_err(core_status)?;
+        Ok(Response::new(pb::TrainModelsResponse {
+            builds: s.builds as u64,
+            oom_builds: s.oom_builds as u64,
+            memory_model: s.memory_model,
+            occupancy_model: s.occupancy_model,
+            seconds: s.seconds,
+        }))
+    }
+}
+
+fn core_status(e: gantry_builds::BuildsError) -> Status {
+    Status::from(gantry_core::Error::from(e))
+}
+
+/// The wire form of a build's status.
+pub fn status_to_proto(d: &BuildDoc) -> pb::BuildStatus {
+    pb::BuildStatus {
+        build_id: d.id.clone(),
+        stream_id: d.stream_id.clone(),
+        parent_build_id: d.parent_id.clone().unwrap_or_default(),
+        retry_kind: match d.retry_kind {
+            None => pb::RetryKind::Unspecified,
+            Some(RetryKind::OomSplit) => pb::RetryKind::OomSplit,
+            Some(RetryKind::DeadlineRerun) => pb::RetryKind::DeadlineRerun,
+        } as i32,
+        state: match d.state {
+            BuildState::Queued => pb::BuildState::Queued,
+            BuildState::Running => pb::BuildState::Running,
+            BuildState::Done => pb::BuildState::Done,
+        } as i32,
+        outcome: match d.outcome {
+            None => pb::BuildOutcome::Unspecified,
+            Some(BuildOutcome::Success) => pb::BuildOutcome::Success,
+            Some(BuildOutcome::BuildFailed) => pb::BuildOutcome::BuildFailed,
+            Some(BuildOutcome::TestsFailed) => pb::BuildOutcome::TestsFailed,
+            Some(BuildOutcome::Oom) => pb::BuildOutcome::Oom,
+            Some(BuildOutcome::DeadlineExceeded) => pb::BuildOutcome::DeadlineExceeded,
+            Some(BuildOutcome::InfraError) => pb::BuildOutcome::InfraError,
+        } as i32,
+        targets: d.labels(),
+        reason: reason_to_proto(d.reason) as i32,
+        reason_note: d.reason_note.clone(),
+        memory_estimate_bytes: d.memory_estimate_bytes,
+        occupancy_estimate_esu: d.occupancy_estimate_esu,
+        executor_types: d.executor_types.clone(),
+        used_heap_post_build_bytes: d.used_heap_post_build,
+        peak_post_gc_heap_bytes: d.peak_post_gc_heap,
+        server_vm_hwm_bytes: d.server_vm_hwm,
+        occupancy_esu: d.occupancy_esu,
+        actions_executed: d.actions_executed,
+        wall_seconds: d.wall_seconds,
+        exit_code: d.exit_code,
+        message: d.message.clone(),
+        invocation_id: d.invocation_id.clone().unwrap_or_default(),
+        retry_build_ids: d.retries.clone(),
+        created_unix_ms: d.created_unix_ms,
+        started_unix_ms: d.started_unix_ms,
+        finished_unix_ms: d.finished_unix_ms,
     }
 }

@@ -78,6 +78,9 @@ struct EnqueueArgs {
     /// Print one JSON object per build.
     #[arg(long)]
     json: bool,
+    /// After planning, follow the builds until each has run (as `gantry builds watch`).
+    #[arg(long)]
+    wait: bool,
 }
 
 #[derive(clap::Args)]
@@ -220,6 +223,7 @@ async fn enqueue(args: EnqueueArgs) -> anyhow::Result<()> {
     let progress = std::io::stderr().is_terminal();
     let mut last_progress = Instant::now();
     let (mut builds, mut targets) = (0u64, 0u64);
+    let mut stream_id = String::new();
     let stdout = std::io::stdout();
     loop {
         let msg = match responses.message().await {
@@ -232,6 +236,7 @@ async fn enqueue(args: EnqueueArgs) -> anyhow::Result<()> {
             }
         };
         let b = msg.build.context("response without a build")?;
+        stream_id = msg.stream_id.clone();
         builds += 1;
         targets += b.targets.len() as u64;
         let reason = pb::BatchSizeReason::try_from(b.reason)
@@ -272,7 +277,10 @@ async fn enqueue(args: EnqueueArgs) -> anyhow::Result<()> {
     if progress {
         eprint!("\r");
     }
-    eprintln!("{targets} targets in {builds} builds ({:.1}s)", start.elapsed().as_secs_f64());
+    eprintln!("stream {stream_id}: {targets} targets in {builds} builds ({:.1}s)", start.elapsed().as_secs_f64());
+    if args.wait && !stream_id.is_empty() {
+        return crate::builds::watch(crate::builds::WatchArgs::new(stream_id, args.server.clone(), args.json)).await;
+    }
     Ok(())
 }
 

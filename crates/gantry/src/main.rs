@@ -3,6 +3,7 @@
 
 mod batch;
 mod bench;
+mod builds;
 mod invocation;
 mod model;
 mod serve;
@@ -31,6 +32,8 @@ enum Command {
     Sizeclass(sizeclass::SizeclassCommand),
     /// Cut a stream of targets into builds (`gantry batch plan` plans offline).
     Batch(batch::BatchArgs),
+    /// The batching service's builds: list them, or follow one stream (`watch`).
+    Builds(builds::BuildsArgs),
     /// Train and evaluate the batching service's models.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -60,7 +63,8 @@ fn main() -> anyhow::Result<()> {
             Command::Invocation(args) => invocation::run(args).await,
             Command::Sizeclass(cmd) => sizeclass::run(cmd).await,
             Command::Batch(args) => batch::run(args).await,
-            Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
+            Command::Builds(args) => builds::run(args).await,
+            Command::Model(cmd) => model::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
         }
     });

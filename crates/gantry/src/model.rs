@@ -1,5 +1,6 @@
-//! `gantry model train|eval`: fit the batching service's memory and occupancy models
-//! from a build history, and report how well a model predicts one.
+//! `gantry model train|eval|export-history`: fit the batching service's memory and
+//! occupancy models from a build history (a JSONL file, or a running server's live
+//! history), report how well a model predicts one, and export the live history.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -9,23 +10,39 @@ use gantry_batch::{eval, read_history, train, Models, Timestamp, TrainConfig};
 
 #[derive(clap::Subcommand)]
 pub enum ModelCommand {
-    /// Train models from a history JSONL file and write them to a directory.
+    /// Train models from a history JSONL file into a directory, or (--server) make a
+    /// running server retrain from its live build history and swap the new models in.
     Train(TrainArgs),
     /// Print RMSE of a model against a history, overall and by bins of actual usage.
     Eval(EvalArgs),
+    /// Write the server's build history (the finished builds in the long window that can
+    /// teach the models) as history JSONL, from the metadata store in its config.
+    ExportHistory(ExportArgs),
 }
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
     /// History of builds, one JSON object per line.
-    #[arg(long)]
-    history: PathBuf,
+    #[arg(long, required_unless_present = "server", conflicts_with = "server", requires = "out")]
+    history: Option<PathBuf>,
     /// Model directory to write (created if missing).
     #[arg(long)]
-    out: PathBuf,
+    out: Option<PathBuf>,
+    /// A running `gantry serve` to retrain from its live history, e.g. grpc://127.0.0.1:8980.
+    #[arg(long)]
+    server: Option<String>,
     /// End of the training windows (RFC 3339) [default: the newest build in the history].
     #[arg(long)]
     now: Option<String>,
+}
+
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// Output file [default: stdout].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    serve: crate::serve::ServeArgs,
 }
 
 #[derive(clap::Args)]
@@ -41,11 +58,69 @@ fn load_history(path: &PathBuf) -> anyhow::Result<Vec<gantry_batch::BuildRecord>
     Ok(read_history(std::io::BufReader::new(f)).with_context(|| format!("history {}", path.display()))?)
 }
 
-pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
+pub async fn run(cmd: ModelCommand) -> anyhow::Result<()> {
     match cmd {
+        ModelCommand::Train(a) if a.server.is_some() => train_on_server(a.server.as_deref().expect("checked")).await,
+        ModelCommand::ExportHistory(a) => export_history(a).await,
+        cmd => tokio::task::spawn_blocking(move || run_offline(cmd)).await?,
+    }
+}
+
+async fn train_on_server(server: &str) -> anyhow::Result<()> {
+    let mut c = crate::builds::client(server).await?;
+    let r = c
+        .train_models(gantry_proto::batch::v1::TrainModelsRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("training on {server}: {}: {}", s.code(), s.message()))?
+        .into_inner();
+    eprintln!(
+        "{server} retrained on {} builds ({} OOM) in {:.1}s: memory model {}, occupancy model {}; the planner uses them now",
+        r.builds,
+        r.oom_builds,
+        r.seconds,
+        if r.memory_model { "yes" } else { "no" },
+        if r.occupancy_model { "yes" } else { "no" }
+    );
+    Ok(())
+}
+
+async fn export_history(a: ExportArgs) -> anyhow::Result<()> {
+    let config = crate::serve::load_config(&a.serve)?;
+    let store = gantry_store::build_build_store(&config).await.context("opening the build history")?;
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as i64
+        - config.batch.long_window.as_millis() as i64;
+    let rows = store
+        .list(&gantry_core::BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() })
+        .await?;
+    let label = crate::serve::memory_label(config.batch.memory_label);
+    let mut records = Vec::new();
+    for row in &rows {
+        if let Some(r) = gantry_builds::BuildDoc::from_row(row)?.history_record(label, config.batch.bazel_memory.as_u64()) {
+            records.push(r);
+        }
+    }
+    let mut buf = Vec::new();
+    gantry_batch::history::write_history(&mut buf, &records)?;
+    match &a.out {
+        Some(p) => {
+            // Whole file or nothing: written beside, then renamed.
+            let tmp = p.with_extension("tmp");
+            std::fs::write(&tmp, &buf).with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, p).with_context(|| format!("writing {}", p.display()))?;
+        }
+        None => std::io::Write::write_all(&mut std::io::stdout().lock(), &buf)?,
+    }
+    eprintln!("{} builds exported ({} finished builds in the window)", records.len(), rows.len());
+    Ok(())
+}
+
+fn run_offline(cmd: ModelCommand) -> anyhow::Result<()> {
+    match cmd {
+        ModelCommand::ExportHistory(_) => unreachable!("handled in run"),
         ModelCommand::Train(a) => {
-            let history = load_history(&a.history)?;
-            anyhow::ensure!(!history.is_empty(), "history {} has no builds", a.history.display());
+            let (history_path, out) = (a.history.expect("clap requires it"), a.out.expect("clap requires it"));
+            let history = load_history(&history_path)?;
+            anyhow::ensure!(!history.is_empty(), "history {} has no builds", history_path.display());
             // Windows are relative to a clock passed in; by default the history's own end,
             // so replaying an old history trains on it rather than on an empty window.
             let now = match &a.now {
@@ -54,7 +129,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             };
             let start = Instant::now();
             let models = train(&history, &TrainConfig::default(), now)?;
-            models.save(&a.out)?;
+            models.save(&out)?;
             let m = &models.manifest;
             eprintln!(
                 "trained on {} builds up to {} in {:.1}s ({} skipped); memory crosses {}, occupancy crosses {}; wrote {}",
@@ -64,7 +139,7 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
                 m.skipped_records,
                 m.memory_crosses.len(),
                 m.occupancy_crosses.len(),
-                a.out.display()
+                out.display()
             );
             Ok(())
         }

@@ -65,7 +65,10 @@ pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
     let ac = gantry_store::build_action_cache(config, cas.clone()).await.context("setting up the action cache")?;
     let log = gantry_store::build_execution_log(config).await.context("setting up the execution log")?;
-    let batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
+    let mut batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
+    if config.batch.runners > 0 {
+        batcher = batcher.expect_builds();
+    }
     let services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
     let e = &config.execution;
     let sc = &e.size_classes;
@@ -191,11 +194,85 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let services = build_services(&config).await?;
     let _workers = start_local_workers(&config, &services).await?;
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
+    let builds = start_build_runners(&config, &services, server.grpc_addr).await?;
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server.run_until(shutdown_signal()).await?;
+    if let Some(b) = builds {
+        b.shutdown().await;
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The batching service's build runners (`[batch] runners`), pointed at this server.
+async fn start_build_runners(
+    config: &Config,
+    services: &Services,
+    grpc_addr: SocketAddr,
+) -> anyhow::Result<Option<Arc<gantry_builds::BuildService>>> {
+    let b = &config.batch;
+    if b.runners == 0 {
+        return Ok(None);
+    }
+    if which(&b.bazel).is_none() {
+        // Not fatal: the cache and executor are still useful without Bazel here, but
+        // every build will end INFRA_ERROR until it is installed.
+        tracing::warn!(bazel = %b.bazel.display(), "batch.bazel not found: builds will fail with INFRA_ERROR (install Bazel, or set [batch] runners = 0)");
+    }
+    let remote_executor = b.remote_executor.clone().unwrap_or_else(|| {
+        let host = if grpc_addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { grpc_addr.ip().to_string() };
+        format!("grpc://{host}:{}", grpc_addr.port())
+    });
+    let settings = gantry_builds::ServiceSettings {
+        runners: b.runners,
+        runner_dir: std::path::absolute(config.batch_runner_dir()).context("batch.runner_dir")?,
+        runner: gantry_builds::runner::RunnerSettings {
+            bazel: b.bazel.clone(),
+            startup_flags: b.startup_flags.clone(),
+            extra_flags: b.extra_flags.clone(),
+            heap_bytes: b.bazel_memory.as_u64(),
+            deadline: b.deadline,
+            kill_grace: b.kill_grace,
+            remote_executor,
+        },
+        memory_label: memory_label(b.memory_label),
+        model_dir: config.batch_model_dir(),
+        retrain_interval: b.retrain_interval,
+        min_history_builds: b.min_history_builds,
+        long_window: b.long_window,
+        short_window: b.short_window,
+    };
+    let store = gantry_store::build_build_store(config).await.context("setting up the build history store")?;
+    let log = gantry_store::build_execution_log(config).await.context("setting up the execution log")?;
+    let builds = gantry_builds::BuildService::start(
+        settings,
+        store,
+        log,
+        services.batcher.planner_config().clone(),
+        services.batcher.models(),
+    )
+    .await
+    .context("starting the build runners")?;
+    services.batcher.attach_builds(builds.clone());
+    tracing::info!(runners = b.runners, "batch build runners started");
+    Ok(Some(builds))
+}
+
+pub fn memory_label(l: gantry_config::MemoryLabel) -> gantry_builds::MemoryLabel {
+    match l {
+        gantry_config::MemoryLabel::UsedHeapPostBuild => gantry_builds::MemoryLabel::UsedHeapPostBuild,
+        gantry_config::MemoryLabel::PeakPostGcHeap => gantry_builds::MemoryLabel::PeakPostGcHeap,
+        gantry_config::MemoryLabel::ServerVmHwm => gantry_builds::MemoryLabel::ServerVmHwm,
+    }
+}
+
+/// The path a program name resolves to on PATH (or itself, if it is a path).
+fn which(program: &std::path::Path) -> Option<PathBuf> {
+    if program.components().count() > 1 {
+        return program.is_file().then(|| program.to_path_buf());
+    }
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(program)).find(|p| p.is_file())
 }
 
 pub async fn shutdown_signal() {

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod batch_workspace;
 pub mod reapi;
 
 use std::io::{BufRead, BufReader};

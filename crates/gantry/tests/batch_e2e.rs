@@ -1,0 +1,249 @@
+//! The batching service end to end with real Bazel: a generated workspace whose full
+//! build runs out of Bazel's (deliberately small) heap, a bootstrap of small batches to
+//! collect history, training on the live history, and one more pass over all targets
+//! planned by the learned models.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::process::Command;
+use std::time::Instant;
+
+use common::batch_workspace::{generate, Shape};
+use common::{fixtures, GantryServer};
+use serde_json::Value;
+
+/// Bazel's heap for every build: with it, ~1,000 trivial genrules build and ~2,000 run
+/// out of memory on Bazel 4.2.3 (measured), so the ~2,200 of the workspace cannot be
+/// one build.
+const HEAP: &str = "32MiB";
+
+fn gantry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gantry"))
+}
+
+/// The fixture flags (offline repositories), minus the local spawn strategy: builds run
+/// on gantry's executor.
+fn fixture_flags() -> Vec<String> {
+    let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
+        .map(|l| l.replace("@FIXTURES@", &fixtures().display().to_string()))
+        .collect()
+}
+
+fn toml_list(v: &[String]) -> String {
+    format!("[{}]", v.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
+}
+
+/// `gantry batch --wait --json`: enqueue, follow to the end; returns the stream id.
+fn enqueue_and_wait(server: &str, ws: &std::path::Path, targets: &std::path::Path) -> (String, bool) {
+    let out = gantry()
+        .args(["batch", "--server", server, "--command", "test", "--json", "--wait", "--workspace"])
+        .arg(ws)
+        .arg("--targets")
+        .arg(targets)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stream = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|v| v["stream_id"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no stream id in {stdout}"));
+    (stream, out.status.success())
+}
+
+/// Every build of a stream, retries included, by id.
+fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
+    let out = gantry().args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|v| (v["build_id"].as_str().unwrap().to_string(), v))
+        .collect()
+}
+
+fn labels(b: &Value) -> Vec<String> {
+    b["targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
+}
+
+struct Numbers {
+    builds: usize,
+    planned: usize,
+    ooms: usize,
+    retries: usize,
+    mean_targets: f64,
+    wall_s: f64,
+}
+
+/// The invariants every stream must satisfy, and its numbers.
+fn check_stream(builds: &BTreeMap<String, Value>, all: &HashSet<String>, gpu: &HashSet<String>, wall_s: f64) -> Numbers {
+    assert!(builds.values().all(|b| b["state"] == "DONE"), "watch ended before every build was done");
+    // Every target exactly once across successful builds.
+    let mut built: HashMap<String, usize> = HashMap::new();
+    for b in builds.values().filter(|b| b["outcome"] == "SUCCESS") {
+        for l in labels(b) {
+            *built.entry(l).or_default() += 1;
+        }
+    }
+    let missing: Vec<_> = all.iter().filter(|l| !built.contains_key(*l)).collect();
+    assert!(missing.is_empty(), "targets never built successfully: {missing:?}");
+    let twice: Vec<_> = built.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "targets built more than once: {twice:?}");
+    assert_eq!(built.len(), all.len());
+    for b in builds.values() {
+        let ls = labels(b);
+        let g = ls.iter().filter(|l| gpu.contains(*l)).count();
+        assert!(g == 0 || g == ls.len(), "build {} mixes requires-gpu and untagged targets: {ls:?}", b["build_id"]);
+        if g > 0 {
+            assert!(b["executor_types"].as_array().unwrap().iter().any(|t| t == "gpu"), "{b}");
+        }
+        match b["outcome"].as_str().unwrap() {
+            "OOM" if ls.len() > 1 => {
+                // Split in half, each half planned again, and every piece accounted for.
+                let kids: Vec<&Value> = b["retry_build_ids"].as_array().unwrap().iter().map(|id| &builds[id.as_str().unwrap()]).collect();
+                assert!(kids.len() >= 2, "OOM build {} was not split: {b}", b["build_id"]);
+                let mut got: Vec<String> = kids.iter().flat_map(|k| labels(k)).collect();
+                got.sort();
+                let mut want = ls.clone();
+                want.sort();
+                assert_eq!(got, want, "the halves of {} hold exactly its targets", b["build_id"]);
+                assert!(kids.iter().all(|k| k["retry_kind"] == "OOM_SPLIT" && k["parent_build_id"] == b["build_id"]));
+            }
+            "SUCCESS" => {
+                assert!(b["used_heap_post_build_bytes"].as_u64().is_some(), "success without a heap label: {b}");
+                assert!(b["server_vm_hwm_bytes"].as_u64().is_some(), "success without the server's peak RSS: {b}");
+            }
+            "OOM" => {}
+            other => panic!("build {} ended {other}: {}", b["build_id"], b["message"]),
+        }
+    }
+    let planned = builds.values().filter(|b| b["parent_build_id"] == "").count();
+    Numbers {
+        builds: builds.len(),
+        planned,
+        ooms: builds.values().filter(|b| b["outcome"] == "OOM").count(),
+        retries: builds.len() - planned,
+        mean_targets: all.len() as f64 / builds.values().filter(|b| b["outcome"] == "SUCCESS").count() as f64,
+        wall_s,
+    }
+}
+
+/// How well one memory measurement separates OOM builds from the rest: the share of
+/// (OOM, non-OOM) pairs where the OOM build measured higher (ROC AUC; ties count half),
+/// and the share of builds that have the measurement at all.
+fn separation(builds: &[&Value], field: &str) -> (f64, f64) {
+    let val = |b: &Value| b[field].as_u64();
+    let present = builds.iter().filter(|b| val(b).is_some()).count() as f64 / builds.len() as f64;
+    let oom: Vec<u64> = builds.iter().filter(|b| b["outcome"] == "OOM").filter_map(|b| val(b)).collect();
+    let ok: Vec<u64> = builds.iter().filter(|b| b["outcome"] != "OOM").filter_map(|b| val(b)).collect();
+    let ooms = builds.iter().filter(|b| b["outcome"] == "OOM").count();
+    let mut wins = 0.0;
+    for &o in &oom {
+        for &k in &ok {
+            wins += if o > k { 1.0 } else if o == k { 0.5 } else { 0.0 };
+        }
+    }
+    // An OOM build without the measurement cannot be told apart: it counts as a coin toss.
+    let missing = (ooms - oom.len()) as f64 * ok.len() as f64 * 0.5;
+    let pairs = ooms as f64 * ok.len() as f64;
+    (if pairs > 0.0 { (wins + missing) / pairs } else { f64::NAN }, present)
+}
+
+#[test]
+fn bootstrap_train_and_batch_with_real_bazel() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("ws");
+    let shape = Shape {
+        heavy_packages: 4,
+        heavy_per_package: 4,
+        fan_out: 120,
+        light_packages: 10,
+        light_per_package: 25,
+        tests: 9,
+        gpu_tests: 3,
+    };
+    let targets = generate(&ws, &shape);
+    let genrules: usize = targets.iter().map(|t| t.genrules).sum();
+    eprintln!("workspace: {} targets, {genrules} genrules", targets.len());
+    let all: HashSet<String> = targets.iter().map(|t| t.label.clone()).collect();
+    let gpu: HashSet<String> = targets.iter().filter(|t| t.gpu).map(|t| t.label.clone()).collect();
+    let targets_file = dir.path().join("targets.txt");
+    std::fs::write(&targets_file, targets.iter().map(|t| t.line() + "\n").collect::<String>()).unwrap();
+
+    let bootstrap_batch = 8;
+    let config = dir.path().join("gantry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[batch]\nrunners = 2\nbazel_memory = \"{HEAP}\"\nmemory_cutoff_high = \"26MiB\"\nmemory_cutoff_medium = \"26MiB\"\nmemory_cutoff_low = \"26MiB\"\n\
+             fallback_batch_size = {bootstrap_batch}\nmin_history_builds = 10\nretrain_interval = \"0s\"\ndeadline = \"5m\"\n\
+             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
+             [execution]\nworkers = 2\n",
+            toml_list(&fixture_flags())
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+
+    // Training before there is any history is refused, with the reason.
+    let out = gantry().args(["model", "train", "--server", &url]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("min_history_builds"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // 1. Bootstrap: no models, every build has the fallback size.
+    let t = Instant::now();
+    let (boot_stream, ok) = enqueue_and_wait(&url, &ws, &targets_file);
+    assert!(ok, "bootstrap stream did not build every target");
+    let boot = stream_builds(&url, &boot_stream);
+    let b = check_stream(&boot, &all, &gpu, t.elapsed().as_secs_f64());
+    for v in boot.values().filter(|v| v["parent_build_id"] == "") {
+        assert_eq!(v["reason"], "MEMORY_ESTIMATE_ERROR", "{v}");
+        assert!(v["reason_note"].as_str().unwrap().contains("no models yet"), "{v}");
+        assert!(labels(v).len() <= bootstrap_batch);
+    }
+
+    // 2. Train on the live history; the planner swaps to the models.
+    let out = gantry().args(["model", "train", "--server", &url]).output().unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success());
+    let hist = gantry().args(["model", "export-history", "--config", config.to_str().unwrap(), "--data-dir"]).arg(&data).output().unwrap();
+    assert!(hist.status.success(), "{}", String::from_utf8_lossy(&hist.stderr));
+    let records: Vec<Value> = String::from_utf8_lossy(&hist.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(records.len(), boot.len(), "every bootstrap build is in the history");
+    assert!(records.iter().all(|r| r["peak_memory_bytes"].as_u64().unwrap() > 0));
+
+    // 3. All targets once more, planned by the models.
+    let t = Instant::now();
+    let (stream, ok) = enqueue_and_wait(&url, &ws, &targets_file);
+    assert!(ok, "second stream did not build every target");
+    let second = stream_builds(&url, &stream);
+    let m = check_stream(&second, &all, &gpu, t.elapsed().as_secs_f64());
+    assert!(
+        second.values().any(|v| v["reason"] != "MEMORY_ESTIMATE_ERROR" && v["memory_estimate_bytes"].as_u64().is_some()),
+        "the second stream was planned by the models"
+    );
+    assert!(m.builds < b.builds, "models made {} builds, the bootstrap size {}", m.builds, b.builds);
+
+    for (name, n) in [("bootstrap", &b), ("models", &m)] {
+        eprintln!(
+            "RESULT {name}: {} builds ({} planned, {} retries), {} OOM, {:.1} targets per successful build, {:.1}s",
+            n.builds, n.planned, n.retries, n.ooms, n.mean_targets, n.wall_s
+        );
+    }
+    let every: Vec<&Value> = boot.values().chain(second.values()).collect();
+    for field in ["used_heap_post_build_bytes", "peak_post_gc_heap_bytes", "server_vm_hwm_bytes"] {
+        let (auc, present) = separation(&every, field);
+        eprintln!("RESULT label {field}: OOM separation AUC {auc:.3}, present in {:.0}% of builds", present * 100.0);
+    }
+    let listing = gantry().args(["builds", "--server", &url, "--stream", &stream]).output().unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&listing.stdout));
+    server.stop();
+}
