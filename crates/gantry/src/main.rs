@@ -5,6 +5,7 @@ mod batch;
 mod bench;
 mod invocation;
 mod model;
+mod run;
 mod serve;
 mod sizeclass;
 mod worker;
@@ -34,6 +35,9 @@ enum Command {
     /// Train and evaluate the batching service's models.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// Run one command (a compiler, a test) with remote caching, racing local and
+    /// remote execution.
+    Run(run::RunArgs),
     /// Measure gantry: CAS throughput, batch planning speed and quality.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -62,6 +66,7 @@ fn main() -> anyhow::Result<()> {
             Command::Batch(args) => batch::run(args).await,
             Command::Model(cmd) => tokio::task::spawn_blocking(move || model::run(cmd)).await?,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Run(args) => run::run(args).await,
         }
     });
     // Blocking tasks (an action's wait) must not hold the process up after shutdown:
