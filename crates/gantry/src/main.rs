@@ -3,6 +3,7 @@
 
 mod batch;
 mod bench;
+mod bench_run;
 mod invocation;
 mod model;
 mod run;
