@@ -29,6 +29,9 @@ pub enum BenchCommand {
     Sizeclass(SizeclassBenchArgs),
     /// Bazel on a generated genrule workspace: local, remote execution, and cached.
     Bazel(BazelBenchArgs),
+    /// `gantry run` on a mixed workload: local only, remote only, dynamic with a fixed
+    /// 1 s delay, and dynamic with the learned delay.
+    Run(crate::bench_run::RunBenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -155,6 +158,10 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Exec(args) => exec(args).await,
         BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
+        BenchCommand::Run(args) => {
+            let (target, _server) = bench_server(&args.target.clone(), Some(4)).await?;
+            crate::bench_run::run(args, target).await
+        }
     }
 }
 

@@ -3,9 +3,11 @@
 
 mod batch;
 mod bench;
+mod bench_run;
 mod builds;
 mod invocation;
 mod model;
+mod run;
 mod serve;
 mod sizeclass;
 mod worker;
@@ -37,6 +39,9 @@ enum Command {
     /// Train and evaluate the batching service's models.
     #[command(subcommand)]
     Model(model::ModelCommand),
+    /// Run one command (a compiler, a test) with remote caching, racing local and
+    /// remote execution.
+    Run(run::RunArgs),
     /// Measure gantry: CAS throughput, batch planning speed and quality.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -66,6 +71,7 @@ fn main() -> anyhow::Result<()> {
             Command::Builds(args) => builds::run(args).await,
             Command::Model(cmd) => model::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Run(args) => run::run(args).await,
         }
     });
     // Blocking tasks (an action's wait) must not hold the process up after shutdown:

@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 
-use common::{process_summary, BazelWorkspace, GantryServer};
+use common::{http_get, process_summary, BazelWorkspace, GantryServer};
 
 fn snapshot(bin: &std::path::Path) -> BTreeMap<String, (Vec<u8>, bool)> {
     ["big.txt", "empty.txt", "hello.sh", "chain_a.txt", "chain_b.txt", "chain_c.txt"]
@@ -76,13 +76,4 @@ fn metric(text: &str, name: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("metric {name} not found"))
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }

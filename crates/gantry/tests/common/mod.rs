@@ -193,3 +193,13 @@ pub fn process_summary(stderr: &str) -> Vec<(String, u64)> {
         })
         .collect()
 }
+
+/// A plain HTTP GET on the server's HTTP port (for /metrics and /status).
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
