@@ -155,6 +155,20 @@ fn separation(builds: &[&Value], field: &str) -> (f64, f64) {
     (if pairs > 0.0 { (wins + missing) / pairs } else { f64::NAN }, present)
 }
 
+/// Pearson correlation between a measurement and the build's genrule count (what makes
+/// Bazel's heap grow here), over the builds that have the measurement.
+fn correlation(builds: &[&Value], field: &str, genrules: &HashMap<String, usize>) -> f64 {
+    let pts: Vec<(f64, f64)> = builds
+        .iter()
+        .filter_map(|b| Some((labels(b).iter().map(|l| genrules[l] as f64).sum::<f64>(), b[field].as_u64()? as f64)))
+        .collect();
+    let n = pts.len() as f64;
+    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let cov: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let (vx, vy): (f64, f64) = (pts.iter().map(|p| (p.0 - mx).powi(2)).sum(), pts.iter().map(|p| (p.1 - my).powi(2)).sum());
+    cov / (vx * vy).sqrt()
+}
+
 #[test]
 fn bootstrap_train_and_batch_with_real_bazel() {
     let dir = tempfile::tempdir().unwrap();
@@ -239,9 +253,15 @@ fn bootstrap_train_and_batch_with_real_bazel() {
         );
     }
     let every: Vec<&Value> = boot.values().chain(second.values()).collect();
+    let weight: HashMap<String, usize> = targets.iter().map(|t| (t.label.clone(), t.genrules)).collect();
+    let finished_ok: Vec<&Value> = every.iter().copied().filter(|b| b["outcome"] == "SUCCESS").collect();
     for field in ["used_heap_post_build_bytes", "peak_post_gc_heap_bytes", "server_vm_hwm_bytes"] {
         let (auc, present) = separation(&every, field);
-        eprintln!("RESULT label {field}: OOM separation AUC {auc:.3}, present in {:.0}% of builds", present * 100.0);
+        let r = correlation(&finished_ok, field, &weight);
+        eprintln!(
+            "RESULT label {field}: present in {:.0}% of builds; OOM separation AUC {auc:.3}; correlation with genrules per successful build r={r:.3}",
+            present * 100.0
+        );
     }
     let listing = gantry().args(["builds", "--server", &url, "--stream", &stream]).output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&listing.stdout));
