@@ -34,6 +34,9 @@ fn bazel_dynamic_genrules_against_gantry() {
     assert_eq!(std::fs::read_to_string(ws.bin().join("chain_c.txt")).unwrap(), "chain-a\nchain-b\nchain-c\n");
     let text = http_get(&server.http, "/metrics");
     let lookups = metric(&text, "gantry_grpc_request_duration_seconds_count{method=\"ActionCache/GetActionResult\"}");
-    assert!(lookups >= 6.0, "the remote branch of each of the 6 genrules looked the action up: {lookups}\n{err}");
+    // Each genrule's remote branch starts at once (the local one after Bazel's 1 s delay),
+    // but a branch cancelled by a fast local win may not have reached its lookup yet; under
+    // load one did not (5 of 6). At least one lookup proves the remote branch is wired.
+    assert!(lookups >= 1.0, "the remote branches looked actions up in gantry: {lookups}\n{err}");
     server.stop();
 }
