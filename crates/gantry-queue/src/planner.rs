@@ -29,6 +29,23 @@
 //! (most likely assignment first, then flips of its least certain members),
 //! and merged across changes through one heap, so filling `k` free slots costs
 //! O(k log n) after an O(edges) probability pass.
+//!
+//! Pairwise conflict hazards compound over every dependency, so the total
+//! P(broken by a conflict) of a change is bounded
+//! ([`PlannerConfig::max_conflict_probability`]); once the logistic model is
+//! trained on landing outcomes it already prices conflicts and the learned
+//! pairwise rate is no longer applied on top
+//! ([`PlannerConfig::model_includes_conflicts`]). Explicit overrides always apply.
+//!
+//! # Overload
+//!
+//! When more changes are pending than there are slots
+//! ([`PlannerConfig::overload_pending_factor`]), every slot has certain work
+//! queued behind it and a speculative alternative displaces a needed build.
+//! The planner then builds only each change's most likely path, in value
+//! order, without preemption or hedged retries, and only for the head of the
+//! queue ([`PlannerConfig::overload_window`]) plus changes whose build is
+//! more likely than not to be needed.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -70,6 +87,16 @@ pub struct PlannerConfig {
     pub prior_conflict: f64,
     /// Weight (in pseudo-observations) of `prior_conflict` against learned evidence.
     pub conflict_prior_weight: f64,
+    /// Upper bound on the total P(a change is broken by some conflict). Pairwise
+    /// conflict hazards compound over all dependencies; without a bound a change
+    /// with many (mostly harmless) dependencies looks almost certain to fail,
+    /// and everything behind it speculates on the wrong outcome. Conflict rates
+    /// observed in practice saturate (SubmitQueue: ~40% at 16 concurrent changes).
+    pub max_conflict_probability: f64,
+    /// Once a model is trained on landing outcomes it already prices the average
+    /// conflict risk; with this set, pairwise conflict hazards then only apply
+    /// to explicit overrides (no double counting).
+    pub model_includes_conflicts: bool,
     /// Prior P(a retry passes after a failure), i.e. how flaky builds are.
     pub prior_retry_pass: f64,
     /// Weight (pseudo-observations) of `prior_retry_pass`.
@@ -97,6 +124,21 @@ pub struct PlannerConfig {
     /// ...and whose value exceeds that by at least this much (avoids churn
     /// among near-worthless builds).
     pub preempt_min_gain: f64,
+    /// Most dependencies a candidate may assume the less likely outcome of
+    /// (0: only the most likely path per change). `None`: unbounded.
+    pub max_flips: Option<usize>,
+    /// Overload mode: while more than this factor times `capacity` changes
+    /// are pending, only the most likely path of each change is built, with
+    /// no preemption and no hedged retries. `None` disables.
+    pub overload_pending_factor: Option<f64>,
+    /// Overload mode: only the first `overload_window × capacity` pending
+    /// changes (queue order) are built, plus any later change whose most
+    /// likely build is at least `overload_certain` likely to be needed (e.g.
+    /// an independent lane). Deep in a backlog, a change still waits for many
+    /// undecided predecessors, so its build would mostly be redone anyway.
+    pub overload_window: Option<f64>,
+    /// See `overload_window`.
+    pub overload_certain: f64,
     /// Ranking weight per pending change waiting on the build's change:
     /// priority = value × (1 + w × dependents). 0 ranks by value alone.
     pub blocking_weight: f64,
@@ -120,6 +162,8 @@ impl Default for PlannerConfig {
             prior_success: 0.9,
             prior_conflict: 0.05,
             conflict_prior_weight: 20.0,
+            max_conflict_probability: 0.4,
+            model_includes_conflicts: true,
             prior_retry_pass: 0.1,
             flake_prior_weight: 10.0,
             hedge_retries: true,
@@ -130,6 +174,10 @@ impl Default for PlannerConfig {
             preempt_factor: Some(2.0),
             preempt_min_gain: 0.05,
             blocking_weight: 1.0,
+            max_flips: None,
+            overload_pending_factor: Some(1.0),
+            overload_window: Some(1.0),
+            overload_certain: 0.5,
             retrain_every: 50,
             min_training_examples: 50,
             max_history: 5000,
@@ -273,7 +321,10 @@ struct View {
     main: Vec<bool>,
     /// Lazily: indices into `pdeps` sorted by flip ratio, and the ratios.
     flip_order: Option<(Vec<u32>, Vec<f64>)>,
-    stats: HashMap<Vec<usize>, KeyStat>,
+    /// Results per assumption set; computed on first use (most views are
+    /// only ranked, never popped), then kept up to date incrementally.
+    stats: FastMap<Vec<usize>, KeyStat>,
+    stats_ready: bool,
 }
 
 /// The SubmitQueue planner. See the module docs for the model.
@@ -303,6 +354,48 @@ pub struct Planner {
     duration_n: f64,
     stats: PlannerStats,
 }
+
+/// Position of each pending change in the per-event queue order, indexed by
+/// change index (a dense vector: these lookups are the planner's inner loop).
+struct PosMap(Vec<usize>);
+
+impl PosMap {
+    fn new(n: usize, order: &[usize]) -> Self {
+        let mut v = vec![usize::MAX; n];
+        for (p, &c) in order.iter().enumerate() {
+            v[c] = p;
+        }
+        PosMap(v)
+    }
+
+    fn get(&self, c: &usize) -> Option<&usize> {
+        self.0.get(*c).filter(|&&p| p != usize::MAX)
+    }
+}
+
+/// Small multiplicative hasher for the planner's internal integer-keyed maps
+/// (deterministic, no DoS exposure: keys are the planner's own indices).
+#[derive(Default, Clone, Copy)]
+struct FastHasher(u64);
+
+impl std::hash::Hasher for FastHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
 
 fn disjoint(a: &[u32], b: &[u32]) -> bool {
     let (mut i, mut j) = (0, 0);
@@ -472,7 +565,7 @@ impl Planner {
             return None;
         }
         let (order, pi) = self.probabilities();
-        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        let pos = PosMap::new(self.changes.len(), &order);
         let mut set = BTreeSet::new();
         for a in assumed {
             let j = *self.by_id.get(a)?;
@@ -622,8 +715,8 @@ impl Planner {
         Some(b.assumed.iter().copied().filter(|&a| self.changes[a].status == Status::Pending).collect())
     }
 
-    fn key_stats(&self, i: usize) -> HashMap<Vec<usize>, KeyStat> {
-        let mut m: HashMap<Vec<usize>, KeyStat> = HashMap::new();
+    fn key_stats(&self, i: usize) -> FastMap<Vec<usize>, KeyStat> {
+        let mut m: FastMap<Vec<usize>, KeyStat> = FastMap::default();
         for bid in &self.changes[i].builds {
             let b = &self.builds[bid];
             let Some(k) = self.build_key(b) else { continue };
@@ -826,13 +919,14 @@ impl Planner {
     /// finished builds), which prices hedged retries.
     fn probabilities_full(&self) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
         let order: Vec<usize> = self.pending.iter().copied().collect();
-        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        let pos = PosMap::new(self.changes.len(), &order);
         let c_default = self.conflict_rate();
         let mut pi = vec![0.0; order.len()];
         let mut bases = vec![0.0; order.len()];
         for (p, &i) in order.iter().enumerate() {
             let mut pdeps = Vec::new();
             let mut mf = 1.0;
+            let mut mf_override = 1.0;
             for &d in &self.changes[i].deps {
                 // Dependencies that already landed are certain (π = 1): the
                 // change still has to survive a possible conflict with them.
@@ -844,9 +938,15 @@ impl Planner {
                     (None, Status::Landed(_)) => 1.0,
                     (None, _) => continue,
                 };
-                let c = self.conflict_override.get(&(i, d)).copied().unwrap_or(c_default);
-                mf *= 1.0 - p_lands * c;
+                match self.conflict_override.get(&(i, d)) {
+                    Some(&c) => mf_override *= 1.0 - p_lands * c,
+                    None => mf *= 1.0 - p_lands * c_default,
+                }
             }
+            if self.config.model_includes_conflicts && self.model.is_some() && self.changes[i].success_override.is_none() {
+                mf = 1.0;
+            }
+            let mf = mf.max(1.0 - self.config.max_conflict_probability) * mf_override;
             let base = self.success_probability(i) * mf;
             bases[p] = base;
             let retry_pass = self.retry_pass_rate();
@@ -879,14 +979,22 @@ impl Planner {
         (order, pi, bases)
     }
 
-    fn view(&self, i: usize, pos: &HashMap<usize, usize>, pi: &[f64]) -> View {
+    fn view(&self, i: usize, pos: &PosMap, pi: &[f64]) -> View {
         let pdeps: Vec<usize> = self.changes[i].deps.iter().filter_map(|d| pos.get(d).copied()).collect();
         let main: Vec<bool> = match self.config.strategy {
             Strategy::Value => pdeps.iter().map(|&q| pi[q] >= 0.5).collect(),
             Strategy::SpeculateAll | Strategy::Optimistic => vec![true; pdeps.len()],
         };
-        let stats = if self.changes[i].builds.is_empty() { HashMap::new() } else { self.key_stats(i) };
-        View { pdeps, main, flip_order: None, stats }
+        // Without builds the (empty) stats are already exact.
+        let stats_ready = self.changes[i].builds.is_empty();
+        View { pdeps, main, flip_order: None, stats: FastMap::default(), stats_ready }
+    }
+
+    fn ensure_stats(&self, view: &mut View, i: usize) {
+        if !view.stats_ready {
+            view.stats = self.key_stats(i);
+            view.stats_ready = true;
+        }
     }
 
     fn quantize(&self, v: f64) -> f64 {
@@ -898,7 +1006,13 @@ impl Planner {
     fn schedule(&mut self, now: Millis, actions: &mut Vec<Action>) {
         let mut free = self.config.capacity.saturating_sub(self.running.len());
         let strategy = self.config.strategy;
-        let preempt = strategy == Strategy::Value && self.config.preempt_factor.is_some();
+        // Backlog: more pending changes than slots. Every slot then has a
+        // queue of certain work waiting for it, so a speculative alternative
+        // costs a needed build; speculate on the most likely path only, and
+        // neither preempt nor hedge.
+        let overloaded = strategy == Strategy::Value
+            && self.config.overload_pending_factor.is_some_and(|f| self.pending.len() as f64 > f * self.config.capacity as f64);
+        let preempt = strategy == Strategy::Value && self.config.preempt_factor.is_some() && !overloaded;
         if self.pending.is_empty() || (free == 0 && !preempt) {
             return;
         }
@@ -910,8 +1024,12 @@ impl Planner {
             let n = order.len();
             (order, vec![1.0; n], vec![1.0; n])
         };
-        let hedge = strategy == Strategy::Value && self.config.hedge_retries;
-        let pos: HashMap<usize, usize> = order.iter().enumerate().map(|(p, &c)| (c, p)).collect();
+        let hedge = strategy == Strategy::Value && self.config.hedge_retries && !overloaded;
+        let window = match self.config.overload_window {
+            Some(w) if overloaded => (w * self.config.capacity as f64).ceil() as usize,
+            _ => usize::MAX,
+        };
+        let pos = PosMap::new(self.changes.len(), &order);
         // Deciding a change also unblocks every pending change that waits for
         // it, so rank by value times (1 + w·direct dependents): the expected
         // number of decisions the build can advance.
@@ -932,13 +1050,17 @@ impl Planner {
                 let view = self.view(i, &pos, &pi);
                 let main_value: f64 =
                     view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
-                heap.push(Cand {
-                    prio: self.quantize(main_value) * weight[p],
-                    pos: p,
-                    flips: Vec::new(),
-                    value: main_value,
-                    hedge: false,
-                });
+                // Under overload, changes deep in the queue wait unless their
+                // build is nearly certain to be needed (e.g. an independent lane).
+                if p < window || main_value >= self.config.overload_certain {
+                    heap.push(Cand {
+                        prio: self.quantize(main_value) * weight[p],
+                        pos: p,
+                        flips: Vec::new(),
+                        value: main_value,
+                        hedge: false,
+                    });
+                }
                 views[p] = Some(view);
             } else {
                 // Baselines rank by queue position only; views are built on demand.
@@ -952,7 +1074,8 @@ impl Planner {
             for &bid in &self.running {
                 let b = &self.builds[&bid];
                 let (Some(&p), Some(key)) = (pos.get(&b.change), self.build_key(b)) else { continue };
-                let view = views[p].as_ref().expect("value strategy builds every view");
+                let view = views[p].as_mut().expect("value strategy builds every view");
+                self.ensure_stats(view, b.change);
                 // A concurrent extra attempt is only needed if the other one fails.
                 let hedged = b.spec.attempt > 1 && view.stats.get(&key).is_some_and(|s| s.running_n > 1);
                 let p_needed = if hedged { 1.0 - bases[p] } else { 1.0 };
@@ -972,6 +1095,11 @@ impl Planner {
             victims.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)));
         }
         let factor = self.config.preempt_factor.unwrap_or(f64::INFINITY);
+        let max_flips = match strategy {
+            Strategy::Value if overloaded => 0,
+            Strategy::Value => self.config.max_flips.unwrap_or(usize::MAX),
+            _ => usize::MAX,
+        };
         let min_gain = self.config.preempt_min_gain;
         let mut next_victim = 0;
         while free > 0 || (preempt && next_victim < victims.len()) {
@@ -983,6 +1111,7 @@ impl Planner {
             }
             let (key, startable) = {
                 let view = views[c.pos].get_or_insert_with(|| self.view(order[c.pos], &pos, &pi));
+                self.ensure_stats(view, order[c.pos]);
                 // Key: assumed-landed set after applying the flips to the main assignment.
                 let mut assign = view.main.clone();
                 if let Some((ord, _)) = &view.flip_order {
@@ -1093,11 +1222,13 @@ impl Planner {
             let t = c.flips.last().copied();
             let next = t.map_or(0, |t| t + 1);
             if next < d {
-                let mut ext = c.flips.clone();
-                ext.push(next);
-                let v = c.value * ratios[next as usize];
-                let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
-                heap.push(Cand { prio, pos: c.pos, flips: ext, value: v, hedge: false });
+                if c.flips.len() < max_flips {
+                    let mut ext = c.flips.clone();
+                    ext.push(next);
+                    let v = c.value * ratios[next as usize];
+                    let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
+                    heap.push(Cand { prio, pos: c.pos, flips: ext, value: v, hedge: false });
+                }
                 if let Some(t) = t {
                     let mut rep = c.flips.clone();
                     *rep.last_mut().expect("non-empty") = next;

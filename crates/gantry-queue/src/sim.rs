@@ -299,6 +299,11 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
             conflict_prior_weight: 1e12,
             min_value: 0.5,
             max_retries: if opts.flaky_rate > 0.0 { opts.max_retries } else { 0 },
+            // Its probabilities are exact: none of sq's heuristics for
+            // uncertain ones applies (and the oracle stays what it was).
+            overload_pending_factor: None,
+            max_conflict_probability: 1.0,
+            model_includes_conflicts: false,
             ..base
         },
     }

@@ -57,8 +57,8 @@ fn find(builds: &[BuildSpec], change: &str, assumed: &[&str]) -> BuildId {
     builds.iter().find(|b| shape(b) == want).unwrap_or_else(|| panic!("no build {want:?}")).id
 }
 
-/// Pure value ranking (no blocking weight, no hedged retries), so values can
-/// be checked by hand; the extras have their own tests.
+/// Pure value ranking (no blocking weight, no hedged retries, no overload
+/// mode), so values can be checked by hand; the extras have their own tests.
 fn cfg(capacity: usize) -> PlannerConfig {
     PlannerConfig {
         capacity,
@@ -66,6 +66,7 @@ fn cfg(capacity: usize) -> PlannerConfig {
         prior_conflict: 0.0,
         blocking_weight: 0.0,
         hedge_retries: false,
+        overload_pending_factor: None,
         ..PlannerConfig::default()
     }
 }
@@ -383,6 +384,74 @@ fn model_is_trained_from_decisions() {
     let history: Vec<_> = p.training_history().cloned().collect();
     let again = gantry_queue::LogisticModel::train(&history, &p.config().train).unwrap();
     assert_eq!(&again, m, "training is a pure function of the history");
+}
+
+#[test]
+fn overload_builds_only_the_most_likely_path() {
+    // Three dependent changes, two slots: more pending changes than slots.
+    let overload = PlannerConfig { overload_pending_factor: Some(1.0), hedge_retries: true, max_retries: 1, ..cfg(0) };
+    let mut p = Planner::new(overload.clone());
+    for c in ["c1", "c2", "c3"] {
+        enqueue(&mut p, 0, c, None);
+    }
+    p.override_success(&id("c1"), 0.6).unwrap();
+    let acts = p.handle(Millis(1), Event::SetCapacity { capacity: 2 }).unwrap();
+    let mut got: Vec<_> = started(&acts).iter().map(shape).collect();
+    got.sort();
+    // Pure values would pick B1 (1.0) and B2|¬c1 (0.4) or B12 (0.6) and
+    // hedge B1; under overload each change gets its most likely build only,
+    // the earliest (most valuable) first, and no hedged second attempt.
+    assert_eq!(got, vec![("c1".to_string(), vec![]), ("c2".to_string(), vec!["c1".to_string()])]);
+    assert!(started(&acts).iter().all(|b| b.attempt == 1));
+    // With room for everyone (pending <= capacity) the full tree is explored again.
+    let acts = p.handle(Millis(2), Event::SetCapacity { capacity: 6 }).unwrap();
+    let got: Vec<_> = started(&acts).iter().map(shape).collect();
+    assert!(got.contains(&("c2".to_string(), vec![])), "{got:?}");
+    assert!(got.iter().any(|(c, a)| c == "c3" && a.len() < 2), "{got:?}");
+}
+
+#[test]
+fn conflict_hazard_is_bounded() {
+    // Twenty dependent predecessors with a 10% pairwise conflict prior would
+    // push P(lands) of the last change to 0.9·(1−0.09)^19 ≈ 0.15 and make
+    // everyone behind it speculate on its rejection; the bound keeps it at
+    // 0.9·(1 − 0.4) = 0.54.
+    let config = PlannerConfig { prior_conflict: 0.1, max_conflict_probability: 0.4, ..cfg(0) };
+    let mut p = Planner::new(config);
+    for k in 0..20 {
+        enqueue(&mut p, 0, &format!("c{k}"), None);
+    }
+    let probs: HashMap<_, _> = p.landing_probabilities().into_iter().collect();
+    assert!(close(probs[&id("c0")], 0.9));
+    assert!(close(probs[&id("c1")], 0.9 * (1.0 - 0.9 * 0.1)));
+    assert!(close(probs[&id("c19")], 0.9 * 0.6), "{}", probs[&id("c19")]);
+    // Explicit overrides (the oracle's exact knowledge) are never capped.
+    p.override_conflict(&id("c19"), &id("c0"), 1.0).unwrap();
+    let probs: HashMap<_, _> = p.landing_probabilities().into_iter().collect();
+    assert!(close(probs[&id("c19")], 0.9 * 0.6 * 0.1), "{}", probs[&id("c19")]);
+}
+
+#[test]
+fn trained_model_is_not_discounted_for_conflicts_twice() {
+    // A model trained on landing outcomes already includes conflict losses.
+    let n = gantry_queue::model::NUM_FEATURES;
+    let model = gantry_queue::LogisticModel {
+        feature_names: gantry_queue::model::FEATURE_NAMES.iter().map(|s| s.to_string()).collect(),
+        means: vec![0.0; n],
+        stds: vec![1.0; n],
+        weights: vec![0.0; n],
+        bias: (0.8f64 / 0.2).ln(),
+        trained_on: 100,
+    };
+    for (includes, want) in [(true, 0.8), (false, 0.8 * (1.0 - 0.9 * 0.1))] {
+        let mut p = Planner::new(PlannerConfig { prior_conflict: 0.1, model_includes_conflicts: includes, ..cfg(0) });
+        p.set_model(Some(model.clone()));
+        enqueue(&mut p, 0, "c1", None);
+        enqueue(&mut p, 0, "c2", None);
+        p.override_success(&id("c1"), 0.9).unwrap();
+        let probs: HashMap<_, _> = p.landing_probabilities().into_iter().collect();
+        assert!(close(probs[&id("c2")], want), "{includes}: {}", probs[&id("c2")]);
+    }
 }
 
 /// Ground truth for the property test: each change fails alone or conflicts

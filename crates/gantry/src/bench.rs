@@ -32,6 +32,9 @@ pub enum BenchCommand {
     /// `gantry run` on a mixed workload: local only, remote only, dynamic with a fixed
     /// 1 s delay, and dynamic with the learned delay.
     Run(crate::bench_run::RunBenchArgs),
+    /// Submit queue: simulate every policy (sq, single, optimistic, speculate-all,
+    /// oracle) on a trace or on generated streams, normalised to the oracle.
+    Queue(crate::bench_queue::QueueBenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -157,6 +160,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
         BenchCommand::Exec(args) => exec(args).await,
         BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
+        BenchCommand::Queue(args) => tokio::task::spawn_blocking(move || crate::bench_queue::run(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
         BenchCommand::Run(args) => {
             let (target, _server) = bench_server(&args.target.clone(), Some(4)).await?;

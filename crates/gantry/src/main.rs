@@ -3,6 +3,7 @@
 
 mod batch;
 mod bench;
+mod bench_queue;
 mod bench_run;
 mod builds;
 mod invocation;

@@ -1,0 +1,97 @@
+//! `gantry bench queue`: the submit queue's discrete-event simulator. It runs the real
+//! planner (`gantry-queue`) in simulated time over a trace (`--trace FILE.jsonl`, one
+//! change per line) or, without one, over generated streams at 100, 300 and 500
+//! changes/hour, and reports every policy against the oracle.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use gantry_queue::sim::{self, Policy, SimOptions};
+
+#[derive(clap::Args)]
+pub struct QueueBenchArgs {
+    /// A trace: one change per line, {"id","arrival_s","build_s","succeeds_alone","conflicts_with":[..],"features":{..}}.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Concurrent builds.
+    #[arg(long, default_value_t = 100)]
+    capacity: usize,
+    /// One policy (sq, single, optimistic, speculate-all, oracle) [default: all, with ratios to the oracle].
+    #[arg(long)]
+    policy: Option<String>,
+    /// Probability that a build that should pass fails anyway (flaky tests).
+    #[arg(long, default_value_t = 0.0)]
+    flaky_rate: f64,
+    /// Seed of the generated streams and of flakiness.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print JSON: one object per policy (with --policy: exactly one object).
+    #[arg(long)]
+    json: bool,
+}
+
+fn policy(name: &str) -> anyhow::Result<Policy> {
+    Policy::from_name(name).with_context(|| format!("--policy {name}: expected one of sq, single, optimistic, speculate-all, oracle"))
+}
+
+fn report_json(r: &sim::Report) -> serde_json::Value {
+    serde_json::json!({
+        "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
+        "builds_per_landed": r.builds_per_landed, "landed": r.landed, "rejected": r.rejected, "green": r.green,
+    })
+}
+
+pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.capacity > 0, "--capacity must be at least 1");
+    anyhow::ensure!((0.0..1.0).contains(&args.flaky_rate), "--flaky-rate must be in [0, 1)");
+    let opts = SimOptions { capacity: args.capacity, flaky_rate: args.flaky_rate, seed: args.seed, ..SimOptions::default() };
+    let workloads: Vec<(String, Vec<sim::TraceChange>)> = match &args.trace {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            vec![(p.display().to_string(), sim::parse_trace(&text).with_context(|| format!("trace {}", p.display()))?)]
+        }
+        None => [100.0, 300.0, 500.0]
+            .into_iter()
+            .map(|rate| Ok((format!("{rate}/h"), sim::generate(&sim::WorkloadParams::at_rate(rate, args.seed))?)))
+            .collect::<anyhow::Result<_>>()?,
+    };
+    let mut failed = false;
+    for (name, trace) in &workloads {
+        if let Some(p) = &args.policy {
+            let r = sim::simulate(trace, policy(p)?, &opts)?;
+            failed |= r.violations > 0 || !r.green;
+            if args.json {
+                println!("{}", report_json(&r));
+            } else {
+                eprintln!("{name}: {}", sim::describe(trace));
+                println!("{:<14} p50 {:>8.0}s p95 {:>8.0}s p99 {:>8.0}s  builds/landed {:>5.2}  landed {:>5} rejected {:>5} green {}", r.policy, r.p50_s, r.p95_s, r.p99_s, r.builds_per_landed, r.landed, r.rejected, r.green);
+            }
+            continue;
+        }
+        let c = sim::compare_policies(name, trace, &opts)?;
+        if !args.json {
+            println!("{name} ({}), capacity {}:", sim::describe(trace), args.capacity);
+            println!("{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>7} {:>8} {:>6}", "policy", "p50 s", "p95 s", "p99 s", "p50/or", "p95/or", "p99/or", "builds/lnd", "landed", "rejected", "green");
+        }
+        for (r, n) in c.reports.iter().zip(&c.normalized) {
+            failed |= r.violations > 0 || !r.green;
+            if args.json {
+                let mut v = report_json(r);
+                v["workload"] = serde_json::json!(name);
+                v["p50_ratio"] = serde_json::json!(n.p50_ratio);
+                v["p99_ratio"] = serde_json::json!(n.p99_ratio);
+                println!("{v}");
+            } else {
+                println!(
+                    "{:<14} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>7} {:>8} {:>6}",
+                    r.policy, r.p50_s, r.p95_s, r.p99_s, n.p50_ratio, n.p95_ratio, n.p99_ratio, r.builds_per_landed, r.landed, r.rejected, r.green
+                );
+            }
+            for v in &r.violation_examples {
+                eprintln!("  {} decision violation: {v}", r.policy);
+            }
+        }
+    }
+    anyhow::ensure!(!failed, "a policy landed a wrong set of changes or turned the mainline red (see above)");
+    Ok(())
+}
