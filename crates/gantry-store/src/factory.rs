@@ -70,3 +70,14 @@ pub async fn build_build_store(config: &Config) -> Result<Arc<dyn gantry_core::B
         }
     }
 }
+
+/// The submit queue's state, in the metadata database.
+pub async fn build_queue_store(config: &Config) -> Result<Arc<dyn gantry_core::QueueStore>> {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => {
+            let url = config.action_cache_url(sql);
+            let s = crate::SqlQueueStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
+            Ok(Arc::new(s))
+        }
+    }
+}
