@@ -304,9 +304,8 @@ impl QueueService {
         self.background.lock().expect("not poisoned").clear();
         self.inner.lock().await.tasks.clear();
         let runners: Vec<Runner> = std::mem::take(&mut *self.runners.lock().expect("not poisoned"));
-        for r in runners.iter().chain(std::iter::once(&*self.aux.lock().await)) {
-            r.shutdown().await;
-        }
+        let aux = self.aux.lock().await;
+        futures::future::join_all(runners.iter().chain(std::iter::once(&*aux)).map(|r| r.shutdown())).await;
     }
 
     async fn replay(self: &Arc<Self>) -> Result<()> {
@@ -993,6 +992,7 @@ impl QueueService {
                     state: r.state.clone(),
                     build_id: if r.version == 0 { String::new() } else { format!("b{}", d.build_id) },
                     landed_unix_ms: d.landed_ms,
+                    how: d.how,
                 }
             })
             .collect();

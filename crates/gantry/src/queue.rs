@@ -153,7 +153,7 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
                     .mainline
                     .iter()
                     .map(|m| json!({"version": m.version, "change_id": m.change_id, "old_commit": m.old_commit,
-                        "new_commit": m.new_commit, "state": m.state, "build_id": m.build_id, "landed_unix_ms": m.landed_unix_ms}))
+                        "new_commit": m.new_commit, "state": m.state, "build_id": m.build_id, "landed_unix_ms": m.landed_unix_ms, "how": m.how}))
                     .collect();
                 let changes: Vec<Value> = h.changes.iter().map(change_json).collect();
                 println!("{}", json!({"changes": changes, "mainline": moves}));
@@ -164,7 +164,7 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
             }
             println!("mainline:");
             for m in &h.mainline {
-                println!("  v{:<3} {:<6} {} -> {} {}", m.version, m.change_id, short(&m.old_commit), short(&m.new_commit), m.state);
+                println!("  v{:<3} {:<6} {} -> {} {} {}", m.version, m.change_id, short(&m.old_commit), short(&m.new_commit), m.state, m.how);
             }
         }
     }
