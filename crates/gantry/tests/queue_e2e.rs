@@ -13,24 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixtures, GantryServer};
+use common::{fixture_flags, toml_list, GantryServer};
 use serde_json::Value;
 
 fn gantry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
-
-fn fixture_flags() -> Vec<String> {
-    let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
-        .map(|l| l.replace("@FIXTURES@", &fixtures().display().to_string()))
-        .collect()
-}
-
-fn toml_list(v: &[String]) -> String {
-    format!("[{}]", v.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
 }
 
 fn git(dir: &Path, args: &[&str]) -> String {
