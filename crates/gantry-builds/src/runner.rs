@@ -121,7 +121,7 @@ impl Runner {
 
     /// Startup options: the same for every command of this runner, or Bazel would
     /// restart its server to change them.
-    fn startup_args(&self) -> Vec<String> {
+    pub fn startup_args(&self) -> Vec<String> {
         let s = &self.settings;
         let mut a: Vec<String> = s.startup_flags.clone();
         a.push(format!("--output_base={}", self.output_base().display()));

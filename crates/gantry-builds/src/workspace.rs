@@ -11,7 +11,8 @@ fn is_workspace(dir: &Path) -> bool {
     ["WORKSPACE", "WORKSPACE.bazel", "MODULE.bazel"].iter().any(|f| dir.join(f).is_file())
 }
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+/// Runs git in `dir`; stdout trimmed, or an error with git's stderr.
+pub fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -37,9 +38,19 @@ pub fn prepare(ctx: &BuildContext, runner_dir: &Path) -> Result<PathBuf, String>
     let (Some(repo), Some(rev)) = (&ctx.git_repo, &ctx.revision) else {
         return Err("context.execution: neither a workspace nor a git repository and revision".into());
     };
-    let repo = Path::new(repo);
+    let tree = checkout(Path::new(repo), rev, runner_dir)
+        .map_err(|e| format!("context.execution.git: {e}"))?;
+    if !is_workspace(&tree) {
+        return Err(format!("context.execution.git: {rev} has no WORKSPACE, WORKSPACE.bazel or MODULE.bazel at its root"));
+    }
+    Ok(tree)
+}
+
+/// This runner's worktree of `repo`, moved to `rev` and cleaned of anything untracked.
+/// Shared by the batching service and the submit queue. Blocking (runs git).
+pub fn checkout(repo: &Path, rev: &str, runner_dir: &Path) -> Result<PathBuf, String> {
     let commit = git(repo, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])
-        .map_err(|e| format!("context.execution.git: revision {rev} in {}: {e}", repo.display()))?;
+        .map_err(|e| format!("revision {rev} in {}: {e}", repo.display()))?;
     let name = format!("{:016x}", fnv(repo.to_string_lossy().as_bytes()));
     let tree = runner_dir.join("src").join(name);
     if tree.join(".git").exists() {
@@ -51,9 +62,6 @@ pub fn prepare(ctx: &BuildContext, runner_dir: &Path) -> Result<PathBuf, String>
         let _ = std::fs::remove_dir_all(&tree);
         let _ = git(repo, &["worktree", "prune"]);
         git(repo, &["worktree", "add", "--quiet", "--detach", "--force", &tree.to_string_lossy(), &commit])?;
-    }
-    if !is_workspace(&tree) {
-        return Err(format!("context.execution.git: {rev} has no WORKSPACE, WORKSPACE.bazel or MODULE.bazel at its root"));
     }
     Ok(tree)
 }

@@ -38,6 +38,54 @@ pub struct Config {
     pub batch: BatchConfig,
     /// Remote execution: the scheduler and the in-process workers.
     pub execution: ExecutionConfig,
+    /// The submit queue (`gantry.queue.v1.SubmitQueue`); off unless `repository` is set.
+    pub queue: QueueConfig,
+}
+
+/// `[queue]`: the submit queue. Builds run Bazel with the `[batch]` settings `bazel`,
+/// `startup_flags`, `extra_flags`, `bazel_memory`, `kill_grace` and `remote_executor`
+/// (by default this server's executor), in output bases of their own.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// The local git repository whose mainline the queue owns. Unset: no queue.
+    pub repository: Option<PathBuf>,
+    /// The mainline branch. Only the queue should move it. Default "main".
+    pub mainline: String,
+    /// Builds run at once (each in its own Bazel output base). Default 2.
+    pub capacity: usize,
+    /// A failing build is tried this many more times on the same tree before the failure
+    /// is believed (flaky tests). Default 1.
+    pub max_retries: u32,
+    /// The build steps: empty runs `bazel test` of the affected targets (all of `//...`
+    /// when a change alters the build graph) through gantry's executor; otherwise this
+    /// command runs in the checked-out tree (`["sh", "-c", "make check"]`) and exit 0 passes.
+    pub build_command: Vec<String>,
+    /// A build still running this long is stopped and counts as failed. Default "30m".
+    #[serde(with = "humantime_serde")]
+    pub deadline: Duration,
+    /// P(a change succeeds) before the queue has history to learn from. Default 0.9.
+    pub prior_success: f64,
+    /// P(two dependent changes conflict) before history exists. Default 0.05.
+    pub prior_conflict: f64,
+    /// Output bases and worktrees of the queue's builds. Default `{data_dir}/queue`.
+    pub work_dir: Option<PathBuf>,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            repository: None,
+            mainline: "main".into(),
+            capacity: 2,
+            max_retries: 1,
+            build_command: Vec::new(),
+            deadline: Duration::from_secs(30 * 60),
+            prior_success: 0.9,
+            prior_conflict: 0.05,
+            work_dir: None,
+        }
+    }
 }
 
 /// `[execution]`: remote execution. `gantry serve` always runs the scheduler (separate
@@ -400,6 +448,11 @@ impl Config {
         self.batch.runner_dir.clone().unwrap_or_else(|| self.server.data_dir.join("runners"))
     }
 
+    /// Directory of the submit queue's builds, resolved against `data_dir`.
+    pub fn queue_work_dir(&self) -> PathBuf {
+        self.queue.work_dir.clone().unwrap_or_else(|| self.server.data_dir.join("queue"))
+    }
+
     /// Directory of the batching models, resolved against `data_dir`.
     pub fn batch_model_dir(&self) -> PathBuf {
         self.batch.model_dir.clone().unwrap_or_else(|| self.server.data_dir.join("models"))
@@ -456,6 +509,23 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "batch.startup_flags: --output_base/--output_user_root are set by gantry per runner".into(),
             ));
+        }
+        let q = &self.queue;
+        if q.repository.is_some() {
+            if q.capacity == 0 {
+                return Err(ConfigError::Invalid("queue.capacity must be at least 1".into()));
+            }
+            if q.mainline.trim().is_empty() || q.mainline.starts_with('-') || q.mainline.contains(char::is_whitespace) {
+                return Err(ConfigError::Invalid(format!("queue.mainline {:?} is not a branch name", q.mainline)));
+            }
+            if q.deadline.is_zero() {
+                return Err(ConfigError::Invalid("queue.deadline must be greater than zero".into()));
+            }
+        }
+        for (name, p) in [("queue.prior_success", q.prior_success), ("queue.prior_conflict", q.prior_conflict)] {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ConfigError::Invalid(format!("{name} {p} must be a probability between 0 and 1")));
+            }
         }
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,
@@ -534,5 +604,18 @@ mod tests {
         assert!(parse("[server]\nmax_batch_size = \"1KiB\"").unwrap_err().to_string().contains("max_batch_size"));
         assert!(parse("[cas]\nkind = \"memory\"\nmax_size = \"0B\"").unwrap_err().to_string().contains("max_size"));
         assert!(parse("[server]\nlisten = \"nope\"").is_err());
+    }
+
+    #[test]
+    fn queue_section() {
+        assert!(Config::default().queue.repository.is_none(), "the queue is off by default");
+        let c = parse("[queue]\nrepository = \"/r\"\nmainline = \"trunk\"\ncapacity = 4\ndeadline = \"5m\"").unwrap();
+        assert_eq!((c.queue.mainline.as_str(), c.queue.capacity), ("trunk", 4));
+        assert_eq!(c.queue.deadline, Duration::from_secs(300));
+        let err = |t: &str| parse(t).unwrap_err().to_string();
+        assert!(err("[queue]\nrepository = \"/r\"\ncapacity = 0").contains("queue.capacity"));
+        assert!(err("[queue]\nrepository = \"/r\"\nmainline = \"a b\"").contains("queue.mainline"));
+        assert!(err("[queue]\nprior_success = 1.5").contains("queue.prior_success"));
+        assert!(err("[queue]\ncapcity = 2").contains("capcity"));
     }
 }

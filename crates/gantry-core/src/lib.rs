@@ -1,6 +1,6 @@
 //! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
 //! hash functions behind them, the error type (which maps to gRPC codes), ByteStream resource
-//! names, and the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`).
+//! names, and the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`, `QueueStore`).
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
@@ -11,6 +11,7 @@ pub mod build_store;
 pub mod digest;
 pub mod error;
 pub mod execution_log;
+pub mod queue_store;
 pub mod resource;
 pub mod task;
 
@@ -19,6 +20,7 @@ pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
+pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore, ESU_MEMORY_BYTES};
 pub use task::TaskGuard;
 

@@ -7,6 +7,12 @@ pub mod batch {
     }
 }
 
+pub mod queue {
+    pub mod v1 {
+        tonic::include_proto!("gantry.queue.v1");
+    }
+}
+
 pub mod worker {
     pub mod v1 {
         tonic::include_proto!("gantry.worker.v1");

@@ -27,6 +27,7 @@ use gantry_core::{ActionCache, BlobStore, Error, Result};
 use gantry_core::google::longrunning::operations_server::OperationsServer;
 use gantry_core::reapi::execution_server::ExecutionServer;
 use gantry_proto::batch::v1::batcher_server::BatcherServer;
+use gantry_proto::queue::v1::submit_queue_server::SubmitQueueServer;
 use gantry_proto::worker::v1::worker_service_server::WorkerServiceServer;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt as _;
@@ -56,6 +57,8 @@ pub struct Services {
     pub batcher: Arc<batcher::BatcherService>,
     /// Remote execution, when a scheduler is attached.
     pub scheduler: Option<Arc<gantry_execution::Scheduler>>,
+    /// The submit queue's endpoint; the queue attaches after the server starts.
+    pub queue: Arc<gantry_submit::QueueEndpoint>,
 }
 
 impl Services {
@@ -73,7 +76,7 @@ impl Services {
         batcher: batcher::BatcherService,
     ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None }
+        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, queue: Default::default() }
     }
 
     /// Adds remote execution: Execution, Operations and the worker endpoint.
@@ -162,6 +165,7 @@ impl Services {
             .add_service(bs)
             .add_service(ac)
             .add_service(BatcherServer::from_arc(self.batcher.clone()))
+            .add_service(SubmitQueueServer::from_arc(self.queue.clone()))
             .add_optional_service(exec)
             .add_optional_service(ops)
             .add_optional_service(workers)

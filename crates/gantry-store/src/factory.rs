@@ -38,35 +38,33 @@ pub async fn build_action_cache(config: &Config, cas: Arc<dyn BlobStore>) -> Res
     }
 }
 
+/// The metadata database (today always the SQL action cache's), shared by the stores below.
+fn metadata_url(config: &Config) -> String {
+    match &config.action_cache {
+        ActionCacheConfig::Sql(sql) => config.action_cache_url(sql),
+    }
+}
+
 /// The execution log, in the same database as the action cache.
 pub async fn build_execution_log(config: &Config) -> Result<Arc<dyn gantry_core::ExecutionLog>> {
-    match &config.action_cache {
-        ActionCacheConfig::Sql(sql) => {
-            let url = config.action_cache_url(sql);
-            let log = crate::SqlExecutionLog::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
-            Ok(Arc::new(log))
-        }
-    }
+    let url = metadata_url(config);
+    Ok(Arc::new(crate::SqlExecutionLog::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
 }
 
 /// The size-class learner's statistics, in the same database as the action cache.
 pub async fn build_size_class_store(config: &Config) -> Result<Arc<dyn gantry_core::SizeClassStore>> {
-    match &config.action_cache {
-        ActionCacheConfig::Sql(sql) => {
-            let url = config.action_cache_url(sql);
-            let s = crate::SqlSizeClassStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
-            Ok(Arc::new(s))
-        }
-    }
+    let url = metadata_url(config);
+    Ok(Arc::new(crate::SqlSizeClassStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
 }
 
 /// The batching service's build records, in the metadata database.
 pub async fn build_build_store(config: &Config) -> Result<Arc<dyn gantry_core::BuildStore>> {
-    match &config.action_cache {
-        ActionCacheConfig::Sql(sql) => {
-            let url = config.action_cache_url(sql);
-            let s = crate::SqlBuildStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?;
-            Ok(Arc::new(s))
-        }
-    }
+    let url = metadata_url(config);
+    Ok(Arc::new(crate::SqlBuildStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
+}
+
+/// The submit queue's state, in the metadata database.
+pub async fn build_queue_store(config: &Config) -> Result<Arc<dyn gantry_core::QueueStore>> {
+    let url = metadata_url(config);
+    Ok(Arc::new(crate::SqlQueueStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
 }

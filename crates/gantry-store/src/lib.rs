@@ -9,6 +9,7 @@
 //! - `CompletenessCheckingActionCache`: serves an entry only while its blobs exist.
 //! - `SqlExecutionLog`: per-action metering records, in the same database.
 //! - `SqlBuildStore`: the batching service's builds and their outcomes (its training history).
+//! - `SqlQueueStore`: the submit queue's changes, journal, landings, builds and graph cache.
 //!
 //! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
 
@@ -22,15 +23,17 @@ pub mod memory_store;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
+pub mod sql_queue_store;
 
 pub use completeness_check::CompletenessCheckingActionCache;
-pub use factory::{build_action_cache, build_build_store, build_cas, build_execution_log, build_size_class_store};
+pub use factory::{build_action_cache, build_build_store, build_cas, build_execution_log, build_queue_store, build_size_class_store};
 pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
+pub use sql_queue_store::SqlQueueStore;
 pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
 
 #[cfg(test)]

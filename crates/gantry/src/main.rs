@@ -8,6 +8,7 @@ mod bench_run;
 mod builds;
 mod invocation;
 mod model;
+mod queue;
 mod run;
 mod serve;
 mod sizeclass;
@@ -37,6 +38,9 @@ enum Command {
     Batch(batch::BatchArgs),
     /// The batching service's builds: list them, or follow one stream (`watch`).
     Builds(builds::BuildsArgs),
+    /// The submit queue: submit a change, status, watch, cancel, history.
+    #[command(subcommand)]
+    Queue(queue::QueueCommand),
     /// Train and evaluate the batching service's models.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -71,6 +75,7 @@ fn main() -> anyhow::Result<()> {
             Command::Batch(args) => batch::run(args).await,
             Command::Builds(args) => builds::run(args).await,
             Command::Model(cmd) => model::run(cmd).await,
+            Command::Queue(cmd) => queue::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Run(args) => run::run(args).await,
         }

@@ -195,11 +195,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let _workers = start_local_workers(&config, &services).await?;
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
     let builds = start_build_runners(&config, &services, server.grpc_addr).await?;
+    let queue = start_queue(&config, &services, server.grpc_addr).await?;
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server.run_until(shutdown_signal()).await?;
     if let Some(b) = builds {
         b.shutdown().await;
+    }
+    if let Some(q) = queue {
+        q.shutdown().await;
     }
     tracing::info!("stopped");
     Ok(())
@@ -220,22 +224,10 @@ async fn start_build_runners(
         // every build will end INFRA_ERROR until it is installed.
         tracing::warn!(bazel = %b.bazel.display(), "batch.bazel not found: builds will fail with INFRA_ERROR (install Bazel, or set [batch] runners = 0)");
     }
-    let remote_executor = b.remote_executor.clone().unwrap_or_else(|| {
-        let host = if grpc_addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { grpc_addr.ip().to_string() };
-        format!("grpc://{host}:{}", grpc_addr.port())
-    });
     let settings = gantry_builds::ServiceSettings {
         runners: b.runners,
         runner_dir: std::path::absolute(config.batch_runner_dir()).context("batch.runner_dir")?,
-        runner: gantry_builds::runner::RunnerSettings {
-            bazel: b.bazel.clone(),
-            startup_flags: b.startup_flags.clone(),
-            extra_flags: b.extra_flags.clone(),
-            heap_bytes: b.bazel_memory.as_u64(),
-            deadline: b.deadline,
-            kill_grace: b.kill_grace,
-            remote_executor,
-        },
+        runner: runner_settings(b, b.deadline, grpc_addr),
         memory_label: memory_label(b.memory_label),
         model_dir: config.batch_model_dir(),
         retrain_interval: b.retrain_interval,
@@ -257,6 +249,49 @@ async fn start_build_runners(
     services.batcher.attach_builds(builds.clone());
     tracing::info!(runners = b.runners, "batch build runners started");
     Ok(Some(builds))
+}
+
+/// How a runner invokes Bazel, from `[batch]`, with this server as the default executor.
+fn runner_settings(b: &gantry_config::BatchConfig, deadline: std::time::Duration, grpc_addr: SocketAddr) -> gantry_builds::runner::RunnerSettings {
+    let remote_executor = b.remote_executor.clone().unwrap_or_else(|| {
+        let host = if grpc_addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { grpc_addr.ip().to_string() };
+        format!("grpc://{host}:{}", grpc_addr.port())
+    });
+    gantry_builds::runner::RunnerSettings {
+        bazel: b.bazel.clone(),
+        startup_flags: b.startup_flags.clone(),
+        extra_flags: b.extra_flags.clone(),
+        heap_bytes: b.bazel_memory.as_u64(),
+        deadline,
+        kill_grace: b.kill_grace,
+        remote_executor,
+    }
+}
+
+/// The submit queue (`[queue]`, off unless `repository` is set), building on this server.
+async fn start_queue(
+    config: &Config,
+    services: &Services,
+    grpc_addr: SocketAddr,
+) -> anyhow::Result<Option<Arc<gantry_submit::QueueService>>> {
+    let q = &config.queue;
+    let Some(repository) = &q.repository else { return Ok(None) };
+    let settings = gantry_submit::QueueSettings {
+        repository: std::path::absolute(repository).context("queue.repository")?,
+        mainline: q.mainline.clone(),
+        capacity: q.capacity,
+        max_retries: q.max_retries,
+        build_command: q.build_command.clone(),
+        work_dir: std::path::absolute(config.queue_work_dir()).context("queue.work_dir")?,
+        runner: runner_settings(&config.batch, q.deadline, grpc_addr),
+        prior_success: q.prior_success,
+        prior_conflict: q.prior_conflict,
+    };
+    let store = gantry_store::build_queue_store(config).await.context("setting up the queue store")?;
+    let queue = gantry_submit::QueueService::start(settings, store).await.context("starting the submit queue")?;
+    services.queue.attach(queue.clone());
+    tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
+    Ok(Some(queue))
 }
 
 pub fn memory_label(l: gantry_config::MemoryLabel) -> gantry_builds::MemoryLabel {

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::batch_workspace::{generate, Shape};
-use common::{fixtures, GantryServer};
+use common::{fixture_flags, toml_list, GantryServer};
 use serde_json::Value;
 
 /// Bazel's heap for every build: with it, ~1,000 trivial genrules build and ~2,000 run
@@ -20,21 +20,6 @@ const HEAP: &str = "32MiB";
 
 fn gantry() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
-
-/// The fixture flags (offline repositories), minus the local spawn strategy: builds run
-/// on gantry's executor.
-fn fixture_flags() -> Vec<String> {
-    let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
-        .map(|l| l.replace("@FIXTURES@", &fixtures().display().to_string()))
-        .collect()
-}
-
-fn toml_list(v: &[String]) -> String {
-    format!("[{}]", v.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
 }
 
 /// `gantry batch --wait --json`: enqueue, follow to the end; returns the stream id.

@@ -84,6 +84,22 @@ pub fn fixtures() -> PathBuf {
 
 /// A private copy of the fixture workspace (Bazel must not write into the source tree)
 /// and private Bazel output directories.
+/// The fixture flags (offline repositories), minus the local spawn strategy: builds run
+/// on gantry's executor.
+pub fn fixture_flags() -> Vec<String> {
+    let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
+        .map(|l| l.replace("@FIXTURES@", &fixtures().display().to_string()))
+        .collect()
+}
+
+/// A TOML array of strings.
+pub fn toml_list(v: &[String]) -> String {
+    format!("[{}]", v.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
+}
+
 pub struct BazelWorkspace {
     pub dir: tempfile::TempDir,
 }

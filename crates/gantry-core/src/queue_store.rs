@@ -1,0 +1,78 @@
+//! The submit queue's durable state: the storage trait only. The queue service owns the
+//! meaning of every record and keeps changes and builds as JSON documents; a store only
+//! knows the few columns it keys and orders by, so a backend never depends on queue types.
+//!
+//! Four kinds of record:
+//! - **changes**: one row per submitted change, replaced whole on every state change;
+//! - **events**: the planner's input journal, append-only; replaying it rebuilds the
+//!   planner exactly (the planner is deterministic), so a restart resumes where it was.
+//!   An event may carry a `dedup_key`; appending a second event with the same key is a
+//!   no-op, so a retried append never duplicates a change or a build result;
+//! - **landings**: one row per mainline version (the intent to move the branch, then its
+//!   outcome), so a crash between "move the ref" and "record it" is reconciled at startup;
+//! - **builds** and per-commit **graphs** (the conflict analyzer's cache).
+
+use async_trait::async_trait;
+
+use crate::Result;
+
+/// One stored document with the columns a store indexes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueDocRow {
+    pub id: String,
+    /// Ordering key (submission sequence for changes, build number for builds).
+    pub seq: i64,
+    /// The service's state name; the store only returns it.
+    pub state: String,
+    pub document: String,
+}
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueEventRow {
+    /// Assigned by the store on append, increasing.
+    pub seq: i64,
+    /// The planner clock at which the event was applied.
+    pub at_ms: i64,
+    pub dedup_key: Option<String>,
+    /// The planner event (JSON).
+    pub event: String,
+}
+
+/// One mainline version: the branch moved from `old_commit` to `new_commit` for `change_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LandingRow {
+    pub version: i64,
+    pub change_id: String,
+    pub old_commit: String,
+    pub new_commit: String,
+    /// "INTENT" (about to move the ref), "DONE", or "FAILED" (the ref did not move).
+    pub state: String,
+    /// The service's details (JSON).
+    pub document: String,
+}
+
+#[async_trait]
+pub trait QueueStore: Send + Sync + 'static {
+    /// Inserts or replaces a change, atomically.
+    async fn put_change(&self, row: &QueueDocRow) -> Result<()>;
+    async fn get_change(&self, id: &str) -> Result<Option<QueueDocRow>>;
+    /// All changes in `seq` order.
+    async fn list_changes(&self) -> Result<Vec<QueueDocRow>>;
+    /// Appends to the journal; returns false (and writes nothing) when an event with the
+    /// same `dedup_key` is already there.
+    async fn append_event(&self, at_ms: i64, dedup_key: Option<&str>, event: &str) -> Result<bool>;
+    /// The whole journal in append order.
+    async fn list_events(&self) -> Result<Vec<QueueEventRow>>;
+    /// Inserts or replaces the landing of one version, atomically.
+    async fn put_landing(&self, row: &LandingRow) -> Result<()>;
+    /// All landings by version.
+    async fn list_landings(&self) -> Result<Vec<LandingRow>>;
+    /// Inserts or replaces a build, atomically.
+    async fn put_build(&self, row: &QueueDocRow) -> Result<()>;
+    /// All builds in `seq` order.
+    async fn list_builds(&self) -> Result<Vec<QueueDocRow>>;
+    /// Caches a commit's target graph (JSON); the same commit always has the same graph.
+    async fn put_graph(&self, commit: &str, graph: &str) -> Result<()>;
+    async fn get_graph(&self, commit: &str) -> Result<Option<String>>;
+}
