@@ -6,36 +6,17 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::Command;
 use std::time::Instant;
 
+use common::batch::{fixture_flags, gantry, stream_builds, toml_list};
 use common::batch_workspace::{generate, Shape};
-use common::{fixtures, GantryServer};
+use common::GantryServer;
 use serde_json::Value;
 
 /// Bazel's heap for every build: with it, ~1,000 trivial genrules build and ~2,000 run
 /// out of memory on Bazel 4.2.3 (measured), so the ~2,200 of the workspace cannot be
 /// one build.
 const HEAP: &str = "32MiB";
-
-fn gantry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
-
-/// The fixture flags (offline repositories), minus the local spawn strategy: builds run
-/// on gantry's executor.
-fn fixture_flags() -> Vec<String> {
-    let text = std::fs::read_to_string(fixtures().join("bazel_flags.txt")).unwrap();
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("--spawn_strategy"))
-        .map(|l| l.replace("@FIXTURES@", &fixtures().display().to_string()))
-        .collect()
-}
-
-fn toml_list(v: &[String]) -> String {
-    format!("[{}]", v.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", "))
-}
 
 /// `gantry batch --wait --json`: enqueue, follow to the end; returns the stream id.
 fn enqueue_and_wait(server: &str, ws: &std::path::Path, targets: &std::path::Path) -> (String, bool) {
@@ -55,17 +36,6 @@ fn enqueue_and_wait(server: &str, ws: &std::path::Path, targets: &std::path::Pat
         .find_map(|v| v["stream_id"].as_str().map(str::to_string))
         .unwrap_or_else(|| panic!("no stream id in {stdout}"));
     (stream, out.status.success())
-}
-
-/// Every build of a stream, retries included, by id.
-fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
-    let out = gantry().args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .map(|v| (v["build_id"].as_str().unwrap().to_string(), v))
-        .collect()
 }
 
 fn labels(b: &Value) -> Vec<String> {
