@@ -8,7 +8,17 @@ pub fn server_pid(output_base: &Path) -> Option<i32> {
     let text = std::fs::read_to_string(output_base.join("server/server.pid.txt")).ok()?;
     let pid: i32 = text.trim().parse().ok()?;
     // A stale pid file outlives a killed server; only a live process counts.
-    Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    alive(pid).then_some(pid)
+}
+
+/// Whether `pid` exists and has not exited: a zombie its parent has not reaped yet
+/// (Bazel's daemonised server is reaped by whatever adopted it) counts as gone.
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X"),
+        Err(_) => false,
+    }
 }
 
 /// Peak resident set size of `pid` in bytes.
@@ -58,5 +68,20 @@ mod tests {
         assert_eq!(server_pid(dir.path()), Some(me));
         std::fs::write(dir.path().join("server/server.pid.txt"), "999999999").unwrap();
         assert_eq!(server_pid(dir.path()), None);
+    }
+
+    #[test]
+    fn an_unreaped_zombie_is_not_alive() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let t = std::time::Instant::now();
+        while alive(pid) && t.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists(), "not reaped yet, so still in /proc");
+        assert!(!alive(pid));
+        child.wait().unwrap();
+        assert!(!alive(pid));
+        assert!(alive(std::process::id() as i32));
     }
 }

@@ -211,15 +211,32 @@ impl Runner {
                     if let Some(pgid) = guard.pgid {
                         procfs::signal_group(pgid, libc::SIGINT);
                     }
+                    // The client may exit at once on SIGINT while the server lives on
+                    // (a JVM thrashing in GC ignores SIGTERM), and a server still
+                    // starting has no pid file yet: wait for both to be gone, then
+                    // SIGKILL whatever is left at the end of the grace.
                     let grace = tokio::time::sleep(self.settings.kill_grace);
                     tokio::pin!(grace);
-                    tokio::select! {
-                        s = child.wait() => break s,
-                        _ = &mut grace => {}
+                    let mut poll = tokio::time::interval(Duration::from_millis(100));
+                    let mut exited = None;
+                    while exited.is_none() || procfs::server_pid(&ob).is_some() {
+                        tokio::select! {
+                            s = child.wait(), if exited.is_none() => exited = Some(s),
+                            _ = poll.tick() => {}
+                            _ = &mut grace => break,
+                        }
                     }
-                    // A JVM thrashing in GC ignores SIGTERM.
                     if let Some(pid) = procfs::server_pid(&ob) {
                         procfs::signal(pid, libc::SIGKILL);
+                        // SIGKILL is delivered asynchronously: the next build must not
+                        // find this server still there.
+                        let t = Instant::now();
+                        while procfs::alive(pid) && t.elapsed() < Duration::from_secs(2) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                    if let Some(s) = exited {
+                        break s;
                     }
                     if let Some(pgid) = guard.pgid {
                         procfs::signal_group(pgid, libc::SIGKILL);
@@ -277,5 +294,60 @@ impl Runner {
         if let Some(pid) = procfs::server_pid(&ob) {
             procfs::signal(pid, libc::SIGKILL);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A stand-in for Bazel whose client exits at once on SIGINT and whose server (in a
+    /// session of its own, like Bazel's daemon) ignores SIGTERM, as a JVM thrashing in GC
+    /// does: the deadline must still leave no server behind.
+    #[tokio::test]
+    async fn deadline_kills_a_server_that_ignores_sigterm_after_its_client_exited() {
+        let d = tempfile::tempdir().unwrap();
+        let bazel = d.path().join("fake-bazel");
+        std::fs::write(
+            &bazel,
+            "#!/bin/sh\n\
+             for a in \"$@\"; do case \"$a\" in --output_base=*) ob=\"${a#--output_base=}\" ;; esac; done\n\
+             mkdir -p \"$ob/server\"\n\
+             setsid sh -c 'trap \"\" TERM; exec sleep 30' </dev/null >/dev/null 2>&1 &\n\
+             echo $! > \"$ob/server/server.pid.txt\"\n\
+             trap 'exit 8' INT\n\
+             sleep 30 &\n\
+             wait\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bazel, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let ws = d.path().join("ws");
+        std::fs::create_dir_all(&ws).unwrap();
+        let settings = RunnerSettings {
+            bazel,
+            startup_flags: vec![],
+            extra_flags: vec![],
+            heap_bytes: 64 << 20,
+            deadline: Duration::from_millis(800),
+            kill_grace: Duration::from_secs(2),
+            remote_executor: "grpc://127.0.0.1:1".into(),
+        };
+        let runner = Runner::new(0, &d.path().join("runners"), std::sync::Arc::new(settings)).unwrap();
+        let spec = RunSpec {
+            workspace: ws,
+            command: "build".into(),
+            flags: vec![],
+            targets: vec!["//:t".into()],
+            invocation_id: "00000000-0000-0000-0000-000000000000".into(),
+        };
+        let report = runner.run(&spec).await;
+        let pid: i32 = std::fs::read_to_string(runner.output_base().join("server/server.pid.txt")).unwrap().trim().parse().unwrap();
+        let survived = procfs::alive(pid);
+        procfs::signal(pid, libc::SIGKILL);
+        assert_eq!(report.outcome, BuildOutcome::DeadlineExceeded, "{report:?}");
+        assert_eq!(report.exit_code, Some(8), "the client exited on SIGINT: {report:?}");
+        assert!(!survived, "the server that ignored SIGTERM outlived the build's deadline and grace");
+        assert!(report.wall_seconds < 5.0, "{report:?}");
     }
 }

@@ -513,7 +513,8 @@ impl Inner {
         // Executor occupancy from gantry's own invocation records: ESU-seconds over the
         // span in which the build had actions on the executors.
         let actions = self.log.actions(&invocation_id).await?;
-        let esu: f64 = actions.iter().map(|a| a.esu_seconds()).sum();
+        // fold from +0.0: an empty f64 sum is -0.0, which status displays would show.
+        let esu: f64 = actions.iter().map(|a| a.esu_seconds()).fold(0.0, |a, b| a + b);
         let span = if actions.is_empty() {
             None
         } else {

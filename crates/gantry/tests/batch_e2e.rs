@@ -6,9 +6,9 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::Command;
 use std::time::Instant;
 
+use common::batch::{gantry, stream_builds};
 use common::batch_workspace::{generate, Shape};
 use common::{fixture_flags, toml_list, GantryServer};
 use serde_json::Value;
@@ -17,10 +17,6 @@ use serde_json::Value;
 /// out of memory on Bazel 4.2.3 (measured), so the ~2,200 of the workspace cannot be
 /// one build.
 const HEAP: &str = "32MiB";
-
-fn gantry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
 
 /// `gantry batch --wait --json`: enqueue, follow to the end; returns the stream id.
 fn enqueue_and_wait(server: &str, ws: &std::path::Path, targets: &std::path::Path) -> (String, bool) {
@@ -40,17 +36,6 @@ fn enqueue_and_wait(server: &str, ws: &std::path::Path, targets: &std::path::Pat
         .find_map(|v| v["stream_id"].as_str().map(str::to_string))
         .unwrap_or_else(|| panic!("no stream id in {stdout}"));
     (stream, out.status.success())
-}
-
-/// Every build of a stream, retries included, by id.
-fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
-    let out = gantry().args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .map(|v| (v["build_id"].as_str().unwrap().to_string(), v))
-        .collect()
 }
 
 fn labels(b: &Value) -> Vec<String> {

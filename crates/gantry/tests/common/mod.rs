@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod batch;
 pub mod batch_workspace;
 pub mod reapi;
 

@@ -1,0 +1,22 @@
+//! Helpers of the batching service's tests: the `gantry` CLI and a stream's builds
+//! (`fixture_flags`/`toml_list` for the `[batch]` settings are in `common`).
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use serde_json::Value;
+
+pub fn gantry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gantry"))
+}
+
+/// Every build of a stream, retries included, by id (`gantry builds --json`).
+pub fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
+    let out = gantry().args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|v| (v["build_id"].as_str().unwrap().to_string(), v))
+        .collect()
+}
