@@ -19,4 +19,4 @@ pub mod workspace;
 
 pub use classify::{classify, BuildOutcome};
 pub use error::BuildsError;
-pub use service::{BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings, SharedModels, TrainSummary};
+pub use service::{read_history, BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings, SharedModels, TrainSummary};

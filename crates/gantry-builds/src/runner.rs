@@ -62,6 +62,13 @@ pub struct RunReport {
     pub message: String,
 }
 
+impl RunReport {
+    /// A build that never got to run Bazel (unusable workspace, Bazel missing...).
+    pub fn infra_error(message: String, wall_seconds: f64) -> RunReport {
+        RunReport { outcome: BuildOutcome::InfraError, exit_code: None, bep: BepSummary::default(), server_vm_hwm: None, wall_seconds, message }
+    }
+}
+
 pub struct Runner {
     pub index: usize,
     dir: PathBuf,
@@ -156,14 +163,7 @@ impl Runner {
         let _ = std::fs::remove_file(&bep_file);
         let ob = self.output_base();
         let mut facts = RunFacts::default();
-        let fail_start = |message: String| RunReport {
-            outcome: BuildOutcome::InfraError,
-            exit_code: None,
-            bep: BepSummary::default(),
-            server_vm_hwm: None,
-            wall_seconds: started.elapsed().as_secs_f64(),
-            message,
-        };
+        let fail_start = |message: String| RunReport::infra_error(message, started.elapsed().as_secs_f64());
         let log = match std::fs::File::create(&log_file) {
             Ok(f) => f,
             Err(e) => return fail_start(format!("creating {}: {e}", log_file.display())),

@@ -53,14 +53,8 @@ pub enum RetryKind {
     DeadlineRerun,
 }
 
-/// The memory measurement used as the models' label (`[batch] memory_label`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MemoryLabel {
-    UsedHeapPostBuild,
-    PeakPostGcHeap,
-    ServerVmHwm,
-}
+/// The memory measurement used as the models' label: `[batch] memory_label` itself.
+pub use gantry_config::MemoryLabel;
 
 /// Everything known about one build; stored as the row's document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -298,13 +292,27 @@ impl BuildService {
         self.inner.bump();
     }
 
-    /// Records and queues a build the planner cut.
-    pub async fn submit(&self, id: String, stream_id: &str, ctx: &BuildContext, targets: Vec<Target>, batch: &Batch) -> Result<BuildDoc, BuildsError> {
-        let note = self.inner.reason_note(batch.reason).await;
-        let doc = new_doc(id, stream_id, None, None, ctx, targets, batch, note);
+    /// Records and queues a build the planner cut; `reason_note` (from
+    /// [`reason_note`](Self::reason_note)) says why its reason applies.
+    pub async fn submit(
+        &self,
+        id: String,
+        stream_id: &str,
+        ctx: &BuildContext,
+        targets: Vec<Target>,
+        batch: &Batch,
+        reason_note: String,
+    ) -> Result<BuildDoc, BuildsError> {
+        let doc = new_doc(id, stream_id, None, None, ctx, targets, batch, reason_note);
         self.inner.put(&doc).await?;
         self.inner.enqueue(doc.clone());
         Ok(doc)
+    }
+
+    /// Why a batch size reason applies, e.g. "no models yet (3 of 20 ...)". It reads the
+    /// history, so callers compute it once per stream and reason, not once per build.
+    pub async fn reason_note(&self, reason: BatchSizeReason) -> Result<String, BuildsError> {
+        self.inner.reason_note(reason).await
     }
 
     pub async fn get(&self, id: &str) -> Result<BuildDoc, BuildsError> {
@@ -440,14 +448,14 @@ impl Inner {
         }
     }
 
-    async fn reason_note(&self, reason: BatchSizeReason) -> String {
+    async fn reason_note(&self, reason: BatchSizeReason) -> Result<String, BuildsError> {
         let has_models = {
             let m = self.models.read().expect("poisoned");
             m.memory.is_some() || m.occupancy.is_some()
         };
-        match reason {
+        Ok(match reason {
             BatchSizeReason::MemoryEstimateError | BatchSizeReason::OccupancyEstimateError if !has_models => {
-                let have = self.history().await.map(|h| h.len()).unwrap_or(0);
+                let have = self.history().await?.len();
                 format!(
                     "no models yet ({have} of {} finished builds needed to train): fallback batch size {}",
                     self.settings.min_history_builds, self.planner_config.fallback_batch_size
@@ -457,7 +465,7 @@ impl Inner {
                 "a model could not estimate these targets: fallback batch size".into()
             }
             _ => String::new(),
-        }
+        })
     }
 
     async fn run_loop(self: Arc<Self>, runner: Arc<Runner>) {
@@ -501,14 +509,7 @@ impl Inner {
                 };
                 runner.run(&spec).await
             }
-            Err(message) => RunReport {
-                outcome: BuildOutcome::InfraError,
-                exit_code: None,
-                bep: Default::default(),
-                server_vm_hwm: None,
-                wall_seconds: 0.0,
-                message,
-            },
+            Err(message) => RunReport::infra_error(message, 0.0),
         };
         // Executor occupancy from gantry's own invocation records: ESU-seconds over the
         // span in which the build had actions on the executors.
@@ -595,47 +596,31 @@ impl Inner {
                 out
             }
             Some(BuildOutcome::DeadlineExceeded) if doc.retry_kind != Some(RetryKind::DeadlineRerun) => {
-                let mut child = doc.clone();
-                child.id = format!("{}.r", doc.id);
-                child.parent_id = Some(doc.id.clone());
-                child.retry_kind = Some(RetryKind::DeadlineRerun);
-                child.reason_note = format!("rerun of deadline-exceeded build {}", doc.id);
-                child.state = BuildState::Queued;
-                child.outcome = None;
-                child.exit_code = None;
-                child.message.clear();
-                child.invocation_id = None;
-                child.runner = None;
-                child.attempts = 0;
-                child.created_unix_ms = now_ms();
-                child.started_unix_ms = None;
-                child.finished_unix_ms = None;
-                child.wall_seconds = None;
-                child.used_heap_post_build = None;
-                child.peak_post_gc_heap = None;
-                child.server_vm_hwm = None;
-                child.actions_executed = 0;
-                child.executor_esu_seconds = None;
-                child.execution_wall_seconds = None;
-                child.occupancy_esu = None;
-                child.retries.clear();
-                vec![child]
+                // The same build as planned: targets, reason and estimates carry over.
+                let planned = Batch {
+                    targets: doc.labels(),
+                    reason: doc.reason,
+                    memory_estimate_bytes: doc.memory_estimate_bytes,
+                    occupancy_estimate_esu: doc.occupancy_estimate_esu,
+                    executor_types: doc.executor_types.iter().cloned().collect(),
+                };
+                vec![new_doc(
+                    format!("{}.r", doc.id),
+                    &doc.stream_id,
+                    Some(doc.id.clone()),
+                    Some(RetryKind::DeadlineRerun),
+                    &doc.context,
+                    doc.targets.clone(),
+                    &planned,
+                    format!("rerun of deadline-exceeded build {}", doc.id),
+                )]
             }
             _ => Vec::new(),
         }
     }
 
     async fn history(&self) -> Result<Vec<BuildRecord>, BuildsError> {
-        let since = now_ms() - self.settings.long_window.as_millis() as i64;
-        let rows = self.store.list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() }).await?;
-        let heap = self.settings.runner.heap_bytes;
-        let mut out = Vec::new();
-        for row in &rows {
-            if let Some(r) = BuildDoc::from_row(row)?.history_record(self.settings.memory_label, heap) {
-                out.push(r);
-            }
-        }
-        Ok(out)
+        read_history(&*self.store, self.settings.memory_label, self.settings.runner.heap_bytes, self.settings.long_window).await
     }
 
     async fn train(&self) -> Result<TrainSummary, BuildsError> {
@@ -702,6 +687,26 @@ impl Inner {
             }
         }
     }
+}
+
+/// The training history in a build store: every build finished within `long_window`
+/// that can teach the models, oldest first, labelled with `label` (OOM builds with
+/// `heap_bytes`). The live service and `gantry model export-history` both read it here.
+pub async fn read_history(
+    store: &dyn BuildStore,
+    label: MemoryLabel,
+    heap_bytes: u64,
+    long_window: Duration,
+) -> Result<Vec<BuildRecord>, BuildsError> {
+    let since = now_ms() - long_window.as_millis() as i64;
+    let rows = store.list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() }).await?;
+    let mut out = Vec::new();
+    for row in &rows {
+        if let Some(r) = BuildDoc::from_row(row)?.history_record(label, heap_bytes) {
+            out.push(r);
+        }
+    }
+    Ok(out)
 }
 
 /// Plans `targets` (one executor group) again with the current models.

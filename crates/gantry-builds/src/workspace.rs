@@ -51,7 +51,7 @@ pub fn prepare(ctx: &BuildContext, runner_dir: &Path) -> Result<PathBuf, String>
 pub fn checkout(repo: &Path, rev: &str, runner_dir: &Path) -> Result<PathBuf, String> {
     let commit = git(repo, &["rev-parse", "--verify", &format!("{rev}^{{commit}}")])
         .map_err(|e| format!("revision {rev} in {}: {e}", repo.display()))?;
-    let name = format!("{:016x}", fnv(repo.to_string_lossy().as_bytes()));
+    let name = format!("{:016x}", gantry_batch::features::fnv1a(repo.to_string_lossy().as_bytes()));
     let tree = runner_dir.join("src").join(name);
     if tree.join(".git").exists() {
         git(&tree, &["checkout", "--quiet", "--detach", "--force", &commit])?;
@@ -64,10 +64,6 @@ pub fn checkout(repo: &Path, rev: &str, runner_dir: &Path) -> Result<PathBuf, St
         git(repo, &["worktree", "add", "--quiet", "--detach", "--force", &tree.to_string_lossy(), &commit])?;
     }
     Ok(tree)
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 #[cfg(test)]

@@ -192,6 +192,8 @@ struct Submitter {
     stream_id: String,
     /// Targets pushed and not yet in a build: their tags decide a retry's executor types.
     pending: HashMap<String, gantry_batch::Target>,
+    /// Reason notes read the build history: once per reason per stream is enough.
+    notes: HashMap<BatchSizeReason, String>,
 }
 
 impl Submitter {
@@ -201,8 +203,16 @@ impl Submitter {
             .iter()
             .map(|l| self.pending.remove(l).unwrap_or_else(|| gantry_batch::Target { label: l.clone(), rule_kind: None, tags: vec![] }))
             .collect();
+        let note = match self.notes.get(&b.reason) {
+            Some(n) => n.clone(),
+            None => {
+                let n = self.builds.reason_note(b.reason).await.map_err(core_status)?;
+                self.notes.insert(b.reason, n.clone());
+                n
+            }
+        };
         let id = format!("{}-{seq}", self.stream_id);
-        self.builds.submit(id, &self.stream_id, &self.ctx, targets, b).await.map_err(|e| Status::from(gantry_core::Error::from(e)))?;
+        self.builds.submit(id, &self.stream_id, &self.ctx, targets, b, note).await.map_err(core_status)?;
         Ok(())
     }
 }
@@ -227,7 +237,7 @@ async fn run_stream(
 ) -> Result<(), ()> {
     let mut submitter = builds.map(|builds| {
         builds.stream_started(&stream_id);
-        Submitter { builds, ctx: ctx.clone(), stream_id: stream_id.clone(), pending: HashMap::new() }
+        Submitter { builds, ctx: ctx.clone(), stream_id: stream_id.clone(), pending: HashMap::new(), notes: HashMap::new() }
     });
     let mut planner = match StreamingPlanner::new(ctx, config, &*models) {
         Ok(p) => p,

@@ -87,18 +87,8 @@ async fn train_on_server(server: &str) -> anyhow::Result<()> {
 async fn export_history(a: ExportArgs) -> anyhow::Result<()> {
     let config = crate::serve::load_config(&a.serve)?;
     let store = gantry_store::build_build_store(&config).await.context("opening the build history")?;
-    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as i64
-        - config.batch.long_window.as_millis() as i64;
-    let rows = store
-        .list(&gantry_core::BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() })
-        .await?;
-    let label = crate::serve::memory_label(config.batch.memory_label);
-    let mut records = Vec::new();
-    for row in &rows {
-        if let Some(r) = gantry_builds::BuildDoc::from_row(row)?.history_record(label, config.batch.bazel_memory.as_u64()) {
-            records.push(r);
-        }
-    }
+    let b = &config.batch;
+    let records = gantry_builds::read_history(&*store, b.memory_label, b.bazel_memory.as_u64(), b.long_window).await?;
     let mut buf = Vec::new();
     gantry_batch::history::write_history(&mut buf, &records)?;
     match &a.out {
@@ -110,7 +100,7 @@ async fn export_history(a: ExportArgs) -> anyhow::Result<()> {
         }
         None => std::io::Write::write_all(&mut std::io::stdout().lock(), &buf)?,
     }
-    eprintln!("{} builds exported ({} finished builds in the window)", records.len(), rows.len());
+    eprintln!("{} builds exported", records.len());
     Ok(())
 }
 

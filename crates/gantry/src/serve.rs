@@ -228,7 +228,7 @@ async fn start_build_runners(
         runners: b.runners,
         runner_dir: std::path::absolute(config.batch_runner_dir()).context("batch.runner_dir")?,
         runner: runner_settings(b, b.deadline, grpc_addr),
-        memory_label: memory_label(b.memory_label),
+        memory_label: b.memory_label,
         model_dir: config.batch_model_dir(),
         retrain_interval: b.retrain_interval,
         min_history_builds: b.min_history_builds,
@@ -292,14 +292,6 @@ async fn start_queue(
     services.queue.attach(queue.clone());
     tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
     Ok(Some(queue))
-}
-
-pub fn memory_label(l: gantry_config::MemoryLabel) -> gantry_builds::MemoryLabel {
-    match l {
-        gantry_config::MemoryLabel::UsedHeapPostBuild => gantry_builds::MemoryLabel::UsedHeapPostBuild,
-        gantry_config::MemoryLabel::PeakPostGcHeap => gantry_builds::MemoryLabel::PeakPostGcHeap,
-        gantry_config::MemoryLabel::ServerVmHwm => gantry_builds::MemoryLabel::ServerVmHwm,
-    }
 }
 
 /// The path a program name resolves to on PATH (or itself, if it is a path).
