@@ -199,7 +199,7 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
             "[batch]\nrunners = 0\n\
              startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
              [execution]\nworkers = 2\n\
-             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 2\nmax_retries = 1\ndeadline = \"5m\"\n",
+             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 4\nmax_retries = 1\ndeadline = \"5m\"\n",
             toml_list(&fixture_flags()),
             repo.display().to_string(),
         ),
