@@ -198,13 +198,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let queue = start_queue(&config, &services, server.grpc_addr).await?;
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
-    server.run_until(shutdown_signal()).await?;
-    if let Some(b) = builds {
-        b.shutdown().await;
-    }
-    if let Some(q) = queue {
-        q.shutdown().await;
-    }
+    server
+        .run_until(async {
+            shutdown_signal().await;
+            // The queue and the batch runners run builds on this server's executor: stop
+            // them before it stops accepting requests, or their last builds fail with
+            // "connection refused" and are judged on it. Stopped builds are taken up again
+            // at the next start.
+            if let Some(q) = &queue {
+                q.shutdown().await;
+            }
+            if let Some(b) = &builds {
+                b.shutdown().await;
+            }
+        })
+        .await?;
     tracing::info!("stopped");
     Ok(())
 }
