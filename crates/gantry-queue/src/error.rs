@@ -17,6 +17,9 @@ pub enum QueueError {
     /// An event named a build the planner never started (or already forgot).
     #[error("unknown build {0}")]
     UnknownBuild(u64),
+    /// `LandingFailed` named a change the planner has not landed.
+    #[error("change {0} has not landed")]
+    NotLanded(String),
     /// A build finished twice, or finished after it was cancelled.
     #[error("build {0} is not running")]
     BuildNotRunning(u64),

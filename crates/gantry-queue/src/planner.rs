@@ -464,9 +464,11 @@ impl Planner {
         &self.stats
     }
 
-    /// Landed changes in landing order (index = mainline version - 1).
+    /// Landed changes in landing order. A change whose landing failed
+    /// (`Event::LandingFailed`) is left out, so this is the mainline's content,
+    /// not an index of versions.
     pub fn mainline(&self) -> Vec<ChangeId> {
-        self.mainline.iter().map(|&i| self.changes[i].id.clone()).collect()
+        self.mainline.iter().filter(|&&i| self.landed(i)).map(|&i| self.changes[i].id.clone()).collect()
     }
 
     /// Pending changes in queue order.
@@ -626,6 +628,23 @@ impl Planner {
                 }
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
+            Event::LandingFailed { change } => {
+                let i = self.index(&change)?;
+                if !matches!(self.changes[i].status, Status::Landed(_)) {
+                    return Err(QueueError::NotLanded(change.0));
+                }
+                // The version slot stays (versions are positions the
+                // integrator has already mapped to commits); every reader
+                // of `mainline` skips slots whose change is not landed.
+                // Builds that assumed the change are now impossible and
+                // are cancelled by `cleanup`; builds that did not assume it
+                // tested exactly what the mainline now holds.
+                self.changes[i].status = Status::Rejected;
+                self.stats.landed -= 1;
+                self.stats.rejected += 1;
+                // Its training example stays "landed": the change did pass its
+                // own build, and the model predicts exactly that.
+            }
             Event::Cancel { change } => {
                 let i = self.index(&change)?;
                 if self.changes[i].status == Status::Pending {
@@ -708,11 +727,15 @@ impl Planner {
         // `deps` is sorted because it is collected from the ordered pending set.
         let deps = &self.changes[b.change].deps;
         for &x in &self.mainline[b.base.min(self.mainline.len())..] {
-            if deps.binary_search(&x).is_ok() && b.assumed.binary_search(&x).is_err() {
+            if deps.binary_search(&x).is_ok() && b.assumed.binary_search(&x).is_err() && self.landed(x) {
                 return None;
             }
         }
         Some(b.assumed.iter().copied().filter(|&a| self.changes[a].status == Status::Pending).collect())
+    }
+
+    fn landed(&self, i: usize) -> bool {
+        matches!(self.changes[i].status, Status::Landed(_))
     }
 
     fn key_stats(&self, i: usize) -> FastMap<Vec<usize>, KeyStat> {
@@ -756,7 +779,7 @@ impl Planner {
                 let assumed = &self.builds[&bid].assumed;
                 let since: Vec<ChangeId> = self.mainline[base.min(self.mainline.len())..]
                     .iter()
-                    .filter(|c| assumed.binary_search(c).is_err())
+                    .filter(|&&c| assumed.binary_search(&c).is_err() && self.landed(c))
                     .map(|&c| self.changes[c].id.clone())
                     .collect();
                 let spec = self.builds[&bid].spec.clone();

@@ -103,6 +103,15 @@ pub enum Event {
         /// The withdrawn change.
         change: ChangeId,
     },
+    /// The integrator could not move the mainline for a `Land` action (its
+    /// final check of the combined tree failed, or the branch moved outside
+    /// the queue). The change counts as rejected; its mainline version stays
+    /// as a version without it (same tree as the one before), so versions
+    /// already handed out keep their meaning.
+    LandingFailed {
+        /// The change whose landing failed.
+        change: ChangeId,
+    },
     /// The build farm's capacity changed. Lowering it cancels nothing:
     /// running builds finish and no new ones start until below capacity.
     SetCapacity {

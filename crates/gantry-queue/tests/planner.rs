@@ -216,6 +216,45 @@ fn independent_changes_land_in_parallel_lanes() {
 }
 
 #[test]
+fn failed_landing_counts_as_rejected_and_prunes_builds_assuming_it() {
+    let mut p = Planner::new(cfg(10));
+    let b1 = started(&enqueue(&mut p, 0, "c1", analysis(&["//a"])));
+    let b2 = started(&enqueue(&mut p, 1, "c2", analysis(&["//b"])));
+    let b3 = started(&enqueue(&mut p, 2, "c3", analysis(&["//b", "//c"])));
+    // c1 lands on version 1; c2 (independent, based on version 0) lands as version 2.
+    assert!(matches!(&finish(&mut p, 3, b1[0].id, true)[0], Action::Land { .. }));
+    let acts = finish(&mut p, 4, b2[0].id, true);
+    assert!(matches!(&acts[0], Action::Land { change, proof } if *change == id("c2") && proof.new_version == 2));
+    // c3's build without c2 became impossible when c2 landed.
+    let with_c2 = find(&b3, "c3", &["c2"]);
+    assert_eq!(cancelled(&acts), [find(&b3, "c3", &[])].into());
+    // The integrator's check of c2 on top of c1 fails: c2 is out, c3's build
+    // that assumed c2 is cancelled, and c3 is built again on the mainline.
+    let acts = p.handle(Millis(5), Event::LandingFailed { change: id("c2") }).unwrap();
+    assert_eq!(cancelled(&acts), [with_c2].into());
+    let again = started(&acts);
+    assert_eq!(again.iter().map(shape).collect::<Vec<_>>(), vec![("c3".to_string(), vec![])]);
+    assert_eq!(again[0].base_version, 2, "version 2 exists; it holds no change");
+    assert_eq!(p.mainline(), vec![id("c1")]);
+    assert_eq!(p.stats().landed, 1);
+    assert_eq!(p.stats().rejected, 1);
+    assert_eq!(p.pending(), vec![id("c3")]);
+    let acts = finish(&mut p, 6, again[0].id, true);
+    match &acts[0] {
+        Action::Land { change, proof } => {
+            assert_eq!(*change, id("c3"));
+            assert_eq!(proof.new_version, 3);
+            assert!(proof.landed_since_base.is_empty());
+        }
+        a => panic!("{a:?}"),
+    }
+    assert_eq!(p.mainline(), vec![id("c1"), id("c3")]);
+    // Only landed changes can fail to land, and only once.
+    assert!(matches!(p.handle(Millis(7), Event::LandingFailed { change: id("c2") }), Err(QueueError::NotLanded(_))));
+    assert!(matches!(p.handle(Millis(7), Event::LandingFailed { change: id("zz") }), Err(QueueError::UnknownChange(_))));
+}
+
+#[test]
 fn graph_altering_change_blocks_parallel_lane() {
     let mut p = Planner::new(cfg(10));
     enqueue(&mut p, 0, "c1", Some(ChangeAnalysis { affected: ["//a".to_string()].into(), alters_graph: true }));
