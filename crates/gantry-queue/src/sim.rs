@@ -175,11 +175,24 @@ pub struct SimOptions {
     pub seed: u64,
     /// Planner configuration for `sq` (capacity and retries are overwritten).
     pub sq_config: PlannerConfig,
+    /// Diagnostic: `sq` is told every true conflict pair as the later change
+    /// arrives (P(conflict) = 1 for those pairs; other pairs stay learned).
+    /// Measures how much of the gap to the oracle perfect conflict
+    /// prediction would close; individual outcomes stay unknown.
+    #[serde(default)]
+    pub sq_knows_conflicts: bool,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { capacity: 100, flaky_rate: 0.0, max_retries: 1, seed: 1, sq_config: PlannerConfig::default() }
+        SimOptions {
+            capacity: 100,
+            flaky_rate: 0.0,
+            max_retries: 1,
+            seed: 1,
+            sq_config: PlannerConfig::default(),
+            sq_knows_conflicts: false,
+        }
     }
 }
 
@@ -379,6 +392,12 @@ pub fn simulate_logged(
         };
         let acts = planner.handle(Millis(now), event.clone())?;
         log(Millis(now), &event, &acts);
+        if let (Policy::Sq, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
+            let id = ChangeId(trace[i].id.clone());
+            for &x in &truth.conflicts[i] {
+                planner.override_conflict(&id, &ChangeId(trace[x].id.clone()), 1.0)?;
+            }
+        }
         if let (Policy::Oracle, Some(i)) = (policy, arrival) {
             // The oracle learns the truth about a change as it arrives. The
             // arrival's own first build only depends on its predecessors'

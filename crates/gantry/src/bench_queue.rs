@@ -25,6 +25,10 @@ pub struct QueueBenchArgs {
     /// Seed of the generated streams and of flakiness.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Diagnostic: tell sq every true conflict pair as a change arrives (how much of
+    /// the gap to the oracle perfect conflict prediction would close).
+    #[arg(long)]
+    sq_knows_conflicts: bool,
     /// Print JSON: one object per policy (with --policy: exactly one object).
     #[arg(long)]
     json: bool,
@@ -44,7 +48,13 @@ fn report_json(r: &sim::Report) -> serde_json::Value {
 pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.capacity > 0, "--capacity must be at least 1");
     anyhow::ensure!((0.0..1.0).contains(&args.flaky_rate), "--flaky-rate must be in [0, 1)");
-    let opts = SimOptions { capacity: args.capacity, flaky_rate: args.flaky_rate, seed: args.seed, ..SimOptions::default() };
+    let opts = SimOptions {
+        capacity: args.capacity,
+        flaky_rate: args.flaky_rate,
+        seed: args.seed,
+        sq_knows_conflicts: args.sq_knows_conflicts,
+        ..SimOptions::default()
+    };
     let workloads: Vec<(String, Vec<sim::TraceChange>)> = match &args.trace {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
