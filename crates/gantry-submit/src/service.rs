@@ -16,7 +16,9 @@
 //!   intent, `update-ref NEW OLD`, record it done. NEW is the tested commit itself when
 //!   the build's base is the mainline (a fast-forward), or a commit with the tested tree;
 //!   when independent changes landed meanwhile (parallel lanes) the combined tree is
-//!   built first and the ref moves only if it passes;
+//!   built first and the ref moves only if it passes. When the ref cannot move, the
+//!   change is rejected and the planner hears of it (`Event::LandingFailed`), so it
+//!   stops counting the change as landed and re-plans the changes behind it;
 //! - the **event loop** applies build results, so a build task never has to outlive
 //!   its own cancellation.
 
@@ -326,6 +328,8 @@ impl QueueService {
                 Err(e) => tracing::warn!(seq = row.seq, error = %e, "journal event refused on replay, as it was when applied"),
             }
         }
+        // Before any build restarts: a landing failure it missed may cancel some.
+        self.reconcile_landings(&mut inner).await?;
         // Builds the planner still counts as running died with the previous process.
         let running: BTreeSet<u64> = inner.planner.running_builds().iter().map(|b| b.id.0).collect();
         for (id, doc) in inner.builds.iter_mut() {
@@ -335,6 +339,9 @@ impl QueueService {
             }
         }
         for spec in inner.planner.running_builds() {
+            if inner.tasks.contains_key(&spec.id.0) {
+                continue; // started just now, by the reconciliation
+            }
             tracing::info!(build = %spec.id, change = %spec.change, "restarting a build interrupted by the restart");
             let guard = spawn_named("queue-build", self.clone().run_build(spec.clone()));
             inner.tasks.insert(spec.id.0, guard);
@@ -683,22 +690,71 @@ impl QueueService {
         }
         self.store.put_landing(&row).await?;
         let mut inner = self.inner.lock().await;
-        let now = inner.tick() as i64;
         inner.landings.insert(row.version as u64, row.clone());
         self.versions.send_replace(versions_of(&inner.landings));
-        if let Some(c) = inner.changes.get_mut(&doc.id) {
-            if state == "DONE" {
+        self.record_landing_in_change(&mut inner, &row, &why).await?;
+        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state, "landing recorded");
+        if state == "FAILED" {
+            // The planner counted the change as landed when it said Land; it must now
+            // re-plan the changes behind it. A crash before this point is caught up at
+            // the next start (`reconcile_landings`).
+            self.planner_landing_failed(&mut inner, &row).await?;
+        }
+        Ok(())
+    }
+
+    /// The change document of a finished landing: LANDED with its commit, or REJECTED
+    /// with why the mainline did not move. Idempotent.
+    async fn record_landing_in_change(&self, inner: &mut Inner, row: &LandingRow, why: &str) -> Result<()> {
+        let now = inner.tick() as i64;
+        let Some(c) = inner.changes.get_mut(&row.change_id) else { return Ok(()) };
+        match row.state.as_str() {
+            "DONE" if c.state != ChangeState::Landed => {
                 c.state = ChangeState::Landed;
                 c.landed_commit = row.new_commit.clone();
                 c.landed_version = row.version as u64;
-            } else {
+            }
+            "FAILED" if c.state != ChangeState::Rejected => {
                 c.state = ChangeState::Rejected;
                 c.reason = format!("passed its build but the mainline did not move: {why}");
             }
-            c.decided_ms.get_or_insert(now);
-            self.store.put_change(&doc_row(&c.id, c.seq, c.state.name(), c)?).await?;
+            _ => return Ok(()),
         }
-        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state, "landing recorded");
+        c.decided_ms.get_or_insert(now);
+        self.store.put_change(&doc_row(&c.id, c.seq, c.state.name(), c)?).await?;
+        Ok(())
+    }
+
+    /// Tells the planner that a landing failed, once (journaled under the version).
+    async fn planner_landing_failed(self: &Arc<Self>, inner: &mut Inner, row: &LandingRow) -> Result<()> {
+        let change = ChangeId(row.change_id.clone());
+        // Only a change the planner still counts as landed: the journal may already
+        // hold the event (then the replay applied it), and the planner refuses it twice.
+        if !inner.planner.mainline().contains(&change) {
+            return Ok(());
+        }
+        tracing::info!(change = %change, version = row.version, "landing failed: the planner drops the change and re-plans");
+        self.apply(inner, Event::LandingFailed { change }, Some(format!("landing-failed:{}", row.version))).await
+    }
+
+    /// After the replay: landings recorded as finished whose effects a crash cut short.
+    /// The landing row is written first, then the change document, then (for FAILED) the
+    /// planner event, and the lander skips finished versions, so this is the only place
+    /// left to complete them.
+    async fn reconcile_landings(self: &Arc<Self>, inner: &mut Inner) -> Result<()> {
+        let finished: Vec<LandingRow> = inner
+            .landings
+            .values()
+            .filter(|r| r.version > 0 && (r.state == "DONE" || r.state == "FAILED"))
+            .cloned()
+            .collect();
+        for row in finished {
+            let why = serde_json::from_str::<LandingDoc>(&row.document).map(|d| d.message).unwrap_or_default();
+            self.record_landing_in_change(inner, &row, &why).await?;
+            if row.state == "FAILED" {
+                self.planner_landing_failed(inner, &row).await?;
+            }
+        }
         Ok(())
     }
 
@@ -904,7 +960,13 @@ impl QueueService {
         match doc.state {
             ChangeState::Submitted => {}
             ChangeState::Pending => {
-                self.apply(&mut inner, Event::Cancel { change: ChangeId(id.to_string()) }, Some(format!("cancel:{id}"))).await?;
+                let change = ChangeId(id.to_string());
+                // The planner decided to land it and the lander is moving the mainline:
+                // the change is no longer the developer's to withdraw.
+                if !inner.planner.pending().contains(&change) {
+                    return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already being landed")));
+                }
+                self.apply(&mut inner, Event::Cancel { change }, Some(format!("cancel:{id}"))).await?;
             }
             s => return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already {}", s.name()))),
         }
