@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +42,7 @@ use tokio::sync::{mpsc, watch, Mutex, Notify, Semaphore};
 use crate::analyzer;
 use crate::error::SubmitError;
 use crate::git::{short, Patch, Repo};
+use crate::metrics::QueueMetrics;
 
 type Result<T, E = SubmitError> = std::result::Result<T, E>;
 
@@ -71,7 +72,7 @@ pub enum ChangeState {
 }
 
 impl ChangeState {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ChangeState::Submitted => "SUBMITTED",
             ChangeState::Pending => "PENDING",
@@ -81,7 +82,7 @@ impl ChangeState {
         }
     }
 
-    fn decided(self) -> bool {
+    pub(crate) fn decided(self) -> bool {
         matches!(self, ChangeState::Landed | ChangeState::Rejected | ChangeState::Cancelled)
     }
 }
@@ -192,8 +193,7 @@ pub struct QueueService {
     /// Set by `shutdown`: a build or verification cut short by the stop is reported
     /// nowhere (it runs again after the next start) instead of being judged.
     stopping: AtomicBool,
-    /// Build steps tried again after an infrastructure error, since this start.
-    infra_retries: AtomicU64,
+    metrics: QueueMetrics,
 }
 
 /// What the build steps made of a tree.
@@ -274,8 +274,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Sen
 
 impl QueueService {
     /// Opens the queue: loads its state, replays the journal, restarts interrupted
-    /// builds and starts the analyzer, lander and event loop.
-    pub async fn start(settings: QueueSettings, store: Arc<dyn QueueStore>) -> Result<Arc<QueueService>> {
+    /// builds and starts the analyzer, lander and event loop. Its metrics go to `registry`.
+    pub async fn start(settings: QueueSettings, store: Arc<dyn QueueStore>, registry: &prometheus::Registry) -> Result<Arc<QueueService>> {
         let repo = Repo::new(&settings.repository, &settings.mainline);
         let head = repo.head().map_err(|e| {
             SubmitError::FailedPrecondition(format!(
@@ -364,7 +364,7 @@ impl QueueService {
             finished_tx,
             background: std::sync::Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
-            infra_retries: AtomicU64::new(0),
+            metrics: QueueMetrics::new(registry)?,
             settings,
         });
         this.replay().await?;
@@ -372,6 +372,7 @@ impl QueueService {
             spawn_named("queue-lander", this.clone().lander(land_rx)),
             spawn_named("queue-events", this.clone().event_loop(finished_rx)),
             spawn_named("queue-analyzer", this.clone().analyzer_loop()),
+            spawn_named("queue-metrics", this.clone().metrics_loop()),
         ];
         *this.background.lock().expect("not poisoned") = tasks;
         Ok(this)
@@ -385,6 +386,22 @@ impl QueueService {
         let runners: Vec<Runner> = std::mem::take(&mut *self.runners.lock().expect("not poisoned"));
         let aux = self.aux.lock().await;
         futures::future::join_all(runners.iter().chain(std::iter::once(&*aux)).map(|r| r.shutdown())).await;
+    }
+
+    /// Keeps the metrics in step with the queue: one refresh per batch of updates.
+    async fn metrics_loop(self: Arc<Self>) {
+        let mut updates = self.updates.subscribe();
+        loop {
+            {
+                let inner = self.inner.lock().await;
+                let failed = inner.landings.values().filter(|r| r.state == "FAILED").count() as u64;
+                let running = inner.planner.running_builds().len();
+                self.metrics.refresh(inner.planner.stats(), running, failed, inner.changes.values());
+            }
+            if updates.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     async fn replay(self: &Arc<Self>) -> Result<()> {
@@ -529,7 +546,7 @@ impl QueueService {
     /// next try.
     fn infra_retry(&self, what: &str, retry: u32, why: &str) -> Duration {
         let wait = infra_backoff(retry);
-        self.infra_retries.fetch_add(1, Ordering::Relaxed);
+        self.metrics.infra_retries.inc();
         tracing::warn!(what, retry = retry + 1, wait_s = wait.as_secs(), reason = why, "infrastructure error: trying again, not judging the change on it");
         wait
     }

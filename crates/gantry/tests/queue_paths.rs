@@ -24,7 +24,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixture_flags, toml_list, GantryServer};
+use common::{fixture_flags, metric_value, toml_list, wait_metrics, GantryServer};
 use gantry_proto::queue::v1 as pb;
 use serde_json::Value;
 
@@ -189,6 +189,11 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let wb = builds(change(&h, &w));
     assert_eq!(wb.len(), 1, "the same build was retried, no new one started: {h:#}");
     assert_eq!((wb[0]["state"].as_str(), wb[0]["message"].as_str()), (Some("PASSED"), Some("")));
+    // Counted since this start only: checked before the restart below.
+    wait_metrics(&server.http, Duration::from_secs(10), |m| {
+        metric_value(m, "gantry_queue_infra_retries_total").is_some_and(|n| n >= 1.0)
+            && metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(1.0)
+    });
 
     // 2. and 3.: four changes at once. x (package a) and y (package b) are independent;
     // z touches package b too, so it waits for y; d is cancelled.
@@ -314,6 +319,21 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     assert_eq!(git(&repo, &["show", "main:b/other.txt"]), "b other edit");
     assert_eq!(git(&repo, &["show", "main:b/value.txt"]), "b off");
     assert_eq!(git(&repo, &["show", "main:d/value.txt"]), "d off");
+
+    // The metrics, rebuilt at the restart from the journal and the documents.
+    let n_builds = h["changes"].as_array().unwrap().iter().map(|c| builds(c).len()).sum::<usize>() as f64;
+    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(3.0));
+    let value = |series: &str| metric_value(&m, series).unwrap_or_else(|| panic!("no {series} in\n{m}"));
+    for (state, n) in [("SUBMITTED", 0.0), ("PENDING", 0.0), ("LANDED", 3.0), ("REJECTED", 1.0), ("CANCELLED", 1.0)] {
+        assert_eq!(value(&format!("gantry_queue_changes{{state=\"{state}\"}}")), n, "{state}\n{m}");
+    }
+    assert_eq!(value("gantry_queue_running_builds"), 0.0);
+    assert_eq!(value("gantry_queue_landing_failures_total"), 1.0);
+    assert_eq!(value("gantry_queue_builds_started_total"), n_builds, "one per build in the history");
+    // d's build, z's two builds assuming y or not, and z's rebuilt before the restart.
+    assert!(value("gantry_queue_builds_cancelled_total") >= 3.0, "{m}");
+    assert_eq!(value("gantry_queue_turnaround_seconds_count{state=\"LANDED\"}"), 3.0);
+    assert_eq!(value("gantry_queue_turnaround_seconds_count{state=\"CANCELLED\"}"), 1.0);
 
     server.stop();
     println!("queue_paths took {:.1} s", t0.elapsed().as_secs_f64());
