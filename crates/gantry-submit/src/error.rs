@@ -23,6 +23,8 @@ pub enum SubmitError {
     Planner(#[from] gantry_queue::QueueError),
     #[error("queue record: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("queue metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
 }
 
 impl From<SubmitError> for gantry_core::Error {

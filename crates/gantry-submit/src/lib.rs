@@ -9,11 +9,13 @@
 //! * [`analyzer`]: `bazel query` output into the planner's target graphs.
 //! * [`service`]: the queue itself (journal, replay, builds, lander, analyzer loop).
 //! * [`grpc`]: the gRPC endpoint, attachable after the server has started.
+//! * [`metrics`]: the queue's Prometheus metrics.
 
 pub mod analyzer;
 pub mod error;
 pub mod git;
 pub mod grpc;
+pub mod metrics;
 pub mod service;
 
 pub use error::SubmitError;

@@ -16,16 +16,19 @@
 //!   intent, `update-ref NEW OLD`, record it done. NEW is the tested commit itself when
 //!   the build's base is the mainline (a fast-forward), or a commit with the tested tree;
 //!   when independent changes landed meanwhile (parallel lanes) the combined tree is
-//!   built first and the ref moves only if it passes;
+//!   built first and the ref moves only if it passes. When the ref cannot move, the
+//!   change is rejected and the planner hears of it (`Event::LandingFailed`), so it
+//!   stops counting the change as landed and re-plans the changes behind it;
 //! - the **event loop** applies build results, so a build task never has to outlive
 //!   its own cancellation.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gantry_builds::runner::{RunSpec, Runner, RunnerSettings};
+use gantry_builds::runner::{RunReport, RunSpec, Runner, RunnerSettings};
 use gantry_core::task::{spawn_named, GuardedStream, TaskGuard};
 use gantry_core::{LandingRow, QueueDocRow, QueueStore};
 use gantry_proto::queue::v1 as pb;
@@ -39,6 +42,7 @@ use tokio::sync::{mpsc, watch, Mutex, Notify, Semaphore};
 use crate::analyzer;
 use crate::error::SubmitError;
 use crate::git::{short, Patch, Repo};
+use crate::metrics::QueueMetrics;
 
 type Result<T, E = SubmitError> = std::result::Result<T, E>;
 
@@ -68,7 +72,7 @@ pub enum ChangeState {
 }
 
 impl ChangeState {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ChangeState::Submitted => "SUBMITTED",
             ChangeState::Pending => "PENDING",
@@ -78,7 +82,7 @@ impl ChangeState {
         }
     }
 
-    fn decided(self) -> bool {
+    pub(crate) fn decided(self) -> bool {
         matches!(self, ChangeState::Landed | ChangeState::Rejected | ChangeState::Cancelled)
     }
 }
@@ -186,6 +190,78 @@ pub struct QueueService {
     land_tx: mpsc::UnboundedSender<(ChangeId, LandProof)>,
     finished_tx: mpsc::UnboundedSender<Finished>,
     background: std::sync::Mutex<Vec<TaskGuard>>,
+    /// Set by `shutdown`: a build or verification cut short by the stop is reported
+    /// nowhere (it runs again after the next start) instead of being judged.
+    stopping: AtomicBool,
+    metrics: QueueMetrics,
+}
+
+/// What the build steps made of a tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Verdict {
+    Passed,
+    /// The tree's doing: a test or the build failed, or it ran past the deadline.
+    Failed(String),
+    /// Not the tree's doing (Bazel could not run or lost the remote executor, the build
+    /// command could not be started, the worktree could not be checked out): judging
+    /// the change on it would reject a good change, so the same tree is tried again.
+    Infra(String),
+}
+
+impl Verdict {
+    /// Bazel's outcome, as `gantry-builds` classified it.
+    fn of_bazel(report: &RunReport) -> Verdict {
+        match report.outcome {
+            gantry_builds::BuildOutcome::Success => Verdict::Passed,
+            gantry_builds::BuildOutcome::InfraError => Verdict::Infra(format!("INFRA_ERROR: {}", report.message)),
+            o => Verdict::Failed(format!("{}: {}", o.as_str(), report.message)),
+        }
+    }
+}
+
+/// How long to wait before trying build steps again after an infrastructure error:
+/// quickly at first (a restarting executor), then every 30 s until it comes back.
+fn infra_backoff(retry: u32) -> Duration {
+    const FIRST: [u64; 3] = [2, 5, 15];
+    Duration::from_secs(FIRST.get(retry as usize).copied().unwrap_or(30))
+}
+
+/// `[queue] build_command` in a tree: passed when it exits 0. Only a command that cannot
+/// be started is an infrastructure error; whatever it does once running is the tree's.
+async fn run_build_command(command: &[String], tree: &std::path::Path, deadline: Duration) -> Verdict {
+    let Some((program, args)) = command.split_first() else { return Verdict::Failed("empty build_command".into()) };
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args).current_dir(tree).stdin(std::process::Stdio::null()).kill_on_drop(true);
+    match tokio::time::timeout(deadline, cmd.output()).await {
+        Err(_) => Verdict::Failed(format!("stopped at the {deadline:?} deadline")),
+        Ok(Err(e)) => Verdict::Infra(format!("starting {program}: {e}")),
+        Ok(Ok(out)) if out.status.success() => Verdict::Passed,
+        Ok(Ok(out)) => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
+            Verdict::Failed(format!("{program} exited with {}: {last}", out.status))
+        }
+    }
+}
+
+/// How one try of a queue build ended.
+enum Attempt {
+    /// A result for the planner.
+    Done { passed: bool, commit: String, targets: Vec<String>, message: String },
+    /// Not the tree's doing: try the same build again later.
+    Infra(String),
+    /// The queue is stopping: report nothing.
+    Stopping,
+}
+
+/// What the lander may do for one landing.
+enum Move {
+    /// Move the mainline to this commit; `how` says why that commit is the tested tree.
+    To { commit: String, how: String },
+    /// Do not move it, and reject the change for this reason.
+    Refuse(String),
+    /// The queue is stopping: record nothing; the replay emits the Land again.
+    Stopping,
 }
 
 fn doc_row<T: Serialize>(id: &str, seq: i64, state: &str, doc: &T) -> Result<QueueDocRow> {
@@ -198,8 +274,8 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Sen
 
 impl QueueService {
     /// Opens the queue: loads its state, replays the journal, restarts interrupted
-    /// builds and starts the analyzer, lander and event loop.
-    pub async fn start(settings: QueueSettings, store: Arc<dyn QueueStore>) -> Result<Arc<QueueService>> {
+    /// builds and starts the analyzer, lander and event loop. Its metrics go to `registry`.
+    pub async fn start(settings: QueueSettings, store: Arc<dyn QueueStore>, registry: &prometheus::Registry) -> Result<Arc<QueueService>> {
         let repo = Repo::new(&settings.repository, &settings.mainline);
         let head = repo.head().map_err(|e| {
             SubmitError::FailedPrecondition(format!(
@@ -287,6 +363,8 @@ impl QueueService {
             land_tx,
             finished_tx,
             background: std::sync::Mutex::new(Vec::new()),
+            stopping: AtomicBool::new(false),
+            metrics: QueueMetrics::new(registry)?,
             settings,
         });
         this.replay().await?;
@@ -294,6 +372,7 @@ impl QueueService {
             spawn_named("queue-lander", this.clone().lander(land_rx)),
             spawn_named("queue-events", this.clone().event_loop(finished_rx)),
             spawn_named("queue-analyzer", this.clone().analyzer_loop()),
+            spawn_named("queue-metrics", this.clone().metrics_loop()),
         ];
         *this.background.lock().expect("not poisoned") = tasks;
         Ok(this)
@@ -301,11 +380,28 @@ impl QueueService {
 
     /// Stops the background tasks and every build (their Bazel processes are killed).
     pub async fn shutdown(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
         self.background.lock().expect("not poisoned").clear();
         self.inner.lock().await.tasks.clear();
         let runners: Vec<Runner> = std::mem::take(&mut *self.runners.lock().expect("not poisoned"));
         let aux = self.aux.lock().await;
         futures::future::join_all(runners.iter().chain(std::iter::once(&*aux)).map(|r| r.shutdown())).await;
+    }
+
+    /// Keeps the metrics in step with the queue: one refresh per batch of updates.
+    async fn metrics_loop(self: Arc<Self>) {
+        let mut updates = self.updates.subscribe();
+        loop {
+            {
+                let inner = self.inner.lock().await;
+                let failed = inner.landings.values().filter(|r| r.state == "FAILED").count() as u64;
+                let running = inner.planner.running_builds().len();
+                self.metrics.refresh(inner.planner.stats(), running, failed, inner.changes.values());
+            }
+            if updates.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     async fn replay(self: &Arc<Self>) -> Result<()> {
@@ -326,6 +422,8 @@ impl QueueService {
                 Err(e) => tracing::warn!(seq = row.seq, error = %e, "journal event refused on replay, as it was when applied"),
             }
         }
+        // Before any build restarts: a landing failure it missed may cancel some.
+        self.reconcile_landings(&mut inner).await?;
         // Builds the planner still counts as running died with the previous process.
         let running: BTreeSet<u64> = inner.planner.running_builds().iter().map(|b| b.id.0).collect();
         for (id, doc) in inner.builds.iter_mut() {
@@ -335,6 +433,9 @@ impl QueueService {
             }
         }
         for spec in inner.planner.running_builds() {
+            if inner.tasks.contains_key(&spec.id.0) {
+                continue; // started just now, by the reconciliation
+            }
             tracing::info!(build = %spec.id, change = %spec.change, "restarting a build interrupted by the restart");
             let guard = spawn_named("queue-build", self.clone().run_build(spec.clone()));
             inner.tasks.insert(spec.id.0, guard);
@@ -437,14 +538,60 @@ impl QueueService {
 
     // ---- builds -------------------------------------------------------------------
 
+    fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Counts and logs an infrastructure error, and says how long to wait before the
+    /// next try.
+    fn infra_retry(&self, what: &str, retry: u32, why: &str) -> Duration {
+        let wait = infra_backoff(retry);
+        self.metrics.infra_retries.inc();
+        tracing::warn!(what, retry = retry + 1, wait_s = wait.as_secs(), reason = why, "infrastructure error: trying again, not judging the change on it");
+        wait
+    }
+
+    /// Runs a build until it has a result for the planner. An infrastructure error is
+    /// never a result: the build is tried again after a backoff, with the reason in its
+    /// document meanwhile, until it gets one or is cancelled (the task is dropped).
     async fn run_build(self: Arc<Self>, spec: BuildSpec) {
         let id = spec.id.0;
-        let (passed, commit, targets, message) = match self.build(&spec).await {
-            Ok(r) => r,
-            Err(message) => (false, String::new(), Vec::new(), message),
+        let mut retry = 0;
+        let (passed, commit, targets, message) = loop {
+            match self.build(&spec).await {
+                Attempt::Done { passed, commit, targets, message } => break (passed, commit, targets, message),
+                Attempt::Stopping => return,
+                Attempt::Infra(_) if self.stopping() => return,
+                Attempt::Infra(why) => {
+                    let wait = self.infra_retry(&format!("build {} of {}", spec.id, spec.change), retry, &why);
+                    retry += 1;
+                    let note = format!("infrastructure error, try {} in {} s: {why}", retry + 1, wait.as_secs());
+                    if let Err(e) = self.note_build(id, note).await {
+                        tracing::error!(build = %spec.id, error = %e, "recording a build's infrastructure error");
+                    }
+                    tokio::time::sleep(wait).await;
+                }
+            }
         };
+        if self.stopping() {
+            return;
+        }
         tracing::info!(build = %spec.id, change = %spec.change, passed, commit = short(&commit), "queue build finished");
         let _ = self.finished_tx.send(Finished { id, passed, commit, targets, message });
+    }
+
+    /// Sets the message of a running build (shown by `gantry queue status`).
+    async fn note_build(&self, id: u64, message: String) -> Result<()> {
+        let mut inner = self.inner.lock().await;
+        let Some(doc) = inner.builds.get_mut(&id) else { return Ok(()) };
+        if doc.state != "RUNNING" {
+            return Ok(());
+        }
+        doc.message = message;
+        self.store.put_build(&doc_row(&id.to_string(), id as i64, &doc.state, doc)?).await?;
+        drop(inner);
+        self.updates.send_modify(|n| *n += 1);
+        Ok(())
     }
 
     /// The changes of a build, in order: assumed ones, then the change itself.
@@ -467,59 +614,64 @@ impl QueueService {
         if set.is_empty() { vec!["//...".into()] } else { set.into_iter().collect() }
     }
 
-    async fn build(self: &Arc<Self>, spec: &BuildSpec) -> Result<(bool, String, Vec<String>, String), String> {
-        let permit = self.runner_slots.clone().acquire_owned().await.map_err(|_| "queue stopped".to_string())?;
-        let runner = self.runners.lock().expect("not poisoned").pop().ok_or("no free runner")?;
+    /// One try of a build: the tree made with git, then the build steps in it.
+    async fn build(self: &Arc<Self>, spec: &BuildSpec) -> Attempt {
+        let Ok(permit) = self.runner_slots.clone().acquire_owned().await else { return Attempt::Stopping };
+        // A permit always finds a runner, except once `shutdown` has taken them all.
+        let Some(runner) = self.runners.lock().expect("not poisoned").pop() else { return Attempt::Stopping };
         let lease = Lease { service: self.clone(), runner: Some(runner), _permit: permit };
         let base = {
             let mut rx = self.versions.subscribe();
-            let v = rx
-                .wait_for(|v| v.len() as u64 > spec.base_version)
-                .await
-                .map_err(|_| "queue stopped".to_string())?;
+            let Ok(v) = rx.wait_for(|v| v.len() as u64 > spec.base_version).await else { return Attempt::Stopping };
             v[spec.base_version as usize].clone()
         };
-        let docs = self.patches(spec).await?;
+        let docs = match self.patches(spec).await {
+            Ok(d) => d,
+            Err(message) => return Attempt::Done { passed: false, commit: String::new(), targets: vec![], message },
+        };
         let targets = Self::targets_of(&docs);
-        let repo = self.repo.clone();
+        let (repo, t) = (self.repo.clone(), targets.clone());
         // The lease travels with the git work: if this task is cancelled meanwhile, the
         // runner only returns to the pool once git is done with its worktree.
-        let (lease, made) = tokio::task::spawn_blocking(move || {
+        let joined = tokio::task::spawn_blocking(move || {
             let made = (|| {
                 let mut commit = base;
                 for d in &docs {
-                    commit = repo.apply(&d.patch(), &commit)?;
+                    // A patch that does not apply is the change's doing: a failure.
+                    commit = repo.apply(&d.patch(), &commit).map_err(|message| Attempt::Done {
+                        passed: false,
+                        commit: String::new(),
+                        targets: t.clone(),
+                        message,
+                    })?;
                 }
-                let tree = gantry_builds::workspace::checkout(&repo.path, &commit, lease.runner().dir())?;
-                Ok::<_, String>((commit, tree))
+                let tree = gantry_builds::workspace::checkout(&repo.path, &commit, lease.runner().dir())
+                    .map_err(|e| Attempt::Infra(format!("checking out {}: {e}", short(&commit))))?;
+                Ok((commit, tree))
             })();
             (lease, made)
         })
-        .await
-        .map_err(|e| format!("git task: {e}"))?;
+        .await;
+        let (lease, made) = match joined {
+            Ok(x) => x,
+            Err(e) => return Attempt::Infra(format!("git task: {e}")),
+        };
         let (commit, tree) = match made {
             Ok(x) => x,
-            Err(e) => return Ok((false, String::new(), targets, e)),
+            Err(ended) => return ended,
         };
-        let (passed, message) = self.run_steps(lease.runner(), &tree, &targets).await;
-        Ok((passed, commit, targets, message))
+        match self.run_steps(lease.runner(), &tree, &targets).await {
+            Verdict::Passed => Attempt::Done { passed: true, commit, targets, message: String::new() },
+            Verdict::Failed(message) => Attempt::Done { passed: false, commit, targets, message },
+            Verdict::Infra(why) => Attempt::Infra(why),
+        }
     }
 
-    /// The build steps in a checked-out tree: (passed, why not).
-    async fn run_steps(&self, runner: &Runner, tree: &std::path::Path, targets: &[String]) -> (bool, String) {
-        if let Some((program, args)) = self.settings.build_command.split_first() {
-            let mut cmd = tokio::process::Command::new(program);
-            cmd.args(args).current_dir(tree).stdin(std::process::Stdio::null()).kill_on_drop(true);
-            return match tokio::time::timeout(self.settings.runner.deadline, cmd.output()).await {
-                Err(_) => (false, format!("stopped at the {:?} deadline", self.settings.runner.deadline)),
-                Ok(Err(e)) => (false, format!("starting {program}: {e}")),
-                Ok(Ok(out)) if out.status.success() => (true, String::new()),
-                Ok(Ok(out)) => {
-                    let stderr = String::from_utf8_lossy(&out.stderr);
-                    let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
-                    (false, format!("{program} exited with {}: {last}", out.status))
-                }
-            };
+    /// The build steps in a checked-out tree: `[queue] build_command`, or `bazel test`
+    /// of the targets.
+    async fn run_steps(&self, runner: &Runner, tree: &std::path::Path, targets: &[String]) -> Verdict {
+        if !self.settings.build_command.is_empty() {
+            return run_build_command(&self.settings.build_command, tree, self.settings.runner.deadline).await;
         }
         let spec = RunSpec {
             workspace: tree.to_path_buf(),
@@ -528,9 +680,7 @@ impl QueueService {
             targets: targets.to_vec(),
             invocation_id: uuid::Uuid::new_v4().to_string(),
         };
-        let report = runner.run(&spec).await;
-        let passed = report.outcome == gantry_builds::BuildOutcome::Success;
-        (passed, if passed { String::new() } else { format!("{}: {}", report.outcome.as_str(), report.message) })
+        Verdict::of_bazel(&runner.run(&spec).await)
     }
 
     async fn event_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Finished>) {
@@ -610,14 +760,16 @@ impl QueueService {
                 };
                 let tested = build.map(|b| b.commit).unwrap_or_default();
                 match self.landing_commit(&doc, &old, &tested).await {
-                    Ok((new, how)) => {
-                        row.new_commit = new;
+                    Move::To { commit, how } => {
+                        row.new_commit = commit;
                         landing_doc.how = how;
                     }
-                    Err(why) => {
+                    Move::Refuse(why) => {
                         row.document = serde_json::to_string(&landing_doc)?;
                         return self.finish_landing(row, "FAILED", why, &doc).await;
                     }
+                    // Nothing is recorded yet; the journal's replay emits this Land again.
+                    Move::Stopping => return Ok(()),
                 }
                 row.document = serde_json::to_string(&landing_doc)?;
                 self.store.put_landing(&row).await?;
@@ -635,10 +787,11 @@ impl QueueService {
     /// deciding build tested: that very commit when its parent is `old`; a commit with
     /// its tree when its parent has `old`'s tree; otherwise (independent changes landed
     /// since the build's base) the change applied on `old`, which must pass the build
-    /// steps first. Err: why the mainline cannot move.
-    async fn landing_commit(self: &Arc<Self>, doc: &ChangeDoc, old: &str, tested: &str) -> Result<(String, String), String> {
+    /// steps first: the combined-tree check. An infrastructure error in that check is
+    /// not a verdict on the change; it is tried again after a backoff.
+    async fn landing_commit(self: &Arc<Self>, doc: &ChangeDoc, old: &str, tested: &str) -> Move {
         if tested.is_empty() {
-            return Err("the deciding build left no commit".into());
+            return Move::Refuse("the deciding build left no commit".into());
         }
         let (repo, o, t, like) = (self.repo.clone(), old.to_string(), tested.to_string(), doc.commit.clone());
         let quick = blocking(move || {
@@ -652,24 +805,46 @@ impl QueueService {
             }
             Ok(None)
         })
-        .await?;
-        if let Some(x) = quick {
-            return Ok(x);
+        .await;
+        match quick {
+            Ok(Some((commit, how))) => return Move::To { commit, how },
+            Ok(None) => {}
+            Err(why) => return Move::Refuse(why),
         }
         let (repo, o, patch) = (self.repo.clone(), old.to_string(), doc.patch());
-        let candidate = blocking(move || repo.apply(&patch, &o)).await?;
-        let aux = self.aux.lock().await;
-        let (repo, c, dir) = (self.repo.clone(), candidate.clone(), aux.dir().to_path_buf());
-        let tree = blocking(move || gantry_builds::workspace::checkout(&repo.path, &c, &dir)).await?;
+        let candidate = match blocking(move || repo.apply(&patch, &o)).await {
+            Ok(c) => c,
+            Err(why) => return Move::Refuse(why),
+        };
         let targets = Self::targets_of(std::slice::from_ref(doc));
-        let (passed, message) = self.run_steps(&aux, &tree, &targets).await;
-        if !passed {
-            return Err(format!(
-                "its tree with the independent changes landed meanwhile ({}) failed the build steps: {message}",
-                short(&candidate)
-            ));
+        let mut retry = 0;
+        loop {
+            let verdict = {
+                // Held for one try only: the analyzer shares this runner.
+                let aux = self.aux.lock().await;
+                let (repo, c, dir) = (self.repo.clone(), candidate.clone(), aux.dir().to_path_buf());
+                match blocking(move || gantry_builds::workspace::checkout(&repo.path, &c, &dir)).await {
+                    Ok(tree) => self.run_steps(&aux, &tree, &targets).await,
+                    Err(e) => Verdict::Infra(format!("checking out {}: {e}", short(&candidate))),
+                }
+            };
+            match verdict {
+                Verdict::Passed => return Move::To { commit: candidate, how: "verified".into() },
+                Verdict::Failed(message) => {
+                    return Move::Refuse(format!(
+                        "the combined-tree check failed: {} on the mainline with the independent changes landed since its build ({}) failed the build steps: {message}",
+                        doc.id,
+                        short(&candidate)
+                    ))
+                }
+                Verdict::Infra(_) if self.stopping() => return Move::Stopping,
+                Verdict::Infra(why) => {
+                    let wait = self.infra_retry(&format!("combined-tree check of {}", doc.id), retry, &why);
+                    retry += 1;
+                    tokio::time::sleep(wait).await;
+                }
+            }
         }
-        Ok((candidate, "verified".into()))
     }
 
     async fn finish_landing(self: &Arc<Self>, mut row: LandingRow, state: &str, why: String, doc: &ChangeDoc) -> Result<()> {
@@ -683,22 +858,71 @@ impl QueueService {
         }
         self.store.put_landing(&row).await?;
         let mut inner = self.inner.lock().await;
-        let now = inner.tick() as i64;
         inner.landings.insert(row.version as u64, row.clone());
         self.versions.send_replace(versions_of(&inner.landings));
-        if let Some(c) = inner.changes.get_mut(&doc.id) {
-            if state == "DONE" {
+        self.record_landing_in_change(&mut inner, &row, &why).await?;
+        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state, "landing recorded");
+        if state == "FAILED" {
+            // The planner counted the change as landed when it said Land; it must now
+            // re-plan the changes behind it. A crash before this point is caught up at
+            // the next start (`reconcile_landings`).
+            self.planner_landing_failed(&mut inner, &row).await?;
+        }
+        Ok(())
+    }
+
+    /// The change document of a finished landing: LANDED with its commit, or REJECTED
+    /// with why the mainline did not move. Idempotent.
+    async fn record_landing_in_change(&self, inner: &mut Inner, row: &LandingRow, why: &str) -> Result<()> {
+        let now = inner.tick() as i64;
+        let Some(c) = inner.changes.get_mut(&row.change_id) else { return Ok(()) };
+        match row.state.as_str() {
+            "DONE" if c.state != ChangeState::Landed => {
                 c.state = ChangeState::Landed;
                 c.landed_commit = row.new_commit.clone();
                 c.landed_version = row.version as u64;
-            } else {
+            }
+            "FAILED" if c.state != ChangeState::Rejected => {
                 c.state = ChangeState::Rejected;
                 c.reason = format!("passed its build but the mainline did not move: {why}");
             }
-            c.decided_ms.get_or_insert(now);
-            self.store.put_change(&doc_row(&c.id, c.seq, c.state.name(), c)?).await?;
+            _ => return Ok(()),
         }
-        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state, "landing recorded");
+        c.decided_ms.get_or_insert(now);
+        self.store.put_change(&doc_row(&c.id, c.seq, c.state.name(), c)?).await?;
+        Ok(())
+    }
+
+    /// Tells the planner that a landing failed, once (journaled under the version).
+    async fn planner_landing_failed(self: &Arc<Self>, inner: &mut Inner, row: &LandingRow) -> Result<()> {
+        let change = ChangeId(row.change_id.clone());
+        // Only a change the planner still counts as landed: the journal may already
+        // hold the event (then the replay applied it), and the planner refuses it twice.
+        if !inner.planner.mainline().contains(&change) {
+            return Ok(());
+        }
+        tracing::info!(change = %change, version = row.version, "landing failed: the planner drops the change and re-plans");
+        self.apply(inner, Event::LandingFailed { change }, Some(format!("landing-failed:{}", row.version))).await
+    }
+
+    /// After the replay: landings recorded as finished whose effects a crash cut short.
+    /// The landing row is written first, then the change document, then (for FAILED) the
+    /// planner event, and the lander skips finished versions, so this is the only place
+    /// left to complete them.
+    async fn reconcile_landings(self: &Arc<Self>, inner: &mut Inner) -> Result<()> {
+        let finished: Vec<LandingRow> = inner
+            .landings
+            .values()
+            .filter(|r| r.version > 0 && (r.state == "DONE" || r.state == "FAILED"))
+            .cloned()
+            .collect();
+        for row in finished {
+            let why = serde_json::from_str::<LandingDoc>(&row.document).map(|d| d.message).unwrap_or_default();
+            self.record_landing_in_change(inner, &row, &why).await?;
+            if row.state == "FAILED" {
+                self.planner_landing_failed(inner, &row).await?;
+            }
+        }
         Ok(())
     }
 
@@ -904,7 +1128,13 @@ impl QueueService {
         match doc.state {
             ChangeState::Submitted => {}
             ChangeState::Pending => {
-                self.apply(&mut inner, Event::Cancel { change: ChangeId(id.to_string()) }, Some(format!("cancel:{id}"))).await?;
+                let change = ChangeId(id.to_string());
+                // The planner decided to land it and the lander is moving the mainline:
+                // the change is no longer the developer's to withdraw.
+                if !inner.planner.pending().contains(&change) {
+                    return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already being landed")));
+                }
+                self.apply(&mut inner, Event::Cancel { change }, Some(format!("cancel:{id}"))).await?;
             }
             s => return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already {}", s.name()))),
         }
@@ -1103,5 +1333,81 @@ impl Drop for Lease {
         if let Some(r) = self.runner.take() {
             self.service.runners.lock().expect("not poisoned").push(r);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Vec<String> {
+        vec!["sh".into(), "-c".into(), script.into()]
+    }
+
+    #[test]
+    fn infra_backoff_starts_quick_then_settles_at_thirty_seconds() {
+        let secs: Vec<u64> = (0..6).map(|r| infra_backoff(r).as_secs()).collect();
+        assert_eq!(secs, [2, 5, 15, 30, 30, 30]);
+    }
+
+    #[tokio::test]
+    async fn build_command_that_cannot_start_is_infra_and_its_failures_are_the_trees() {
+        let d = tempfile::tempdir().unwrap();
+        let deadline = Duration::from_secs(20);
+        let missing = vec![d.path().join("not-yet-there.sh").display().to_string()];
+        match run_build_command(&missing, d.path(), deadline).await {
+            Verdict::Infra(why) => assert!(why.contains("starting") && why.contains("not-yet-there.sh"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        assert_eq!(run_build_command(&sh("test -d ."), d.path(), deadline).await, Verdict::Passed);
+        match run_build_command(&sh("echo first >&2; echo 'the real reason' >&2; exit 3"), d.path(), deadline).await {
+            Verdict::Failed(why) => assert!(why.contains("exit status: 3") && why.contains("the real reason"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        // Running past the deadline is the tree's doing (a test that hangs), not infra.
+        match run_build_command(&sh("sleep 5"), d.path(), Duration::from_millis(200)).await {
+            Verdict::Failed(why) => assert!(why.contains("deadline"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        // The command runs in the tree.
+        std::fs::write(d.path().join("marker"), "").unwrap();
+        assert_eq!(run_build_command(&sh("test -f marker"), d.path(), deadline).await, Verdict::Passed);
+    }
+
+    #[tokio::test]
+    async fn bazel_that_cannot_run_is_infra_and_failed_tests_are_a_failure() {
+        let d = tempfile::tempdir().unwrap();
+        let settings = RunnerSettings {
+            bazel: d.path().join("no-bazel-here"),
+            startup_flags: vec![],
+            extra_flags: vec![],
+            heap_bytes: 256 << 20,
+            deadline: Duration::from_secs(20),
+            kill_grace: Duration::from_secs(1),
+            remote_executor: "grpc://127.0.0.1:1".into(),
+        };
+        let runner = Runner::new(0, d.path(), Arc::new(settings)).unwrap();
+        let spec = RunSpec {
+            workspace: d.path().to_path_buf(),
+            command: "test".into(),
+            flags: vec![],
+            targets: vec!["//...".into()],
+            invocation_id: uuid::Uuid::new_v4().to_string(),
+        };
+        match Verdict::of_bazel(&runner.run(&spec).await) {
+            Verdict::Infra(why) => assert!(why.starts_with("INFRA_ERROR") && why.contains("no-bazel-here"), "{why}"),
+            v => panic!("{v:?}"),
+        }
+        let failed = RunReport {
+            outcome: gantry_builds::BuildOutcome::TestsFailed,
+            exit_code: Some(3),
+            bep: Default::default(),
+            server_vm_hwm: None,
+            wall_seconds: 1.0,
+            message: "//p:t failed".into(),
+        };
+        assert_eq!(Verdict::of_bazel(&failed), Verdict::Failed("TESTS_FAILED: //p:t failed".into()));
+        let passed = RunReport { outcome: gantry_builds::BuildOutcome::Success, message: String::new(), ..failed };
+        assert_eq!(Verdict::of_bazel(&passed), Verdict::Passed);
     }
 }

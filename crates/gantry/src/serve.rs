@@ -296,7 +296,9 @@ async fn start_queue(
         prior_conflict: q.prior_conflict,
     };
     let store = gantry_store::build_queue_store(config).await.context("setting up the queue store")?;
-    let queue = gantry_submit::QueueService::start(settings, store).await.context("starting the submit queue")?;
+    let queue = gantry_submit::QueueService::start(settings, store, services.metrics.registry())
+        .await
+        .context("starting the submit queue")?;
     services.queue.attach(queue.clone());
     tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
     Ok(Some(queue))

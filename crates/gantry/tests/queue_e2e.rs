@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixture_flags, toml_list, GantryServer};
+use common::{fixture_flags, metric_value, toml_list, wait_metrics, GantryServer};
 use serde_json::Value;
 
 fn gantry() -> Command {
@@ -283,6 +283,21 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
             c["reason"].as_str().unwrap().chars().take(110).collect::<String>()
         );
     }
+
+    // The queue's metrics agree with its history.
+    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| {
+        metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(expected.len() as f64)
+    });
+    assert_eq!(metric_value(&m, "gantry_queue_changes{state=\"REJECTED\"}"), Some((specs.len() - expected.len()) as f64), "{m}");
+    assert_eq!(metric_value(&m, "gantry_queue_changes{state=\"PENDING\"}"), Some(0.0), "{m}");
+    assert_eq!(metric_value(&m, "gantry_queue_running_builds"), Some(0.0), "{m}");
+    let builds_started = metric_value(&m, "gantry_queue_builds_started_total").unwrap();
+    assert!(builds_started >= specs.len() as f64, "{m}");
+    let decided_count: f64 = ["LANDED", "REJECTED"]
+        .iter()
+        .filter_map(|s| metric_value(&m, &format!("gantry_queue_turnaround_seconds_count{{state=\"{s}\"}}")))
+        .sum();
+    assert_eq!(decided_count, specs.len() as f64, "{m}");
 
     // Exactly the right changes landed.
     let landed: BTreeSet<&str> =

@@ -220,3 +220,22 @@ pub fn http_get(addr: &str, path: &str) -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// The value of one series (`name` or `name{label="value"}`) in /metrics text.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Polls the server's /metrics until `ok` holds for it (metrics may trail the state
+/// they describe by a moment), and returns that text; panics after `limit`.
+pub fn wait_metrics(http: &str, limit: Duration, ok: impl Fn(&str) -> bool) -> String {
+    let start = Instant::now();
+    loop {
+        let text = http_get(http, "/metrics");
+        if ok(&text) {
+            return text;
+        }
+        assert!(start.elapsed() < limit, "metrics not as expected after {limit:?}:\n{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

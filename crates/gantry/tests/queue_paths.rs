@@ -1,0 +1,340 @@
+//! The submit queue's less travelled paths, against a real `gantry serve`, real git and
+//! Bazel's own `bazel query` for the conflict analysis, with `[queue] build_command` as
+//! the build steps: a small shell script that fails a tree holding two markers together
+//! and otherwise waits for a gate file per marker, so the test decides when each build
+//! finishes and the order of events is deterministic.
+//!
+//! In order, on one server:
+//! 1. the build command does not exist yet: the build is an infrastructure error, retried
+//!    with the reason shown in `gantry queue status`, and the change lands once the script
+//!    appears (it is never rejected for it);
+//! 2. cancelling a pending change: CANCELLED, its build cancelled, never lands; an
+//!    unknown id is NOT_FOUND, a decided change FAILED_PRECONDITION;
+//! 3. two changes proven independent (disjoint packages) that break the build together,
+//!    decided by concurrent builds on the same mainline version: the second to land fails
+//!    the lander's combined-tree check and is rejected naming it; the mainline never has
+//!    the failing tree; the change behind it, whose build assumed it, is re-planned by
+//!    the planner on the real mainline and lands. On the way, a crash between recording
+//!    the failed landing and journaling the planner's event is simulated (stop, remove
+//!    the event, start): the startup applies it again.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{fixture_flags, metric_value, toml_list, wait_metrics, GantryServer};
+use gantry_proto::queue::v1 as pb;
+use serde_json::Value;
+
+fn gantry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gantry"))
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn queue_json(url: &str, args: &[&str]) -> Value {
+    let out = gantry().arg("queue").args(args).args(["--json", "--server", url]).output().unwrap();
+    assert!(out.status.success(), "gantry queue {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn change<'a>(h: &'a Value, id: &str) -> &'a Value {
+    h["changes"].as_array().unwrap().iter().find(|c| c["change_id"] == id).unwrap_or_else(|| panic!("no {id} in {h:#}"))
+}
+
+fn builds(c: &Value) -> Vec<&Value> {
+    c["builds"].as_array().unwrap().iter().collect()
+}
+
+fn assumed(b: &Value) -> Vec<&str> {
+    b["assumed"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect()
+}
+
+/// Polls `gantry queue history` until `done` holds.
+fn wait_history(url: &str, what: &str, limit: Duration, done: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        let h = queue_json(url, &["history"]);
+        if done(&h) {
+            return h;
+        }
+        assert!(start.elapsed() < limit, "{what}: not after {limit:?}: {h:#}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn state(h: &Value, id: &str) -> String {
+    change(h, id)["state"].as_str().unwrap().to_string()
+}
+
+/// The build steps: a tree with a and b both ON fails; otherwise each marker it holds
+/// waits for its gate, then it passes.
+fn write_build_script(path: &Path, gates: &Path) {
+    let g = gates.display();
+    let script = format!(
+        "#!/bin/sh\n\
+         if grep -q ON a/value.txt && grep -q ON b/value.txt; then echo 'a and b are both ON' >&2; exit 1; fi\n\
+         gate() {{ while [ ! -e '{g}'/\"$1\" ]; do sleep 0.1; done; }}\n\
+         if grep -q ON a/value.txt; then gate go-a; fi\n\
+         if grep -q ON b/value.txt; then gate go-b; fi\n\
+         if grep -q edit b/other.txt; then gate go-z; fi\n\
+         if grep -q edit d/value.txt; then gate go-d; fi\n\
+         exit 0\n"
+    );
+    // Complete and executable before it appears under its name.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A workspace of four packages, each a filegroup of its files, and one branch per change.
+fn generate_repo(dir: &Path, changes: &[(&str, &str, &str)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    git(dir, &["init", "--quiet", "-b", "main"]);
+    git(dir, &["config", "user.email", "dev@example.com"]);
+    git(dir, &["config", "user.name", "dev"]);
+    std::fs::write(dir.join("WORKSPACE"), "").unwrap();
+    for p in ["a", "b", "c", "d"] {
+        std::fs::create_dir_all(dir.join(p)).unwrap();
+        std::fs::write(dir.join(p).join("value.txt"), format!("{p} off\n")).unwrap();
+        std::fs::write(dir.join(p).join("other.txt"), format!("{p} other\n")).unwrap();
+        std::fs::write(
+            dir.join(p).join("BUILD"),
+            format!("filegroup(\n    name = \"{p}\",\n    srcs = [\"value.txt\", \"other.txt\"],\n)\n"),
+        )
+        .unwrap();
+    }
+    git(dir, &["add", "."]);
+    git(dir, &["commit", "--quiet", "-m", "initial workspace"]);
+    for (branch, file, text) in changes {
+        git(dir, &["checkout", "--quiet", "-b", branch, "main"]);
+        std::fs::write(dir.join(file), format!("{text}\n")).unwrap();
+        git(dir, &["commit", "--quiet", "-am", &format!("{branch}: {file}")]);
+    }
+    git(dir, &["checkout", "--quiet", "main"]);
+}
+
+fn submit(url: &str, branch: &str) -> String {
+    let c = queue_json(url, &["submit", "--change", branch]);
+    assert_eq!(c["state"], "SUBMITTED");
+    c["change_id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
+    let t0 = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    generate_repo(
+        &repo,
+        &[
+            ("w-edit", "c/value.txt", "c edit"),
+            ("x-a-on", "a/value.txt", "a ON"),
+            ("y-b-on", "b/value.txt", "b ON"),
+            ("z-b-other", "b/other.txt", "b other edit"),
+            ("d-edit", "d/value.txt", "d edit"),
+        ],
+    );
+    let gates = dir.path().join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let script = dir.path().join("check.sh");
+    let config = dir.path().join("gantry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[batch]\nrunners = 0\n\
+             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=60\"]\nextra_flags = {}\n\
+             [execution]\nworkers = 1\n\
+             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 6\nmax_retries = 0\ndeadline = \"5m\"\n\
+             build_command = [{:?}]\n",
+            toml_list(&fixture_flags()),
+            repo.display().to_string(),
+            script.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+    let initial = git(&repo, &["rev-parse", "main"]);
+
+    // 1. The build command is missing: an infrastructure error, shown and retried.
+    let w = submit(&url, "w-edit");
+    let start = Instant::now();
+    let note = loop {
+        let s = queue_json(&url, &["status"]);
+        let running = s["changes"].as_array().unwrap().iter().find(|c| c["change_id"] == w.as_str()).and_then(|c| {
+            builds(c).into_iter().find(|b| b["state"] == "RUNNING" && b["message"].as_str().unwrap().contains("infrastructure error")).cloned()
+        });
+        if let Some(b) = running {
+            break b["message"].as_str().unwrap().to_string();
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "no infrastructure error shown for {w}: {s:#}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(note.contains("check.sh") && note.contains("No such file") && note.contains(", try "), "{note}");
+    let appeared = Instant::now();
+    write_build_script(&script, &gates);
+    let h = wait_history(&url, "w lands once its build command exists", Duration::from_secs(60), |h| state(h, &w) != "PENDING");
+    assert_eq!(state(&h, &w), "LANDED", "an infrastructure error is not the change's fault: {h:#}");
+    println!("{w} landed {:.1} s after its build command appeared", appeared.elapsed().as_secs_f64());
+    let wb = builds(change(&h, &w));
+    assert_eq!(wb.len(), 1, "the same build was retried, no new one started: {h:#}");
+    assert_eq!((wb[0]["state"].as_str(), wb[0]["message"].as_str()), (Some("PASSED"), Some("")));
+    // Counted since this start only: checked before the restart below.
+    wait_metrics(&server.http, Duration::from_secs(10), |m| {
+        metric_value(m, "gantry_queue_infra_retries_total").is_some_and(|n| n >= 1.0)
+            && metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(1.0)
+    });
+
+    // 2. and 3.: four changes at once. x (package a) and y (package b) are independent;
+    // z touches package b too, so it waits for y; d is cancelled.
+    let x = submit(&url, "x-a-on");
+    let y = submit(&url, "y-b-on");
+    let z = submit(&url, "z-b-other");
+    let d = submit(&url, "d-edit");
+    let h = wait_history(&url, "every build under way", Duration::from_secs(120), |h| {
+        let running = |id: &str, with: &[&str]| builds(change(h, id)).iter().any(|b| b["state"] == "RUNNING" && assumed(b) == with);
+        running(&x, &[]) && running(&y, &[]) && running(&z, &[&y]) && running(&z, &[]) && running(&d, &[])
+    });
+    let independent = |a: &Value, b: &Value| {
+        let set = |c: &Value| c["affected_targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect::<Vec<_>>();
+        set(a).iter().all(|t| !set(b).contains(t))
+    };
+    assert!(independent(change(&h, &x), change(&h, &y)), "x and y are proven independent: {h:#}");
+    assert!(!independent(change(&h, &y), change(&h, &z)), "z depends on y: {h:#}");
+
+    // 2. Cancel d while its build runs (its gate never opens).
+    let c = queue_json(&url, &["cancel", &d]);
+    assert_eq!(c["state"], "CANCELLED", "{c:#}");
+    assert!(builds(&c).iter().all(|b| b["state"] == "CANCELLED"), "{c:#}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let cancel = |id: &str| {
+        rt.block_on(async {
+            let mut client = pb::submit_queue_client::SubmitQueueClient::connect(format!("http://{}", server.grpc)).await.unwrap();
+            client.cancel(pb::CancelRequest { change_id: id.to_string() }).await
+        })
+    };
+    let e = cancel("c999").unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("c999"), "{e:?}");
+    for decided in [&w, &d] {
+        let e = cancel(decided).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("already"), "{e:?}");
+    }
+
+    // 3. x passes first and lands; y's build, on the version before x, passes next.
+    std::fs::write(gates.join("go-a"), "").unwrap();
+    wait_history(&url, "x lands", Duration::from_secs(60), |h| state(h, &x) == "LANDED");
+    std::fs::write(gates.join("go-b"), "").unwrap();
+    let h = wait_history(&url, "y is decided", Duration::from_secs(60), |h| state(h, &y) != "PENDING");
+    let yc = change(&h, &y);
+    assert_eq!(yc["state"], "REJECTED", "{h:#}");
+    let reason = yc["reason"].as_str().unwrap();
+    assert!(reason.contains("combined-tree check failed") && reason.contains("a and b are both ON"), "{reason}");
+    let yb = builds(yc);
+    assert!(yb.iter().any(|b| b["state"] == "PASSED" && b["base_version"] == 1 && assumed(b).is_empty()), "y's own build passed on version 1: {h:#}");
+    // The planner dropped y: z's build that assumed y is cancelled, and z is built
+    // again on the real mainline (version 3 exists and holds no change).
+    let zc = change(&h, &z);
+    assert_eq!(zc["state"], "PENDING", "{h:#}");
+    assert!(builds(zc).iter().filter(|b| assumed(b) == [y.as_str()]).all(|b| b["state"] == "CANCELLED"), "{h:#}");
+    assert!(
+        builds(zc).iter().any(|b| b["state"] == "RUNNING" && assumed(b).is_empty() && b["base_version"] == 3),
+        "z rebuilt on version 3: {h:#}"
+    );
+
+    // A crash between recording y's FAILED landing and journaling the planner's event:
+    // stop, take the event (the journal's last) out, start again. The startup must apply
+    // it again, or the planner would count y as landed and restart z's build assuming y.
+    server.stop();
+    let db = format!("sqlite://{}", data.join("metadata.db").display());
+    rt.block_on(async {
+        let pool = sqlx::sqlite::SqlitePool::connect(&db).await.unwrap();
+        let (seq, last): (i64, i64) =
+            sqlx::query_as("SELECT seq, (SELECT MAX(seq) FROM queue_events) FROM queue_events WHERE dedup_key = 'landing-failed:3'")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(seq, last, "y's landing failure is the last event journaled");
+        sqlx::query("DELETE FROM queue_events WHERE seq = $1").bind(seq).execute(&pool).await.unwrap();
+        pool.close().await;
+    });
+    let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+    let h = queue_json(&url, &["history"]);
+    let zc = change(&h, &z);
+    let running: Vec<(u64, Vec<&str>)> = builds(zc)
+        .iter()
+        .filter(|b| b["state"] == "RUNNING")
+        .map(|b| (b["base_version"].as_u64().unwrap(), assumed(b)))
+        .collect();
+    assert_eq!(running, [(3, vec![])], "after the restart z is built on the real mainline only: {h:#}");
+    rt.block_on(async {
+        let pool = sqlx::sqlite::SqlitePool::connect(&db).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM queue_events WHERE dedup_key = 'landing-failed:3'").fetch_one(&pool).await.unwrap();
+        assert_eq!(n, 1, "the startup journaled y's landing failure again");
+        pool.close().await;
+    });
+
+    std::fs::write(gates.join("go-z"), "").unwrap();
+    let h = wait_history(&url, "z is decided", Duration::from_secs(60), |h| state(h, &z) != "PENDING");
+    let zc = change(&h, &z);
+    assert_eq!(zc["state"], "LANDED", "{h:#}");
+    assert_eq!(zc["landed_version"], 4, "{h:#}");
+    let deciding = &h["mainline"][4]["build_id"];
+    let zb = builds(zc).into_iter().find(|b| b["build_id"] == *deciding).unwrap();
+    assert_eq!((zb["base_version"].as_u64(), assumed(zb)), (Some(3), vec![]), "z was decided on the real mainline: {h:#}");
+    assert_eq!(h["mainline"][4]["how"], "fast-forward", "{h:#}");
+    assert_ne!(state(&h, &d), "LANDED");
+
+    // The mainline: versions 0 to 4, y's a FAILED move that left it where it was, and
+    // no commit it ever pointed to (its reflog included) has a and b both ON.
+    let moves: Vec<(u64, String, String)> = h["mainline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["version"].as_u64().unwrap(), m["change_id"].as_str().unwrap().to_string(), m["state"].as_str().unwrap().to_string()))
+        .collect();
+    let expect = |v: u64, c: &str, s: &str| (v, c.to_string(), s.to_string());
+    assert_eq!(moves, [expect(0, "", "DONE"), expect(1, &w, "DONE"), expect(2, &x, "DONE"), expect(3, &y, "FAILED"), expect(4, &z, "DONE")]);
+    let y_move = &h["mainline"][3];
+    assert_eq!(y_move["old_commit"], y_move["new_commit"], "{y_move:#}");
+    let pointed: Vec<String> = git(&repo, &["log", "-g", "--format=%H", "refs/heads/main"]).lines().map(str::to_string).collect();
+    assert_eq!(pointed.last(), Some(&initial));
+    assert_eq!(pointed.len(), 4, "initial, w, x, z: {pointed:?}");
+    for commit in &pointed {
+        let on = |f: &str| git(&repo, &["show", &format!("{commit}:{f}")]).contains("ON");
+        assert!(!(on("a/value.txt") && on("b/value.txt")), "the mainline pointed at {commit}, which fails");
+    }
+    assert_eq!(git(&repo, &["show", "main:b/other.txt"]), "b other edit");
+    assert_eq!(git(&repo, &["show", "main:b/value.txt"]), "b off");
+    assert_eq!(git(&repo, &["show", "main:d/value.txt"]), "d off");
+
+    // The metrics, rebuilt at the restart from the journal and the documents.
+    let n_builds = h["changes"].as_array().unwrap().iter().map(|c| builds(c).len()).sum::<usize>() as f64;
+    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(3.0));
+    let value = |series: &str| metric_value(&m, series).unwrap_or_else(|| panic!("no {series} in\n{m}"));
+    for (state, n) in [("SUBMITTED", 0.0), ("PENDING", 0.0), ("LANDED", 3.0), ("REJECTED", 1.0), ("CANCELLED", 1.0)] {
+        assert_eq!(value(&format!("gantry_queue_changes{{state=\"{state}\"}}")), n, "{state}\n{m}");
+    }
+    assert_eq!(value("gantry_queue_running_builds"), 0.0);
+    assert_eq!(value("gantry_queue_landing_failures_total"), 1.0);
+    assert_eq!(value("gantry_queue_builds_started_total"), n_builds, "one per build in the history");
+    // d's build, z's two builds assuming y or not, and z's rebuilt before the restart.
+    assert!(value("gantry_queue_builds_cancelled_total") >= 3.0, "{m}");
+    assert_eq!(value("gantry_queue_turnaround_seconds_count{state=\"LANDED\"}"), 3.0);
+    assert_eq!(value("gantry_queue_turnaround_seconds_count{state=\"CANCELLED\"}"), 1.0);
+
+    server.stop();
+    println!("queue_paths took {:.1} s", t0.elapsed().as_secs_f64());
+}
