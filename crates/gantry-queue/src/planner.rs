@@ -220,6 +220,8 @@ enum BuildState {
     Running,
     Passed,
     Failed,
+    /// No retry can change it (`BuildOutcome::FailedConclusively`).
+    FailedConclusively,
 }
 
 #[derive(Clone, Debug)]
@@ -239,12 +241,14 @@ struct KeyStat {
     running_n: u32,
     passed: Option<u64>,
     failures: u32,
+    /// One of the failures was conclusive: no retry can pass.
+    conclusive: bool,
     last_failed: Option<u64>,
 }
 
 impl KeyStat {
     fn confirmed_failed(&self, max_attempts: u32) -> bool {
-        self.passed.is_none() && self.failures >= max_attempts
+        self.passed.is_none() && (self.conclusive || self.failures >= max_attempts)
     }
 }
 
@@ -542,7 +546,7 @@ impl Planner {
                         let state = match r.state {
                             BuildState::Running => None,
                             BuildState::Passed => Some(true),
-                            BuildState::Failed => Some(false),
+                            BuildState::Failed | BuildState::FailedConclusively => Some(false),
                         };
                         (r.spec.clone(), state)
                     })
@@ -619,6 +623,10 @@ impl Planner {
                     }
                     BuildOutcome::Failed => {
                         rec.state = BuildState::Failed;
+                        ch.spec_failed += 1;
+                    }
+                    BuildOutcome::FailedConclusively => {
+                        rec.state = BuildState::FailedConclusively;
                         ch.spec_failed += 1;
                     }
                 }
@@ -752,6 +760,11 @@ impl Planner {
                 BuildState::Passed => s.passed = Some(*bid),
                 BuildState::Failed => {
                     s.failures += 1;
+                    s.last_failed = Some(*bid);
+                }
+                BuildState::FailedConclusively => {
+                    s.failures += 1;
+                    s.conclusive = true;
                     s.last_failed = Some(*bid);
                 }
             }
@@ -1148,11 +1161,11 @@ impl Planner {
                 key.sort_unstable();
                 let startable = match (c.hedge, view.stats.get(&key)) {
                     (false, None) => Some(1),
-                    (false, Some(s)) if s.running_n == 0 && s.passed.is_none() && s.failures < max_attempts => {
+                    (false, Some(s)) if s.running_n == 0 && s.passed.is_none() && !s.conclusive && s.failures < max_attempts => {
                         Some(s.failures + 1)
                     }
                     (true, Some(s))
-                        if s.running_n > 0 && s.passed.is_none() && s.failures + s.running_n < max_attempts =>
+                        if s.running_n > 0 && !s.conclusive && s.passed.is_none() && s.failures + s.running_n < max_attempts =>
                     {
                         Some(s.failures + s.running_n + 1)
                     }
@@ -1164,7 +1177,9 @@ impl Planner {
                 let can_hedge = match view.stats.get(&key) {
                     _ if c.hedge || !hedge => false,
                     None => startable.is_some() && max_attempts > 1,
-                    Some(s) => s.passed.is_none() && s.failures + s.running_n + u32::from(startable.is_some()) < max_attempts,
+                    Some(s) => {
+                        s.passed.is_none() && !s.conclusive && s.failures + s.running_n + u32::from(startable.is_some()) < max_attempts
+                    }
                 };
                 if can_hedge {
                     let v = c.value * (1.0 - bases[c.pos]);

@@ -76,6 +76,11 @@ pub enum BuildOutcome {
     Passed,
     /// Some build step failed (possibly flakily).
     Failed,
+    /// The tree could not even be made or failed for a reason no retry can
+    /// change (the change's patch does not apply on it). Counts as a
+    /// confirmed failure of this tree at once: retrying it would only waste
+    /// a build slot.
+    FailedConclusively,
 }
 
 /// Inputs to the planner.

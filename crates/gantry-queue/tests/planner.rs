@@ -281,6 +281,30 @@ fn flaky_failure_is_retried_before_rejecting() {
 }
 
 #[test]
+fn conclusive_failure_is_not_retried() {
+    let mut p = Planner::new(PlannerConfig { max_retries: 2, ..cfg(4) });
+    let b = started(&enqueue(&mut p, 0, "c1", None));
+    let acts = p.handle(Millis(1), Event::BuildFinished { build: b[0].id, outcome: BuildOutcome::FailedConclusively }).unwrap();
+    assert!(started(&acts).is_empty(), "no retry of a tree that cannot pass: {acts:?}");
+    assert!(matches!(&acts[0], Action::Reject { change, reason } if *change == id("c1") && reason.attempts == 1));
+    // On a speculative tree it only rules out that tree: c3 is still built without c2.
+    let b2 = started(&enqueue(&mut p, 2, "c2", None));
+    let b3 = started(&enqueue(&mut p, 2, "c3", None));
+    let on_c2 = find(&b3, "c3", &["c2"]);
+    let acts = p.handle(Millis(3), Event::BuildFinished { build: on_c2, outcome: BuildOutcome::FailedConclusively }).unwrap();
+    assert!(!acts.iter().any(|a| matches!(a, Action::Reject { .. })), "c2 is undecided: {acts:?}");
+    assert!(started(&acts).iter().all(|s| shape(s) != ("c3".to_string(), vec!["c2".to_string()])), "{acts:?}");
+    // c2 lands: c3 is then decided by nothing but a build on a tree with c2,
+    // which is conclusively failed, so c3 is rejected without another build.
+    let acts = finish(&mut p, 4, b2[0].id, true);
+    assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c2")));
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::Reject { change, reason } if *change == id("c3") && reason.build.id == on_c2)),
+        "{acts:?}"
+    );
+}
+
+#[test]
 fn cancelling_a_change_cancels_builds_that_assume_it() {
     let mut p = Planner::new(cfg(10));
     let mut builds = started(&enqueue(&mut p, 0, "c1", None));

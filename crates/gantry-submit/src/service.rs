@@ -167,6 +167,8 @@ fn unix_ms() -> i64 {
 struct Finished {
     id: u64,
     passed: bool,
+    /// A failure no retry can change (the patch does not apply on the tree).
+    conclusive: bool,
     commit: String,
     targets: Vec<String>,
     message: String,
@@ -247,7 +249,7 @@ async fn run_build_command(command: &[String], tree: &std::path::Path, deadline:
 /// How one try of a queue build ended.
 enum Attempt {
     /// A result for the planner.
-    Done { passed: bool, commit: String, targets: Vec<String>, message: String },
+    Done { passed: bool, conclusive: bool, commit: String, targets: Vec<String>, message: String },
     /// Not the tree's doing: try the same build again later.
     Infra(String),
     /// The queue is stopping: report nothing.
@@ -557,9 +559,11 @@ impl QueueService {
     async fn run_build(self: Arc<Self>, spec: BuildSpec) {
         let id = spec.id.0;
         let mut retry = 0;
-        let (passed, commit, targets, message) = loop {
+        let (passed, conclusive, commit, targets, message) = loop {
             match self.build(&spec).await {
-                Attempt::Done { passed, commit, targets, message } => break (passed, commit, targets, message),
+                Attempt::Done { passed, conclusive, commit, targets, message } => {
+                    break (passed, conclusive, commit, targets, message);
+                }
                 Attempt::Stopping => return,
                 Attempt::Infra(_) if self.stopping() => return,
                 Attempt::Infra(why) => {
@@ -577,7 +581,7 @@ impl QueueService {
             return;
         }
         tracing::info!(build = %spec.id, change = %spec.change, passed, commit = short(&commit), "queue build finished");
-        let _ = self.finished_tx.send(Finished { id, passed, commit, targets, message });
+        let _ = self.finished_tx.send(Finished { id, passed, conclusive, commit, targets, message });
     }
 
     /// Sets the message of a running build (shown by `gantry queue status`).
@@ -627,7 +631,9 @@ impl QueueService {
         };
         let docs = match self.patches(spec).await {
             Ok(d) => d,
-            Err(message) => return Attempt::Done { passed: false, commit: String::new(), targets: vec![], message },
+            Err(message) => {
+                return Attempt::Done { passed: false, conclusive: false, commit: String::new(), targets: vec![], message };
+            }
         };
         let targets = Self::targets_of(&docs);
         let (repo, t) = (self.repo.clone(), targets.clone());
@@ -637,9 +643,11 @@ impl QueueService {
             let made = (|| {
                 let mut commit = base;
                 for d in &docs {
-                    // A patch that does not apply is the change's doing: a failure.
+                    // A patch that does not apply is the change's doing: a failure,
+                    // and a conclusive one (the same tree never applies on a retry).
                     commit = repo.apply(&d.patch(), &commit).map_err(|message| Attempt::Done {
                         passed: false,
+                        conclusive: true,
                         commit: String::new(),
                         targets: t.clone(),
                         message,
@@ -661,8 +669,8 @@ impl QueueService {
             Err(ended) => return ended,
         };
         match self.run_steps(lease.runner(), &tree, &targets).await {
-            Verdict::Passed => Attempt::Done { passed: true, commit, targets, message: String::new() },
-            Verdict::Failed(message) => Attempt::Done { passed: false, commit, targets, message },
+            Verdict::Passed => Attempt::Done { passed: true, conclusive: false, commit, targets, message: String::new() },
+            Verdict::Failed(message) => Attempt::Done { passed: false, conclusive: false, commit, targets, message },
             Verdict::Infra(why) => Attempt::Infra(why),
         }
     }
@@ -705,7 +713,11 @@ impl QueueService {
         doc.message = f.message;
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, &doc.state, doc)?).await?;
-        let outcome = if f.passed { BuildOutcome::Passed } else { BuildOutcome::Failed };
+        let outcome = match (f.passed, f.conclusive) {
+            (true, _) => BuildOutcome::Passed,
+            (false, false) => BuildOutcome::Failed,
+            (false, true) => BuildOutcome::FailedConclusively,
+        };
         let build = gantry_queue::BuildId(f.id);
         self.apply(&mut inner, Event::BuildFinished { build, outcome }, Some(format!("finished:{}", f.id))).await
     }

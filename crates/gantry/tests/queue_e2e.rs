@@ -305,7 +305,10 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     assert_eq!(landed, expected, "landed set differs from the reference");
     assert!(!(landed.contains("pair-a") && landed.contains("pair-b")), "the conflicting pair both landed");
     let clash = changes.iter().find(|c| branch_of(c["change_id"].as_str().unwrap()) == "p4-clash").unwrap();
-    assert!(clash["reason"].as_str().unwrap().contains("does not apply"), "{clash:#}");
+    let why = clash["reason"].as_str().unwrap();
+    assert!(why.contains("does not apply"), "{clash:#}");
+    // Decided at analysis, or by one build: a patch conflict is never retried.
+    assert!(!why.contains("time(s)") || why.contains("failed 1 time(s)"), "{clash:#}");
     let broken = changes.iter().find(|c| branch_of(c["change_id"].as_str().unwrap()) == "p2-broken").unwrap();
     assert!(broken["reason"].as_str().unwrap().contains("TESTS_FAILED"), "{broken:#}");
 
