@@ -13,18 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixture_flags, metric_value, toml_list, wait_metrics, GantryServer};
+use common::{fixture_flags, gantry, git, metric_value, toml_list, wait_metrics, GantryServer};
 use serde_json::Value;
-
-fn gantry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
-    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 const PACKAGES: [&str; 5] = ["p1", "p2", "p3", "p4", "p5"];
 const LINES: usize = 7;

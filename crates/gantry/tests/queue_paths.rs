@@ -21,22 +21,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{fixture_flags, metric_value, toml_list, wait_metrics, GantryServer};
+use common::{fixture_flags, gantry, git, metric_value, toml_list, wait_metrics, GantryServer};
 use gantry_proto::queue::v1 as pb;
 use serde_json::Value;
-
-fn gantry() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gantry"))
-}
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
-    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 fn queue_json(url: &str, args: &[&str]) -> Value {
     let out = gantry().arg("queue").args(args).args(["--json", "--server", url]).output().unwrap();

@@ -239,3 +239,15 @@ pub fn wait_metrics(http: &str, limit: Duration, ok: impl Fn(&str) -> bool) -> S
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The `gantry` binary under test.
+pub fn gantry() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gantry"))
+}
+
+/// Runs git in `dir`; panics with git's stderr on failure; returns trimmed stdout.
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
