@@ -336,6 +336,11 @@ impl BuildService {
         Ok((done, builds))
     }
 
+    /// Whether `shutdown` was called: watchers end their streams then.
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.state.lock().expect("poisoned").shutting_down
+    }
+
     /// A receiver that changes whenever a build changes state or a stream finishes planning.
     pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.inner.changes.subscribe()
@@ -356,6 +361,8 @@ impl BuildService {
     /// and shuts the Bazel servers down.
     pub async fn shutdown(&self) {
         self.inner.state.lock().expect("poisoned").shutting_down = true;
+        // Wake the watchers, so their streams end and the server can drain.
+        self.inner.changes.send_modify(|v| *v += 1);
         let tasks = std::mem::take(&mut *self.tasks.lock().expect("poisoned"));
         drop(tasks);
         for r in &self.inner.runners {

@@ -347,6 +347,11 @@ impl Batcher for BatcherService {
             let mut sent: HashMap<String, String> = HashMap::new();
             loop {
                 changes.borrow_and_update();
+                if builds.is_shutting_down() {
+                    // A watch would otherwise hold the server's drain until its builds end.
+                    let _ = tx.send(Err(Status::unavailable("gantry is shutting down: watch again once it is back"))).await;
+                    return;
+                }
                 let (done, docs) = match builds.stream_complete(&stream_id).await {
                     Ok(v) => v,
                     Err(e) => {

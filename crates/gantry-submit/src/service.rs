@@ -383,6 +383,8 @@ impl QueueService {
     /// Stops the background tasks and every build (their Bazel processes are killed).
     pub async fn shutdown(&self) {
         self.stopping.store(true, Ordering::SeqCst);
+        // Wake the watchers: they end their streams, so the server can drain.
+        self.updates.send_modify(|n| *n += 1);
         self.background.lock().expect("not poisoned").clear();
         self.inner.lock().await.tasks.clear();
         let runners: Vec<Runner> = std::mem::take(&mut *self.runners.lock().expect("not poisoned"));
@@ -1251,6 +1253,12 @@ impl QueueService {
             let mut last: Option<pb::Change> = None;
             loop {
                 updates.mark_unchanged();
+                if this.stopping() {
+                    // An open watch would otherwise hold the server's drain until the
+                    // change is decided, which may be after the restart.
+                    let _ = tx.send(Err(tonic::Status::unavailable("gantry is shutting down: watch again once it is back"))).await;
+                    return;
+                }
                 let c = match this.change(&id).await {
                     Ok(c) => c,
                     Err(e) => {

@@ -242,10 +242,25 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
         "z rebuilt on version 3: {h:#}"
     );
 
+    // A watch of an undecided change must not hold the server's shutdown: the stream
+    // ends with UNAVAILABLE (without that the drain waits 30 s and `stop` fails at 20 s).
+    let mut watch = gantry()
+        .args(["queue", "watch", &z, "--json", "--server", &url])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(watch.stdout.take().unwrap()), &mut first).unwrap();
+    assert!(first.contains("PENDING"), "the watch is open on pending z: {first}");
+
     // A crash between recording y's FAILED landing and journaling the planner's event:
     // stop, take the event (the journal's last) out, start again. The startup must apply
     // it again, or the planner would count y as landed and restart z's build assuming y.
     server.stop();
+    let out = watch.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the watch ends unfinished");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("shutting down"), "{}", String::from_utf8_lossy(&out.stderr));
     let db = format!("sqlite://{}", data.join("metadata.db").display());
     rt.block_on(async {
         let pool = sqlx::sqlite::SqlitePool::connect(&db).await.unwrap();
