@@ -250,6 +250,13 @@ impl KeyStat {
     fn confirmed_failed(&self, max_attempts: u32) -> bool {
         self.passed.is_none() && (self.conclusive || self.failures >= max_attempts)
     }
+
+    /// Whether another attempt of this tree may start, with `planned` attempts
+    /// already running or about to: not passed, not conclusively failed, and
+    /// attempts left.
+    fn may_attempt(&self, max_attempts: u32, planned: u32) -> bool {
+        self.passed.is_none() && !self.conclusive && self.failures + planned < max_attempts
+    }
 }
 
 /// Counters for monitoring and the simulator.
@@ -480,6 +487,21 @@ impl Planner {
         self.pending.iter().map(|&i| self.changes[i].id.clone()).collect()
     }
 
+    /// Whether the change is on the mainline (landed, and its landing did not fail).
+    pub fn is_landed(&self, change: &ChangeId) -> bool {
+        self.by_id.get(change).is_some_and(|&i| self.landed(i))
+    }
+
+    /// Whether the change is still undecided in the queue.
+    pub fn is_pending(&self, change: &ChangeId) -> bool {
+        self.by_id.get(change).is_some_and(|i| self.pending.contains(i))
+    }
+
+    /// Number of builds running.
+    pub fn running_count(&self) -> usize {
+        self.running.len()
+    }
+
     /// Builds currently running.
     pub fn running_builds(&self) -> Vec<BuildSpec> {
         self.running.iter().map(|b| self.builds[b].spec.clone()).collect()
@@ -638,7 +660,7 @@ impl Planner {
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
             Event::LandingFailed { change } => {
                 let i = self.index(&change)?;
-                if !matches!(self.changes[i].status, Status::Landed(_)) {
+                if !self.landed(i) {
                     return Err(QueueError::NotLanded(change.0));
                 }
                 // The version slot stays (versions are positions the
@@ -1161,11 +1183,11 @@ impl Planner {
                 key.sort_unstable();
                 let startable = match (c.hedge, view.stats.get(&key)) {
                     (false, None) => Some(1),
-                    (false, Some(s)) if s.running_n == 0 && s.passed.is_none() && !s.conclusive && s.failures < max_attempts => {
+                    (false, Some(s)) if s.running_n == 0 && s.may_attempt(max_attempts, 0) => {
                         Some(s.failures + 1)
                     }
                     (true, Some(s))
-                        if s.running_n > 0 && !s.conclusive && s.passed.is_none() && s.failures + s.running_n < max_attempts =>
+                        if s.running_n > 0 && s.may_attempt(max_attempts, s.running_n) =>
                     {
                         Some(s.failures + s.running_n + 1)
                     }
@@ -1177,9 +1199,7 @@ impl Planner {
                 let can_hedge = match view.stats.get(&key) {
                     _ if c.hedge || !hedge => false,
                     None => startable.is_some() && max_attempts > 1,
-                    Some(s) => {
-                        s.passed.is_none() && !s.conclusive && s.failures + s.running_n + u32::from(startable.is_some()) < max_attempts
-                    }
+                    Some(s) => s.may_attempt(max_attempts, s.running_n + u32::from(startable.is_some())),
                 };
                 if can_hedge {
                     let v = c.value * (1.0 - bases[c.pos]);

@@ -166,9 +166,7 @@ fn unix_ms() -> i64 {
 /// A build's result, sent to the event loop.
 struct Finished {
     id: u64,
-    passed: bool,
-    /// A failure no retry can change (the patch does not apply on the tree).
-    conclusive: bool,
+    outcome: BuildOutcome,
     commit: String,
     targets: Vec<String>,
     message: String,
@@ -248,8 +246,8 @@ async fn run_build_command(command: &[String], tree: &std::path::Path, deadline:
 
 /// How one try of a queue build ended.
 enum Attempt {
-    /// A result for the planner.
-    Done { passed: bool, conclusive: bool, commit: String, targets: Vec<String>, message: String },
+    /// A result for the planner (`FailedConclusively`: the patch does not apply on the tree).
+    Done { outcome: BuildOutcome, commit: String, targets: Vec<String>, message: String },
     /// Not the tree's doing: try the same build again later.
     Infra(String),
     /// The queue is stopping: report nothing.
@@ -399,7 +397,7 @@ impl QueueService {
             {
                 let inner = self.inner.lock().await;
                 let failed = inner.landings.values().filter(|r| r.state == "FAILED").count() as u64;
-                let running = inner.planner.running_builds().len();
+                let running = inner.planner.running_count();
                 self.metrics.refresh(inner.planner.stats(), running, failed, inner.changes.values());
             }
             if updates.changed().await.is_err() {
@@ -561,11 +559,9 @@ impl QueueService {
     async fn run_build(self: Arc<Self>, spec: BuildSpec) {
         let id = spec.id.0;
         let mut retry = 0;
-        let (passed, conclusive, commit, targets, message) = loop {
+        let (outcome, commit, targets, message) = loop {
             match self.build(&spec).await {
-                Attempt::Done { passed, conclusive, commit, targets, message } => {
-                    break (passed, conclusive, commit, targets, message);
-                }
+                Attempt::Done { outcome, commit, targets, message } => break (outcome, commit, targets, message),
                 Attempt::Stopping => return,
                 Attempt::Infra(_) if self.stopping() => return,
                 Attempt::Infra(why) => {
@@ -582,8 +578,8 @@ impl QueueService {
         if self.stopping() {
             return;
         }
-        tracing::info!(build = %spec.id, change = %spec.change, passed, commit = short(&commit), "queue build finished");
-        let _ = self.finished_tx.send(Finished { id, passed, conclusive, commit, targets, message });
+        tracing::info!(build = %spec.id, change = %spec.change, ?outcome, commit = short(&commit), "queue build finished");
+        let _ = self.finished_tx.send(Finished { id, outcome, commit, targets, message });
     }
 
     /// Sets the message of a running build (shown by `gantry queue status`).
@@ -634,7 +630,7 @@ impl QueueService {
         let docs = match self.patches(spec).await {
             Ok(d) => d,
             Err(message) => {
-                return Attempt::Done { passed: false, conclusive: false, commit: String::new(), targets: vec![], message };
+                return Attempt::Done { outcome: BuildOutcome::Failed, commit: String::new(), targets: vec![], message };
             }
         };
         let targets = Self::targets_of(&docs);
@@ -648,8 +644,7 @@ impl QueueService {
                     // A patch that does not apply is the change's doing: a failure,
                     // and a conclusive one (the same tree never applies on a retry).
                     commit = repo.apply(&d.patch(), &commit).map_err(|message| Attempt::Done {
-                        passed: false,
-                        conclusive: true,
+                        outcome: BuildOutcome::FailedConclusively,
                         commit: String::new(),
                         targets: t.clone(),
                         message,
@@ -671,8 +666,8 @@ impl QueueService {
             Err(ended) => return ended,
         };
         match self.run_steps(lease.runner(), &tree, &targets).await {
-            Verdict::Passed => Attempt::Done { passed: true, conclusive: false, commit, targets, message: String::new() },
-            Verdict::Failed(message) => Attempt::Done { passed: false, conclusive: false, commit, targets, message },
+            Verdict::Passed => Attempt::Done { outcome: BuildOutcome::Passed, commit, targets, message: String::new() },
+            Verdict::Failed(message) => Attempt::Done { outcome: BuildOutcome::Failed, commit, targets, message },
             Verdict::Infra(why) => Attempt::Infra(why),
         }
     }
@@ -709,19 +704,14 @@ impl QueueService {
         if doc.state != "RUNNING" {
             return Ok(()); // cancelled while it finished
         }
-        doc.state = if f.passed { "PASSED" } else { "FAILED" }.into();
+        doc.state = if f.outcome == BuildOutcome::Passed { "PASSED" } else { "FAILED" }.into();
         doc.commit = f.commit;
         doc.targets = f.targets;
         doc.message = f.message;
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, &doc.state, doc)?).await?;
-        let outcome = match (f.passed, f.conclusive) {
-            (true, _) => BuildOutcome::Passed,
-            (false, false) => BuildOutcome::Failed,
-            (false, true) => BuildOutcome::FailedConclusively,
-        };
         let build = gantry_queue::BuildId(f.id);
-        self.apply(&mut inner, Event::BuildFinished { build, outcome }, Some(format!("finished:{}", f.id))).await
+        self.apply(&mut inner, Event::BuildFinished { build, outcome: f.outcome }, Some(format!("finished:{}", f.id))).await
     }
 
     // ---- landing ------------------------------------------------------------------
@@ -912,7 +902,7 @@ impl QueueService {
         let change = ChangeId(row.change_id.clone());
         // Only a change the planner still counts as landed: the journal may already
         // hold the event (then the replay applied it), and the planner refuses it twice.
-        if !inner.planner.mainline().contains(&change) {
+        if !inner.planner.is_landed(&change) {
             return Ok(());
         }
         tracing::info!(change = %change, version = row.version, "landing failed: the planner drops the change and re-plans");
@@ -1145,7 +1135,7 @@ impl QueueService {
                 let change = ChangeId(id.to_string());
                 // The planner decided to land it and the lander is moving the mainline:
                 // the change is no longer the developer's to withdraw.
-                if !inner.planner.pending().contains(&change) {
+                if !inner.planner.is_pending(&change) {
                     return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already being landed")));
                 }
                 self.apply(&mut inner, Event::Cancel { change }, Some(format!("cancel:{id}"))).await?;
