@@ -338,6 +338,12 @@ struct View {
     stats_ready: bool,
 }
 
+/// Overrides waiting for their change to arrive.
+struct Preset {
+    success: f64,
+    conflicts: Vec<(usize, f64)>,
+}
+
 /// The SubmitQueue planner. See the module docs for the model.
 pub struct Planner {
     config: PlannerConfig,
@@ -353,6 +359,8 @@ pub struct Planner {
     /// Interned, sorted affected targets and graph flag per change (None = unknown).
     analysis: Vec<Option<(Vec<u32>, bool)>>,
     conflict_override: HashMap<(usize, usize), f64>,
+    /// Overrides for changes not enqueued yet (see [`Planner::preset`]).
+    presets: HashMap<ChangeId, Preset>,
     model: Option<LogisticModel>,
     history: VecDeque<TrainingExample>,
     decisions_since_train: usize,
@@ -436,6 +444,7 @@ impl Planner {
             targets: HashMap::new(),
             analysis: Vec::new(),
             conflict_override: HashMap::new(),
+            presets: HashMap::new(),
             model: None,
             history: VecDeque::new(),
             decisions_since_train: 0,
@@ -530,6 +539,21 @@ impl Planner {
     pub fn override_conflict(&mut self, later: &ChangeId, earlier: &ChangeId, p: f64) -> Result<(), QueueError> {
         let (l, e) = (self.index(later)?, self.index(earlier)?);
         self.conflict_override.insert((l, e), p.clamp(0.0, 1.0));
+        Ok(())
+    }
+
+    /// Overrides for a change that is about to be enqueued, applied as it
+    /// arrives so that the plan made for its arrival already uses them. An
+    /// override installed after the enqueue only counts from the next event,
+    /// by which time the arrival's hedged retry may already run. `earlier`
+    /// conflict partners must be enqueued first. For oracles in simulation.
+    pub fn preset(&mut self, change: ChangeId, success: f64, conflicts: &[(ChangeId, f64)]) -> Result<(), QueueError> {
+        if self.by_id.contains_key(&change) {
+            return Err(QueueError::DuplicateChange(change.0));
+        }
+        let conflicts =
+            conflicts.iter().map(|(e, p)| Ok((self.index(e)?, p.clamp(0.0, 1.0)))).collect::<Result<_, QueueError>>()?;
+        self.presets.insert(change, Preset { success: success.clamp(0.0, 1.0), conflicts });
         Ok(())
     }
 
@@ -739,6 +763,12 @@ impl Planner {
             enqueued: now,
         });
         self.analysis.push(interned);
+        if let Some(pre) = self.presets.remove(&id) {
+            self.changes[i].success_override = Some(pre.success);
+            for (e, p) in pre.conflicts {
+                self.conflict_override.insert((i, e), p);
+            }
+        }
         self.by_id.insert(id, i);
         self.pending.insert(i);
         Ok(())

@@ -388,6 +388,32 @@ fn hedged_retry_runs_alongside_a_risky_build() {
 }
 
 #[test]
+fn preset_applies_on_arrival_and_prices_the_first_plan() {
+    // Known to fail: the arrival's own plan already hedges the retry.
+    let mut p = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, min_value: 0.5, ..cfg(4) });
+    p.preset(id("bad"), 0.0, &[]).unwrap();
+    let b = started(&enqueue(&mut p, 0, "bad", None));
+    assert_eq!(b.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2]);
+    // Known to pass: no hedge, where the pessimistic prior alone hedges.
+    let mut q = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, min_value: 0.5, prior_success: 0.2, ..cfg(6) });
+    let without = started(&enqueue(&mut q, 0, "x", None));
+    assert_eq!(without.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2], "the prior alone hedges");
+    q.preset(id("good"), 1.0, &[(id("x"), 1.0)]).unwrap();
+    let b = started(&enqueue(&mut q, 1, "good", None));
+    assert!(!b.is_empty() && b.iter().all(|x| x.attempt == 1), "{b:?}");
+    let snap = q.snapshot();
+    let good = snap.iter().find(|v| v.change == id("good")).unwrap();
+    // P(lands) = P(x fails) · 1 + P(x lands) · (1 − conflict) = 0.8 · 1 + 0.2 · 0.
+    assert!(close(good.landing_probability, 0.8), "{}", good.landing_probability);
+    // Bad input changes nothing.
+    assert!(matches!(q.preset(id("good"), 1.0, &[]), Err(QueueError::DuplicateChange(_))));
+    assert!(matches!(q.preset(id("new"), 1.0, &[(id("nope"), 1.0)]), Err(QueueError::UnknownChange(_))));
+    enqueue(&mut q, 2, "new", None);
+    let snap = q.snapshot();
+    assert!(!close(snap.iter().find(|v| v.change == id("new")).unwrap().landing_probability, 1.0));
+}
+
+#[test]
 fn blocking_weight_prefers_changes_others_wait_for() {
     // c1 is uncertain (value of its own build is 1, but think of c3's
     // alternatives): with weights, c1's hedge/alternatives outrank a lone

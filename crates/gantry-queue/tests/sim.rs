@@ -16,7 +16,7 @@ fn every_policy_is_correct_and_green() {
         let trace = small(120.0, seed);
         let opts = SimOptions { capacity: 20, ..SimOptions::default() };
         let cmp = compare_policies("test", &trace, &opts).unwrap();
-        assert_eq!(cmp.reports.len(), 5);
+        assert_eq!(cmp.reports.len(), 6);
         for r in &cmp.reports {
             assert!(r.green, "{} went red: {:?}", r.policy, r.violation_examples);
             assert_eq!(r.violations, 0, "{}: {:?}", r.policy, r.violation_examples);
@@ -27,6 +27,13 @@ fn every_policy_is_correct_and_green() {
         let oracle = &cmp.reports[0];
         assert_eq!(oracle.policy, "oracle");
         assert_eq!(oracle.builds_started as usize, trace.len(), "oracle runs one build per change");
+        // Held to the retry rule, the oracle pays exactly one more build per
+        // rejected change (nothing is flaky), and cannot be faster.
+        let held = &cmp.reports[1];
+        assert_eq!(held.policy, "oracle-retry");
+        assert!(held.rejected > 0, "the trace rejects something");
+        assert_eq!(held.builds_started as usize, trace.len() + held.rejected, "one retry per rejection");
+        assert!(held.p50_s >= oracle.p50_s && held.p99_s >= oracle.p99_s);
         assert!(cmp.normalized.iter().all(|n| n.p50_ratio >= 0.999), "nobody beats the oracle: {:?}", cmp.normalized);
     }
 }

@@ -16,7 +16,7 @@ pub struct QueueBenchArgs {
     /// Concurrent builds.
     #[arg(long, default_value_t = 100)]
     capacity: usize,
-    /// One policy (sq, single, optimistic, speculate-all, oracle) [default: all, with ratios to the oracle].
+    /// One policy (sq, single, optimistic, speculate-all, oracle, oracle-retry) [default: all, with ratios to the oracle].
     #[arg(long)]
     policy: Option<String>,
     /// Probability that a build that should pass fails anyway (flaky tests).
@@ -35,7 +35,10 @@ pub struct QueueBenchArgs {
 }
 
 fn policy(name: &str) -> anyhow::Result<Policy> {
-    Policy::from_name(name).with_context(|| format!("--policy {name}: expected one of sq, single, optimistic, speculate-all, oracle"))
+    Policy::from_name(name).with_context(|| {
+        let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+        format!("--policy {name}: expected one of {}", names.join(", "))
+    })
 }
 
 fn report_json(r: &sim::Report) -> serde_json::Value {
@@ -48,6 +51,8 @@ fn report_json(r: &sim::Report) -> serde_json::Value {
 pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.capacity > 0, "--capacity must be at least 1");
     anyhow::ensure!((0.0..1.0).contains(&args.flaky_rate), "--flaky-rate must be in [0, 1)");
+    // Reject a bad policy name before generating any stream.
+    let only = args.policy.as_deref().map(policy).transpose()?;
     let opts = SimOptions {
         capacity: args.capacity,
         flaky_rate: args.flaky_rate,
@@ -67,8 +72,8 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     };
     let mut failed = false;
     for (name, trace) in &workloads {
-        if let Some(p) = &args.policy {
-            let r = sim::simulate(trace, policy(p)?, &opts)?;
+        if let Some(p) = only {
+            let r = sim::simulate(trace, p, &opts)?;
             failed |= r.violations > 0 || !r.green;
             if args.json {
                 println!("{}", report_json(&r));
