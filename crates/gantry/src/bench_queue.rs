@@ -22,6 +22,10 @@ pub struct QueueBenchArgs {
     /// Probability that a build that should pass fails anyway (flaky tests).
     #[arg(long, default_value_t = 0.0)]
     flaky_rate: f64,
+    /// Retries of a failing build before its change is rejected (the queue's
+    /// `max_retries`; `oracle-retry` is held to it too).
+    #[arg(long, default_value_t = 1)]
+    max_retries: u32,
     /// Seed of the generated streams and of flakiness.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -56,6 +60,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     let opts = SimOptions {
         capacity: args.capacity,
         flaky_rate: args.flaky_rate,
+        max_retries: args.max_retries,
         seed: args.seed,
         sq_knows_conflicts: args.sq_knows_conflicts,
         ..SimOptions::default()
