@@ -314,7 +314,8 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
         // Exact probabilities come from overrides; the learned conflict rate
         // must not leak in, so pin it at zero with an overwhelming prior.
         // It also never starts a build that is not certainly needed.
-        // Knowing outcomes, it retries only when flakes exist at all.
+        // Knowing outcomes, it retries only when flakes exist at all;
+        // `oracle-retry` always retries, as the queue's rule says.
         // Plain queue order among its (all certain) builds.
         Policy::Oracle | Policy::OracleRetry => PlannerConfig {
             blocking_weight: 0.0,

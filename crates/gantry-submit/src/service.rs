@@ -163,7 +163,7 @@ fn unix_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-/// A build's result, sent to the event loop.
+/// A build's result for the planner, sent to the event loop.
 struct Finished {
     id: u64,
     outcome: BuildOutcome,
@@ -247,7 +247,7 @@ async fn run_build_command(command: &[String], tree: &std::path::Path, deadline:
 /// How one try of a queue build ended.
 enum Attempt {
     /// A result for the planner (`FailedConclusively`: the patch does not apply on the tree).
-    Done { outcome: BuildOutcome, commit: String, targets: Vec<String>, message: String },
+    Done(Finished),
     /// Not the tree's doing: try the same build again later.
     Infra(String),
     /// The queue is stopping: report nothing.
@@ -559,9 +559,9 @@ impl QueueService {
     async fn run_build(self: Arc<Self>, spec: BuildSpec) {
         let id = spec.id.0;
         let mut retry = 0;
-        let (outcome, commit, targets, message) = loop {
+        let finished = loop {
             match self.build(&spec).await {
-                Attempt::Done { outcome, commit, targets, message } => break (outcome, commit, targets, message),
+                Attempt::Done(f) => break f,
                 Attempt::Stopping => return,
                 Attempt::Infra(_) if self.stopping() => return,
                 Attempt::Infra(why) => {
@@ -578,8 +578,8 @@ impl QueueService {
         if self.stopping() {
             return;
         }
-        tracing::info!(build = %spec.id, change = %spec.change, ?outcome, commit = short(&commit), "queue build finished");
-        let _ = self.finished_tx.send(Finished { id, outcome, commit, targets, message });
+        tracing::info!(build = %spec.id, change = %spec.change, outcome = ?finished.outcome, commit = short(&finished.commit), "queue build finished");
+        let _ = self.finished_tx.send(finished);
     }
 
     /// Sets the message of a running build (shown by `gantry queue status`).
@@ -627,11 +627,11 @@ impl QueueService {
             let Ok(v) = rx.wait_for(|v| v.len() as u64 > spec.base_version).await else { return Attempt::Stopping };
             v[spec.base_version as usize].clone()
         };
+        let id = spec.id.0;
+        let done = move |outcome, commit, targets, message| Attempt::Done(Finished { id, outcome, commit, targets, message });
         let docs = match self.patches(spec).await {
             Ok(d) => d,
-            Err(message) => {
-                return Attempt::Done { outcome: BuildOutcome::Failed, commit: String::new(), targets: vec![], message };
-            }
+            Err(message) => return done(BuildOutcome::Failed, String::new(), vec![], message),
         };
         let targets = Self::targets_of(&docs);
         let (repo, t) = (self.repo.clone(), targets.clone());
@@ -643,11 +643,8 @@ impl QueueService {
                 for d in &docs {
                     // A patch that does not apply is the change's doing: a failure,
                     // and a conclusive one (the same tree never applies on a retry).
-                    commit = repo.apply(&d.patch(), &commit).map_err(|message| Attempt::Done {
-                        outcome: BuildOutcome::FailedConclusively,
-                        commit: String::new(),
-                        targets: t.clone(),
-                        message,
+                    commit = repo.apply(&d.patch(), &commit).map_err(|message| {
+                        done(BuildOutcome::FailedConclusively, String::new(), t.clone(), message)
                     })?;
                 }
                 let tree = gantry_builds::workspace::checkout(&repo.path, &commit, lease.runner().dir())
@@ -666,8 +663,8 @@ impl QueueService {
             Err(ended) => return ended,
         };
         match self.run_steps(lease.runner(), &tree, &targets).await {
-            Verdict::Passed => Attempt::Done { outcome: BuildOutcome::Passed, commit, targets, message: String::new() },
-            Verdict::Failed(message) => Attempt::Done { outcome: BuildOutcome::Failed, commit, targets, message },
+            Verdict::Passed => done(BuildOutcome::Passed, commit, targets, String::new()),
+            Verdict::Failed(message) => done(BuildOutcome::Failed, commit, targets, message),
             Verdict::Infra(why) => Attempt::Infra(why),
         }
     }
