@@ -79,8 +79,9 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
         short_window: Duration::from_secs(3_600),
     };
     let url = format!("sqlite://{}", dir.join("meta.db").display());
-    let store = Arc::new(gantry_store::SqlBuildStore::connect(&url).await.unwrap());
-    let log = Arc::new(gantry_store::SqlExecutionLog::connect(&url).await.unwrap());
+    let db = gantry_store::MetadataDb::open(&url).await.unwrap();
+    let store = Arc::new(gantry_store::SqlBuildStore::new(db.clone()));
+    let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
     let planner = PlannerConfig { fallback_batch_size: 4, ..Default::default() };
     BuildService::start(settings, store, log, planner, Arc::new(RwLock::new(Arc::new(Models::default())))).await.unwrap()
 }

@@ -126,13 +126,7 @@ struct Remote {
 
 impl Remote {
     async fn connect(t: &RemoteTarget) -> Result<Remote> {
-        let url = match t.url.strip_prefix("grpc://") {
-            Some(rest) => format!("http://{rest}"),
-            None => t.url.clone(),
-        };
-        let channel = Channel::from_shared(url.clone())
-            .map_err(|e| Error::invalid(format!("--remote {}: {e}", t.url)))?
-            .connect_lazy();
+        let channel = gantry_core::client::connect_lazy(&t.url).map_err(|e| e.context("--remote"))?;
         let cas: Arc<dyn BlobStore> = Arc::new(GrpcStore::new(channel.clone(), t.instance.clone()));
         Ok(Remote { channel, instance: t.instance.clone(), cas })
     }

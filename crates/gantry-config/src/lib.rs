@@ -32,6 +32,8 @@ pub struct Config {
     pub server: ServerConfig,
     /// The content-addressable store for blobs.
     pub cas: CasConfig,
+    /// The metadata database every SQL store shares.
+    pub metadata: MetadataConfig,
     /// Where ActionResults are kept.
     pub action_cache: ActionCacheConfig,
     /// The target batching service (`gantry.batch.v1.Batcher`).
@@ -88,11 +90,18 @@ impl Default for QueueConfig {
     }
 }
 
-/// `[execution]`: remote execution. `gantry serve` always runs the scheduler (separate
-/// `gantry worker` processes can connect to it) and starts in-process workers.
+/// `[execution]`: remote execution. `gantry serve` runs the scheduler (separate
+/// `gantry worker` processes can connect to it) and starts in-process workers, unless
+/// `scheduler` names another gantry: then it is a frontend.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExecutionConfig {
+    /// Make this server a frontend of the scheduler at this address
+    /// (`grpc://HOST:PORT`, another `gantry serve`): it serves the CAS, action cache and
+    /// ByteStream itself, forwards Execute, WaitExecution and the Operations calls there,
+    /// and runs no scheduler and no workers. Share `[metadata]` and the CAS with it.
+    /// Unset: this server is a scheduler.
+    pub scheduler: Option<String>,
     /// In-process workers (one action each at a time): a count (all size class 1), or a
     /// list of size classes, e.g. `[{size_class = 1, count = 2}, {size_class = 4, count = 1}]`.
     /// Default: the number of cores. 0 runs no local workers, only `gantry worker` processes.
@@ -192,6 +201,7 @@ impl Default for SizeClassConfig {
 impl Default for ExecutionConfig {
     fn default() -> Self {
         ExecutionConfig {
+            scheduler: None,
             workers: None,
             memory_per_size_class: None,
             cpus_per_size_class: None,
@@ -289,6 +299,31 @@ impl Default for MemoryStoreConfig {
     }
 }
 
+/// `[metadata]`: the SQL database holding everything that is not a blob: the action
+/// cache, the execution log, size-class statistics, batch builds and the submit queue.
+/// Several `gantry serve` processes may share one PostgreSQL database.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetadataConfig {
+    /// `sqlite://PATH` (embedded, one host) or `postgres://USER:PASSWORD@HOST:5432/DB`.
+    /// Default `sqlite://{data_dir}/metadata.db` (created if missing). The password never
+    /// appears in gantry's messages; it may also come from the `PGPASSWORD` environment
+    /// variable instead of the URL.
+    pub url: Option<String>,
+    /// Connections in the pool shared by every store. Default 8.
+    pub max_connections: u32,
+    /// How long to wait for a connection (at startup, and from a busy pool) before the
+    /// request fails with UNAVAILABLE. Default "10s".
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+}
+
+impl Default for MetadataConfig {
+    fn default() -> Self {
+        MetadataConfig { url: None, max_connections: 8, connect_timeout: Duration::from_secs(10) }
+    }
+}
+
 /// `[action_cache]`: ActionResults, keyed by instance name and action digest.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -306,7 +341,8 @@ impl Default for ActionCacheConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SqlActionCacheConfig {
-    /// Database URL. Default `sqlite://{data_dir}/metadata.db` (created if missing).
+    /// No longer read: the database is `[metadata] url`. Kept only to say so clearly.
+    #[doc(hidden)]
     pub url: Option<String>,
     /// Serve an entry only while every blob it references is still in the CAS
     /// (outputs, output trees and their files, stdout, stderr). Default true.
@@ -495,6 +531,16 @@ impl Config {
                 )));
             }
         }
+        if let Some(s) = &self.execution.scheduler {
+            if !s.starts_with("grpc://") || s.len() <= "grpc://".len() {
+                return Err(ConfigError::Invalid(format!("execution.scheduler {s:?}: expected grpc://HOST:PORT")));
+            }
+            if self.execution.workers.as_ref().is_some_and(|w| w.classes().iter().any(|(_, n)| *n > 0)) {
+                return Err(ConfigError::Invalid(
+                    "execution.workers: a frontend (execution.scheduler is set) runs no workers; start them beside the scheduler".into(),
+                ));
+            }
+        }
         let b = &self.batch;
         if b.runners > 0 && b.deadline.is_zero() {
             return Err(ConfigError::Invalid("batch.deadline must be greater than zero".into()));
@@ -527,6 +573,24 @@ impl Config {
                 return Err(ConfigError::Invalid(format!("{name} {p} must be a probability between 0 and 1")));
             }
         }
+        let ActionCacheConfig::Sql(sql) = &self.action_cache;
+        if sql.url.is_some() {
+            return Err(ConfigError::Invalid(
+                "action_cache.url has moved: set the database as [metadata] url (it holds every store, not only the action cache)"
+                    .into(),
+            ));
+        }
+        if self.metadata.max_connections == 0 {
+            return Err(ConfigError::Invalid("metadata.max_connections must be at least 1".into()));
+        }
+        if let Some(url) = &self.metadata.url {
+            if !["sqlite:", "postgres:", "postgresql:"].iter().any(|p| url.starts_with(p)) {
+                let scheme = url.split(':').next().unwrap_or("");
+                return Err(ConfigError::Invalid(format!(
+                    "metadata.url: scheme '{scheme}' is not supported; use sqlite://PATH or postgres://USER@HOST:PORT/DB"
+                )));
+            }
+        }
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,
             CasConfig::Memory(m) => m.max_size,
@@ -542,9 +606,9 @@ impl Config {
         fs.path.clone().unwrap_or_else(|| self.server.data_dir.join("cas"))
     }
 
-    /// URL of the action cache database, resolved against `data_dir`.
-    pub fn action_cache_url(&self, sql: &SqlActionCacheConfig) -> String {
-        sql.url.clone().unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
+    /// URL of the metadata database, resolved against `data_dir`.
+    pub fn metadata_url(&self) -> String {
+        self.metadata.url.clone().unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
     }
 }
 
@@ -562,7 +626,7 @@ mod tests {
         assert_eq!(c.server.listen.to_string(), "127.0.0.1:8980");
         assert_eq!(c.server.http_listen.to_string(), "127.0.0.1:9090");
         assert!(matches!(c.cas, CasConfig::Fs(ref f) if f.max_size == ByteSize::gib(10)));
-        assert_eq!(c.action_cache_url(match &c.action_cache { ActionCacheConfig::Sql(s) => s }), "sqlite://./gantry-data/metadata.db");
+        assert_eq!(c.metadata_url(), "sqlite://./gantry-data/metadata.db");
     }
 
     #[test]
@@ -604,6 +668,29 @@ mod tests {
         assert!(parse("[server]\nmax_batch_size = \"1KiB\"").unwrap_err().to_string().contains("max_batch_size"));
         assert!(parse("[cas]\nkind = \"memory\"\nmax_size = \"0B\"").unwrap_err().to_string().contains("max_size"));
         assert!(parse("[server]\nlisten = \"nope\"").is_err());
+        let e = parse("[action_cache]\nkind = \"sql\"\nurl = \"sqlite://x.db\"").unwrap_err().to_string();
+        assert!(e.contains("[metadata] url"), "{e}");
+        let e = parse("[metadata]\nurl = \"mysql://u:pw@h/db\"").unwrap_err().to_string();
+        assert!(e.contains("mysql") && !e.contains("pw@"), "{e}");
+        assert!(parse("[metadata]\nmax_connections = 0").unwrap_err().to_string().contains("max_connections"));
+    }
+
+    #[test]
+    fn frontend_of_a_scheduler() {
+        let c = parse("[execution]\nscheduler = \"grpc://10.0.0.5:8980\"").unwrap();
+        assert_eq!(c.execution.scheduler.as_deref(), Some("grpc://10.0.0.5:8980"));
+        assert!(parse("[execution]\nscheduler = \"10.0.0.5:8980\"").unwrap_err().to_string().contains("grpc://"));
+        let e = parse("[execution]\nscheduler = \"grpc://h:1\"\nworkers = 2").unwrap_err().to_string();
+        assert!(e.contains("runs no workers"), "{e}");
+        assert!(parse("[execution]\nscheduler = \"grpc://h:1\"\nworkers = 0").is_ok());
+    }
+
+    #[test]
+    fn metadata_section() {
+        let c = parse("[metadata]\nurl = \"postgres://gantry@db:5432/gantry\"\nmax_connections = 32\nconnect_timeout = \"3s\"").unwrap();
+        assert_eq!(c.metadata_url(), "postgres://gantry@db:5432/gantry");
+        assert_eq!(c.metadata.max_connections, 32);
+        assert_eq!(c.metadata.connect_timeout, Duration::from_secs(3));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
 //! hash functions behind them, the error type (which maps to gRPC codes), ByteStream resource
-//! names, and the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`, `QueueStore`).
+//! names, the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`, `QueueStore`),
+//! and `client::connect`, the one way to open a channel to a gantry.
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
@@ -8,6 +9,7 @@
 pub mod action_cache;
 pub mod blob_store;
 pub mod build_store;
+pub mod client;
 pub mod digest;
 pub mod error;
 pub mod execution_log;

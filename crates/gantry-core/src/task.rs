@@ -28,6 +28,11 @@ impl TaskGuard {
     pub fn is_finished(&self) -> bool {
         self.handle.is_finished()
     }
+
+    /// Stops the task now, before the guard is dropped.
+    pub fn abort(&self) {
+        self.handle.abort();
+    }
 }
 
 impl Drop for TaskGuard {

@@ -56,19 +56,33 @@ pub fn to_operation(s: &OpState) -> Operation {
 
 type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
 
-/// Streams every state change until the operation completes.
-fn op_stream(rx: watch::Receiver<OpState>) -> OpStream {
-    futures::stream::unfold((rx, false, false), |(mut rx, first_sent, done)| async move {
-        if done {
-            return None;
+/// Streams every state change until the operation completes. If the scheduler shuts down
+/// first, the stream ends with UNAVAILABLE: Bazel then retries WaitExecution, and Execute
+/// again if the restarted scheduler no longer knows the operation.
+fn op_stream(rx: watch::Receiver<OpState>, stopped: impl std::future::Future<Output = ()> + Send + 'static) -> OpStream {
+    let stopped = futures::FutureExt::shared(futures::FutureExt::boxed(stopped));
+    futures::stream::unfold((rx, false, false), move |(mut rx, first_sent, done)| {
+        let stopped = stopped.clone();
+        async move {
+            if done {
+                return None;
+            }
+            if first_sent {
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() {
+                        // The scheduler dropped the operation (deleted): end the stream.
+                        return None;
+                    },
+                    _ = stopped => {
+                        let e = Status::unavailable("the scheduler is shutting down; retry WaitExecution or Execute");
+                        return Some((Err(e), (rx, true, true)));
+                    }
+                }
+            }
+            let s = rx.borrow_and_update().clone();
+            let done = s.stage == Stage::Completed;
+            Some((Ok(to_operation(&s)), (rx, true, done)))
         }
-        if first_sent && rx.changed().await.is_err() {
-            // The scheduler dropped the operation (deleted): end the stream.
-            return None;
-        }
-        let s = rx.borrow_and_update().clone();
-        let done = s.stage == Stage::Completed;
-        Some((Ok(to_operation(&s)), (rx, true, done)))
     })
     .boxed()
 }
@@ -121,7 +135,7 @@ impl Execution for ExecutionService {
     async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
         let name = request.into_inner().name;
         let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
-        Ok(Response::new(op_stream(rx)))
+        Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
     }
 }
 
@@ -204,7 +218,7 @@ impl ExecutionService {
             priority,
             requester: who,
         }).await?;
-        Ok(Response::new(op_stream(rx)))
+        Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
     }
 }
 

@@ -146,6 +146,10 @@ pub struct Scheduler {
     gauges: Gauges,
     monitor: Mutex<Option<TaskGuard>>,
     sizing: Option<crate::sizing::Sizing>,
+    /// Set when the server shuts down: open worker sessions and operation streams end
+    /// with UNAVAILABLE, so their clients reconnect (to this server restarted, or a
+    /// successor) instead of holding the shutdown until its drain times out.
+    stopping: watch::Sender<bool>,
 }
 
 /// A registered worker's end of the scheduler: assignments and cancellations arrive here.
@@ -193,6 +197,7 @@ impl Scheduler {
             completed,
         };
         let s = Arc::new(Scheduler {
+            stopping: watch::channel(false).0,
             state: Mutex::default(),
             config,
             ac,
@@ -729,6 +734,19 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Ends every worker session and operation stream with UNAVAILABLE (see `stopping`).
+    pub fn shutdown(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Resolves once `shutdown` has been called.
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stopping.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
     pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
         self.state.lock().expect("poisoned").jobs.get(name).map(|j| j.tx.subscribe())
     }
@@ -800,8 +818,9 @@ mod tests {
     use gantry_core::reapi::platform::Property as PProp;
 
     async fn scheduler(max_losses: u32) -> Arc<Scheduler> {
-        let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
-        let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
         let cfg = SchedulerConfig { max_worker_losses: max_losses, ..Default::default() };
         Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None)
     }
@@ -936,8 +955,9 @@ mod tests {
 
     #[tokio::test]
     async fn silent_remote_worker_is_lost_and_its_action_moves() {
-        let ac = Arc::new(gantry_store::SqlActionCache::connect("sqlite::memory:").await.unwrap());
-        let log = Arc::new(gantry_store::SqlExecutionLog::new(ac.pool().clone()).await.unwrap());
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
         let cfg = SchedulerConfig { heartbeat_timeout: Duration::from_millis(600), ..Default::default() };
         let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let mut remote = s.register(reg("remote", 1, &[]), false).unwrap();

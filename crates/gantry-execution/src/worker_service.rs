@@ -80,7 +80,13 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
                 }
             }
         });
-        let out = UnboundedReceiverStream::new(link.messages).map(Ok).boxed();
+        // At shutdown the session ends with UNAVAILABLE: the worker reconnects with backoff
+        // (to this scheduler restarted) instead of stopping, and the server can drain.
+        let out = UnboundedReceiverStream::new(link.messages)
+            .map(Ok)
+            .take_until(self.scheduler.stopped())
+            .chain(futures::stream::once(async { Err(Status::unavailable("the scheduler is shutting down; reconnect")) }))
+            .boxed();
         Ok(Response::new(GuardedStream::new(out, reader)))
     }
 }

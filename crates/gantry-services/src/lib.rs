@@ -57,6 +57,8 @@ pub struct Services {
     pub batcher: Arc<batcher::BatcherService>,
     /// Remote execution, when a scheduler is attached.
     pub scheduler: Option<Arc<gantry_execution::Scheduler>>,
+    /// Remote execution on another process's scheduler (this server is a frontend).
+    pub forwarder: Option<gantry_execution::forward::Forwarder>,
     /// The submit queue's endpoint; the queue attaches after the server starts.
     pub queue: Arc<gantry_submit::QueueEndpoint>,
 }
@@ -76,12 +78,19 @@ impl Services {
         batcher: batcher::BatcherService,
     ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, queue: Default::default() }
+        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, forwarder: None, queue: Default::default() }
     }
 
     /// Adds remote execution: Execution, Operations and the worker endpoint.
     pub fn with_scheduler(mut self, scheduler: Arc<gantry_execution::Scheduler>) -> Self {
         self.scheduler = Some(scheduler);
+        self
+    }
+
+    /// Adds remote execution on the scheduler behind `forwarder`: this server serves the
+    /// caches itself and forwards Execution and Operations calls.
+    pub fn with_forwarder(mut self, forwarder: gantry_execution::forward::Forwarder) -> Self {
+        self.forwarder = Some(forwarder);
         self
     }
 
@@ -113,7 +122,8 @@ impl Services {
         ))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
-        let exec_caps = self.scheduler.as_ref().map(|_| gantry_core::reapi::ExecutionCapabilities {
+        let executes = self.scheduler.is_some() || self.forwarder.is_some();
+        let exec_caps = executes.then(|| gantry_core::reapi::ExecutionCapabilities {
             digest_function: gantry_core::reapi::digest_function::Value::Sha256 as i32,
             exec_enabled: true,
             execution_priority_capabilities: Some(gantry_core::reapi::PriorityCapabilities {
@@ -150,6 +160,13 @@ impl Services {
             ),
             None => (None, None, None),
         };
+        let (forward_exec, forward_ops) = match (&self.scheduler, &self.forwarder) {
+            (None, Some(f)) => (
+                Some(ExecutionServer::new(f.clone()).max_encoding_message_size(max_msg)),
+                Some(OperationsServer::new(f.clone())),
+            ),
+            _ => (None, None),
+        };
         tonic::transport::Server::builder()
             // h2's default 64 KiB windows cap an upload at one window per round trip;
             // large windows let a client stream a 64 MiB blob at memory speed.
@@ -169,6 +186,8 @@ impl Services {
             .add_optional_service(exec)
             .add_optional_service(ops)
             .add_optional_service(workers)
+            .add_optional_service(forward_exec)
+            .add_optional_service(forward_ops)
     }
 
     /// `/metrics` (Prometheus text format) and `/healthz`.

@@ -12,7 +12,7 @@ use tonic::Code;
 
 async fn server() -> (RunningServer, BatcherClient<tonic::transport::Channel>) {
     let cas = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(1 << 20))));
-    let ac = Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap());
+    let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let services = Services::new(cas, ac, Limits::default());
     let s = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let c = BatcherClient::connect(format!("http://{}", s.grpc_addr)).await.unwrap();

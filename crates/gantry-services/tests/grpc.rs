@@ -29,7 +29,7 @@ async fn harness_with(limits: Limits, max_cas: u64) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let cas: Arc<dyn BlobStore> =
         Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), max_cas).await.unwrap())));
-    let sql = SqlActionCache::connect(&format!("sqlite://{}/ac.db", dir.path().display())).await.unwrap();
+    let sql = SqlActionCache::new(gantry_store::MetadataDb::open(&format!("sqlite://{}/ac.db", dir.path().display())).await.unwrap());
     let ac = Arc::new(CompletenessCheckingActionCache::new(Arc::new(sql), cas.clone()));
     let services = Services::new(cas.clone(), ac, limits);
     let server =
@@ -639,7 +639,7 @@ async fn write_cancelled_mid_chunk_restarts_cleanly() {
     let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mem: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
     let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(HangingStore { inner: mem, hang: hang.clone() })));
-    let ac = Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap());
+    let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let services = Services::new(cas.clone(), ac, Limits::default());
     let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();

@@ -109,7 +109,7 @@ mod tests {
     async fn entry_with_missing_blob_is_a_miss() {
         let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(1 << 20))));
         let ac = CompletenessCheckingActionCache::new(
-            Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap()),
+            Arc::new(SqlActionCache::new(crate::MetadataDb::open("sqlite::memory:").await.unwrap())),
             cas.clone(),
         );
         let action = DigestFunction::Sha256.digest_of(b"action");
@@ -153,7 +153,7 @@ mod tests {
         // Room for exactly four 1000-byte blobs.
         let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(4000))));
         let ac = CompletenessCheckingActionCache::new(
-            Arc::new(SqlActionCache::connect("sqlite::memory:").await.unwrap()),
+            Arc::new(SqlActionCache::new(crate::MetadataDb::open("sqlite::memory:").await.unwrap())),
             cas.clone(),
         );
         let entry = |d: Digest| ActionResult {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use gantry_config::{ActionCacheConfig, CasConfig, Config};
 use gantry_core::{ActionCache, BlobStore, Result, ResultExt};
 
-use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, SqlActionCache};
+use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, MetadataDb, MetadataOptions, SqlActionCache};
 
 /// The CAS as services see it: the configured backend behind `IntegrityStore`.
 pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
@@ -25,46 +25,25 @@ pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
     Ok(Arc::new(IntegrityStore::new(backend)))
 }
 
-/// The action cache, with the completeness check in front when configured.
-pub async fn build_action_cache(config: &Config, cas: Arc<dyn BlobStore>) -> Result<Arc<dyn ActionCache>> {
+/// The metadata database of `[metadata]`, migrated to this binary's schema. Open it
+/// once per process and hand it to every SQL store.
+pub async fn open_metadata(config: &Config) -> Result<MetadataDb> {
+    let url = config.metadata_url();
+    let opts = MetadataOptions {
+        max_connections: config.metadata.max_connections,
+        connect_timeout: config.metadata.connect_timeout,
+    };
+    MetadataDb::open_with(&url, &opts).await.context("[metadata] url")
+}
+
+/// The action cache in the metadata database, with the completeness check in front when
+/// configured.
+pub async fn build_action_cache(config: &Config, db: &MetadataDb, cas: Arc<dyn BlobStore>) -> Result<Arc<dyn ActionCache>> {
     match &config.action_cache {
         ActionCacheConfig::Sql(sql) => {
-            let url = config.action_cache_url(sql);
-            let ac: Arc<dyn ActionCache> =
-                Arc::new(SqlActionCache::connect(&url).await.context(format_args!("[action_cache] url {url}"))?);
+            let ac: Arc<dyn ActionCache> = Arc::new(SqlActionCache::new(db.clone()));
             ac.check().await.context("[action_cache] startup check")?;
             Ok(if sql.completeness_check { Arc::new(CompletenessCheckingActionCache::new(ac, cas)) } else { ac })
         }
     }
-}
-
-/// The metadata database (today always the SQL action cache's), shared by the stores below.
-fn metadata_url(config: &Config) -> String {
-    match &config.action_cache {
-        ActionCacheConfig::Sql(sql) => config.action_cache_url(sql),
-    }
-}
-
-/// The execution log, in the same database as the action cache.
-pub async fn build_execution_log(config: &Config) -> Result<Arc<dyn gantry_core::ExecutionLog>> {
-    let url = metadata_url(config);
-    Ok(Arc::new(crate::SqlExecutionLog::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
-}
-
-/// The size-class learner's statistics, in the same database as the action cache.
-pub async fn build_size_class_store(config: &Config) -> Result<Arc<dyn gantry_core::SizeClassStore>> {
-    let url = metadata_url(config);
-    Ok(Arc::new(crate::SqlSizeClassStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
-}
-
-/// The batching service's build records, in the metadata database.
-pub async fn build_build_store(config: &Config) -> Result<Arc<dyn gantry_core::BuildStore>> {
-    let url = metadata_url(config);
-    Ok(Arc::new(crate::SqlBuildStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
-}
-
-/// The submit queue's state, in the metadata database.
-pub async fn build_queue_store(config: &Config) -> Result<Arc<dyn gantry_core::QueueStore>> {
-    let url = metadata_url(config);
-    Ok(Arc::new(crate::SqlQueueStore::connect(&url).await.context(format_args!("[action_cache] url {url}"))?))
 }

@@ -9,6 +9,11 @@
 //! Recency is tracked in memory (O(1) per touch). At startup the index is rebuilt from
 //! the files, oldest modification time first; that approximates the previous LRU order
 //! without paying a metadata write on every read.
+//!
+//! Several gantry processes may share one directory (frontends beside a scheduler on one
+//! host, or on a shared volume): a digest missing from this process's index is looked up
+//! on disk before it is called missing, and adopted into the index if another process
+//! wrote it. Each process evicts by its own index.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -144,6 +149,25 @@ impl Inner {
         Ok(())
     }
 
+    /// Takes a blob that another process wrote into this directory into the index, if
+    /// its file is there with the right size. The lock is taken only after the stat.
+    fn adopt(&self, digest: &Digest) -> bool {
+        match fs::metadata(blob_path(&self.root, digest)) {
+            Ok(m) if m.is_file() && m.len() == digest.size => {}
+            _ => return false,
+        }
+        let mut index = self.index.lock().expect("poisoned");
+        if index.touch(digest).is_some() {
+            return true;
+        }
+        for (old, ()) in index.insert(*digest, digest.size, ()) {
+            if old != *digest {
+                let _ = fs::remove_file(blob_path(&self.root, &old));
+            }
+        }
+        index.touch(digest).is_some()
+    }
+
     /// Drops a blob whose file vanished. Re-checked under the lock: a concurrent upload
     /// of the same digest may have just put a fresh file in place.
     fn forget(&self, digest: &Digest) {
@@ -167,14 +191,31 @@ fn parse_blob_name(function: DigestFunction, name: &str) -> Option<Digest> {
 #[async_trait]
 impl BlobStore for FsStore {
     async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
-        let mut idx = self.inner.index.lock().expect("poisoned");
-        Ok(digests.iter().map(|d| idx.touch(d).is_some()).collect())
+        let mut present: Vec<bool> = {
+            let mut idx = self.inner.index.lock().expect("poisoned");
+            digests.iter().map(|d| idx.touch(d).is_some()).collect()
+        };
+        let unknown: Vec<(usize, Digest)> =
+            present.iter().enumerate().filter(|(_, p)| !**p).map(|(i, _)| (i, digests[i])).collect();
+        if unknown.is_empty() {
+            return Ok(present);
+        }
+        let inner = self.inner.clone();
+        let adopted = blocking(move || Ok(unknown.into_iter().filter(|(_, d)| inner.adopt(d)).map(|(i, _)| i).collect::<Vec<_>>()))
+            .await?;
+        for i in adopted {
+            present[i] = true;
+        }
+        Ok(present)
     }
 
     async fn read(&self, digest: &Digest, offset: u64, limit: Option<u64>) -> Result<BlobStream> {
         let (offset, len) = read_range(digest, offset, limit)?;
         if self.inner.index.lock().expect("poisoned").touch(digest).is_none() {
-            return Err(Error::not_found(format!("blob {digest} not found")));
+            let (inner, d) = (self.inner.clone(), *digest);
+            if !blocking(move || Ok(inner.adopt(&d))).await? {
+                return Err(Error::not_found(format!("blob {digest} not found")));
+            }
         }
         let path = blob_path(&self.inner.root, digest);
         let inner = self.inner.clone();
@@ -454,5 +495,33 @@ mod tests {
         fs::remove_file(blob_path(dir.path(), &d)).unwrap();
         assert!(store.read(&d, 0, None).await.err().unwrap().is_not_found());
         assert!(!store.has(&d).await.unwrap(), "index forgets a vanished blob");
+    }
+
+    #[tokio::test]
+    async fn two_processes_sharing_a_directory_see_each_others_blobs() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let b = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let data = Bytes::from_static(b"written by a");
+        let d = DigestFunction::Sha256.digest_of(&data);
+        let other = DigestFunction::Sha256.digest_of(b"nobody wrote this");
+        assert_eq!(b.find_present(&[d, other]).await.unwrap(), [false, false]);
+        a.put(&d, data.clone()).await.unwrap();
+        // b never saw the write, and finds the blob on disk all the same.
+        assert_eq!(b.find_present(&[other, d]).await.unwrap(), [false, true]);
+        assert_eq!(b.usage().blobs, 1, "adopted into b's index");
+        let fresh = FsStore::open(dir.path().join("unused"), 1 << 20).await.unwrap();
+        drop(fresh);
+        let c = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let data2 = Bytes::from_static(b"also written by a");
+        let d2 = DigestFunction::Sha256.digest_of(&data2);
+        a.put(&d2, data2.clone()).await.unwrap();
+        assert_eq!(c.get(&d2).await.unwrap(), data2, "a read adopts too");
+        // A file of the wrong size under a blob's name is not taken for the blob.
+        let bad = DigestFunction::Sha256.digest_of(b"0123456789");
+        let path = blob_path(dir.path(), &bad);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, b"short").unwrap();
+        assert_eq!(b.find_present(&[bad]).await.unwrap(), [false]);
     }
 }

@@ -4,8 +4,10 @@
 //! - `MemoryStore` (`[cas] kind = "memory"`): blobs in RAM, LRU eviction.
 //! - `GrpcStore`: blobs on a remote REAPI server (used by separate worker processes).
 //! - `IntegrityStore`: verifies every write against its digest; serves the empty blob.
-//! - `SqlActionCache` (`[action_cache] kind = "sql"`): ActionResults in SQLite via sqlx,
-//!   written in portable SQL so PostgreSQL can take its place.
+//! - `MetadataDb` (`[metadata] url`): the one SQL database (SQLite or PostgreSQL, one
+//!   pool, versioned migrations) that every store below shares.
+//! - `SqlActionCache` (`[action_cache] kind = "sql"`): ActionResults in the metadata
+//!   database, in portable SQL.
 //! - `CompletenessCheckingActionCache`: serves an entry only while its blobs exist.
 //! - `SqlExecutionLog`: per-action metering records, in the same database.
 //! - `SqlBuildStore`: the batching service's builds and their outcomes (its training history).
@@ -20,17 +22,19 @@ pub mod grpc_store;
 pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
+pub mod metadata_db;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
 pub mod sql_queue_store;
 
 pub use completeness_check::CompletenessCheckingActionCache;
-pub use factory::{build_action_cache, build_build_store, build_cas, build_execution_log, build_queue_store, build_size_class_store};
+pub use factory::{build_action_cache, build_cas, open_metadata};
 pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
+pub use metadata_db::{Dialect, MetadataDb, MetadataOptions};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
 pub use sql_queue_store::SqlQueueStore;

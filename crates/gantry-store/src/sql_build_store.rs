@@ -1,46 +1,21 @@
 //! `SqlBuildStore`: the batching service's builds as a table in the metadata database,
-//! in the portable SQL of `sql_action_cache.rs` (SQLite now, PostgreSQL by URL).
+//! in the portable SQL of `sql_action_cache.rs`.
 //! Each build is one row, replaced whole by an upsert, so a crash leaves either the old
 //! or the new record, never a mix.
 
 use async_trait::async_trait;
 use gantry_core::{BuildQuery, BuildRow, BuildStore, Error, Result};
-use sqlx::{AnyPool, Executor, Row};
+use sqlx::Row;
+
+use crate::MetadataDb;
 
 pub struct SqlBuildStore {
-    pool: AnyPool,
-}
-
-const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS batch_builds (
-    build_id TEXT NOT NULL PRIMARY KEY,
-    stream_id TEXT NOT NULL,
-    parent_id TEXT,
-    state TEXT NOT NULL,
-    created_unix_ms BIGINT NOT NULL,
-    finished_unix_ms BIGINT,
-    document TEXT NOT NULL
-)";
-
-const INDEXES: [&str; 2] = [
-    "CREATE INDEX IF NOT EXISTS batch_builds_stream ON batch_builds (stream_id, created_unix_ms)",
-    "CREATE INDEX IF NOT EXISTS batch_builds_finished ON batch_builds (finished_unix_ms)",
-];
-
-fn db_err(what: &str) -> impl FnOnce(sqlx::Error) -> Error + '_ {
-    move |e| Error::Unavailable(format!("build history database: {what}: {e}"))
+    db: MetadataDb,
 }
 
 impl SqlBuildStore {
-    pub async fn new(pool: AnyPool) -> Result<Self> {
-        pool.execute(SCHEMA).await.map_err(db_err("creating table batch_builds"))?;
-        for index in INDEXES {
-            pool.execute(index).await.map_err(db_err("creating index"))?;
-        }
-        Ok(SqlBuildStore { pool })
-    }
-
-    pub async fn connect(url: &str) -> Result<Self> {
-        Self::new(crate::sql_execution_log::metadata_pool(url).await?).await
+    pub fn new(db: MetadataDb) -> Self {
+        SqlBuildStore { db }
     }
 }
 
@@ -75,18 +50,18 @@ impl BuildStore for SqlBuildStore {
         .bind(r.created_unix_ms)
         .bind(r.finished_unix_ms)
         .bind(&r.document)
-        .execute(&self.pool)
+        .execute(self.db.pool())
         .await
-        .map_err(db_err("writing a build"))?;
+        .map_err(self.db.err("writing a build"))?;
         Ok(())
     }
 
     async fn get(&self, id: &str) -> Result<Option<BuildRow>> {
         let row = sqlx::query(&format!("SELECT {COLUMNS} FROM batch_builds WHERE build_id = $1"))
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db.pool())
             .await
-            .map_err(db_err("reading a build"))?;
+            .map_err(self.db.err("reading a build"))?;
         row.as_ref().map(decode).transpose().map_err(|e| Error::internal(format!("batch_builds: undecodable row: {e}")))
     }
 
@@ -121,7 +96,7 @@ impl BuildStore for SqlBuildStore {
         if q.limit > 0 {
             query = query.bind(q.limit as i64);
         }
-        let rows = query.fetch_all(&self.pool).await.map_err(db_err("listing builds"))?;
+        let rows = query.fetch_all(self.db.pool()).await.map_err(self.db.err("listing builds"))?;
         rows.iter()
             .map(decode)
             .collect::<std::result::Result<Vec<_>, _>>()
@@ -129,43 +104,3 @@ impl BuildStore for SqlBuildStore {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn row(id: &str, stream: &str, state: &str, created: i64, finished: Option<i64>) -> BuildRow {
-        BuildRow {
-            id: id.into(),
-            stream_id: stream.into(),
-            parent_id: (id == "b").then(|| "a".to_string()),
-            state: state.into(),
-            created_unix_ms: created,
-            finished_unix_ms: finished,
-            document: format!("{{\"id\":\"{id}\"}}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn upsert_get_and_filter() {
-        let s = SqlBuildStore::connect("sqlite::memory:").await.unwrap();
-        assert_eq!(s.get("a").await.unwrap(), None);
-        s.put(&row("a", "s1", "QUEUED", 10, None)).await.unwrap();
-        s.put(&row("b", "s1", "RUNNING", 20, None)).await.unwrap();
-        s.put(&row("c", "s2", "DONE", 30, Some(40))).await.unwrap();
-        // Replacing a row keeps one row with the new state.
-        s.put(&row("a", "s1", "DONE", 10, Some(50))).await.unwrap();
-        assert_eq!(s.get("a").await.unwrap().unwrap().state, "DONE");
-        assert_eq!(s.get("b").await.unwrap().unwrap().parent_id.as_deref(), Some("a"));
-
-        let ids = |rows: Vec<BuildRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
-        assert_eq!(ids(s.list(&BuildQuery::default()).await.unwrap()), ["c", "b", "a"]);
-        let q = BuildQuery { stream_id: Some("s1".into()), oldest_first: true, ..Default::default() };
-        assert_eq!(ids(s.list(&q).await.unwrap()), ["a", "b"]);
-        let q = BuildQuery { unfinished_only: true, ..Default::default() };
-        assert_eq!(ids(s.list(&q).await.unwrap()), ["b"]);
-        let q = BuildQuery { finished_since_unix_ms: Some(45), ..Default::default() };
-        assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
-        let q = BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
-        assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
-    }
-}

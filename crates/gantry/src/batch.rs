@@ -177,10 +177,7 @@ fn context(args: &EnqueueArgs) -> anyhow::Result<pb::BuildContext> {
 
 async fn enqueue(args: EnqueueArgs) -> anyhow::Result<()> {
     let ctx = context(&args)?;
-    let endpoint = args.server.replacen("grpc://", "http://", 1);
-    let mut client = pb::batcher_client::BatcherClient::connect(endpoint.clone())
-        .await
-        .with_context(|| format!("connecting to {}", args.server))?;
+    let mut client = crate::builds::client(&args.server).await?;
 
     // Read and parse targets on a blocking thread; a bad line stops everything with its
     // line number. The bounded channel keeps at most a few requests in memory.

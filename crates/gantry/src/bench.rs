@@ -25,6 +25,9 @@ pub enum BenchCommand {
     Batch(BatchBenchArgs),
     /// Remote execution: no-op action throughput and Execute latency on cache hits.
     Exec(ExecBenchArgs),
+    /// Action cache: UpdateActionResult and GetActionResult calls per second over gRPC,
+    /// on the embedded SQLite and on each --metadata-url.
+    Ac(AcBenchArgs),
     /// Worker size classes: replay a trace through learned selection and two baselines.
     Sizeclass(SizeclassBenchArgs),
     /// Bazel on a generated genrule workspace: local, remote execution, and cached.
@@ -54,6 +57,24 @@ pub struct ExecBenchArgs {
     /// Sequential Execute calls answered from the action cache.
     #[arg(long, default_value_t = 2000)]
     cache_hits: usize,
+    /// Also run the in-process server on this metadata database (repeatable), beside the
+    /// embedded SQLite default, and report each against SQLite.
+    #[arg(long = "metadata-url", conflicts_with = "target")]
+    metadata_urls: Vec<String>,
+}
+
+#[derive(clap::Args)]
+pub struct AcBenchArgs {
+    /// Metadata databases to measure (repeatable), each beside the embedded SQLite
+    /// default, e.g. postgres://gantry@127.0.0.1:5432/bench. The tables are written to.
+    #[arg(long = "metadata-url")]
+    metadata_urls: Vec<String>,
+    /// Clients calling at once, each on its own connection.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// UpdateActionResult calls, then as many GetActionResult calls, per client.
+    #[arg(long, default_value_t = 500)]
+    calls: usize,
 }
 
 #[derive(clap::Args)]
@@ -159,11 +180,12 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Cas(args) => cas(args).await,
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
         BenchCommand::Exec(args) => exec(args).await,
+        BenchCommand::Ac(args) => ac(args).await,
         BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
         BenchCommand::Queue(args) => tokio::task::spawn_blocking(move || crate::bench_queue::run(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
         BenchCommand::Run(args) => {
-            let (target, _server) = bench_server(&args.target.clone(), Some(4)).await?;
+            let (target, _server) = bench_server(&args.target.clone(), Some(4), &None).await?;
             crate::bench_run::run(args, target).await
         }
     }
@@ -212,7 +234,8 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
                 path: None,
                 max_size: ByteSize::gib(8),
             });
-            let services = crate::serve::build_services(&config).await?;
+            let db = gantry_store::open_metadata(&config).await?;
+            let services = crate::serve::build_services(&config, &db).await?;
             let server = gantry_services::RunningServer::start(
                 &services,
                 "127.0.0.1:0".parse()?,
@@ -224,14 +247,7 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
             t
         }
     };
-    let endpoint = target.replacen("grpc://", "http://", 1);
-    let channel = Channel::from_shared(endpoint.clone())
-        .context("parsing --target")?
-        .initial_stream_window_size(Some(16 << 20))
-        .initial_connection_window_size(Some(64 << 20))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {target}"))?;
+    let channel = gantry_core::client::connect(&target).await.context("--target")?;
     let mut report = CasReport { target: target.clone(), ..Default::default() };
     if !args.json {
         eprintln!("gantry bench cas against {target}");
@@ -428,7 +444,7 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
 }
 
 /// A server for a benchmark: `--target`, or one started in-process with local workers.
-async fn bench_server(target: &Option<String>, workers: Option<usize>) -> anyhow::Result<(String, Option<(gantry_services::RunningServer, gantry_services::Services, Vec<gantry_core::TaskGuard>, tempfile::TempDir)>)> {
+async fn bench_server(target: &Option<String>, workers: Option<usize>, metadata_url: &Option<String>) -> anyhow::Result<(String, Option<(gantry_services::RunningServer, gantry_services::Services, Vec<gantry_core::TaskGuard>, tempfile::TempDir)>)> {
     if let Some(t) = target {
         return Ok((t.clone(), None));
     }
@@ -436,7 +452,9 @@ async fn bench_server(target: &Option<String>, workers: Option<usize>) -> anyhow
     let mut config = gantry_config::Config::default();
     config.server.data_dir = dir.path().to_owned();
     config.execution.workers = workers.map(gantry_config::Workers::Count);
-    let services = crate::serve::build_services(&config).await?;
+    config.metadata.url = metadata_url.clone();
+    let db = gantry_store::open_metadata(&config).await?;
+    let services = crate::serve::build_services(&config, &db).await?;
     let guards = crate::serve::start_local_workers(&config, &services).await?;
     let server = gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;
     let t = format!("grpc://{}", server.grpc_addr);
@@ -476,11 +494,45 @@ async fn run_execute(channel: &Channel, action: Digest, skip_cache_lookup: bool)
     bail!("Execute stream ended early")
 }
 
+/// What one `bench exec` run measured.
+struct ExecResult {
+    throughput: f64,
+    hit_p50_ms: f64,
+    hit_p99_ms: f64,
+}
+
 async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
+    let mut runs: Vec<(String, ExecResult)> = Vec::new();
+    let mut urls: Vec<Option<String>> = vec![None];
+    urls.extend(args.metadata_urls.iter().cloned().map(Some));
+    for url in &urls {
+        let (target, _local) = bench_server(&args.target, args.workers, url).await?;
+        let name = match (url, &args.target) {
+            (Some(u), _) => gantry_store::metadata_db::redact_url(u),
+            (None, Some(_)) => "the target's own".to_string(),
+            (None, None) => "embedded SQLite".to_string(),
+        };
+        eprintln!("gantry bench exec against {target} (metadata: {name})");
+        runs.push((name, exec_once(&args, &target).await?));
+    }
+    let base = runs[0].1.throughput;
+    println!("| metadata | no-op actions/s ({} actions, {} in flight) | vs SQLite | cache-hit Execute p50 | p99 |", args.actions, args.concurrency);
+    println!("|---|---|---|---|---|");
+    for (name, r) in &runs {
+        println!(
+            "| {name} | {:.0} | {:.2}x | {:.3} ms | {:.3} ms |",
+            r.throughput,
+            r.throughput / base,
+            r.hit_p50_ms,
+            r.hit_p99_ms
+        );
+    }
+    Ok(())
+}
+
+async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecResult> {
     use prost::Message;
-    let (target, _local) = bench_server(&args.target, args.workers).await?;
-    let channel = Channel::from_shared(target.replacen("grpc://", "http://", 1))?.connect().await?;
-    eprintln!("gantry bench exec against {target}");
+    let channel = gantry_core::client::connect(target).await?;
     let empty_dir = put_blob(&channel, reapi::Directory::default().encode_to_vec()).await?;
     let run_id = uuid::Uuid::new_v4().to_string();
     eprintln!("  uploading {} distinct no-op actions...", args.actions);
@@ -521,11 +573,69 @@ async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
     }
     lat.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
     let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p).round() as usize];
-    println!("| measurement | result |");
-    println!("|---|---|");
-    println!("| no-op actions (`/bin/true`), {} actions, {} in flight | {throughput:.0} actions/s |", args.actions, args.concurrency);
-    println!("| Execute on a cache hit, p50 | {:.3} ms |", pct(0.5));
-    println!("| Execute on a cache hit, p99 | {:.3} ms |", pct(0.99));
+    Ok(ExecResult { throughput, hit_p50_ms: pct(0.5), hit_p99_ms: pct(0.99) })
+}
+
+/// UpdateActionResult then GetActionResult calls per second, per metadata database, each
+/// behind the same in-process server stack `gantry serve` builds.
+async fn ac(args: AcBenchArgs) -> anyhow::Result<()> {
+    use gantry_core::reapi::action_cache_client::ActionCacheClient;
+    anyhow::ensure!(args.clients > 0 && args.calls > 0, "--clients and --calls must be at least 1");
+    let mut urls: Vec<Option<String>> = vec![None];
+    urls.extend(args.metadata_urls.iter().cloned().map(Some));
+    let mut rows = Vec::new();
+    for url in &urls {
+        let (target, _local) = bench_server(&None, Some(0), url).await?;
+        let name = url.as_deref().map_or("embedded SQLite".to_string(), gantry_store::metadata_db::redact_url);
+        eprintln!("gantry bench ac: {} clients x {} calls, metadata {name}", args.clients, args.calls);
+        let run_id = uuid::Uuid::new_v4().to_string();
+        // One connection per client, as separate Bazel processes would have.
+        let mut clients = Vec::new();
+        for _ in 0..args.clients {
+            clients.push(ActionCacheClient::new(gantry_core::client::connect(&target).await?));
+        }
+        let digest = |c: usize, i: usize| DigestFunction::Sha256.digest_of(format!("{run_id}/{c}/{i}").as_bytes());
+        let phase = |get: bool| {
+            let clients = clients.clone();
+            async move {
+                let start = Instant::now();
+                futures::future::try_join_all(clients.into_iter().enumerate().map(|(c, mut client)| async move {
+                    for i in 0..args.calls {
+                        let d = digest(c, i).to_proto();
+                        if get {
+                            let r = client
+                                .get_action_result(reapi::GetActionResultRequest { action_digest: Some(d), ..Default::default() })
+                                .await?
+                                .into_inner();
+                            anyhow::ensure!(r.exit_code == (i % 7) as i32, "read back a different result");
+                        } else {
+                            let result = reapi::ActionResult { exit_code: (i % 7) as i32, stdout_raw: vec![b'x'; 64].into(), ..Default::default() };
+                            client
+                                .update_action_result(reapi::UpdateActionResultRequest {
+                                    action_digest: Some(d),
+                                    action_result: Some(result),
+                                    ..Default::default()
+                                })
+                                .await?;
+                        }
+                    }
+                    Ok(())
+                }))
+                .await?;
+                anyhow::Ok((args.clients * args.calls) as f64 / start.elapsed().as_secs_f64())
+            }
+        };
+        let put = phase(false).await?;
+        let get = phase(true).await?;
+        rows.push((name, put, get));
+    }
+    let (base_put, base_get) = (rows[0].1, rows[0].2);
+    println!("| metadata | UpdateActionResult/s | vs SQLite | GetActionResult/s | vs SQLite |");
+    println!("|---|---|---|---|---|");
+    for (name, put, get) in &rows {
+        println!("| {name} | {put:.0} | {:.2}x | {get:.0} | {:.2}x |", put / base_put, get / base_get);
+    }
+    println!("({} clients on their own connections, {} calls each, loopback)", args.clients, args.calls);
     Ok(())
 }
 
@@ -566,7 +676,7 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let ws = tmp.path().join("ws");
     write_genrule_workspace(&ws, args.targets)?;
-    let (target, _local) = bench_server(&None, None).await?;
+    let (target, _local) = bench_server(&None, None, &None).await?;
     let run = |name: &str, extra: Vec<String>, clean_first: bool| -> anyhow::Result<f64> {
         let bazel = |cmd: &str, more: &[String]| -> anyhow::Result<std::process::Output> {
             let mut c = std::process::Command::new("bazel");

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 
-use anyhow::Context;
 use gantry_proto::batch::v1 as pb;
 
 #[derive(clap::Args)]
@@ -57,9 +56,7 @@ impl WatchArgs {
 }
 
 pub async fn client(server: &str) -> anyhow::Result<pb::batcher_client::BatcherClient<tonic::transport::Channel>> {
-    pb::batcher_client::BatcherClient::connect(server.replacen("grpc://", "http://", 1))
-        .await
-        .with_context(|| format!("connecting to {server}"))
+    Ok(pb::batcher_client::BatcherClient::new(gantry_core::client::connect(server).await?))
 }
 
 pub async fn run(args: BuildsArgs) -> anyhow::Result<()> {

@@ -16,7 +16,9 @@ pub struct InvocationArgs {
 
 pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
     let config = crate::serve::load_config(&args.serve)?;
-    let log = gantry_store::build_execution_log(&config).await.context("opening the execution log")?;
+    let db = gantry_store::open_metadata(&config).await.context("opening the execution log")?;
+    let log = gantry_store::SqlExecutionLog::new(db);
+    use gantry_core::ExecutionLog as _;
     let summary = log.invocation(&args.id).await?;
     let actions = log.actions(&args.id).await?;
     if args.json {

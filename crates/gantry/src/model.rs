@@ -86,9 +86,10 @@ async fn train_on_server(server: &str) -> anyhow::Result<()> {
 
 async fn export_history(a: ExportArgs) -> anyhow::Result<()> {
     let config = crate::serve::load_config(&a.serve)?;
-    let store = gantry_store::build_build_store(&config).await.context("opening the build history")?;
+    let db = gantry_store::open_metadata(&config).await.context("opening the build history")?;
+    let store = gantry_store::SqlBuildStore::new(db);
     let b = &config.batch;
-    let records = gantry_builds::read_history(&*store, b.memory_label, b.bazel_memory.as_u64(), b.long_window).await?;
+    let records = gantry_builds::read_history(&store, b.memory_label, b.bazel_memory.as_u64(), b.long_window).await?;
     let mut buf = Vec::new();
     gantry_batch::history::write_history(&mut buf, &records)?;
     match &a.out {

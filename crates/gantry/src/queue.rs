@@ -1,7 +1,6 @@
 //! `gantry queue`: submit a change to a running server's submit queue, and follow it
 //! (`status`, `watch ID`, `cancel ID`, `history`). Thin: every decision is the server's.
 
-use anyhow::Context;
 use gantry_proto::queue::v1 as pb;
 use serde_json::{json, Value};
 
@@ -56,9 +55,7 @@ pub struct Common {
 }
 
 async fn client(server: &str) -> anyhow::Result<pb::submit_queue_client::SubmitQueueClient<tonic::transport::Channel>> {
-    pb::submit_queue_client::SubmitQueueClient::connect(server.replacen("grpc://", "http://", 1))
-        .await
-        .with_context(|| format!("connecting to {server}"))
+    Ok(pb::submit_queue_client::SubmitQueueClient::new(gantry_core::client::connect(server).await?))
 }
 
 fn build_json(b: &pb::Build) -> Value {

@@ -13,7 +13,7 @@ use gantry_core::task::TaskGuard;
 use gantry_execution::sizing::Sizing;
 use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
-use gantry_store::FsStore;
+use gantry_store::{FsStore, MetadataDb, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
 use gantry_worker::Executor;
 use gantry_services::batcher::{planner_config, BatcherService};
 use gantry_services::{Limits, RunningServer, Services};
@@ -61,20 +61,28 @@ pub fn limits(config: &Config) -> Limits {
     }
 }
 
-pub async fn build_services(config: &Config) -> anyhow::Result<Services> {
+pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<Services> {
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
-    let ac = gantry_store::build_action_cache(config, cas.clone()).await.context("setting up the action cache")?;
-    let log = gantry_store::build_execution_log(config).await.context("setting up the execution log")?;
+    let ac = gantry_store::build_action_cache(config, db, cas.clone()).await.context("setting up the action cache")?;
+    let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let mut batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
     if config.batch.runners > 0 {
         batcher = batcher.expect_builds();
     }
     let services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
     let e = &config.execution;
+    if let Some(target) = &e.scheduler {
+        // A frontend: the scheduler is another process, reached lazily so this server
+        // starts (and serves the caches) even while the scheduler is down.
+        let channel = gantry_core::client::connect_lazy(target).context("execution.scheduler")?;
+        let max_msg = config.server.max_batch_size.as_u64() as usize + (1 << 20);
+        tracing::info!(scheduler = %target, "frontend: Execute and Operations calls go to the scheduler");
+        return Ok(services.with_forwarder(gantry_execution::forward::Forwarder::new(channel, target.clone(), max_msg)));
+    }
     let sc = &e.size_classes;
     let sizing = Sizing::new(
         selection_config(sc),
-        gantry_store::build_size_class_store(config).await.context("setting up the size class store")?,
+        Arc::new(SqlSizeClassStore::new(db.clone())),
         sc.seed,
         services.metrics.registry(),
     )?;
@@ -108,7 +116,10 @@ pub fn selection_config(sc: &gantry_config::SizeClassConfig) -> gantry_sizeclass
 
 /// Starts the in-process workers; they run until the returned guards are dropped.
 pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow::Result<Vec<TaskGuard>> {
-    let scheduler = services.scheduler.clone().expect("built with a scheduler");
+    let Some(scheduler) = services.scheduler.clone() else {
+        // A frontend: workers connect to the scheduler, not here.
+        return Ok(vec![]);
+    };
     let classes = match &config.execution.workers {
         Some(w) => w.classes(),
         None => vec![(1, std::thread::available_parallelism().map_or(1, |n| n.get()))],
@@ -191,28 +202,44 @@ fn load_models(config: &Config) -> anyhow::Result<Models> {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
-    let services = build_services(&config).await?;
+    let db = gantry_store::open_metadata(&config).await.context("setting up the metadata database")?;
+    tracing::info!(database = %db.name(), schema_version = MetadataDb::latest_version(), "metadata database ready");
+    let services = build_services(&config, &db).await?;
     let _workers = start_local_workers(&config, &services).await?;
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
-    let builds = start_build_runners(&config, &services, server.grpc_addr).await?;
-    let queue = start_queue(&config, &services, server.grpc_addr).await?;
+    let builds = start_build_runners(&config, &db, &services, server.grpc_addr).await?;
+    let queue = start_queue(&config, &db, &services, server.grpc_addr).await?;
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server
         .run_until(async {
             shutdown_signal().await;
+            // Worker sessions and operation streams would hold the drain open: end them
+            // with UNAVAILABLE so workers and Bazel reconnect (to this server restarted).
+            if let Some(s) = &services.scheduler {
+                s.shutdown();
+            }
+            if let Some(f) = &services.forwarder {
+                f.shutdown();
+            }
             // The queue and the batch runners run builds on this server's executor: stop
             // them before it stops accepting requests, or their last builds fail with
             // "connection refused" and are judged on it. Stopped builds are taken up again
             // at the next start.
             if let Some(q) = &queue {
-                q.shutdown().await;
+                q.lease.abort();
+                q.queue.shutdown().await;
             }
             if let Some(b) = &builds {
                 b.shutdown().await;
             }
         })
         .await?;
+    if let Some(q) = &queue {
+        if let Err(e) = db.release_lease(QUEUE_LEASE, &q.holder).await {
+            tracing::warn!(error = %e, "releasing the submit queue's lease");
+        }
+    }
     tracing::info!("stopped");
     Ok(())
 }
@@ -220,6 +247,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// The batching service's build runners (`[batch] runners`), pointed at this server.
 async fn start_build_runners(
     config: &Config,
+    db: &MetadataDb,
     services: &Services,
     grpc_addr: SocketAddr,
 ) -> anyhow::Result<Option<Arc<gantry_builds::BuildService>>> {
@@ -243,8 +271,8 @@ async fn start_build_runners(
         long_window: b.long_window,
         short_window: b.short_window,
     };
-    let store = gantry_store::build_build_store(config).await.context("setting up the build history store")?;
-    let log = gantry_store::build_execution_log(config).await.context("setting up the execution log")?;
+    let store = Arc::new(SqlBuildStore::new(db.clone()));
+    let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let builds = gantry_builds::BuildService::start(
         settings,
         store,
@@ -279,9 +307,10 @@ fn runner_settings(b: &gantry_config::BatchConfig, deadline: std::time::Duration
 /// The submit queue (`[queue]`, off unless `repository` is set), building on this server.
 async fn start_queue(
     config: &Config,
+    db: &MetadataDb,
     services: &Services,
     grpc_addr: SocketAddr,
-) -> anyhow::Result<Option<Arc<gantry_submit::QueueService>>> {
+) -> anyhow::Result<Option<QueueRole>> {
     let q = &config.queue;
     let Some(repository) = &q.repository else { return Ok(None) };
     let settings = gantry_submit::QueueSettings {
@@ -295,13 +324,57 @@ async fn start_queue(
         prior_success: q.prior_success,
         prior_conflict: q.prior_conflict,
     };
-    let store = gantry_store::build_queue_store(config).await.context("setting up the queue store")?;
+    // One queue per metadata database: two would both journal, build and land. The
+    // holder names this host and repository, so the same server restarted after a crash
+    // takes its lease back at once instead of waiting for it to expire.
+    let holder = format!("{}:{}", hostname(), settings.repository.display());
+    if !db.acquire_lease(QUEUE_LEASE, &holder, now_ms(), QUEUE_LEASE_TTL).await? {
+        let (other, until) = db.lease_holder(QUEUE_LEASE).await?.unwrap_or_default();
+        anyhow::bail!(
+            "the submit queue of metadata database {} is run by {other} (its lease runs {} s more): one \
+             gantry serve per metadata database may set [queue] repository",
+            db.name(),
+            (until - now_ms()).max(0) / 1000
+        );
+    }
+    let store = Arc::new(SqlQueueStore::new(db.clone()));
     let queue = gantry_submit::QueueService::start(settings, store, services.metrics.registry())
         .await
         .context("starting the submit queue")?;
+    let (lease_db, lease_queue, lease_holder) = (db.clone(), queue.clone(), holder.clone());
+    let lease = gantry_core::task::spawn_named("queue-lease", async move {
+        loop {
+            tokio::time::sleep(QUEUE_LEASE_TTL / 3).await;
+            match lease_db.acquire_lease(QUEUE_LEASE, &holder, now_ms(), QUEUE_LEASE_TTL).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!("another gantry serve took the submit queue's lease: stopping this queue");
+                    lease_queue.shutdown().await;
+                    return;
+                }
+                // The database is away: keep running (nothing can be journaled either)
+                // and try again; the lease only expires if the outage outlasts it.
+                Err(e) => tracing::warn!(error = %e, "renewing the submit queue's lease"),
+            }
+        }
+    });
     services.queue.attach(queue.clone());
     tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
-    Ok(Some(queue))
+    Ok(Some(QueueRole { queue, lease, holder: lease_holder }))
+}
+
+/// The submit queue this process runs, and the lease that makes it the only one.
+struct QueueRole {
+    queue: Arc<gantry_submit::QueueService>,
+    lease: TaskGuard,
+    holder: String,
+}
+
+const QUEUE_LEASE: &str = "submit-queue";
+const QUEUE_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
 /// The path a program name resolves to on PATH (or itself, if it is a path).

@@ -26,7 +26,9 @@ pub struct StatsArgs {
 pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
     let SizeclassCommand::Stats(args) = cmd;
     let config = crate::serve::load_config(&args.serve)?;
-    let store = gantry_store::build_size_class_store(&config).await.context("opening the size class store")?;
+    let db = gantry_store::open_metadata(&config).await.context("opening the size class store")?;
+    let store = gantry_store::SqlSizeClassStore::new(db);
+    use gantry_core::SizeClassStore as _;
     let selection = crate::serve::selection_config(&config.execution.size_classes);
     let keys = match &args.key {
         Some(k) => vec![k.clone()],

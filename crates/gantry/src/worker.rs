@@ -51,12 +51,7 @@ fn parse_property(s: &str) -> Result<(String, String), String> {
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    let endpoint = args.scheduler.replacen("grpc://", "http://", 1);
-    let channel = tonic::transport::Endpoint::from_shared(endpoint)
-        .context("--scheduler")?
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .connect_lazy();
+    let channel = gantry_core::client::connect_lazy(&args.scheduler).context("--scheduler")?;
     let id = args.id.clone().unwrap_or_else(|| format!("{}-{}", crate::serve::hostname(), std::process::id()));
     std::fs::create_dir_all(&args.work_dir).with_context(|| format!("creating {}", args.work_dir.display()))?;
     // Absolute, because actions run through a trampoline inside their own directory.

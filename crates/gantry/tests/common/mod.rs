@@ -27,12 +27,21 @@ impl GantryServer {
 
     /// Like `start`, with the server's working directory set (for relative paths).
     pub fn start_in(cwd: Option<&Path>, data_dir: &Path, extra: &[&str]) -> GantryServer {
+        Self::spawn(cwd, "127.0.0.1:0", data_dir, extra)
+    }
+
+    /// Like `start`, on a given gRPC address (to restart a server where clients expect it).
+    pub fn start_at(listen: &str, data_dir: &Path, extra: &[&str]) -> GantryServer {
+        Self::spawn(None, listen, data_dir, extra)
+    }
+
+    fn spawn(cwd: Option<&Path>, listen: &str, data_dir: &Path, extra: &[&str]) -> GantryServer {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gantry"));
         if let Some(c) = cwd {
             cmd.current_dir(c);
         }
         let mut child = cmd
-            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+            .args(["serve", "--listen", listen, "--http-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .stdout(Stdio::piped())
@@ -70,6 +79,46 @@ impl GantryServer {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+impl GantryServer {
+    /// SIGKILL: the process gets no chance to clean up, as in a crash.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `gantry worker` process connected to a scheduler; killed when dropped.
+pub struct WorkerProcess {
+    pub child: Child,
+}
+
+impl WorkerProcess {
+    pub fn start(scheduler_grpc: &str, work_dir: &Path, slots: u32) -> WorkerProcess {
+        let child = Command::new(env!("CARGO_BIN_EXE_gantry"))
+            .args(["worker", "--scheduler", &format!("grpc://{scheduler_grpc}"), "--slots", &slots.to_string(), "--work-dir"])
+            .arg(work_dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawning gantry worker");
+        WorkerProcess { child }
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback address, for a server that must come back on the same one.
+pub fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
 }
 
 impl Drop for GantryServer {

@@ -1,0 +1,366 @@
+//! `MetadataDb` (`[metadata] url`): the one SQL database every metadata store shares
+//! (action cache, execution log, size-class statistics, batch builds, submit queue).
+//!
+//! One pool, one dialect, one schema version. SQLite is the embedded default and
+//! PostgreSQL runs the same statements through sqlx's `Any` driver; the few places where
+//! the two differ (column types, locking a table for an ordered append, connection
+//! settings) are the methods of [`Dialect`] below and nowhere else.
+//!
+//! The schema is versioned with sqlx's migrator (its `_sqlx_migrations` table, a
+//! PostgreSQL advisory lock while migrating, a checksum per applied version). Migration 1
+//! creates the tables that gantry created unversioned before, with `IF NOT EXISTS`, so a
+//! database written by such a gantry is adopted and upgraded in place. A database whose
+//! version is newer than this binary's is refused before anything is changed.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use gantry_core::{Error, Result};
+use sqlx::any::AnyPoolOptions;
+use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
+use sqlx::{AnyPool, Executor, Row};
+
+/// The SQL dialect of a metadata URL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    Sqlite,
+    Postgres,
+}
+
+impl Dialect {
+    /// The dialect of `url`, or an error naming what is accepted.
+    pub fn of(url: &str) -> Result<Dialect> {
+        if url.starts_with("sqlite:") {
+            Ok(Dialect::Sqlite)
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Ok(Dialect::Postgres)
+        } else {
+            Err(Error::invalid(format!(
+                "metadata.url '{}': expected sqlite://PATH or postgres://USER:PASSWORD@HOST:PORT/DATABASE",
+                redact_url(url)
+            )))
+        }
+    }
+
+    /// The column type of opaque bytes.
+    fn blob(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "BLOB",
+            Dialect::Postgres => "BYTEA",
+        }
+    }
+
+    /// A statement, run first inside a transaction, that makes that transaction the only
+    /// writer of `table` until it ends, so "read the last sequence number, write the next"
+    /// cannot interleave with another writer. SQLite serialises writers by itself;
+    /// PostgreSQL lets readers through (EXCLUSIVE conflicts only with writers and locks).
+    pub fn lock_for_append(self, table: &str) -> Option<String> {
+        match self {
+            Dialect::Sqlite => None,
+            Dialect::Postgres => Some(format!("LOCK TABLE {table} IN EXCLUSIVE MODE")),
+        }
+    }
+}
+
+/// `url` with any password replaced, for messages and logs: the one in the user-info
+/// part (`user:PASSWORD@host`) and a `password=` query parameter.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = match before_query.find('/') {
+        Some(i) => before_query.split_at(i),
+        None => (before_query, ""),
+    };
+    let authority = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{user}:***@{host}"),
+            None => format!("{userinfo}@{host}"),
+        },
+        None => authority.to_string(),
+    };
+    let query = query.map(|q| {
+        let parts: Vec<&str> = q.split('&').map(|kv| if kv.starts_with("password=") { "password=***" } else { kv }).collect();
+        format!("?{}", parts.join("&"))
+    });
+    format!("{scheme}://{authority}{path}{}", query.unwrap_or_default())
+}
+
+/// The metadata database: a pool and its dialect. Cheap to clone; every clone shares
+/// the pool.
+#[derive(Clone, Debug)]
+pub struct MetadataDb {
+    pool: AnyPool,
+    dialect: Dialect,
+    /// The URL without its password, to name the database in errors.
+    name: String,
+}
+
+/// Settings of the pool, from `[metadata]`.
+#[derive(Clone, Debug)]
+pub struct MetadataOptions {
+    pub max_connections: u32,
+    pub connect_timeout: Duration,
+}
+
+impl Default for MetadataOptions {
+    fn default() -> Self {
+        MetadataOptions { max_connections: 8, connect_timeout: Duration::from_secs(10) }
+    }
+}
+
+fn db_err(name: &str, what: &str, e: sqlx::Error) -> Error {
+    Error::Unavailable(format!("metadata database {name}: {what}: {e}"))
+}
+
+impl MetadataDb {
+    /// Opens the database at `url` with default pool settings and brings its schema up
+    /// to date. See [`MetadataDb::open_with`].
+    pub async fn open(url: &str) -> Result<MetadataDb> {
+        Self::open_with(url, &MetadataOptions::default()).await
+    }
+
+    /// Connects (creating a SQLite file and its directory if needed), refuses a schema
+    /// newer than this binary's, and runs the migrations it lacks. Every failure is an
+    /// error here, at startup, naming the database without its password.
+    pub async fn open_with(url: &str, opts: &MetadataOptions) -> Result<MetadataDb> {
+        let dialect = Dialect::of(url)?;
+        let name = redact_url(url);
+        sqlx::any::install_default_drivers();
+        let mut url = url.to_string();
+        let memory = url.contains(":memory:");
+        if dialect == Dialect::Sqlite && !memory {
+            let path = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+            let path = path.split('?').next().unwrap_or(path);
+            if let Some(parent) = std::path::Path::new(path).parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| Error::io(format!("creating database directory {}", parent.display()), e))?;
+            }
+            if !url.contains("mode=") {
+                url.push_str(if url.contains('?') { "&mode=rwc" } else { "?mode=rwc" });
+            }
+        }
+        let pool = AnyPoolOptions::new()
+            // An in-memory SQLite database exists per connection: keep exactly one, forever.
+            .max_connections(if memory { 1 } else { opts.max_connections.max(1) })
+            .min_connections(if memory { 1 } else { 0 })
+            .idle_timeout(if memory { None } else { Some(Duration::from_secs(600)) })
+            .max_lifetime(if memory { None } else { Some(Duration::from_secs(1800)) })
+            .acquire_timeout(opts.connect_timeout)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if dialect == Dialect::Sqlite {
+                        // WAL lets readers run beside the writer; NORMAL sync keeps every
+                        // committed row across a process crash.
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        conn.execute("PRAGMA synchronous = NORMAL").await?;
+                        conn.execute("PRAGMA busy_timeout = 5000").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .map_err(|e| db_err(&name, "connecting", e))?;
+        let db = MetadataDb { pool, dialect, name };
+        db.migrate().await?;
+        Ok(db)
+    }
+
+    pub fn pool(&self) -> &AnyPool {
+        &self.pool
+    }
+
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// The database's URL without its password.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The error for a failed statement, naming the database and what was being done.
+    pub fn err(&self, what: &str) -> impl FnOnce(sqlx::Error) -> Error + '_ {
+        let what = what.to_string();
+        move |e| db_err(&self.name, &what, e)
+    }
+
+    /// The newest schema version this binary knows.
+    pub fn latest_version() -> i64 {
+        MIGRATIONS.last().map_or(0, |m| m.version)
+    }
+
+    /// The schema version recorded in the database (0 for a database never migrated).
+    pub async fn schema_version(&self) -> Result<i64> {
+        let exists = match self.dialect {
+            Dialect::Sqlite => "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+            Dialect::Postgres => {
+                "SELECT COUNT(*) FROM information_schema.tables
+                 WHERE table_schema = current_schema() AND table_name = '_sqlx_migrations'"
+            }
+        };
+        let n: i64 = sqlx::query(exists)
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(self.err("reading the schema version"))?;
+        if n == 0 {
+            return Ok(0);
+        }
+        sqlx::query("SELECT COALESCE(MAX(version), 0) FROM _sqlx_migrations WHERE success = true")
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|r| r.try_get::<i64, _>(0))
+            .map_err(self.err("reading the schema version"))
+    }
+
+    /// Takes the lease `name` for `holder` until `now_ms + ttl`, or renews it if `holder`
+    /// has it already. False when another holder's lease has not expired. One statement,
+    /// so two processes racing for a free lease cannot both win.
+    pub async fn acquire_lease(&self, name: &str, holder: &str, now_ms: i64, ttl: Duration) -> Result<bool> {
+        let done = sqlx::query(
+            "INSERT INTO leases (name, holder, expires_unix_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_unix_ms = excluded.expires_unix_ms
+             WHERE leases.holder = excluded.holder OR leases.expires_unix_ms < $4",
+        )
+        .bind(name)
+        .bind(holder)
+        .bind(now_ms + ttl.as_millis() as i64)
+        .bind(now_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("taking a lease"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Who holds the lease `name`, and until when (it may have expired).
+    pub async fn lease_holder(&self, name: &str) -> Result<Option<(String, i64)>> {
+        let row = sqlx::query("SELECT holder, expires_unix_ms FROM leases WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(self.err("reading a lease"))?;
+        row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .transpose()
+            .map_err(|e: sqlx::Error| Error::internal(format!("leases: undecodable row: {e}")))
+    }
+
+    /// Gives up the lease `name` if `holder` has it, so a successor need not wait for it
+    /// to expire.
+    pub async fn release_lease(&self, name: &str, holder: &str) -> Result<()> {
+        sqlx::query("DELETE FROM leases WHERE name = $1 AND holder = $2")
+            .bind(name)
+            .bind(holder)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("releasing a lease"))?;
+        Ok(())
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        let found = self.schema_version().await?;
+        let latest = Self::latest_version();
+        if found > latest {
+            return Err(Error::FailedPrecondition(format!(
+                "metadata database {} has schema version {found}, newer than version {latest}, the newest this \
+                 gantry ({}) knows: it was written by a newer gantry; run that version (or newer), or restore a \
+                 backup taken before the upgrade",
+                self.name,
+                env!("CARGO_PKG_VERSION")
+            )));
+        }
+        let migrator = Migrator::new(Migrations(self.dialect))
+            .await
+            .map_err(|e| Error::internal(format!("metadata migrations: {e}")))?;
+        migrator.run(&self.pool).await.map_err(|e| {
+            Error::Unavailable(format!(
+                "metadata database {}: upgrading the schema from version {found} to {latest}: {e}",
+                self.name
+            ))
+        })?;
+        if found < latest {
+            tracing::info!(database = %self.name, from = found, to = latest, "metadata schema upgraded");
+        }
+        Ok(())
+    }
+}
+
+/// One schema version: a description and its statements, with `{blob}` standing for the
+/// dialect's bytes type. Append only: an applied version's text must never change (the
+/// migrator refuses a checksum mismatch).
+struct Version {
+    version: i64,
+    description: &'static str,
+    sql: &'static str,
+}
+
+const MIGRATIONS: &[Version] = &[
+    Version {
+        version: 1,
+        description: "tables of the unversioned schema",
+        sql: include_str!("../migrations/0001_initial.sql"),
+    },
+    Version {
+        version: 2,
+        description: "leases held by one gantry process at a time",
+        sql: include_str!("../migrations/0002_leases.sql"),
+    },
+];
+
+/// The migrations in a dialect, for sqlx's migrator.
+#[derive(Debug)]
+struct Migrations(Dialect);
+
+impl<'s> MigrationSource<'s> for Migrations {
+    fn resolve(self) -> BoxFuture<'s, std::result::Result<Vec<Migration>, sqlx::error::BoxDynError>> {
+        let blob = self.0.blob();
+        Box::pin(async move {
+            Ok(MIGRATIONS
+                .iter()
+                .map(|v| {
+                    Migration::new(
+                        v.version,
+                        Cow::Borrowed(v.description),
+                        MigrationType::Simple,
+                        Cow::Owned(v.sql.replace("{blob}", blob)),
+                        false,
+                    )
+                })
+                .collect())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(redact_url("postgres://gantry:s3cret@db:5432/meta"), "postgres://gantry:***@db:5432/meta");
+        assert_eq!(redact_url("postgres://gantry@db/meta"), "postgres://gantry@db/meta");
+        assert_eq!(
+            redact_url("postgres://db/meta?user=g&password=s3cret&sslmode=require"),
+            "postgres://db/meta?user=g&password=s3cret&sslmode=require".replace("s3cret", "***")
+        );
+        assert_eq!(redact_url("sqlite:///var/lib/gantry/metadata.db"), "sqlite:///var/lib/gantry/metadata.db");
+        let e = Dialect::of("mysql://u:s3cret@h/db").unwrap_err().to_string();
+        assert!(!e.contains("s3cret") && e.contains("postgres://"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn bad_urls_are_clear_errors() {
+        let e = MetadataDb::open("mysql://x").await.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("sqlite://"), "{e}");
+        let e = MetadataDb::open("sqlite:///proc/no/such/dir/ac.db").await.unwrap_err();
+        assert!(e.to_string().contains("database"), "{e}");
+        let quick = MetadataOptions { connect_timeout: Duration::from_secs(2), ..Default::default() };
+        let e = MetadataDb::open_with("postgres://gantry:s3cret@127.0.0.1:1/none", &quick).await.unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, Error::Unavailable(_)) && !text.contains("s3cret") && text.contains("***"), "{text}");
+    }
+}

@@ -1,0 +1,373 @@
+//! Every SQL store's behaviour, run on both metadata backends: SQLite (a file, and in
+//! memory) and a real PostgreSQL started by the test. Then what only a shared server
+//! database can show: concurrent journal appends from two processes' worth of stores,
+//! leases, and schema migrations (an unversioned database upgraded in place, a newer one
+//! refused).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gantry_core::reapi::ActionResult;
+use gantry_core::{
+    ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, LandingRow,
+    QueueDocRow, QueueStore, SizeClassStore,
+};
+use gantry_store::{Dialect, MetadataDb, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_testkit::PgServer;
+use sqlx::{Executor, Row};
+
+/// The backends under test: (name, url). PostgreSQL's server lives as long as the guard.
+fn backends(dir: &std::path::Path) -> (Option<PgServer>, Vec<(&'static str, String)>) {
+    let mut v = vec![("sqlite-file", format!("sqlite://{}/meta.db", dir.display())), ("sqlite-memory", "sqlite::memory:".into())];
+    let pg = PgServer::start();
+    if let Some(pg) = &pg {
+        v.push(("postgres", pg.create_database("suite")));
+    }
+    (pg, v)
+}
+
+#[tokio::test]
+async fn store_suites_pass_on_every_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_pg, backends) = backends(dir.path());
+    for (name, url) in backends {
+        eprintln!("--- {name}");
+        let db = MetadataDb::open(&url).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(db.schema_version().await.unwrap(), MetadataDb::latest_version(), "{name}");
+        action_cache(&db).await;
+        execution_log(&db).await;
+        size_class_store(&db).await;
+        build_store(&db).await;
+        queue_store(&db).await;
+        leases(&db).await;
+        // Reopening an up-to-date database changes nothing and keeps every row.
+        if name != "sqlite-memory" {
+            drop(db);
+            let db = MetadataDb::open(&url).await.unwrap();
+            let ac = SqlActionCache::new(db.clone());
+            let a = DigestFunction::Sha256.digest_of(b"action");
+            assert_eq!(ac.get("", &a).await.unwrap(), Some(result(3)), "{name}: persisted across reopen");
+        }
+    }
+}
+
+fn result(code: i32) -> ActionResult {
+    ActionResult { exit_code: code, stdout_raw: vec![0, 159, 146, 150, 255].into(), ..Default::default() }
+}
+
+async fn action_cache(db: &MetadataDb) {
+    let ac = SqlActionCache::new(db.clone());
+    ac.check().await.unwrap();
+    let a = DigestFunction::Sha256.digest_of(b"action");
+    let mut b3 = DigestFunction::Blake3.digest_of(b"action");
+    b3.hash = a.hash; // the same hex under another function must not alias
+    assert_eq!(ac.get("", &a).await.unwrap(), None);
+    ac.put("", &a, &result(1)).await.unwrap();
+    ac.put("other", &a, &result(2)).await.unwrap();
+    assert_eq!(ac.get("", &a).await.unwrap(), Some(result(1)));
+    assert_eq!(ac.get("other", &a).await.unwrap(), Some(result(2)));
+    assert_eq!(ac.get("", &b3).await.unwrap(), None);
+    ac.put("", &a, &result(3)).await.unwrap();
+    assert_eq!(ac.get("", &a).await.unwrap(), Some(result(3)), "an update replaces the entry");
+    // A row that does not decode is an error, never a miss.
+    sqlx::query("UPDATE action_cache SET result = $1 WHERE instance_name = 'other'")
+        .bind(vec![0xffu8, 0xff, 0xff])
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let e = ac.get("other", &a).await.unwrap_err();
+    assert!(matches!(e, Error::Internal(_)) && e.to_string().contains("corrupt"), "{e}");
+}
+
+async fn execution_log(db: &MetadataDb) {
+    let log = SqlExecutionLog::new(db.clone());
+    let rec = |op: &str, inv: &str, wall: f64, mem: u64, exit: i32| ActionRecord {
+        operation: op.into(),
+        instance: "i".into(),
+        action_digest: format!("{op}/1"),
+        tool_invocation_id: inv.into(),
+        action_mnemonic: "Genrule".into(),
+        target_id: "//:t".into(),
+        worker: "w1".into(),
+        size_class: 2,
+        wall_seconds: wall,
+        user_cpu_seconds: wall / 2.0,
+        system_cpu_seconds: 0.25,
+        queued_seconds: 0.5,
+        peak_memory_bytes: mem,
+        exit_code: exit,
+        status_code: 0,
+        metering: "rusage".into(),
+        completed_unix_ms: 1000 + op.len() as i64,
+    };
+    log.record(&rec("a", "inv1", 1.5, 10 << 20, 0)).await.unwrap();
+    log.record(&rec("bb", "inv1", 2.5, 30 << 20, 1)).await.unwrap();
+    log.record(&rec("c", "inv2", 9.0, 1, 0)).await.unwrap();
+    let s = log.invocation("inv1").await.unwrap();
+    assert_eq!(s.actions, 2);
+    assert!((s.executor_service_seconds - 4.0).abs() < 1e-9);
+    assert!((s.cpu_seconds - 2.5).abs() < 1e-9, "{s:?}");
+    assert_eq!(s.max_peak_memory_bytes, 30 << 20);
+    assert_eq!(s.failed_actions, 1);
+    let acts = log.actions("inv1").await.unwrap();
+    assert_eq!(acts, [rec("a", "inv1", 1.5, 10 << 20, 0), rec("bb", "inv1", 2.5, 30 << 20, 1)], "every field round-trips, in order");
+    assert_eq!(log.invocation("none").await.unwrap().actions, 0);
+}
+
+async fn size_class_store(db: &MetadataDb) {
+    let s = SqlSizeClassStore::new(db.clone());
+    assert_eq!(s.get("k").await.unwrap(), None);
+    s.put("k", "{\"v\":1}").await.unwrap();
+    s.put("k", "{\"v\":2}").await.unwrap();
+    s.put("j", "{}").await.unwrap();
+    assert_eq!(s.get("k").await.unwrap().as_deref(), Some("{\"v\":2}"));
+    let keys = s.keys(10).await.unwrap();
+    assert_eq!(keys.iter().collect::<BTreeSet<_>>(), ["j".to_string(), "k".to_string()].iter().collect());
+    assert_eq!(s.keys(1).await.unwrap().len(), 1);
+}
+
+async fn build_store(db: &MetadataDb) {
+    let s = SqlBuildStore::new(db.clone());
+    let row = |id: &str, stream: &str, state: &str, created: i64, finished: Option<i64>| BuildRow {
+        id: id.into(),
+        stream_id: stream.into(),
+        parent_id: (id == "b").then(|| "a".to_string()),
+        state: state.into(),
+        created_unix_ms: created,
+        finished_unix_ms: finished,
+        document: format!("{{\"id\":\"{id}\"}}"),
+    };
+    assert_eq!(s.get("a").await.unwrap(), None);
+    s.put(&row("a", "s1", "QUEUED", 10, None)).await.unwrap();
+    s.put(&row("b", "s1", "RUNNING", 20, None)).await.unwrap();
+    s.put(&row("c", "s2", "DONE", 30, Some(40))).await.unwrap();
+    s.put(&row("a", "s1", "DONE", 10, Some(50))).await.unwrap();
+    assert_eq!(s.get("a").await.unwrap(), Some(row("a", "s1", "DONE", 10, Some(50))));
+    assert_eq!(s.get("b").await.unwrap().unwrap().parent_id.as_deref(), Some("a"));
+    let ids = |rows: Vec<BuildRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(ids(s.list(&BuildQuery::default()).await.unwrap()), ["c", "b", "a"]);
+    let q = BuildQuery { stream_id: Some("s1".into()), oldest_first: true, ..Default::default() };
+    assert_eq!(ids(s.list(&q).await.unwrap()), ["a", "b"]);
+    let q = BuildQuery { unfinished_only: true, ..Default::default() };
+    assert_eq!(ids(s.list(&q).await.unwrap()), ["b"]);
+    let q = BuildQuery { finished_since_unix_ms: Some(45), ..Default::default() };
+    assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
+    let q = BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
+    assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
+}
+
+async fn queue_store(db: &MetadataDb) {
+    let s = SqlQueueStore::new(db.clone());
+    assert!(s.append_event(5, Some("enqueue:c1"), "{\"a\":1}").await.unwrap());
+    assert!(s.append_event(6, None, "{\"b\":2}").await.unwrap());
+    assert!(!s.append_event(7, Some("enqueue:c1"), "{\"a\":1}").await.unwrap(), "same key twice");
+    assert!(s.append_event(8, None, "{\"c\":3}").await.unwrap());
+    let ev = s.list_events().await.unwrap();
+    assert_eq!(ev.iter().map(|e| (e.seq, e.at_ms)).collect::<Vec<_>>(), [(1, 5), (2, 6), (3, 8)]);
+    assert_eq!(ev[0].dedup_key.as_deref(), Some("enqueue:c1"));
+    assert_eq!(ev[1].dedup_key, None);
+
+    let doc = |id: &str, seq, state: &str| QueueDocRow { id: id.into(), seq, state: state.into(), document: format!("{{\"{id}\":0}}") };
+    s.put_change(&doc("c2", 2, "PENDING")).await.unwrap();
+    s.put_change(&doc("c1", 1, "PENDING")).await.unwrap();
+    s.put_change(&doc("c1", 1, "LANDED")).await.unwrap();
+    let ids: Vec<_> = s.list_changes().await.unwrap().into_iter().map(|r| (r.id, r.state)).collect();
+    assert_eq!(ids, [("c1".to_string(), "LANDED".to_string()), ("c2".into(), "PENDING".into())]);
+    assert_eq!(s.get_change("c2").await.unwrap(), Some(doc("c2", 2, "PENDING")));
+    assert_eq!(s.get_change("nope").await.unwrap(), None);
+    s.put_build(&doc("b0", 0, "RUNNING")).await.unwrap();
+    s.put_build(&doc("b0", 0, "DONE")).await.unwrap();
+    assert_eq!(s.list_builds().await.unwrap(), [doc("b0", 0, "DONE")]);
+    let land = |state: &str| LandingRow {
+        version: 1,
+        change_id: "c1".into(),
+        old_commit: "a".into(),
+        new_commit: "b".into(),
+        state: state.into(),
+        document: "{}".into(),
+    };
+    s.put_landing(&land("INTENT")).await.unwrap();
+    s.put_landing(&land("DONE")).await.unwrap();
+    assert_eq!(s.list_landings().await.unwrap(), [land("DONE")]);
+    s.put_graph("abc", "{\"targets\":{}}").await.unwrap();
+    s.put_graph("abc", "ignored: a commit's graph never changes").await.unwrap();
+    assert_eq!(s.get_graph("abc").await.unwrap().as_deref(), Some("{\"targets\":{}}"));
+    assert_eq!(s.get_graph("def").await.unwrap(), None);
+}
+
+async fn leases(db: &MetadataDb) {
+    let ttl = Duration::from_secs(30);
+    assert!(db.acquire_lease("queue", "host-a", 1_000, ttl).await.unwrap());
+    assert!(!db.acquire_lease("queue", "host-b", 2_000, ttl).await.unwrap(), "held by a until 31,000");
+    assert!(db.acquire_lease("queue", "host-a", 20_000, ttl).await.unwrap(), "a renews");
+    assert_eq!(db.lease_holder("queue").await.unwrap(), Some(("host-a".to_string(), 50_000)));
+    assert!(!db.acquire_lease("queue", "host-b", 49_999, ttl).await.unwrap());
+    assert!(db.acquire_lease("queue", "host-b", 50_001, ttl).await.unwrap(), "an expired lease is taken over");
+    db.release_lease("queue", "host-a").await.unwrap();
+    assert_eq!(db.lease_holder("queue").await.unwrap().unwrap().0, "host-b", "only the holder releases");
+    db.release_lease("queue", "host-b").await.unwrap();
+    assert_eq!(db.lease_holder("queue").await.unwrap(), None);
+}
+
+/// Two stores, as two `gantry serve` processes would have (each its own pool), append
+/// 1,000 journal events each from several tasks; half the events of each carry a dedup
+/// key that the other store also appends. Nothing is lost, nothing is duplicated, and
+/// the sequence numbers are exactly 1..=n.
+#[tokio::test]
+async fn concurrent_journal_appends_lose_and_duplicate_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_pg, backends) = backends(dir.path());
+    for (name, url) in backends.into_iter().filter(|(n, _)| *n != "sqlite-memory") {
+        eprintln!("--- {name}");
+        let stores: Vec<Arc<SqlQueueStore>> = vec![
+            Arc::new(SqlQueueStore::new(MetadataDb::open(&url).await.unwrap())),
+            Arc::new(SqlQueueStore::new(MetadataDb::open(&url).await.unwrap())),
+        ];
+        const TASKS: usize = 8;
+        const PER_STORE: usize = 1000;
+        let mut handles = Vec::new();
+        for (s, store) in stores.iter().enumerate() {
+            for t in 0..TASKS {
+                let store = store.clone();
+                handles.push(tokio::spawn(async move {
+                    let mut appended = 0;
+                    for i in (t..PER_STORE).step_by(TASKS) {
+                        // Even events are shared: both stores append them under one key.
+                        let (key, body) = if i % 2 == 0 {
+                            (Some(format!("shared:{i}")), format!("shared {i}"))
+                        } else {
+                            (None, format!("store {s} event {i}"))
+                        };
+                        if store.append_event(i as i64, key.as_deref(), &body).await.unwrap() {
+                            appended += 1;
+                        }
+                    }
+                    appended
+                }));
+            }
+        }
+        let mut appended = 0;
+        for h in handles {
+            appended += h.await.unwrap();
+        }
+        let events = stores[0].list_events().await.unwrap();
+        let expected = 2 * PER_STORE / 2 + PER_STORE / 2; // each store's odd events, the shared ones once
+        assert_eq!(appended, expected, "{name}: appends reported as new");
+        assert_eq!(events.len(), expected, "{name}: events in the journal");
+        assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=expected as i64).collect::<Vec<_>>(), "{name}");
+        let bodies: BTreeSet<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert_eq!(bodies.len(), expected, "{name}: no event twice");
+        for i in 0..PER_STORE {
+            if i % 2 == 0 {
+                assert!(bodies.contains(format!("shared {i}").as_str()), "{name}: shared {i} lost");
+            } else {
+                for s in 0..2 {
+                    assert!(bodies.contains(format!("store {s} event {i}").as_str()), "{name}: store {s} event {i} lost");
+                }
+            }
+        }
+    }
+}
+
+/// A database written by gantry before its schema was versioned is upgraded in place,
+/// keeping its rows; one whose schema is newer than this binary is refused, naming both
+/// versions, and left as it was.
+#[tokio::test]
+async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_pg, backends) = backends(dir.path());
+    let legacy = include_str!("fixtures/unversioned_schema.sql");
+    for (name, url) in backends.into_iter().filter(|(n, _)| *n != "sqlite-memory") {
+        eprintln!("--- {name}");
+        let dialect = Dialect::of(&url).unwrap();
+        // What the previous gantry created and wrote, through its own plain connection.
+        sqlx::any::install_default_drivers();
+        {
+            let pool = sqlx::any::AnyPoolOptions::new()
+                .max_connections(1)
+                .connect(&format!("{url}{}", if dialect == Dialect::Sqlite { "?mode=rwc" } else { "" }))
+                .await
+                .unwrap();
+            let sql = if dialect == Dialect::Postgres { legacy.replace("BLOB", "BYTEA") } else { legacy.to_string() };
+            pool.execute(sql.as_str()).await.unwrap();
+            sqlx::query(
+                "INSERT INTO action_cache (instance_name, digest_function, action_hash, action_size, result, updated_at)
+                 VALUES ('', 'sha256', $1, 6, $2, 1)",
+            )
+            .bind(DigestFunction::Sha256.digest_of(b"action").hash_hex())
+            .bind(prost::Message::encode_to_vec(&result(7)))
+            .execute(&pool)
+            .await
+            .unwrap();
+            sqlx::query("INSERT INTO queue_events (seq, at_ms, dedup_key, event) VALUES (1, 5, 'k', 'old')")
+                .execute(&pool)
+                .await
+                .unwrap();
+            pool.close().await;
+        }
+        let db = MetadataDb::open(&url).await.unwrap();
+        assert_eq!(db.schema_version().await.unwrap(), MetadataDb::latest_version(), "{name}: upgraded");
+        let ac = SqlActionCache::new(db.clone());
+        assert_eq!(ac.get("", &DigestFunction::Sha256.digest_of(b"action")).await.unwrap(), Some(result(7)), "{name}");
+        let q = SqlQueueStore::new(db.clone());
+        assert!(q.append_event(6, None, "new").await.unwrap());
+        assert_eq!(q.list_events().await.unwrap().iter().map(|e| e.event.as_str()).collect::<Vec<_>>(), ["old", "new"]);
+        // The version added after the unversioned schema exists.
+        assert!(db.acquire_lease("x", "me", 0, Duration::from_secs(1)).await.unwrap(), "{name}");
+
+        // A newer gantry migrated this database further.
+        let future = MetadataDb::latest_version() + 40;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES ($1, 'from the future', true, $2, 0)",
+        )
+        .bind(future)
+        .bind(vec![0u8; 48])
+        .execute(db.pool())
+        .await
+        .unwrap();
+        drop((ac, q, db));
+        let e = MetadataDb::open(&url).await.unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, Error::FailedPrecondition(_)), "{name}: {text}");
+        assert!(text.contains(&format!("version {future}")), "{name}: names the database's version: {text}");
+        assert!(text.contains(&format!("version {}", MetadataDb::latest_version())), "{name}: names ours: {text}");
+        assert!(!text.contains(gantry_testkit::PG_PASSWORD), "{name}: no password in {text}");
+    }
+}
+
+/// The refusal changes nothing: the newer database still reads at its own version.
+#[tokio::test]
+async fn refusing_a_newer_database_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/meta.db", dir.path().display());
+    let db = MetadataDb::open(&url).await.unwrap();
+    let future = MetadataDb::latest_version() + 1;
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'future', true, $2, 0)",
+    )
+    .bind(future)
+    .bind(vec![0u8; 48])
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let tables = |pool: sqlx::AnyPool| async move {
+        sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<String, _>(0))
+            .collect::<Vec<_>>()
+    };
+    let before = tables(db.pool().clone()).await;
+    drop(db);
+    assert!(MetadataDb::open(&url).await.is_err());
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(&url).await.unwrap();
+    assert_eq!(tables(pool.clone()).await, before);
+    let v: i64 = sqlx::query("SELECT MAX(version) FROM _sqlx_migrations").fetch_one(&pool).await.unwrap().get(0);
+    assert_eq!(v, future);
+}
