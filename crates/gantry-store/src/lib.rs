@@ -34,7 +34,7 @@ pub use fs_store::FsStore;
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
-pub use metadata_db::{Dialect, MetadataDb, MetadataOptions};
+pub use metadata_db::{Dialect, MetadataDb, MetadataOptions, RoleLease};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
 pub use sql_queue_store::SqlQueueStore;

@@ -289,6 +289,71 @@ impl MetadataDb {
     }
 }
 
+/// A role that only one gantry process may play per metadata database (running the
+/// submit queue, running the batch builds), held through a lease that a named task
+/// renews every third of its lifetime. Dropping it stops the renewal; `release` also
+/// frees the role at once for a successor.
+pub struct RoleLease {
+    db: MetadataDb,
+    role: &'static str,
+    holder: String,
+    lost: tokio::sync::watch::Receiver<bool>,
+    _renewal: gantry_core::TaskGuard,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+impl RoleLease {
+    /// Takes `role` for `holder`, or fails with FAILED_PRECONDITION naming who has it.
+    /// `holder` should name the host and what makes this process the same one after a
+    /// restart, so a crashed process restarted takes its role back without waiting.
+    pub async fn take(db: &MetadataDb, role: &'static str, holder: String, ttl: Duration) -> Result<RoleLease> {
+        if !db.acquire_lease(role, &holder, now_ms(), ttl).await? {
+            let (other, until) = db.lease_holder(role).await?.unwrap_or_default();
+            return Err(Error::FailedPrecondition(format!(
+                "{role}: metadata database {} already has one, run by {other} (its lease runs {} s more); \
+                 only one gantry serve per metadata database may play this role",
+                db.name(),
+                (until - now_ms()).max(0) / 1000
+            )));
+        }
+        let (lost_tx, lost) = tokio::sync::watch::channel(false);
+        let (renew_db, renew_holder) = (db.clone(), holder.clone());
+        let renewal = gantry_core::task::spawn_named("role-lease", async move {
+            loop {
+                tokio::time::sleep(ttl / 3).await;
+                match renew_db.acquire_lease(role, &renew_holder, now_ms(), ttl).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::error!(role, "another gantry serve took over this role's lease");
+                        lost_tx.send_replace(true);
+                        return;
+                    }
+                    // The database is away: the role cannot write anything either; the
+                    // lease expires only if the outage outlasts it.
+                    Err(e) => tracing::warn!(role, error = %e, "renewing a lease"),
+                }
+            }
+        });
+        Ok(RoleLease { db: db.clone(), role, holder, lost, _renewal: renewal })
+    }
+
+    /// Resolves if another process takes the role over (this one must then stop it).
+    pub fn lost(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut lost = self.lost.clone();
+        async move {
+            let _ = lost.wait_for(|l| *l).await;
+        }
+    }
+
+    /// Frees the role now (at a clean shutdown).
+    pub async fn release(self) -> Result<()> {
+        self.db.release_lease(self.role, &self.holder).await
+    }
+}
+
 /// One schema version: a description and its statements, with `{blob}` standing for the
 /// dialect's bytes type. Append only: an applied version's text must never change (the
 /// migrator refuses a checksum mismatch).

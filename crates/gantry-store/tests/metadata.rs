@@ -13,7 +13,7 @@ use gantry_core::{
     ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, LandingRow,
     QueueDocRow, QueueStore, SizeClassStore,
 };
-use gantry_store::{Dialect, MetadataDb, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_store::{Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
 use gantry_testkit::PgServer;
 use sqlx::{Executor, Row};
 
@@ -208,6 +208,16 @@ async fn leases(db: &MetadataDb) {
     assert_eq!(db.lease_holder("queue").await.unwrap().unwrap().0, "host-b", "only the holder releases");
     db.release_lease("queue", "host-b").await.unwrap();
     assert_eq!(db.lease_holder("queue").await.unwrap(), None);
+
+    // A role: one process has it; another is refused, told who; the same holder
+    // restarted takes it back; a release frees it for anyone.
+    let role = RoleLease::take(db, "batch-runners", "host-a:/runners".into(), ttl).await.unwrap();
+    let e = RoleLease::take(db, "batch-runners", "host-b:/runners".into(), ttl).await.err().unwrap();
+    assert!(matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("host-a:/runners"), "{e}");
+    drop(role); // a crash: the lease stays until it expires...
+    let again = RoleLease::take(db, "batch-runners", "host-a:/runners".into(), ttl).await.unwrap(); // ...but not for its holder
+    again.release().await.unwrap();
+    RoleLease::take(db, "batch-runners", "host-b:/runners".into(), ttl).await.unwrap().release().await.unwrap();
 }
 
 /// Two stores, as two `gantry serve` processes would have (each its own pool), append
@@ -277,7 +287,9 @@ async fn concurrent_journal_appends_lose_and_duplicate_nothing() {
 async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
     let dir = tempfile::tempdir().unwrap();
     let (_pg, backends) = backends(dir.path());
-    let legacy = include_str!("fixtures/unversioned_schema.sql");
+    // Migration 1 is, by construction, the schema the unversioned gantry created (its
+    // statements were copied from that code, and an applied migration never changes).
+    let legacy = include_str!("../migrations/0001_initial.sql");
     for (name, url) in backends.into_iter().filter(|(n, _)| *n != "sqlite-memory") {
         eprintln!("--- {name}");
         let dialect = Dialect::of(&url).unwrap();
@@ -289,7 +301,7 @@ async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
                 .connect(&format!("{url}{}", if dialect == Dialect::Sqlite { "?mode=rwc" } else { "" }))
                 .await
                 .unwrap();
-            let sql = if dialect == Dialect::Postgres { legacy.replace("BLOB", "BYTEA") } else { legacy.to_string() };
+            let sql = legacy.replace("{blob}", if dialect == Dialect::Postgres { "BYTEA" } else { "BLOB" });
             pool.execute(sql.as_str()).await.unwrap();
             sqlx::query(
                 "INSERT INTO action_cache (instance_name, digest_function, action_hash, action_size, result, updated_at)
@@ -318,15 +330,7 @@ async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
 
         // A newer gantry migrated this database further.
         let future = MetadataDb::latest_version() + 40;
-        sqlx::query(
-            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-             VALUES ($1, 'from the future', true, $2, 0)",
-        )
-        .bind(future)
-        .bind(vec![0u8; 48])
-        .execute(db.pool())
-        .await
-        .unwrap();
+        record_version(&db, future).await;
         drop((ac, q, db));
         let e = MetadataDb::open(&url).await.unwrap_err();
         let text = e.to_string();
@@ -337,6 +341,19 @@ async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
     }
 }
 
+/// Records `version` as applied, as a newer gantry's migrator would have.
+async fn record_version(db: &MetadataDb, version: i64) {
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES ($1, 'from a newer gantry', true, $2, 0)",
+    )
+    .bind(version)
+    .bind(vec![0u8; 48])
+    .execute(db.pool())
+    .await
+    .unwrap();
+}
+
 /// The refusal changes nothing: the newer database still reads at its own version.
 #[tokio::test]
 async fn refusing_a_newer_database_changes_nothing() {
@@ -344,15 +361,7 @@ async fn refusing_a_newer_database_changes_nothing() {
     let url = format!("sqlite://{}/meta.db", dir.path().display());
     let db = MetadataDb::open(&url).await.unwrap();
     let future = MetadataDb::latest_version() + 1;
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES ($1, 'future', true, $2, 0)",
-    )
-    .bind(future)
-    .bind(vec![0u8; 48])
-    .execute(db.pool())
-    .await
-    .unwrap();
+    record_version(&db, future).await;
     let tables = |pool: sqlx::AnyPool| async move {
         sqlx::query("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
             .fetch_all(&pool)

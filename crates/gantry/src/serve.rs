@@ -13,7 +13,7 @@ use gantry_core::task::TaskGuard;
 use gantry_execution::sizing::Sizing;
 use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
-use gantry_store::{FsStore, MetadataDb, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_store::{FsStore, MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
 use gantry_worker::Executor;
 use gantry_services::batcher::{planner_config, BatcherService};
 use gantry_services::{Limits, RunningServer, Services};
@@ -209,6 +209,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
     let builds = start_build_runners(&config, &db, &services, server.grpc_addr).await?;
     let queue = start_queue(&config, &db, &services, server.grpc_addr).await?;
+    // A role whose lease another process took over is stopped here at once.
+    let _role_watch: Vec<TaskGuard> = [
+        builds.as_ref().map(|(b, lease)| {
+            let (b, lost) = (b.clone(), lease.lost());
+            gantry_core::task::spawn_named("batch-lease-watch", async move {
+                lost.await;
+                b.shutdown().await;
+            })
+        }),
+        queue.as_ref().map(|(q, lease)| {
+            let (q, lost) = (q.clone(), lease.lost());
+            gantry_core::task::spawn_named("queue-lease-watch", async move {
+                lost.await;
+                q.shutdown().await;
+            })
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server
@@ -226,18 +246,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             // them before it stops accepting requests, or their last builds fail with
             // "connection refused" and are judged on it. Stopped builds are taken up again
             // at the next start.
-            if let Some(q) = &queue {
-                q.lease.abort();
-                q.queue.shutdown().await;
+            if let Some((q, _)) = &queue {
+                q.shutdown().await;
             }
-            if let Some(b) = &builds {
+            if let Some((b, _)) = &builds {
                 b.shutdown().await;
             }
         })
         .await?;
-    if let Some(q) = &queue {
-        if let Err(e) = db.release_lease(QUEUE_LEASE, &q.holder).await {
-            tracing::warn!(error = %e, "releasing the submit queue's lease");
+    for lease in queue.map(|(_, l)| l).into_iter().chain(builds.map(|(_, l)| l)) {
+        if let Err(e) = lease.release().await {
+            tracing::warn!(error = %e, "releasing a role's lease");
         }
     }
     tracing::info!("stopped");
@@ -250,7 +269,7 @@ async fn start_build_runners(
     db: &MetadataDb,
     services: &Services,
     grpc_addr: SocketAddr,
-) -> anyhow::Result<Option<Arc<gantry_builds::BuildService>>> {
+) -> anyhow::Result<Option<(Arc<gantry_builds::BuildService>, RoleLease)>> {
     let b = &config.batch;
     if b.runners == 0 {
         return Ok(None);
@@ -271,6 +290,10 @@ async fn start_build_runners(
         long_window: b.long_window,
         short_window: b.short_window,
     };
+    // One process runs the batch builds of a database: each requeues the builds it finds
+    // unfinished at startup, which would be the other's running ones.
+    let holder = format!("{}:{}", hostname(), settings.runner_dir.display());
+    let lease = RoleLease::take(db, "batch-runners", holder, ROLE_LEASE_TTL).await.context("[batch] runners")?;
     let store = Arc::new(SqlBuildStore::new(db.clone()));
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let builds = gantry_builds::BuildService::start(
@@ -284,7 +307,7 @@ async fn start_build_runners(
     .context("starting the build runners")?;
     services.batcher.attach_builds(builds.clone());
     tracing::info!(runners = b.runners, "batch build runners started");
-    Ok(Some(builds))
+    Ok(Some((builds, lease)))
 }
 
 /// How a runner invokes Bazel, from `[batch]`, with this server as the default executor.
@@ -310,7 +333,7 @@ async fn start_queue(
     db: &MetadataDb,
     services: &Services,
     grpc_addr: SocketAddr,
-) -> anyhow::Result<Option<QueueRole>> {
+) -> anyhow::Result<Option<(Arc<gantry_submit::QueueService>, RoleLease)>> {
     let q = &config.queue;
     let Some(repository) = &q.repository else { return Ok(None) };
     let settings = gantry_submit::QueueSettings {
@@ -326,56 +349,20 @@ async fn start_queue(
     };
     // One queue per metadata database: two would both journal, build and land. The
     // holder names this host and repository, so the same server restarted after a crash
-    // takes its lease back at once instead of waiting for it to expire.
+    // takes its role back at once instead of waiting for the lease to expire.
     let holder = format!("{}:{}", hostname(), settings.repository.display());
-    if !db.acquire_lease(QUEUE_LEASE, &holder, now_ms(), QUEUE_LEASE_TTL).await? {
-        let (other, until) = db.lease_holder(QUEUE_LEASE).await?.unwrap_or_default();
-        anyhow::bail!(
-            "the submit queue of metadata database {} is run by {other} (its lease runs {} s more): one \
-             gantry serve per metadata database may set [queue] repository",
-            db.name(),
-            (until - now_ms()).max(0) / 1000
-        );
-    }
+    let lease = RoleLease::take(db, "submit-queue", holder, ROLE_LEASE_TTL).await.context("[queue]")?;
     let store = Arc::new(SqlQueueStore::new(db.clone()));
     let queue = gantry_submit::QueueService::start(settings, store, services.metrics.registry())
         .await
         .context("starting the submit queue")?;
-    let (lease_db, lease_queue, lease_holder) = (db.clone(), queue.clone(), holder.clone());
-    let lease = gantry_core::task::spawn_named("queue-lease", async move {
-        loop {
-            tokio::time::sleep(QUEUE_LEASE_TTL / 3).await;
-            match lease_db.acquire_lease(QUEUE_LEASE, &holder, now_ms(), QUEUE_LEASE_TTL).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::error!("another gantry serve took the submit queue's lease: stopping this queue");
-                    lease_queue.shutdown().await;
-                    return;
-                }
-                // The database is away: keep running (nothing can be journaled either)
-                // and try again; the lease only expires if the outage outlasts it.
-                Err(e) => tracing::warn!(error = %e, "renewing the submit queue's lease"),
-            }
-        }
-    });
     services.queue.attach(queue.clone());
     tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
-    Ok(Some(QueueRole { queue, lease, holder: lease_holder }))
+    Ok(Some((queue, lease)))
 }
 
-/// The submit queue this process runs, and the lease that makes it the only one.
-struct QueueRole {
-    queue: Arc<gantry_submit::QueueService>,
-    lease: TaskGuard,
-    holder: String,
-}
-
-const QUEUE_LEASE: &str = "submit-queue";
-const QUEUE_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-}
+/// How long a role's lease outlives a process that stopped renewing it.
+const ROLE_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The path a program name resolves to on PATH (or itself, if it is a path).
 fn which(program: &std::path::Path) -> Option<PathBuf> {
