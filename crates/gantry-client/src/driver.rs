@@ -28,7 +28,7 @@ use gantry_worker::outputs::{Declared, Uploader};
 use gantry_worker::process;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
-use tonic::transport::Channel;
+use gantry_core::client::GrpcChannel as Channel;
 
 use crate::action::{self, BlobSource, BuiltAction, CommandLine};
 use crate::history::History;

@@ -42,7 +42,68 @@ pub struct Config {
     pub execution: ExecutionConfig,
     /// The submit queue (`gantry.queue.v1.SubmitQueue`); off unless `repository` is set.
     pub queue: QueueConfig,
+    /// Authentication and authorization. Absent: every caller may do everything (keep
+    /// such a server on loopback or a trusted network).
+    pub auth: Option<AuthConfig>,
 }
+
+/// `[auth]`: who may call gantry and what each may do. Credentials are bearer tokens
+/// (`authorization: Bearer TOKEN`, Bazel's `--remote_header=Authorization=Bearer TOKEN`)
+/// configured by their SHA-256, so this file holds no secret (`gantry auth token` mints
+/// one and prints its line).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Permissions of calls that carry no credentials, on every instance, e.g.
+    /// `["read"]`. Default none: such calls are UNAUTHENTICATED.
+    pub anonymous: Vec<String>,
+    /// Client credentials: `[[auth.tokens]] name = "ci", sha256 = "…", grants = ["ci"]`.
+    pub tokens: Vec<TokenConfig>,
+    /// Named grants: `[auth.grants.dev] instances = ["main", "dev/*"],
+    /// permissions = ["read", "write_cas", "execute"]`. Permissions: read, write_cas,
+    /// write_ac, execute, batch, queue, admin.
+    pub grants: std::collections::BTreeMap<String, GrantConfig>,
+    /// Credentials of `gantry worker` processes. Only these may register a worker, and
+    /// they may call nothing else.
+    pub workers: WorkerAuthConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    /// Shown in logs and refusals.
+    pub name: String,
+    /// Hex SHA-256 of the token.
+    pub sha256: String,
+    /// Names of `[auth.grants.*]` this token has.
+    #[serde(default)]
+    pub grants: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GrantConfig {
+    /// Instance names: `*`, a name (`""` is the default instance), or `prefix/*`.
+    pub instances: Vec<String>,
+    pub permissions: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerAuthConfig {
+    /// `[[auth.workers.tokens]] name = "pool-a", sha256 = "…"`.
+    pub tokens: Vec<WorkerTokenConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerTokenConfig {
+    pub name: String,
+    pub sha256: String,
+}
+
+/// The permission names `[auth]` accepts.
+pub const PERMISSIONS: [&str; 7] = ["read", "write_cas", "write_ac", "execute", "batch", "queue", "admin"];
 
 /// `[queue]`: the submit queue. Builds run Bazel with the `[batch]` settings `bazel`,
 /// `startup_flags`, `extra_flags`, `bazel_memory`, `kill_grace` and `remote_executor`
@@ -473,6 +534,41 @@ impl Default for BatchConfig {
     }
 }
 
+impl AuthConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        let check_perms = |what: &str, perms: &[String]| -> Result<(), ConfigError> {
+            match perms.iter().find(|p| !PERMISSIONS.contains(&p.as_str())) {
+                Some(p) => Err(ConfigError::Invalid(format!("{what}: unknown permission {p:?}; known: {}", PERMISSIONS.join(", ")))),
+                None => Ok(()),
+            }
+        };
+        check_perms("auth.anonymous", &self.anonymous)?;
+        for (name, g) in &self.grants {
+            check_perms(&format!("auth.grants.{name}"), &g.permissions)?;
+            if let Some(p) = g.instances.iter().find(|p| p.contains('*') && *p != "*" && !(p.ends_with("/*") && !p[..p.len() - 2].contains('*'))) {
+                return invalid(format!("auth.grants.{name}: instance pattern {p:?}: use \"*\", a name, or \"prefix/*\""));
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        let all = self.tokens.iter().map(|t| ("auth.tokens", &t.name, &t.sha256)).chain(self.workers.tokens.iter().map(|t| ("auth.workers.tokens", &t.name, &t.sha256)));
+        for (section, name, sha) in all {
+            if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
+                return invalid(format!("{section} {name:?}: sha256 must be 64 hex digits (gantry auth token prints one)"));
+            }
+            if !seen.insert(sha.to_ascii_lowercase()) {
+                return invalid(format!("{section} {name:?}: the same sha256 is configured twice"));
+            }
+        }
+        for t in &self.tokens {
+            if let Some(g) = t.grants.iter().find(|g| !self.grants.contains_key(*g)) {
+                return invalid(format!("auth.tokens {:?}: grant {g:?} is not defined under [auth.grants]", t.name));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Config {
     /// Directory of the workers, resolved against `data_dir`.
     pub fn worker_dir(&self) -> PathBuf {
@@ -572,6 +668,9 @@ impl Config {
             if !(0.0..=1.0).contains(&p) {
                 return Err(ConfigError::Invalid(format!("{name} {p} must be a probability between 0 and 1")));
             }
+        }
+        if let Some(auth) = &self.auth {
+            auth.validate()?;
         }
         let ActionCacheConfig::Sql(sql) = &self.action_cache;
         if sql.url.is_some() {
@@ -683,6 +782,33 @@ mod tests {
         let e = parse("[execution]\nscheduler = \"grpc://h:1\"\nworkers = 2").unwrap_err().to_string();
         assert!(e.contains("runs no workers"), "{e}");
         assert!(parse("[execution]\nscheduler = \"grpc://h:1\"\nworkers = 0").is_ok());
+    }
+
+    #[test]
+    fn auth_section() {
+        let sha = "ab".repeat(32);
+        let text = format!(
+            "[auth]\nanonymous = [\"read\"]\n[[auth.tokens]]\nname = \"ci\"\nsha256 = \"{sha}\"\ngrants = [\"ci\"]\n\
+             [auth.grants.ci]\ninstances = [\"*\", \"dev/*\"]\npermissions = [\"read\", \"write_ac\"]\n\
+             [[auth.workers.tokens]]\nname = \"w\"\nsha256 = \"{}\"\n",
+            "cd".repeat(32)
+        );
+        let c = parse(&text).unwrap();
+        let a = c.auth.unwrap();
+        assert_eq!(a.tokens[0].grants, ["ci"]);
+        assert_eq!(a.workers.tokens[0].name, "w");
+        assert!(parse("").unwrap().auth.is_none(), "absent: no auth");
+        for (bad, needle) in [
+            (text.replace("\"write_ac\"", "\"root\""), "unknown permission"),
+            (text.replace("grants = [\"ci\"]", "grants = [\"nope\"]"), "not defined"),
+            (text.replace(&sha, "xyz"), "64 hex"),
+            (text.replace(&"cd".repeat(32), &sha), "twice"),
+            (text.replace("\"dev/*\"", "\"d*v\""), "instance pattern"),
+            (text.replace("anonymous = [\"read\"]", "anonymous = [\"all\"]"), "auth.anonymous"),
+        ] {
+            let e = parse(&bad).unwrap_err().to_string();
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
     }
 
     #[test]

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::{Error, Result};
@@ -36,18 +38,76 @@ pub fn endpoint(target: &str) -> Result<Endpoint> {
         .initial_connection_window_size(Some(64 << 20)))
 }
 
+/// The credentials a gantry client presents: a bearer token from `GANTRY_TOKEN`, or from
+/// the file named by `GANTRY_TOKEN_FILE` (first line), or none.
+#[derive(Clone, Default)]
+pub struct Credentials {
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+impl std::fmt::Debug for Credentials {
+    // Never print the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.authorization.is_some() { "Credentials(bearer token)" } else { "Credentials(none)" })
+    }
+}
+
+impl Credentials {
+    /// A bearer token.
+    pub fn token(token: &str) -> Result<Credentials> {
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(Error::invalid("the token is empty"));
+        }
+        let mut v: MetadataValue<Ascii> = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| Error::invalid("the token has characters a header cannot carry"))?;
+        v.set_sensitive(true);
+        Ok(Credentials { authorization: Some(v) })
+    }
+
+    /// From the environment (see the type's doc).
+    pub fn from_env() -> Result<Credentials> {
+        if let Ok(t) = std::env::var("GANTRY_TOKEN") {
+            return Self::token(&t).map_err(|e| e.context("GANTRY_TOKEN"));
+        }
+        if let Ok(path) = std::env::var("GANTRY_TOKEN_FILE") {
+            let text = std::fs::read_to_string(&path).map_err(|e| Error::io(format!("GANTRY_TOKEN_FILE {path}"), e))?;
+            return Self::token(text.lines().next().unwrap_or("")).map_err(|e| e.context(format_args!("GANTRY_TOKEN_FILE {path}")));
+        }
+        Ok(Credentials::default())
+    }
+}
+
+impl tonic::service::Interceptor for Credentials {
+    fn call(&mut self, mut req: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        // A call that carries its own credentials (a frontend forwarding its caller's)
+        // keeps them.
+        if let Some(v) = &self.authorization {
+            if !req.metadata().contains_key("authorization") {
+                req.metadata_mut().insert("authorization", v.clone());
+            }
+        }
+        Ok(req)
+    }
+}
+
+/// A channel with the process's credentials on every call.
+pub type GrpcChannel = InterceptedService<Channel, Credentials>;
+
 /// A channel to `target` that connects on first use and reconnects by itself after the
-/// peer restarts.
-pub fn connect_lazy(target: &str) -> Result<Channel> {
-    Ok(endpoint(target)?.connect_lazy())
+/// peer restarts, presenting the credentials of the environment.
+pub fn connect_lazy(target: &str) -> Result<GrpcChannel> {
+    Ok(InterceptedService::new(endpoint(target)?.connect_lazy(), Credentials::from_env()?))
 }
 
 /// A channel to `target`, connected now: an unreachable server is an error here.
-pub async fn connect(target: &str) -> Result<Channel> {
-    endpoint(target)?
+pub async fn connect(target: &str) -> Result<GrpcChannel> {
+    let channel = endpoint(target)?
         .connect()
         .await
-        .map_err(|e| Error::Unavailable(format!("connecting to {target}: {e}")))
+        .map_err(|e| Error::Unavailable(format!("connecting to {target}: {e}")))?;
+    Ok(InterceptedService::new(channel, Credentials::from_env()?))
 }
 
 #[cfg(test)]
@@ -60,6 +120,20 @@ mod tests {
         assert!(endpoint("http://127.0.0.1:8980").is_ok());
         assert!(endpoint("127.0.0.1:8980").unwrap_err().to_string().contains("grpc://"));
         assert!(endpoint("grpcs://h:1").unwrap_err().to_string().contains("TLS"));
+    }
+
+    #[test]
+    fn credentials_never_print_and_keep_a_forwarded_header() {
+        use tonic::service::Interceptor;
+        let mut c = Credentials::token(" abc123 ").unwrap();
+        assert_eq!(format!("{c:?}"), "Credentials(bearer token)");
+        let req = c.call(tonic::Request::new(())).unwrap();
+        assert_eq!(req.metadata().get("authorization").unwrap(), "Bearer abc123");
+        let mut forwarded = tonic::Request::new(());
+        forwarded.metadata_mut().insert("authorization", "Bearer caller".parse().unwrap());
+        assert_eq!(c.call(forwarded).unwrap().metadata().get("authorization").unwrap(), "Bearer caller");
+        assert!(Credentials::token("  ").is_err());
+        assert!(Credentials::token("a\nb").is_err());
     }
 
     #[tokio::test]

@@ -23,6 +23,12 @@ pub enum Error {
     OutOfRange(String),
     #[error("{0}")]
     Unavailable(String),
+    /// No credentials, or credentials that are not valid. Says nothing of what exists.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A known identity without the permission the call needs.
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("{0}")]
     Internal(String),
     /// An I/O failure with a description of what gantry was doing at the time.
@@ -58,6 +64,8 @@ impl Error {
             Error::ResourceExhausted(_) => tonic::Code::ResourceExhausted,
             Error::OutOfRange(_) => tonic::Code::OutOfRange,
             Error::Unavailable(_) => tonic::Code::Unavailable,
+            Error::Unauthenticated(_) => tonic::Code::Unauthenticated,
+            Error::PermissionDenied(_) => tonic::Code::PermissionDenied,
             Error::Internal(_) => tonic::Code::Internal,
             // A missing file deep in a backend is a server fault, not the client's NOT_FOUND;
             // backends convert the cases that really mean "no such blob" themselves.
@@ -84,6 +92,8 @@ impl Error {
             Error::ResourceExhausted(m) => Error::ResourceExhausted(format!("{ctx}: {m}")),
             Error::OutOfRange(m) => Error::OutOfRange(format!("{ctx}: {m}")),
             Error::Unavailable(m) => Error::Unavailable(format!("{ctx}: {m}")),
+            Error::Unauthenticated(m) => Error::Unauthenticated(m),
+            Error::PermissionDenied(m) => Error::PermissionDenied(format!("{ctx}: {m}")),
             Error::Internal(m) => Error::Internal(format!("{ctx}: {m}")),
             Error::Io { context, source } => Error::Io { context: format!("{ctx}: {context}"), source },
         }

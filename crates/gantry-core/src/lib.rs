@@ -7,6 +7,7 @@
 //! the traits defined here, so they never compile against a particular backend.
 
 pub mod action_cache;
+pub mod auth;
 pub mod blob_store;
 pub mod build_store;
 pub mod client;

@@ -19,7 +19,7 @@ use gantry_core::google::protobuf::Empty;
 use gantry_core::reapi::execution_client::ExecutionClient;
 use gantry_core::reapi::execution_server::Execution;
 use gantry_core::reapi::{ExecuteRequest, WaitExecutionRequest};
-use tonic::transport::Channel;
+use gantry_core::client::GrpcChannel as Channel;
 use tonic::{Code, Request, Response, Status};
 
 type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;

@@ -1,6 +1,7 @@
 //! The REAPI Execution service (Execute, WaitExecution) and the google.longrunning
 //! Operations service (Get, List, Cancel, Delete, Wait) over the scheduler.
 
+use gantry_core::auth::{require, require_somewhere, Permission};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -133,6 +134,7 @@ impl Execution for ExecutionService {
     type WaitExecutionStream = OpStream;
 
     async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
+        require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
         let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
         Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
@@ -182,6 +184,7 @@ fn to_status(e: Error) -> Status {
 
 impl ExecutionService {
     async fn execute_inner(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, ExecError> {
+        require(&request, Permission::Execute, &request.get_ref().instance_name)?;
         let who = requester(&request);
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
@@ -235,6 +238,8 @@ impl OperationsService {
 #[tonic::async_trait]
 impl Operations for OperationsService {
     async fn list_operations(&self, request: Request<ListOperationsRequest>) -> Result<Response<ListOperationsResponse>, Status> {
+        // Every client's operations: an administrator's view.
+        require_somewhere(&request, Permission::Admin)?;
         let req = request.into_inner();
         let all = self.scheduler.list();
         let start: usize = if req.page_token.is_empty() {
@@ -249,6 +254,7 @@ impl Operations for OperationsService {
     }
 
     async fn get_operation(&self, request: Request<GetOperationRequest>) -> Result<Response<Operation>, Status> {
+        require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
         let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
         let s = rx.borrow().clone();
@@ -256,16 +262,20 @@ impl Operations for OperationsService {
     }
 
     async fn delete_operation(&self, request: Request<DeleteOperationRequest>) -> Result<Response<Empty>, Status> {
+        require_somewhere(&request, Permission::Admin)?;
         self.scheduler.delete(&request.into_inner().name)?;
         Ok(Response::new(Empty {}))
     }
 
     async fn cancel_operation(&self, request: Request<CancelOperationRequest>) -> Result<Response<Empty>, Status> {
+        // Operations do not record their owner yet, so only an administrator may cancel.
+        require_somewhere(&request, Permission::Admin)?;
         self.scheduler.cancel(&request.into_inner().name)?;
         Ok(Response::new(Empty {}))
     }
 
     async fn wait_operation(&self, request: Request<WaitOperationRequest>) -> Result<Response<Operation>, Status> {
+        require_somewhere(&request, Permission::Execute)?;
         let req = request.into_inner();
         let mut rx = self.scheduler.watch(&req.name).ok_or_else(|| Status::not_found(format!("no operation {}", req.name)))?;
         let timeout = req

@@ -43,6 +43,7 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
     type SessionStream = Outbound;
 
     async fn session(&self, request: Request<Streaming<wpb::WorkerMessage>>) -> Result<Response<Outbound>, Status> {
+        gantry_core::auth::require_worker(&request)?;
         let mut inbound = request.into_inner();
         let first = inbound.message().await?.ok_or_else(|| Status::invalid_argument("empty worker session"))?;
         let Some(wpb::worker_message::Kind::Register(reg)) = first.kind else {

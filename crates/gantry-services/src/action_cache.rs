@@ -1,6 +1,7 @@
 //! ActionCache: GetActionResult and UpdateActionResult over the `ActionCache` trait.
 //! Instance names partition the cache.
 
+use gantry_core::auth::{require, Permission};
 use std::sync::Arc;
 
 use gantry_core::action_cache::referenced_blobs;
@@ -64,6 +65,7 @@ impl ActionCacheRpc for ActionCacheService {
         &self,
         request: Request<reapi::GetActionResultRequest>,
     ) -> Result<Response<ActionResult>, Status> {
+        require(&request, Permission::Read, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let d = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;
@@ -84,6 +86,7 @@ impl ActionCacheRpc for ActionCacheService {
         &self,
         request: Request<reapi::UpdateActionResultRequest>,
     ) -> Result<Response<ActionResult>, Status> {
+        require(&request, Permission::WriteAc, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let d = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;

@@ -300,6 +300,7 @@ impl Batcher for BatcherService {
         &self,
         request: Request<Streaming<pb::EnqueueTargetsRequest>>,
     ) -> Result<Response<Self::EnqueueTargetsStream>, Status> {
+        gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let mut inbound = request.into_inner();
         let first = inbound.message().await?.ok_or_else(|| invalid("empty EnqueueTargets stream"))?;
         let ctx = context_from_proto(
@@ -323,6 +324,7 @@ impl Batcher for BatcherService {
     }
 
     async fn get_build(&self, request: Request<pb::GetBuildRequest>) -> Result<Response<pb::BuildStatus>, Status> {
+        gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let id = request.into_inner().build_id;
         if id.is_empty() {
             return Err(invalid("build_id: required"));
@@ -334,6 +336,7 @@ impl Batcher for BatcherService {
     type WatchBuildsStream = GuardedStream<ReceiverStream<Result<pb::BuildStatus, Status>>>;
 
     async fn watch_builds(&self, request: Request<pb::WatchBuildsRequest>) -> Result<Response<Self::WatchBuildsStream>, Status> {
+        gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let stream_id = request.into_inner().stream_id;
         if stream_id.is_empty() {
             return Err(invalid("stream_id: required"));
@@ -378,6 +381,7 @@ impl Batcher for BatcherService {
     }
 
     async fn list_builds(&self, request: Request<pb::ListBuildsRequest>) -> Result<Response<pb::ListBuildsResponse>, Status> {
+        gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let r = request.into_inner();
         let limit = match r.limit {
             0 => 100,
@@ -394,7 +398,8 @@ impl Batcher for BatcherService {
         Ok(Response::new(pb::ListBuildsResponse { builds: docs.iter().map(status_to_proto).collect() }))
     }
 
-    async fn train_models(&self, _request: Request<pb::TrainModelsRequest>) -> Result<Response<pb::TrainModelsResponse>, Status> {
+    async fn train_models(&self, request: Request<pb::TrainModelsRequest>) -> Result<Response<pb::TrainModelsResponse>, Status> {
+        gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Admin)?;
         let s = self.builds()?.train_now().await.map_err(core_status)?;
         Ok(Response::new(pb::TrainModelsResponse {
             builds: s.builds as u64,

@@ -6,6 +6,7 @@
 //! QueryWriteStatus for `committed_size` and continues with a Write at that offset.
 //! Sessions idle longer than `upload_idle_timeout` are dropped by a background task.
 
+use gantry_core::auth::Permission;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -167,8 +168,10 @@ impl ByteStream for ByteStreamService {
     type ReadStream = ReadStream;
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadStream>, Status> {
+        let caller = gantry_core::auth::caller(&request);
         let req = request.into_inner();
         let rn = ResourceName::parse_read(&req.resource_name)?;
+        gantry_core::auth::check(&caller, Permission::Read, &rn.instance)?;
         if req.read_offset < 0 {
             return Err(Error::invalid(format!("read_offset {} is negative", req.read_offset)).into());
         }
@@ -206,6 +209,7 @@ impl ByteStream for ByteStreamService {
     }
 
     async fn write(&self, request: Request<Streaming<WriteRequest>>) -> Result<Response<WriteResponse>, Status> {
+        let caller = gantry_core::auth::caller(&request);
         let mut stream = request.into_inner();
         let first = stream.message().await?.ok_or_else(|| Error::invalid("empty Write stream"))?;
         if first.resource_name.is_empty() {
@@ -213,6 +217,7 @@ impl ByteStream for ByteStreamService {
         }
         let name = first.resource_name.clone();
         let rn = ResourceName::parse_write(&name)?;
+        gantry_core::auth::check(&caller, Permission::WriteCas, &rn.instance)?;
         if first.write_offset < 0 {
             return Err(Error::invalid(format!("write_offset {} is negative", first.write_offset)).into());
         }
@@ -286,8 +291,10 @@ impl ByteStream for ByteStreamService {
         &self,
         request: Request<QueryWriteStatusRequest>,
     ) -> Result<Response<QueryWriteStatusResponse>, Status> {
+        let caller = gantry_core::auth::caller(&request);
         let name = request.into_inner().resource_name;
         let rn = ResourceName::parse_write(&name)?;
+        gantry_core::auth::check(&caller, Permission::WriteCas, &rn.instance)?;
         if self.cas.has(&rn.digest).await? {
             return Ok(Response::new(QueryWriteStatusResponse {
                 committed_size: rn.digest.size as i64,

@@ -1,6 +1,7 @@
 //! Capabilities: what this server offers, so clients pick digest functions, batch sizes
 //! and compression that will work.
 
+use gantry_core::auth::{require, Permission};
 use gantry_core::reapi::capabilities_server::Capabilities;
 use gantry_core::reapi::{self, compressor, digest_function, symlink_absolute_path_strategy};
 use gantry_core::DigestFunction;
@@ -24,8 +25,9 @@ impl CapabilitiesService {
 impl Capabilities for CapabilitiesService {
     async fn get_capabilities(
         &self,
-        _request: Request<reapi::GetCapabilitiesRequest>,
+        request: Request<reapi::GetCapabilitiesRequest>,
     ) -> Result<Response<reapi::ServerCapabilities>, Status> {
+        require(&request, Permission::Read, &request.get_ref().instance_name)?;
         let zstd = vec![compressor::Value::Zstd as i32];
         let cache = reapi::CacheCapabilities {
             digest_functions: DigestFunction::ALL.iter().map(|f| f.to_proto()).collect(),

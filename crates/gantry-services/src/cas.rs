@@ -2,6 +2,7 @@
 //! GetTree (paged). Chunked-blob RPCs (SplitBlob and friends) are not offered and are
 //! not advertised in GetCapabilities.
 
+use gantry_core::auth::{require, Permission};
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
@@ -112,6 +113,7 @@ impl ContentAddressableStorage for CasService {
         &self,
         request: Request<reapi::FindMissingBlobsRequest>,
     ) -> Result<Response<reapi::FindMissingBlobsResponse>, Status> {
+        require(&request, Permission::Read, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let digests = req
@@ -129,6 +131,7 @@ impl ContentAddressableStorage for CasService {
         &self,
         request: Request<reapi::BatchUpdateBlobsRequest>,
     ) -> Result<Response<reapi::BatchUpdateBlobsResponse>, Status> {
+        require(&request, Permission::WriteCas, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let total: u64 = req.requests.iter().map(|r| r.data.len() as u64).sum();
@@ -153,6 +156,7 @@ impl ContentAddressableStorage for CasService {
         &self,
         request: Request<reapi::BatchReadBlobsRequest>,
     ) -> Result<Response<reapi::BatchReadBlobsResponse>, Status> {
+        require(&request, Permission::Read, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let digests = req
@@ -194,6 +198,7 @@ impl ContentAddressableStorage for CasService {
     type GetTreeStream = TreeStream;
 
     async fn get_tree(&self, request: Request<reapi::GetTreeRequest>) -> Result<Response<TreeStream>, Status> {
+        require(&request, Permission::Read, &request.get_ref().instance_name)?;
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let root = Digest::from_proto(f, req.root_digest.as_ref(), "root_digest")?;

@@ -6,6 +6,7 @@
 //! on two listeners and shuts down gracefully.
 
 pub mod action_cache;
+pub mod auth;
 pub mod batcher;
 pub mod bytestream;
 pub mod capabilities;
@@ -59,6 +60,8 @@ pub struct Services {
     pub scheduler: Option<Arc<gantry_execution::Scheduler>>,
     /// Remote execution on another process's scheduler (this server is a frontend).
     pub forwarder: Option<gantry_execution::forward::Forwarder>,
+    /// `[auth]`: who may call. None: everyone may do everything.
+    pub auth: Option<Arc<auth::Authenticator>>,
     /// The submit queue's endpoint; the queue attaches after the server starts.
     pub queue: Arc<gantry_submit::QueueEndpoint>,
 }
@@ -78,7 +81,7 @@ impl Services {
         batcher: batcher::BatcherService,
     ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, forwarder: None, queue: Default::default() }
+        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, forwarder: None, auth: None, queue: Default::default() }
     }
 
     /// Adds remote execution: Execution, Operations and the worker endpoint.
@@ -94,8 +97,18 @@ impl Services {
         self
     }
 
+    /// Requires the credentials of `[auth]` on every gRPC call.
+    pub fn with_auth(mut self, auth: auth::Authenticator) -> Self {
+        self.auth = Some(Arc::new(auth));
+        self
+    }
+
     /// Every gRPC service on one router, behind the metrics layer.
-    pub fn grpc_router(&self) -> tonic::transport::server::Router<tower::layer::util::Stack<MetricsLayer, tower::layer::util::Identity>> {
+    pub fn grpc_router(
+        &self,
+    ) -> tonic::transport::server::Router<
+        tower::layer::util::Stack<auth::AuthLayer, tower::layer::util::Stack<MetricsLayer, tower::layer::util::Identity>>,
+    > {
         // Batches may be as large as advertised, plus protobuf framing.
         let max_msg = self.limits.max_batch_size as usize + (1 << 20);
         let cas = ContentAddressableStorageServer::new(cas::CasService::new(
@@ -176,7 +189,9 @@ impl Services {
             // session (and graceful shutdown) forever.
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            // Outside authentication, so refusals are counted by method and code too.
             .layer(MetricsLayer(self.metrics.clone()))
+            .layer(auth::AuthLayer(self.auth.clone()))
             .add_service(caps)
             .add_service(cas)
             .add_service(bs)

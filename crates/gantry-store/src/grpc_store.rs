@@ -10,7 +10,7 @@ use gantry_core::google::bytestream::{ReadRequest, WriteRequest};
 use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
 use gantry_core::reapi::FindMissingBlobsRequest;
 use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, DigestFunction, Error, Result};
-use tonic::transport::Channel;
+use gantry_core::client::GrpcChannel as Channel;
 
 pub struct GrpcStore {
     channel: Channel,
@@ -26,6 +26,8 @@ pub fn status_to_error(s: tonic::Status, what: &str) -> Error {
         tonic::Code::FailedPrecondition => Error::FailedPrecondition(msg),
         tonic::Code::ResourceExhausted => Error::ResourceExhausted(msg),
         tonic::Code::OutOfRange => Error::OutOfRange(msg),
+        tonic::Code::Unauthenticated => Error::Unauthenticated(msg),
+        tonic::Code::PermissionDenied => Error::PermissionDenied(msg),
         tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => Error::Unavailable(msg),
         _ => Error::Internal(msg),
     }

@@ -8,7 +8,7 @@ use gantry_core::{Error, Result};
 use gantry_proto::worker::v1 as wpb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::Channel;
+use gantry_core::client::GrpcChannel as Channel;
 
 use crate::{run_worker, Executor};
 

@@ -13,7 +13,7 @@ use gantry_core::reapi::content_addressable_storage_client::ContentAddressableSt
 use gantry_core::reapi::{self, batch_update_blobs_request};
 use gantry_core::{Digest, DigestFunction};
 use serde::Serialize;
-use tonic::transport::Channel;
+use gantry_core::client::GrpcChannel as Channel;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {

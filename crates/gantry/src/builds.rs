@@ -55,7 +55,7 @@ impl WatchArgs {
     }
 }
 
-pub async fn client(server: &str) -> anyhow::Result<pb::batcher_client::BatcherClient<tonic::transport::Channel>> {
+pub async fn client(server: &str) -> anyhow::Result<pb::batcher_client::BatcherClient<gantry_core::client::GrpcChannel>> {
     Ok(pb::batcher_client::BatcherClient::new(gantry_core::client::connect(server).await?))
 }
 

@@ -1,6 +1,7 @@
 //! The `gantry` binary. It stays thin: parse flags and config, build the parts from the
 //! library crates, run. Every role of gantry is a subcommand of this one binary.
 
+mod auth;
 mod batch;
 mod bench;
 mod bench_queue;
@@ -47,6 +48,9 @@ enum Command {
     /// Run one command (a compiler, a test) with remote caching, racing local and
     /// remote execution.
     Run(run::RunArgs),
+    /// Credentials for `[auth]`: `gantry auth token` mints one.
+    #[command(subcommand)]
+    Auth(auth::AuthCommand),
     /// Measure gantry: CAS throughput, batch planning speed and quality.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -78,6 +82,7 @@ fn main() -> anyhow::Result<()> {
             Command::Queue(cmd) => queue::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Run(args) => run::run(args).await,
+            Command::Auth(cmd) => auth::run(cmd),
         }
     });
     // Blocking tasks (an action's wait) must not hold the process up after shutdown:

@@ -54,7 +54,7 @@ pub struct Common {
     json: bool,
 }
 
-async fn client(server: &str) -> anyhow::Result<pb::submit_queue_client::SubmitQueueClient<tonic::transport::Channel>> {
+async fn client(server: &str) -> anyhow::Result<pb::submit_queue_client::SubmitQueueClient<gantry_core::client::GrpcChannel>> {
     Ok(pb::submit_queue_client::SubmitQueueClient::new(gantry_core::client::connect(server).await?))
 }
 

@@ -69,7 +69,19 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     if config.batch.runners > 0 {
         batcher = batcher.expect_builds();
     }
-    let services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
+    let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
+    match &config.auth {
+        Some(auth) => {
+            tracing::info!(tokens = auth.tokens.len(), worker_tokens = auth.workers.tokens.len(), anonymous = ?auth.anonymous, "[auth]: every call needs credentials");
+            services = services.with_auth(gantry_services::auth::Authenticator::new(auth));
+        }
+        None if !config.server.listen.ip().is_loopback() => tracing::warn!(
+            listen = %config.server.listen,
+            "NO AUTHENTICATION on a non-loopback address: anyone who reaches this port can write the action cache, \
+             run commands on the workers and register workers; configure [auth] (see README, Securing gantry)"
+        ),
+        None => {}
+    }
     let e = &config.execution;
     if let Some(target) = &e.scheduler {
         // A frontend: the scheduler is another process, reached lazily so this server

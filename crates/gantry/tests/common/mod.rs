@@ -96,7 +96,13 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     pub fn start(scheduler_grpc: &str, work_dir: &Path, slots: u32) -> WorkerProcess {
+        Self::start_env(scheduler_grpc, work_dir, slots, &[])
+    }
+
+    /// Like `start`, with extra environment (`GANTRY_TOKEN`, ...).
+    pub fn start_env(scheduler_grpc: &str, work_dir: &Path, slots: u32, env: &[(&str, &str)]) -> WorkerProcess {
         let child = Command::new(env!("CARGO_BIN_EXE_gantry"))
+            .envs(env.iter().copied())
             .args(["worker", "--scheduler", &format!("grpc://{scheduler_grpc}"), "--slots", &slots.to_string(), "--work-dir"])
             .arg(work_dir)
             .stdin(Stdio::null())

@@ -1,0 +1,178 @@
+//! Authentication of every gRPC call: the `authorization` header becomes a
+//! [`Caller`](gantry_core::auth::Caller) in the request's extensions, or the call is
+//! refused with UNAUTHENTICATED before any service sees it. Services then authorize with
+//! `gantry_core::auth::require`, knowing the instance name the call is about.
+//!
+//! Tokens are kept by their SHA-256 only, as `gantry.toml` lists them: the server never
+//! holds a client's secret, and a refusal says nothing about which tokens exist.
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use gantry_config::AuthConfig;
+use gantry_core::auth::{Caller, Grant, Identity, Permission, Principal};
+use sha2::{Digest as _, Sha256};
+
+/// The credentials `[auth]` accepts, ready to look up.
+#[derive(Debug)]
+pub struct Authenticator {
+    by_sha256: HashMap<String, Arc<Identity>>,
+    anonymous: Option<Arc<Identity>>,
+}
+
+impl Authenticator {
+    /// Builds the lookup from a validated `[auth]` section.
+    pub fn new(cfg: &AuthConfig) -> Authenticator {
+        let grant = |name: &str| {
+            let g = &cfg.grants[name];
+            Grant {
+                name: name.to_string(),
+                instances: g.instances.clone(),
+                permissions: g.permissions.iter().filter_map(|p| Permission::parse(p)).collect(),
+            }
+        };
+        let mut by_sha256 = HashMap::new();
+        for t in &cfg.tokens {
+            let grants = t.grants.iter().map(|g| grant(g)).collect();
+            let id = Identity { name: t.name.clone(), principal: Principal::Client, grants: Arc::new(grants) };
+            by_sha256.insert(t.sha256.to_ascii_lowercase(), Arc::new(id));
+        }
+        for t in &cfg.workers.tokens {
+            let id = Identity { name: t.name.clone(), principal: Principal::Worker, grants: Arc::new(vec![]) };
+            by_sha256.insert(t.sha256.to_ascii_lowercase(), Arc::new(id));
+        }
+        let anonymous = (!cfg.anonymous.is_empty()).then(|| {
+            let permissions: BTreeSet<Permission> = cfg.anonymous.iter().filter_map(|p| Permission::parse(p)).collect();
+            let grant = Grant { name: "anonymous".into(), instances: vec!["*".into()], permissions };
+            Arc::new(Identity { name: "anonymous".into(), principal: Principal::Client, grants: Arc::new(vec![grant]) })
+        });
+        Authenticator { by_sha256, anonymous }
+    }
+
+    /// Who sent `authorization` (the header's value, if any). The error is the message
+    /// for UNAUTHENTICATED; it never repeats what the client sent.
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Arc<Identity>, &'static str> {
+        let Some(value) = authorization else {
+            return self.anonymous.clone().ok_or("credentials required: send authorization: Bearer TOKEN");
+        };
+        let value = std::str::from_utf8(value).map_err(|_| "malformed authorization header")?;
+        let (scheme, token) = value.trim().split_once(' ').ok_or("malformed authorization header: expected Bearer TOKEN")?;
+        let token = token.trim();
+        if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() || token.len() > 4096 {
+            return Err("malformed authorization header: expected Bearer TOKEN");
+        }
+        let hash = hex::encode(Sha256::digest(token.as_bytes()));
+        self.by_sha256.get(&hash).cloned().ok_or("invalid credentials")
+    }
+}
+
+/// The SHA-256 line `[[auth.tokens]]` wants for `token`.
+pub fn token_sha256(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// Marks every request with its caller (`Unrestricted` without `[auth]`), or answers
+/// UNAUTHENTICATED.
+#[derive(Clone)]
+pub struct AuthLayer(pub Option<Arc<Authenticator>>);
+
+impl<S> tower::Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService { inner, auth: self.0.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct AuthService<S> {
+    inner: S,
+    auth: Option<Arc<Authenticator>>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for AuthService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>> + Send,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let caller = match &self.auth {
+            None => Caller::Unrestricted,
+            Some(auth) => match auth.authenticate(req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes())) {
+                Ok(id) => Caller::Identity(id),
+                Err(why) => {
+                    let res = tonic::Status::unauthenticated(why).into_http();
+                    return Box::pin(async move { Ok(res) });
+                }
+            },
+        };
+        req.extensions_mut().insert(caller);
+        Box::pin(self.inner.call(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gantry_config::{GrantConfig, TokenConfig, WorkerAuthConfig, WorkerTokenConfig};
+    use proptest::prelude::*;
+
+    fn config() -> AuthConfig {
+        let mut grants = std::collections::BTreeMap::new();
+        grants.insert("dev".to_string(), GrantConfig { instances: vec!["dev/*".into()], permissions: vec!["read".into()] });
+        AuthConfig {
+            anonymous: vec![],
+            tokens: vec![TokenConfig { name: "dev".into(), sha256: token_sha256("s3cret-dev").to_uppercase(), grants: vec!["dev".into()] }],
+            grants,
+            workers: WorkerAuthConfig { tokens: vec![WorkerTokenConfig { name: "pool".into(), sha256: token_sha256("s3cret-worker") }] },
+        }
+    }
+
+    #[test]
+    fn tokens_by_hash() {
+        let a = Authenticator::new(&config());
+        let id = a.authenticate(Some(b"Bearer s3cret-dev")).unwrap();
+        assert_eq!((id.name.as_str(), id.principal), ("dev", Principal::Client));
+        assert!(id.check(Permission::Read, "dev/x").is_ok() && id.check(Permission::Read, "main").is_err());
+        assert_eq!(a.authenticate(Some(b"bearer   s3cret-worker ")).unwrap().principal, Principal::Worker);
+        assert_eq!(a.authenticate(Some(b"Bearer wrong")).unwrap_err(), "invalid credentials");
+        assert!(a.authenticate(None).unwrap_err().contains("credentials required"));
+        assert!(a.authenticate(Some(b"Basic abc")).unwrap_err().contains("malformed"));
+        let mut anon = config();
+        anon.anonymous = vec!["read".into()];
+        let a = Authenticator::new(&anon);
+        let id = a.authenticate(None).unwrap();
+        assert!(id.check(Permission::Read, "main").is_ok() && id.check(Permission::WriteCas, "main").is_err());
+        assert!(a.authenticate(Some(b"Bearer wrong")).is_err(), "a bad token is not anonymous");
+    }
+
+    proptest! {
+        /// Whatever bytes a client sends as its authorization header, the answer is a
+        /// refusal (never a panic), unless they spell a configured token.
+        #[test]
+        fn malformed_headers_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let a = Authenticator::new(&config());
+            let r = a.authenticate(Some(&bytes));
+            let text = String::from_utf8_lossy(&bytes);
+            prop_assert!(r.is_err() || text.contains("s3cret-"));
+        }
+
+        #[test]
+        fn bearer_with_random_tokens_is_refused(token in "[ -~]{0,100}") {
+            let a = Authenticator::new(&config());
+            let header = format!("Bearer {token}");
+            prop_assume!(!token.contains("s3cret-"));
+            prop_assert!(a.authenticate(Some(header.as_bytes())).is_err());
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! `[auth]` on a real `gantry serve`: tokens by SHA-256, grants by instance and
+//! permission, workers that must present a worker credential, and real Bazel 4.2.3
+//! passing its token with `--remote_header`.
+
+mod common;
+
+use common::{BazelWorkspace, GantryServer, WorkerProcess};
+use gantry_core::reapi::action_cache_client::ActionCacheClient;
+use gantry_core::reapi::capabilities_client::CapabilitiesClient;
+use gantry_core::reapi::execution_client::ExecutionClient;
+use gantry_core::reapi::{self, ActionResult};
+use gantry_core::DigestFunction;
+use gantry_proto::worker::v1 as wpb;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const CI: &str = "ci-token-0123456789";
+const DEV: &str = "dev-token-0123456789";
+const ALICE: &str = "alice-token-0123456789";
+const WORKER: &str = "worker-token-0123456789";
+
+fn sha(t: &str) -> String {
+    gantry_services::auth::token_sha256(t)
+}
+
+fn config() -> String {
+    format!(
+        r#"
+[execution]
+workers = 0
+
+[auth]
+[[auth.tokens]]
+name = "ci"
+sha256 = "{}"
+grants = ["ci"]
+[[auth.tokens]]
+name = "dev"
+sha256 = "{}"
+grants = ["dev"]
+[[auth.tokens]]
+name = "alice"
+sha256 = "{}"
+grants = ["alice"]
+[[auth.workers.tokens]]
+name = "pool"
+sha256 = "{}"
+
+[auth.grants.ci]
+instances = ["*"]
+permissions = ["read", "write_cas", "write_ac", "execute"]
+[auth.grants.dev]
+instances = ["", "main", "dev/*"]
+permissions = ["read", "write_cas", "execute"]
+[auth.grants.alice]
+instances = ["dev/*"]
+permissions = ["read", "write_cas", "write_ac", "execute"]
+"#,
+        sha(CI),
+        sha(DEV),
+        sha(ALICE),
+        sha(WORKER)
+    )
+}
+
+fn with_token<T>(msg: T, token: Option<&str>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut().insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+fn update(instance: &str, code: i32) -> reapi::UpdateActionResultRequest {
+    reapi::UpdateActionResultRequest {
+        instance_name: instance.into(),
+        action_digest: Some(DigestFunction::Sha256.digest_of(b"the action").to_proto()),
+        action_result: Some(ActionResult { exit_code: code, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+fn get(instance: &str) -> reapi::GetActionResultRequest {
+    reapi::GetActionResultRequest {
+        instance_name: instance.into(),
+        action_digest: Some(DigestFunction::Sha256.digest_of(b"the action").to_proto()),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_grants_and_worker_credentials() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("g.toml"), config()).unwrap();
+    let server = GantryServer::start(&tmp.path().join("d"), &["--config", tmp.path().join("g.toml").to_str().unwrap()]);
+    let ch = Channel::from_shared(format!("http://{}", server.grpc)).unwrap().connect().await.unwrap();
+    let mut caps = CapabilitiesClient::new(ch.clone());
+    let mut ac = ActionCacheClient::new(ch.clone());
+
+    // No credentials, a wrong token, a malformed header: UNAUTHENTICATED, saying nothing more.
+    let e = caps.get_capabilities(with_token(reapi::GetCapabilitiesRequest::default(), None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    let e = ac.get_action_result(with_token(get("main"), Some("guess"))).await.unwrap_err();
+    assert_eq!((e.code(), e.message()), (Code::Unauthenticated, "invalid credentials"));
+    let mut bad = tonic::Request::new(get("main"));
+    bad.metadata_mut().insert("authorization", "Basic Zm9vOmJhcg==".parse().unwrap());
+    assert_eq!(ac.get_action_result(bad).await.unwrap_err().code(), Code::Unauthenticated);
+
+    // CI writes the action cache; a developer reads it but cannot write it.
+    ac.update_action_result(with_token(update("main", 3), Some(CI))).await.unwrap();
+    assert_eq!(ac.get_action_result(with_token(get("main"), Some(DEV))).await.unwrap().into_inner().exit_code, 3);
+    let e = ac.update_action_result(with_token(update("main", 4), Some(DEV))).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert!(e.message().contains("write_ac") && e.message().contains("'main'"), "{}", e.message());
+    assert_eq!(ac.get_action_result(with_token(get("main"), Some(CI))).await.unwrap().into_inner().exit_code, 3, "unchanged");
+
+    // Instance isolation: a dev/* grant cannot read main, and the refusal is the same
+    // whether or not the entry exists.
+    let e1 = ac.get_action_result(with_token(get("main"), Some(ALICE))).await.unwrap_err();
+    let e2 = ac.get_action_result(with_token(get("main/nothing-here"), Some(ALICE))).await.unwrap_err();
+    assert_eq!((e1.code(), e2.code()), (Code::PermissionDenied, Code::PermissionDenied));
+    ac.update_action_result(with_token(update("dev/alice", 5), Some(ALICE))).await.unwrap();
+    assert_eq!(ac.get_action_result(with_token(get("dev/alice"), Some(DEV))).await.unwrap().into_inner().exit_code, 5);
+
+    // A worker token calls no client API.
+    let e = ExecutionClient::new(ch.clone())
+        .execute(with_token(reapi::ExecuteRequest { instance_name: "main".into(), ..Default::default() }, Some(WORKER)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // A client token registers no worker.
+    let reg = wpb::WorkerMessage {
+        kind: Some(wpb::worker_message::Kind::Register(wpb::Register { worker_id: "evil".into(), slots: 64, size_class: 1, ..Default::default() })),
+    };
+    let mut w = wpb::worker_service_client::WorkerServiceClient::new(ch.clone());
+    let e = w.session(with_token(futures::stream::iter(vec![reg.clone()]), Some(CI))).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = w.session(with_token(futures::stream::iter(vec![reg]), None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+
+    // Refusals are counted by method and code.
+    let metrics = common::http_get(&server.http, "/metrics");
+    let count = |code: &str, method: &str| {
+        common::metric_value(&metrics, &format!("gantry_grpc_requests_total{{code=\"{code}\",method=\"{method}\"}}"))
+    };
+    assert_eq!(count("UNAUTHENTICATED", "ActionCache/GetActionResult"), Some(2.0), "{metrics}");
+    assert_eq!(count("PERMISSION_DENIED", "ActionCache/UpdateActionResult"), Some(1.0));
+    assert_eq!(count("PERMISSION_DENIED", "WorkerService/Session"), Some(1.0));
+    server.stop();
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn bazel_with_tokens_and_a_worker_with_its_credential() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("g.toml"), config()).unwrap();
+    let server = GantryServer::start(&tmp.path().join("d"), &["--config", tmp.path().join("g.toml").to_str().unwrap()]);
+    // The worker presents its credential from the environment.
+    let worker = WorkerProcess::start_env(&server.grpc, &tmp.path().join("w"), 2, &[("GANTRY_TOKEN", WORKER)]);
+    let ws = BazelWorkspace::new();
+    let header = |t: &str| format!("--remote_header=Authorization=Bearer {t}");
+    let exec = |extra: &[String]| {
+        let mut v = vec![format!("--remote_executor=grpc://{}", server.grpc), "--remote_timeout=60".to_string()];
+        v.extend(extra.iter().cloned());
+        v.push("//:chain_c".into());
+        v
+    };
+
+    // No token: the build fails and Bazel says why.
+    let out = ws.bazel_with_strategy("build", &exec(&[]), "remote");
+    assert!(!out.status.success());
+    assert!(text(&out).contains("UNAUTHENTICATED"), "{}", text(&out));
+
+    // CI's token: remote execution on the authenticated worker.
+    let out = ws.bazel_with_strategy("build", &exec(&[header(CI)]), "remote");
+    assert!(out.status.success(), "{}", text(&out));
+    let summary = common::process_summary(&String::from_utf8_lossy(&out.stderr));
+    assert!(summary.iter().any(|(k, n)| k == "remote" && *n >= 1), "{summary:?}");
+
+    // A developer with only a remote cache: local results are not uploaded (no write_ac),
+    // and Bazel reports the refusal; CI's uploads go through.
+    let cache = |t: &str| vec![format!("--remote_cache=grpc://{}", server.grpc), header(t), "//:empty".to_string()];
+    assert!(ws.bazel("clean", &[]).status.success());
+    let out = ws.bazel("build", &cache(DEV));
+    assert!(out.status.success(), "the build itself succeeds: {}", text(&out));
+    assert!(text(&out).contains("PERMISSION_DENIED"), "Bazel names the refused upload: {}", text(&out));
+    assert!(ws.bazel("clean", &[]).status.success());
+    let out = ws.bazel("build", &cache(CI));
+    assert!(out.status.success() && !text(&out).contains("PERMISSION_DENIED"), "{}", text(&out));
+    assert!(ws.bazel("clean", &[]).status.success());
+    let out = ws.bazel("build", &cache(DEV));
+    let summary = common::process_summary(&String::from_utf8_lossy(&out.stderr));
+    assert!(summary.iter().any(|(k, _)| k == "remote cache hit"), "the developer reads CI's upload: {summary:?}");
+    drop(worker);
+    server.stop();
+}
