@@ -298,6 +298,10 @@ pub struct ServerConfig {
     /// Default "10m".
     #[serde(with = "humantime_serde")]
     pub upload_idle_timeout: Duration,
+    /// Largest Action, Command or Directory blob the server reads on a client's behalf
+    /// (Execute, GetTree): naming a huge blob must not make the server buffer it.
+    /// Default "4MiB".
+    pub max_proto_size: ByteSize,
 }
 
 impl Default for ServerConfig {
@@ -309,6 +313,7 @@ impl Default for ServerConfig {
             max_batch_size: ByteSize::mib(4),
             read_chunk_size: ByteSize::mib(1),
             upload_idle_timeout: Duration::from_secs(600),
+            max_proto_size: ByteSize::mib(4),
         }
     }
 }

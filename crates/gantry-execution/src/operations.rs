@@ -27,6 +27,19 @@ pub struct ExecutionService {
     scheduler: Arc<Scheduler>,
     cas: Arc<dyn BlobStore>,
     ac: Arc<dyn ActionCache>,
+    max_proto_size: u64,
+}
+
+/// Refuses, before any read, a client-named message blob larger than `max`: the size is
+/// the client's claim, and the server would otherwise buffer the whole blob to decode it.
+pub fn check_proto_size(d: &Digest, what: &str, max: u64) -> Result<()> {
+    if d.size > max {
+        return Err(Error::invalid(format!(
+            "{what} {d} is {} bytes, over the {max}-byte limit on Action, Command and Directory blobs (server.max_proto_size)",
+            d.size
+        )));
+    }
+    Ok(())
 }
 
 fn any<M: Message>(type_name: &str, m: &M) -> Any {
@@ -104,10 +117,17 @@ fn requester<T>(req: &Request<T>) -> Requester {
 
 impl ExecutionService {
     pub fn new(scheduler: Arc<Scheduler>, cas: Arc<dyn BlobStore>, ac: Arc<dyn ActionCache>) -> Self {
-        ExecutionService { scheduler, cas, ac }
+        ExecutionService { scheduler, cas, ac, max_proto_size: 4 << 20 }
+    }
+
+    /// The largest Action or Command this service reads for a client (`[server] max_proto_size`).
+    pub fn with_max_proto_size(mut self, bytes: u64) -> Self {
+        self.max_proto_size = bytes;
+        self
     }
 
     async fn fetch<M: Message + Default>(&self, d: &Digest, what: &str) -> Result<M> {
+        check_proto_size(d, what, self.max_proto_size)?;
         let bytes = self.cas.get(d).await.map_err(|e| {
             if e.is_not_found() {
                 // REAPI: a missing input is FAILED_PRECONDITION, so the client re-uploads.

@@ -27,11 +27,12 @@ pub struct CasService {
     cas: Arc<dyn BlobStore>,
     metrics: Arc<Metrics>,
     max_batch_size: u64,
+    max_proto_size: u64,
 }
 
 impl CasService {
-    pub fn new(cas: Arc<dyn BlobStore>, metrics: Arc<Metrics>, max_batch_size: u64) -> Self {
-        CasService { cas, metrics, max_batch_size }
+    pub fn new(cas: Arc<dyn BlobStore>, metrics: Arc<Metrics>, max_batch_size: u64, max_proto_size: u64) -> Self {
+        CasService { cas, metrics, max_batch_size, max_proto_size }
     }
 
     fn check_batch_size(&self, field: &str, total: u64) -> Result<()> {
@@ -65,12 +66,13 @@ impl CasService {
 
 /// The directories of the tree under `root`, breadth first, from `skip` on, at most
 /// `take` of them. Subdirectories missing from the CAS are left out, as REAPI allows.
-async fn tree_page(cas: &dyn BlobStore, root: Digest, skip: usize, take: usize) -> Result<(Vec<reapi::Directory>, bool)> {
+async fn tree_page(cas: &dyn BlobStore, root: Digest, skip: usize, take: usize, max_proto: u64) -> Result<(Vec<reapi::Directory>, bool)> {
     let mut queue = VecDeque::from([root]);
     let mut seen = HashSet::from([root]);
     let mut index = 0usize;
     let mut page = Vec::new();
     while let Some(d) = queue.pop_front() {
+        gantry_execution::operations::check_proto_size(&d, "directory", max_proto)?;
         let bytes = match cas.get(&d).await {
             Ok(b) => b,
             Err(e) if e.is_not_found() && d != root => continue,
@@ -218,7 +220,8 @@ impl ContentAddressableStorage for CasService {
                 .map_err(|_| Error::invalid(format!("page_token '{}' was not issued by this server", req.page_token)))?
         };
         // Fetch the first page now so a missing root is an immediate NOT_FOUND.
-        let (first, more) = tree_page(self.cas.as_ref(), root, start, page_size).await?;
+        let max_proto = self.max_proto_size;
+        let (first, more) = tree_page(self.cas.as_ref(), root, start, page_size, max_proto).await?;
         let cas = self.cas.clone();
         let stream = futures::stream::try_unfold(TreeState::Ready(first, more, start), move |state| {
             let cas = cas.clone();
@@ -227,7 +230,7 @@ impl ContentAddressableStorage for CasService {
                     TreeState::Done => return Ok::<_, Error>(None),
                     TreeState::Ready(page, more, offset) => (page, more, offset),
                     TreeState::Fetch(offset) => {
-                        let (page, more) = tree_page(cas.as_ref(), root, offset, page_size).await?;
+                        let (page, more) = tree_page(cas.as_ref(), root, offset, page_size, max_proto).await?;
                         (page, more, offset)
                     }
                 };

@@ -42,11 +42,13 @@ pub struct Limits {
     pub max_batch_size: u64,
     pub read_chunk_size: usize,
     pub upload_idle_timeout: Duration,
+    /// Largest Action, Command or Directory read on a client's behalf.
+    pub max_proto_size: u64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600) }
+        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600), max_proto_size: 4 << 20 }
     }
 }
 
@@ -115,6 +117,7 @@ impl Services {
             self.cas.clone(),
             self.metrics.clone(),
             self.limits.max_batch_size,
+            self.limits.max_proto_size,
         ))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg)
@@ -157,11 +160,10 @@ impl Services {
         let (exec, ops, workers) = match &self.scheduler {
             Some(s) => (
                 Some(
-                    ExecutionServer::new(gantry_execution::operations::ExecutionService::new(
-                        s.clone(),
-                        self.cas.clone(),
-                        self.ac.clone(),
-                    ))
+                    ExecutionServer::new(
+                        gantry_execution::operations::ExecutionService::new(s.clone(), self.cas.clone(), self.ac.clone())
+                            .with_max_proto_size(self.limits.max_proto_size),
+                    )
                     .max_encoding_message_size(max_msg),
                 ),
                 Some(OperationsServer::new(gantry_execution::operations::OperationsService::new(s.clone()))),

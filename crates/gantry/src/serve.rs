@@ -58,6 +58,7 @@ pub fn limits(config: &Config) -> Limits {
         max_batch_size: config.server.max_batch_size.as_u64(),
         read_chunk_size: config.server.read_chunk_size.as_u64() as usize,
         upload_idle_timeout: config.server.upload_idle_timeout,
+        max_proto_size: config.server.max_proto_size.as_u64(),
     }
 }
 

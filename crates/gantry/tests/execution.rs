@@ -333,3 +333,27 @@ async fn missing_blobs_are_failed_precondition_with_missing_violations() {
     assert_eq!(missing_subjects(&rpc.details), vec![format!("blobs/{}/{}", phantom.hash_hex(), phantom.size)]);
     server.stop();
 }
+
+/// A client naming a huge Action, Command or Directory cannot make the server buffer it:
+/// the claimed size is refused before any read, naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_named_protos_are_read_with_a_size_cap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve(tmp.path(), 0);
+    let c = Client::connect(&server.grpc).await;
+    let mut huge = gantry_core::DigestFunction::Sha256.digest_of(b"not really this big");
+    huge.size = 5 << 30;
+    let e = reapi::execution_client::ExecutionClient::new(c.channel.clone())
+        .execute(reapi::ExecuteRequest { action_digest: Some(huge.to_proto()), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("max_proto_size"), "{}", e.message());
+    let e = reapi::content_addressable_storage_client::ContentAddressableStorageClient::new(c.channel.clone())
+        .get_tree(reapi::GetTreeRequest { root_digest: Some(huge.to_proto()), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("max_proto_size"), "{}", e.message());
+    server.stop();
+}
