@@ -551,7 +551,8 @@ impl AuthConfig {
         check_perms("auth.anonymous", &self.anonymous)?;
         for (name, g) in &self.grants {
             check_perms(&format!("auth.grants.{name}"), &g.permissions)?;
-            if let Some(p) = g.instances.iter().find(|p| p.contains('*') && *p != "*" && !(p.ends_with("/*") && !p[..p.len() - 2].contains('*'))) {
+            let valid = |p: &str| p == "*" || !p.contains('*') || p.strip_suffix("/*").is_some_and(|prefix| !prefix.contains('*'));
+            if let Some(p) = g.instances.iter().find(|p| !valid(p)) {
                 return invalid(format!("auth.grants.{name}: instance pattern {p:?}: use \"*\", a name, or \"prefix/*\""));
             }
         }
@@ -687,13 +688,13 @@ impl Config {
         if self.metadata.max_connections == 0 {
             return Err(ConfigError::Invalid("metadata.max_connections must be at least 1".into()));
         }
-        if let Some(url) = &self.metadata.url {
-            if !["sqlite:", "postgres:", "postgresql:"].iter().any(|p| url.starts_with(p)) {
-                let scheme = url.split(':').next().unwrap_or("");
-                return Err(ConfigError::Invalid(format!(
-                    "metadata.url: scheme '{scheme}' is not supported; use sqlite://PATH or postgres://USER@HOST:PORT/DB"
-                )));
-            }
+        if let Some(url) = &self.metadata.url
+            && !["sqlite:", "postgres:", "postgresql:"].iter().any(|p| url.starts_with(p))
+        {
+            let scheme = url.split(':').next().unwrap_or("");
+            return Err(ConfigError::Invalid(format!(
+                "metadata.url: scheme '{scheme}' is not supported; use sqlite://PATH or postgres://USER@HOST:PORT/DB"
+            )));
         }
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,

@@ -83,10 +83,10 @@ impl tonic::service::Interceptor for Credentials {
     fn call(&mut self, mut req: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
         // A call that carries its own credentials (a frontend forwarding its caller's)
         // keeps them.
-        if let Some(v) = &self.authorization {
-            if !req.metadata().contains_key("authorization") {
-                req.metadata_mut().insert("authorization", v.clone());
-            }
+        if let Some(v) = &self.authorization
+            && !req.metadata().contains_key("authorization")
+        {
+            req.metadata_mut().insert("authorization", v.clone());
         }
         Ok(req)
     }

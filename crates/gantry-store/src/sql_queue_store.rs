@@ -83,10 +83,10 @@ impl QueueStore for SqlQueueStore {
             Ok(tx) => tx,
             Err(e) => return Err(err(e)),
         };
-        if let Some(lock) = self.db.dialect().lock_for_append("queue_events") {
-            if let Err(e) = tx.execute(lock.as_str()).await {
-                return Err(err(e));
-            }
+        if let Some(lock) = self.db.dialect().lock_for_append("queue_events")
+            && let Err(e) = tx.execute(lock.as_str()).await
+        {
+            return Err(err(e));
         }
         let done = sqlx::query(
             "INSERT INTO queue_events (seq, at_ms, dedup_key, event)

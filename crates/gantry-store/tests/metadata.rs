@@ -53,7 +53,7 @@ async fn store_suites_pass_on_every_backend() {
 }
 
 fn result(code: i32) -> ActionResult {
-    ActionResult { exit_code: code, stdout_raw: vec![0, 159, 146, 150, 255].into(), ..Default::default() }
+    ActionResult { exit_code: code, stdout_raw: vec![0, 159, 146, 150, 255], ..Default::default() }
 }
 
 async fn action_cache(db: &MetadataDb) {
