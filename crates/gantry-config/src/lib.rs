@@ -302,6 +302,20 @@ pub struct ServerConfig {
     /// (Execute, GetTree): naming a huge blob must not make the server buffer it.
     /// Default "4MiB".
     pub max_proto_size: ByteSize,
+    /// TLS on both listeners. Absent: plaintext (keep such a server on a trusted network).
+    pub tls: Option<TlsConfig>,
+}
+
+/// `[server.tls]`: PEM files, re-read on SIGHUP so a renewed certificate needs no restart.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The server's certificate chain.
+    pub cert: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// Require client certificates signed by this CA (mTLS). Unset: no client certificates.
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -314,6 +328,7 @@ impl Default for ServerConfig {
             read_chunk_size: ByteSize::mib(1),
             upload_idle_timeout: Duration::from_secs(600),
             max_proto_size: ByteSize::mib(4),
+            tls: None,
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod capabilities;
 pub mod cas;
 pub mod compression;
 pub mod metrics;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -232,11 +233,23 @@ pub struct RunningServer {
     stop: Option<tokio::sync::watch::Sender<bool>>,
     grpc: Option<tokio::task::JoinHandle<Result<()>>>,
     _http: TaskGuard,
+    /// The TLS accept loops and the SIGHUP reloader, when serving TLS.
+    _tls: Vec<TaskGuard>,
 }
 
 impl RunningServer {
     /// Binds both listeners (port 0 picks a free port) and starts serving.
     pub async fn start(services: &Services, grpc_listen: SocketAddr, http_listen: SocketAddr) -> Result<Self> {
+        Self::start_tls(services, grpc_listen, http_listen, None).await
+    }
+
+    /// Like `start`, with TLS on both listeners when `tls` is given.
+    pub async fn start_tls(
+        services: &Services,
+        grpc_listen: SocketAddr,
+        http_listen: SocketAddr,
+        tls: Option<&tls::Tls>,
+    ) -> Result<Self> {
         let grpc_listener = TcpListener::bind(grpc_listen)
             .await
             .map_err(|e| Error::io(format!("binding gRPC listener on {grpc_listen}"), e))?;
@@ -248,36 +261,70 @@ impl RunningServer {
         let (stop, rx) = tokio::sync::watch::channel(false);
         let mut rx_http = rx.clone();
         let http = services.http_router();
-        let http_task = spawn_named("http-server", async move {
-            let res = axum::serve(http_listener, http)
-                .with_graceful_shutdown(async move {
-                    let _ = rx_http.wait_for(|s| *s).await;
+        let mut tls_tasks = Vec::new();
+        let http_task = match tls {
+            None => spawn_named("http-server", async move {
+                let res = axum::serve(http_listener, http)
+                    .with_graceful_shutdown(async move {
+                        let _ = rx_http.wait_for(|s| *s).await;
+                    })
+                    .await;
+                if let Err(e) = res {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            }),
+            Some(tls) => {
+                let (conns, accept) = tls.incoming(http_listener);
+                let listener = tls::TlsListener { rx: conns, addr: http_addr, _accept: accept };
+                spawn_named("https-server", async move {
+                    let res = axum::serve(listener, http)
+                        .with_graceful_shutdown(async move {
+                            let _ = rx_http.wait_for(|s| *s).await;
+                        })
+                        .await;
+                    if let Err(e) = res {
+                        tracing::error!(error = %e, "HTTPS server failed");
+                    }
                 })
-                .await;
-            if let Err(e) = res {
-                tracing::error!(error = %e, "HTTP server failed");
             }
-        });
+        };
         let router = services.grpc_router();
-        // Small gRPC frames (a cache hit's headers, message and trailers) must not wait for
-        // Nagle's algorithm: with delayed ACKs that adds ~40 ms to some calls.
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener).map(|s| {
-            if let Ok(s) = &s {
-                let _ = s.set_nodelay(true);
-            }
-            s
-        });
         let mut rx_grpc = rx;
-        let grpc = tokio::spawn(async move {
-            router
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = rx_grpc.wait_for(|s| *s).await;
+        let shutdown = async move {
+            let _ = rx_grpc.wait_for(|s| *s).await;
+        };
+        let grpc = match tls {
+            None => {
+                // Small gRPC frames (a cache hit's headers, message and trailers) must not
+                // wait for Nagle's algorithm: with delayed ACKs that adds ~40 ms to some calls.
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener).map(|s| {
+                    if let Ok(s) = &s {
+                        let _ = s.set_nodelay(true);
+                    }
+                    s
+                });
+                tokio::spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, shutdown)
+                        .await
+                        .map_err(|e| Error::Unavailable(format!("gRPC server failed: {e}")))
                 })
-                .await
-                .map_err(|e| Error::Unavailable(format!("gRPC server failed: {e}")))
-        });
+            }
+            Some(tls) => {
+                let (conns, accept) = tls.incoming(grpc_listener);
+                tls_tasks.push(accept);
+                tls_tasks.push(tls.reload_on_sighup()?);
+                let incoming = tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
+                tokio::spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, shutdown)
+                        .await
+                        .map_err(|e| Error::Unavailable(format!("gRPC server failed: {e}")))
+                })
+            }
+        };
         tracing::info!(%grpc_addr, %http_addr, "gantry serving");
-        Ok(RunningServer { grpc_addr, http_addr, stop: Some(stop), grpc: Some(grpc), _http: http_task })
+        Ok(RunningServer { grpc_addr, http_addr, stop: Some(stop), grpc: Some(grpc), _http: http_task, _tls: tls_tasks })
     }
 
     /// Serves until `signal` resolves, then stops accepting and drains in-flight calls.

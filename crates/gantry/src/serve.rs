@@ -219,7 +219,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(database = %db.name(), schema_version = MetadataDb::latest_version(), "metadata database ready");
     let services = build_services(&config, &db).await?;
     let _workers = start_local_workers(&config, &services).await?;
-    let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
+    let tls = match &config.server.tls {
+        Some(t) => Some(
+            gantry_services::tls::Tls::load(gantry_services::tls::TlsFiles {
+                cert: t.cert.clone(),
+                key: t.key.clone(),
+                client_ca: t.client_ca.clone(),
+            })
+            .context("[server.tls]")?,
+        ),
+        None => None,
+    };
+    let server = RunningServer::start_tls(&services, config.server.listen, config.server.http_listen, tls.as_ref()).await?;
     let builds = start_build_runners(&config, &db, &services, server.grpc_addr).await?;
     let queue = start_queue(&config, &db, &services, server.grpc_addr).await?;
     // A role whose lease another process took over is stopped here at once.

@@ -101,9 +101,14 @@ impl WorkerProcess {
 
     /// Like `start`, with extra environment (`GANTRY_TOKEN`, ...).
     pub fn start_env(scheduler_grpc: &str, work_dir: &Path, slots: u32, env: &[(&str, &str)]) -> WorkerProcess {
+        Self::start_url(&format!("grpc://{scheduler_grpc}"), work_dir, slots, env)
+    }
+
+    /// Like `start_env`, with the scheduler's full URL (`grpcs://...`).
+    pub fn start_url(scheduler: &str, work_dir: &Path, slots: u32, env: &[(&str, &str)]) -> WorkerProcess {
         let child = Command::new(env!("CARGO_BIN_EXE_gantry"))
             .envs(env.iter().copied())
-            .args(["worker", "--scheduler", &format!("grpc://{scheduler_grpc}"), "--slots", &slots.to_string(), "--work-dir"])
+            .args(["worker", "--scheduler", scheduler, "--slots", &slots.to_string(), "--work-dir"])
             .arg(work_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -1,0 +1,168 @@
+//! TLS on gantry's listeners (`[server.tls]`), with rustls: the server certificate, and
+//! optionally a CA whose client certificates are required (mTLS).
+//!
+//! Handshakes run in their own tasks, off the accept loop, so a client that opens a
+//! connection and never speaks cannot stall others; a handshake that does not finish in
+//! `HANDSHAKE_TIMEOUT` is dropped. The configuration is re-read on SIGHUP (and on
+//! `reload`): a renewed certificate applies to new connections without a restart, and a
+//! file that does not load leaves the previous configuration in place, with an error in
+//! the log.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use gantry_core::task::{spawn_named, TaskGuard};
+use gantry_core::{Error, Result};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The files of `[server.tls]`.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+fn read_certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|it| it.collect::<std::result::Result<Vec<_>, _>>())
+        .map_err(|e| Error::invalid(format!("{what} {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(Error::invalid(format!("{what} {}: no PEM certificate in it", path.display())));
+    }
+    Ok(certs)
+}
+
+/// The rustls configuration for `files`, offering HTTP/2 (gRPC) and HTTP/1.1.
+pub fn server_config(files: &TlsFiles) -> Result<rustls::ServerConfig> {
+    let certs = read_certs(&files.cert, "server.tls.cert")?;
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| Error::invalid(format!("server.tls.key {}: {e}", files.key.display())))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::internal(format!("TLS versions: {e}")))?;
+    let builder = match &files.client_ca {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in read_certs(ca, "server.tls.client_ca")? {
+                roots.add(c).map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder
+        .with_single_cert(certs, key)
+        .map_err(|e| Error::invalid(format!("server.tls: the key does not fit the certificate: {e}")))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// The current configuration, swapped whole on reload.
+#[derive(Clone)]
+pub struct Tls {
+    files: TlsFiles,
+    current: Arc<RwLock<Arc<rustls::ServerConfig>>>,
+}
+
+impl Tls {
+    /// Loads the files now: a bad certificate stops the server at startup.
+    pub fn load(files: TlsFiles) -> Result<Tls> {
+        let config = server_config(&files)?;
+        Ok(Tls { files, current: Arc::new(RwLock::new(Arc::new(config))) })
+    }
+
+    /// Re-reads the files; on failure the previous configuration stays.
+    pub fn reload(&self) -> Result<()> {
+        let config = server_config(&self.files)?;
+        *self.current.write().expect("poisoned") = Arc::new(config);
+        tracing::info!(cert = %self.files.cert.display(), "TLS configuration reloaded");
+        Ok(())
+    }
+
+    fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.current.read().expect("poisoned").clone())
+    }
+
+    /// Reloads on every SIGHUP until the guard is dropped.
+    pub fn reload_on_sighup(&self) -> Result<TaskGuard> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = signal(SignalKind::hangup()).map_err(|e| Error::io("installing the SIGHUP handler", e))?;
+        let tls = self.clone();
+        Ok(spawn_named("tls-reload", async move {
+            while hup.recv().await.is_some() {
+                if let Err(e) = tls.reload() {
+                    tracing::error!(error = %e, "TLS reload failed; keeping the previous certificate");
+                }
+            }
+        }))
+    }
+
+    /// Accepts on `listener` and hands out connections whose handshake completed. The
+    /// accept loop lives as long as the returned guard.
+    pub fn incoming(&self, listener: TcpListener) -> (tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>, TaskGuard) {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let tls = self.clone();
+        let guard = spawn_named("tls-accept", async move {
+            loop {
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of file descriptors and the like: wait rather than spin.
+                        tracing::warn!(error = %e, "accepting a connection");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let (acceptor, tx) = (tls.acceptor(), tx.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send((stream, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        (rx, guard)
+    }
+}
+
+/// The HTTP listener over TLS, for axum.
+pub struct TlsListener {
+    pub rx: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    pub addr: SocketAddr,
+    pub _accept: TaskGuard,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accept task ended (shutdown): never hand out another connection.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
+}
