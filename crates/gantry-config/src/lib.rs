@@ -59,6 +59,11 @@ pub struct AuthConfig {
     pub anonymous: Vec<String>,
     /// Client credentials: `[[auth.tokens]] name = "ci", sha256 = "…", grants = ["ci"]`.
     pub tokens: Vec<TokenConfig>,
+    /// Client identities from verified client certificates (`[server.tls] client_ca`):
+    /// `[[auth.certificates]] name = "ci", dns_name = "ci.build.internal", grants = ["ci"]`
+    /// matches a certificate with that DNS subject alternative name. A bearer token, when
+    /// sent, takes precedence.
+    pub certificates: Vec<CertificateConfig>,
     /// Named grants: `[auth.grants.dev] instances = ["main", "dev/*"],
     /// permissions = ["read", "write_cas", "execute"]`. Permissions: read, write_cas,
     /// write_ac, execute, batch, queue, admin.
@@ -93,6 +98,25 @@ pub struct GrantConfig {
 pub struct WorkerAuthConfig {
     /// `[[auth.workers.tokens]] name = "pool-a", sha256 = "…"`.
     pub tokens: Vec<WorkerTokenConfig>,
+    /// `[[auth.workers.certificates]] name = "pool-a", dns_name = "workers.build.internal"`.
+    pub certificates: Vec<WorkerCertificateConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CertificateConfig {
+    pub name: String,
+    /// A DNS name the client certificate carries in its subject alternative names.
+    pub dns_name: String,
+    #[serde(default)]
+    pub grants: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerCertificateConfig {
+    pub name: String,
+    pub dns_name: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -581,9 +605,20 @@ impl AuthConfig {
                 return invalid(format!("{section} {name:?}: the same sha256 is configured twice"));
             }
         }
-        for t in &self.tokens {
-            if let Some(g) = t.grants.iter().find(|g| !self.grants.contains_key(*g)) {
-                return invalid(format!("auth.tokens {:?}: grant {g:?} is not defined under [auth.grants]", t.name));
+        let granted = self.tokens.iter().map(|t| ("auth.tokens", &t.name, &t.grants)).chain(self.certificates.iter().map(|c| ("auth.certificates", &c.name, &c.grants)));
+        for (section, name, grants) in granted {
+            if let Some(g) = grants.iter().find(|g| !self.grants.contains_key(*g)) {
+                return invalid(format!("{section} {name:?}: grant {g:?} is not defined under [auth.grants]"));
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let dns = self.certificates.iter().map(|c| &c.dns_name).chain(self.workers.certificates.iter().map(|c| &c.dns_name));
+        for d in dns {
+            if d.trim().is_empty() || d.contains(char::is_whitespace) {
+                return invalid(format!("auth certificates: dns_name {d:?} is not a DNS name"));
+            }
+            if !names.insert(d.to_ascii_lowercase()) {
+                return invalid(format!("auth certificates: dns_name {d:?} is configured twice"));
             }
         }
         Ok(())
@@ -826,6 +861,11 @@ mod tests {
             (text.replace(&"cd".repeat(32), &sha), "twice"),
             (text.replace("\"dev/*\"", "\"d*v\""), "instance pattern"),
             (text.replace("anonymous = [\"read\"]", "anonymous = [\"all\"]"), "auth.anonymous"),
+            (
+                format!("{text}[[auth.certificates]]\nname = \"a\"\ndns_name = \"x.test\"\n[[auth.workers.certificates]]\nname = \"b\"\ndns_name = \"X.test\"\n"),
+                "configured twice",
+            ),
+            (format!("{text}[[auth.certificates]]\nname = \"a\"\ndns_name = \"x.test\"\ngrants = [\"nope\"]\n"), "not defined"),
         ] {
             let e = parse(&bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{needle}: {e}");

@@ -20,6 +20,8 @@ use sha2::{Digest as _, Sha256};
 #[derive(Debug)]
 pub struct Authenticator {
     by_sha256: HashMap<String, Arc<Identity>>,
+    /// Identities of verified client certificates, by a DNS subject alternative name.
+    by_dns_name: HashMap<String, Arc<Identity>>,
     anonymous: Option<Arc<Identity>>,
 }
 
@@ -44,19 +46,34 @@ impl Authenticator {
             let id = Identity { name: t.name.clone(), principal: Principal::Worker, grants: Arc::new(vec![]) };
             by_sha256.insert(t.sha256.to_ascii_lowercase(), Arc::new(id));
         }
+        let mut by_dns_name = HashMap::new();
+        for c in &cfg.certificates {
+            let grants = c.grants.iter().map(|g| grant(g)).collect();
+            let id = Identity { name: c.name.clone(), principal: Principal::Client, grants: Arc::new(grants) };
+            by_dns_name.insert(c.dns_name.to_ascii_lowercase(), Arc::new(id));
+        }
+        for c in &cfg.workers.certificates {
+            let id = Identity { name: c.name.clone(), principal: Principal::Worker, grants: Arc::new(vec![]) };
+            by_dns_name.insert(c.dns_name.to_ascii_lowercase(), Arc::new(id));
+        }
         let anonymous = (!cfg.anonymous.is_empty()).then(|| {
             let permissions: BTreeSet<Permission> = cfg.anonymous.iter().filter_map(|p| Permission::parse(p)).collect();
             let grant = Grant { name: "anonymous".into(), instances: vec!["*".into()], permissions };
             Arc::new(Identity { name: "anonymous".into(), principal: Principal::Client, grants: Arc::new(vec![grant]) })
         });
-        Authenticator { by_sha256, anonymous }
+        Authenticator { by_sha256, by_dns_name, anonymous }
     }
 
-    /// Who sent `authorization` (the header's value, if any). The error is the message
-    /// for UNAUTHENTICATED; it never repeats what the client sent.
-    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Arc<Identity>, &'static str> {
+    /// Who sent `authorization` (the header's value, if any), over a connection whose
+    /// verified client certificate carries `cert_dns_names`. A token decides when one is
+    /// sent; else a configured certificate name; else the anonymous identity. The error
+    /// is the message for UNAUTHENTICATED; it never repeats what the client sent.
+    pub fn authenticate(&self, authorization: Option<&[u8]>, cert_dns_names: &[String]) -> Result<Arc<Identity>, &'static str> {
         let Some(value) = authorization else {
-            return self.anonymous.clone().ok_or("credentials required: send authorization: Bearer TOKEN");
+            if let Some(id) = cert_dns_names.iter().find_map(|n| self.by_dns_name.get(&n.to_ascii_lowercase())) {
+                return Ok(id.clone());
+            }
+            return self.anonymous.clone().ok_or("credentials required: send authorization: Bearer TOKEN, or a client certificate gantry knows");
         };
         let value = std::str::from_utf8(value).map_err(|_| "malformed authorization header")?;
         let (scheme, token) = value.trim().split_once(' ').ok_or("malformed authorization header: expected Bearer TOKEN")?;
@@ -72,6 +89,19 @@ impl Authenticator {
 /// The SHA-256 line `[[auth.tokens]]` wants for `token`.
 pub fn token_sha256(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The DNS names of the client certificate the TLS layer verified for this connection.
+fn peer_dns_names<B>(req: &http::Request<B>) -> Vec<String> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let Some(certs) = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>().and_then(|i| i.peer_certs()) else {
+        return vec![];
+    };
+    let Some(leaf) = certs.first() else { return vec![] };
+    match webpki::EndEntityCert::try_from(leaf) {
+        Ok(cert) => cert.valid_dns_names().map(str::to_string).collect(),
+        Err(_) => vec![],
+    }
 }
 
 /// Marks every request with its caller (`Unrestricted` without `[auth]`), or answers
@@ -108,7 +138,7 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let caller = match &self.auth {
             None => Caller::Unrestricted,
-            Some(auth) => match auth.authenticate(req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes())) {
+            Some(auth) => match auth.authenticate(req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes()), &peer_dns_names(&req)) {
                 Ok(id) => Caller::Identity(id),
                 Err(why) => {
                     let res = tonic::Status::unauthenticated(why).into_http();
@@ -134,26 +164,47 @@ mod tests {
             anonymous: vec![],
             tokens: vec![TokenConfig { name: "dev".into(), sha256: token_sha256("s3cret-dev").to_uppercase(), grants: vec!["dev".into()] }],
             grants,
-            workers: WorkerAuthConfig { tokens: vec![WorkerTokenConfig { name: "pool".into(), sha256: token_sha256("s3cret-worker") }] },
+            certificates: vec![],
+            workers: WorkerAuthConfig {
+                tokens: vec![WorkerTokenConfig { name: "pool".into(), sha256: token_sha256("s3cret-worker") }],
+                certificates: vec![],
+            },
         }
     }
 
     #[test]
     fn tokens_by_hash() {
         let a = Authenticator::new(&config());
-        let id = a.authenticate(Some(b"Bearer s3cret-dev")).unwrap();
+        let id = a.authenticate_token(Some(b"Bearer s3cret-dev")).unwrap();
         assert_eq!((id.name.as_str(), id.principal), ("dev", Principal::Client));
         assert!(id.check(Permission::Read, "dev/x").is_ok() && id.check(Permission::Read, "main").is_err());
-        assert_eq!(a.authenticate(Some(b"bearer   s3cret-worker ")).unwrap().principal, Principal::Worker);
-        assert_eq!(a.authenticate(Some(b"Bearer wrong")).unwrap_err(), "invalid credentials");
-        assert!(a.authenticate(None).unwrap_err().contains("credentials required"));
-        assert!(a.authenticate(Some(b"Basic abc")).unwrap_err().contains("malformed"));
+        assert_eq!(a.authenticate_token(Some(b"bearer   s3cret-worker ")).unwrap().principal, Principal::Worker);
+        assert_eq!(a.authenticate_token(Some(b"Bearer wrong")).unwrap_err(), "invalid credentials");
+        assert!(a.authenticate_token(None).unwrap_err().contains("credentials required"));
+        assert!(a.authenticate_token(Some(b"Basic abc")).unwrap_err().contains("malformed"));
         let mut anon = config();
         anon.anonymous = vec!["read".into()];
         let a = Authenticator::new(&anon);
-        let id = a.authenticate(None).unwrap();
+        let id = a.authenticate_token(None).unwrap();
         assert!(id.check(Permission::Read, "main").is_ok() && id.check(Permission::WriteCas, "main").is_err());
-        assert!(a.authenticate(Some(b"Bearer wrong")).is_err(), "a bad token is not anonymous");
+        assert!(a.authenticate_token(Some(b"Bearer wrong")).is_err(), "a bad token is not anonymous");
+    }
+
+    impl Authenticator {
+        fn authenticate_token(&self, authorization: Option<&[u8]>) -> Result<Arc<Identity>, &'static str> {
+            self.authenticate(authorization, &[])
+        }
+    }
+
+    #[test]
+    fn certificate_names() {
+        let mut cfg = config();
+        cfg.certificates = vec![gantry_config::CertificateConfig { name: "ci-runner".into(), dns_name: "CI.build.test".into(), grants: vec!["dev".into()] }];
+        let a = Authenticator::new(&cfg);
+        let names = vec!["other.test".to_string(), "ci.build.test".to_string()];
+        assert_eq!(a.authenticate(None, &names).unwrap().name, "ci-runner");
+        assert_eq!(a.authenticate(Some(b"Bearer s3cret-dev"), &names).unwrap().name, "dev", "a token takes precedence");
+        assert!(a.authenticate(None, &["unknown.test".to_string()]).is_err());
     }
 
     proptest! {
@@ -162,7 +213,7 @@ mod tests {
         #[test]
         fn malformed_headers_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let a = Authenticator::new(&config());
-            let r = a.authenticate(Some(&bytes));
+            let r = a.authenticate_token(Some(&bytes));
             let text = String::from_utf8_lossy(&bytes);
             prop_assert!(r.is_err() || text.contains("s3cret-"));
         }
@@ -172,7 +223,7 @@ mod tests {
             let a = Authenticator::new(&config());
             let header = format!("Bearer {token}");
             prop_assume!(!token.contains("s3cret-"));
-            prop_assert!(a.authenticate(Some(header.as_bytes())).is_err());
+            prop_assert!(a.authenticate_token(Some(header.as_bytes())).is_err());
         }
     }
 }

@@ -84,20 +84,33 @@ fn mutual_tls_for_clients_workers_and_metrics() {
     let other = Ca::new("some other CA");
     let (srv_cert, srv_key) = ca.issue(&["localhost", "127.0.0.1"]);
     let (cli_cert, cli_key) = ca.issue(&["client.test"]);
+    let (wrk_cert, wrk_key) = ca.issue(&["worker.test"]);
+    let (stranger_cert, stranger_key) = ca.issue(&["stranger.test"]);
     let (bad_cert, bad_key) = other.issue(&["intruder.test"]);
     let ca_pem = write(d, "ca.pem", &ca.pem());
     let cert_path = write(d, "server.pem", &srv_cert);
     let key_path = write(d, "server.key", &srv_key);
     let cli_cert_path = write(d, "client.pem", &cli_cert);
     let cli_key_path = write(d, "client.key", &cli_key);
-    let cfg = format!("[server.tls]\ncert = {cert_path:?}\nkey = {key_path:?}\nclient_ca = {ca_pem:?}\n\n[execution]\nworkers = 0\n");
+    let wrk_cert_path = write(d, "worker.pem", &wrk_cert);
+    let wrk_key_path = write(d, "worker.key", &wrk_key);
+    // Identities come from the certificates' DNS names: no tokens anywhere.
+    let cfg = format!(
+        "[server.tls]\ncert = {cert_path:?}\nkey = {key_path:?}\nclient_ca = {ca_pem:?}\n\n[execution]\nworkers = 0\n\n\
+         [auth]\n[[auth.certificates]]\nname = \"ci\"\ndns_name = \"client.test\"\ngrants = [\"ci\"]\n\
+         [[auth.workers.certificates]]\nname = \"pool\"\ndns_name = \"worker.test\"\n\
+         [auth.grants.ci]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\", \"execute\"]\n"
+    );
     let cfg_path = write(d, "gantry.toml", &cfg);
     let server = GantryServer::start(&d.join("data"), &["--config", &cfg_path]);
     let port: u16 = server.grpc.rsplit(':').next().unwrap().parse().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
 
-    // gantry's client with the CA and a client certificate: served.
+    // gantry's client with the CA and a client certificate: served, as "ci".
     rt.block_on(capabilities(port, &ca.pem(), Some((&cli_cert, &cli_key)))).unwrap();
+    // A certificate of the right CA whose name [auth] does not know: UNAUTHENTICATED.
+    let e = rt.block_on(capabilities(port, &ca.pem(), Some((&stranger_cert, &stranger_key)))).unwrap_err();
+    assert!(e.contains("Unauthenticated"), "{e}");
     // No client certificate, or one from another CA: refused at the handshake.
     let e = rt.block_on(capabilities(port, &ca.pem(), None)).unwrap_err();
     assert!(e.contains("connect") || e.contains("Unavailable") || e.contains("Unknown"), "{e}");
@@ -125,13 +138,13 @@ fn mutual_tls_for_clients_workers_and_metrics() {
     let out = curl(&cli_cert_path, &cli_key_path);
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"), "{}", text(&out));
 
-    // A worker over grpcs:// with its client certificate runs an action that a client
+    // A worker over grpcs://, known by its certificate alone, runs an action that a client
     // submitted over TLS.
     let worker = WorkerProcess::start_url(
         &format!("grpcs://localhost:{port}"),
         &d.join("worker"),
         2,
-        &[("GANTRY_TLS_CA", &ca_pem), ("GANTRY_TLS_CERT", &cli_cert_path), ("GANTRY_TLS_KEY", &cli_key_path)],
+        &[("GANTRY_TLS_CA", &ca_pem), ("GANTRY_TLS_CERT", &wrk_cert_path), ("GANTRY_TLS_KEY", &wrk_key_path)],
     );
     rt.block_on(async {
         let c = Client { channel: tls_channel(port, &ca.pem(), Some((&cli_cert, &cli_key))).await.unwrap() };
