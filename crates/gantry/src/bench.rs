@@ -28,6 +28,9 @@ pub enum BenchCommand {
     /// Action cache: UpdateActionResult and GetActionResult calls per second over gRPC,
     /// on the embedded SQLite and on each --metadata-url.
     Ac(AcBenchArgs),
+    /// What security costs: cache-hit GetActionResult and FindMissingBlobs calls per
+    /// second, plaintext without [auth] against TLS with a bearer token, side by side.
+    Auth(AuthBenchArgs),
     /// Worker size classes: replay a trace through learned selection and two baselines.
     Sizeclass(SizeclassBenchArgs),
     /// Bazel on a generated genrule workspace: local, remote execution, and cached.
@@ -61,6 +64,28 @@ pub struct ExecBenchArgs {
     /// embedded SQLite default, and report each against SQLite.
     #[arg(long = "metadata-url", conflicts_with = "target")]
     metadata_urls: Vec<String>,
+}
+
+#[derive(clap::Args)]
+pub struct AuthBenchArgs {
+    /// Server certificate (PEM) for the TLS configuration; its names must include localhost.
+    #[arg(long)]
+    tls_cert: std::path::PathBuf,
+    /// Its private key (PEM).
+    #[arg(long)]
+    tls_key: std::path::PathBuf,
+    /// The CA that signed it (PEM), for the client.
+    #[arg(long)]
+    tls_ca: std::path::PathBuf,
+    /// Clients calling at once, each on its own connection.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Calls per client per round.
+    #[arg(long, default_value_t = 2000)]
+    calls: usize,
+    /// Rounds; the configurations alternate and each reports its median round.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
 }
 
 #[derive(clap::Args)]
@@ -181,6 +206,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
         BenchCommand::Exec(args) => exec(args).await,
         BenchCommand::Ac(args) => ac(args).await,
+        BenchCommand::Auth(args) => auth_bench(args).await,
         BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
         BenchCommand::Queue(args) => tokio::task::spawn_blocking(move || crate::bench_queue::run(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
@@ -574,6 +600,152 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
     lat.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
     let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p).round() as usize];
     Ok(ExecResult { throughput, hit_p50_ms: pct(0.5), hit_p99_ms: pct(0.99) })
+}
+
+/// One configuration of `bench auth`: its server, and channels that reach it.
+struct AuthTarget {
+    name: &'static str,
+    _server: (gantry_services::RunningServer, tempfile::TempDir),
+    channels: Vec<tonic::transport::Channel>,
+    token: Option<String>,
+}
+
+async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool) -> anyhow::Result<AuthTarget> {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let dir = tempfile::tempdir()?;
+    let mut config = gantry_config::Config::default();
+    config.server.data_dir = dir.path().to_owned();
+    config.execution.workers = Some(gantry_config::Workers::Count(0));
+    let token = secure.then(|| uuid::Uuid::new_v4().simple().to_string());
+    if let Some(t) = &token {
+        let text = format!(
+            "[auth]\n[[auth.tokens]]\nname = \"bench\"\nsha256 = \"{}\"\ngrants = [\"all\"]\n[auth.grants.all]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\", \"write_ac\"]\n",
+            gantry_services::auth::token_sha256(t)
+        );
+        config.auth = gantry_config::Config::parse(&text, "bench".as_ref())?.auth;
+    }
+    let db = gantry_store::open_metadata(&config).await?;
+    let services = crate::serve::build_services(&config, &db).await?;
+    let tls = if secure {
+        Some(gantry_services::tls::Tls::load(gantry_services::tls::TlsFiles {
+            cert: args.tls_cert.clone(),
+            key: args.tls_key.clone(),
+            client_ca: None,
+        })?)
+    } else {
+        None
+    };
+    let server = gantry_services::RunningServer::start_tls(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?, tls.as_ref()).await?;
+    let port = server.grpc_addr.port();
+    let mut channels = Vec::new();
+    for _ in 0..args.clients {
+        let ep = if secure {
+            let ca = std::fs::read(&args.tls_ca).with_context(|| format!("--tls-ca {}", args.tls_ca.display()))?;
+            tonic::transport::Endpoint::from_shared(format!("https://localhost:{port}"))?
+                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?
+        } else {
+            tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
+        };
+        channels.push(ep.tcp_nodelay(true).connect().await?);
+    }
+    Ok(AuthTarget { name, _server: (server, dir), channels, token })
+}
+
+/// `msg` with the bearer token, if the configuration has one.
+fn authed<T>(msg: T, token: &Option<String>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(tok) = token {
+        r.metadata_mut().insert("authorization", format!("Bearer {tok}").parse().expect("a uuid is ascii"));
+    }
+    r
+}
+
+/// Calls per second of one round: every client runs `calls` cache-hit GetActionResult,
+/// then `calls` FindMissingBlobs of 100 digests (all present).
+async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, blobs: &[Digest]) -> anyhow::Result<(f64, f64)> {
+    use gantry_core::reapi::action_cache_client::ActionCacheClient;
+    let with = |msg| authed(msg, &t.token);
+    let with_find = |msg| authed(msg, &t.token);
+    let start = Instant::now();
+    futures::future::try_join_all(t.channels.iter().map(|ch| {
+        let mut c = ActionCacheClient::new(ch.clone());
+        async move {
+            for _ in 0..calls {
+                c.get_action_result(with(reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() })).await?;
+            }
+            anyhow::Ok(())
+        }
+    }))
+    .await?;
+    let gets = (t.channels.len() * calls) as f64 / start.elapsed().as_secs_f64();
+    let digests: Vec<_> = blobs.iter().map(|d| d.to_proto()).collect();
+    let start = Instant::now();
+    futures::future::try_join_all(t.channels.iter().map(|ch| {
+        let mut c = ContentAddressableStorageClient::new(ch.clone());
+        let digests = digests.clone();
+        async move {
+            for _ in 0..calls {
+                let r = c.find_missing_blobs(with_find(reapi::FindMissingBlobsRequest { blob_digests: digests.clone(), ..Default::default() })).await?;
+                anyhow::ensure!(r.into_inner().missing_blob_digests.is_empty(), "blobs went missing");
+            }
+            anyhow::Ok(())
+        }
+    }))
+    .await?;
+    let finds = (t.channels.len() * calls) as f64 / start.elapsed().as_secs_f64();
+    Ok((gets, finds))
+}
+
+async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
+    use gantry_core::reapi::action_cache_client::ActionCacheClient;
+    anyhow::ensure!(args.clients > 0 && args.calls > 0 && args.rounds > 0, "--clients, --calls and --rounds must be at least 1");
+    let targets = [auth_target("plaintext, no [auth]", &args, false).await?, auth_target("TLS + bearer token", &args, true).await?];
+    // The same entry and blobs in both: an action result with no outputs, 100 small blobs.
+    let action = DigestFunction::Sha256.digest_of(b"bench auth action");
+    let blobs: Vec<Digest> = (0..100u32).map(|i| DigestFunction::Sha256.digest_of(format!("blob {i}").as_bytes())).collect();
+    for t in &targets {
+        let requests = blobs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: format!("blob {i}").into_bytes(), compressor: 0 })
+            .collect();
+        let r = ContentAddressableStorageClient::new(t.channels[0].clone())
+            .batch_update_blobs(authed(reapi::BatchUpdateBlobsRequest { requests, ..Default::default() }, &t.token))
+            .await?
+            .into_inner();
+        anyhow::ensure!(r.responses.iter().all(|x| x.status.as_ref().is_none_or(|s| s.code == 0)), "uploading the bench blobs failed");
+        ActionCacheClient::new(t.channels[0].clone())
+            .update_action_result(authed(
+                reapi::UpdateActionResultRequest {
+                    action_digest: Some(action.to_proto()),
+                    action_result: Some(reapi::ActionResult::default()),
+                    ..Default::default()
+                },
+                &t.token,
+            ))
+            .await?;
+    }
+    let mut results: Vec<(Vec<f64>, Vec<f64>)> = vec![(vec![], vec![]); targets.len()];
+    for round in 0..args.rounds {
+        for (i, t) in targets.iter().enumerate() {
+            eprintln!("  round {}/{}: {}", round + 1, args.rounds, t.name);
+            let (g, f) = auth_round(t, args.calls, &action, &blobs).await?;
+            results[i].0.push(g);
+            results[i].1.push(f);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+        v[v.len() / 2]
+    };
+    let medians: Vec<(f64, f64)> = results.iter_mut().map(|(g, f)| (median(g), median(f))).collect();
+    println!("| configuration | GetActionResult (hit)/s | vs plaintext | FindMissingBlobs (100 digests)/s | vs plaintext |");
+    println!("|---|---|---|---|---|");
+    for (t, (g, f)) in targets.iter().zip(&medians) {
+        println!("| {} | {g:.0} | {:.3}x | {f:.0} | {:.3}x |", t.name, g / medians[0].0, f / medians[0].1);
+    }
+    println!("({} clients on their own connections, {} calls each per round, median of {} alternating rounds)", args.clients, args.calls, args.rounds);
+    Ok(())
 }
 
 /// UpdateActionResult then GetActionResult calls per second, per metadata database, each
