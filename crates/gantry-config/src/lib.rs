@@ -326,6 +326,9 @@ pub struct ServerConfig {
     /// (Execute, GetTree): naming a huge blob must not make the server buffer it.
     /// Default "4MiB".
     pub max_proto_size: ByteSize,
+    /// Uploads (ByteStream writes) one client may have in progress at once: an
+    /// authenticated identity, or an address for anonymous callers. Default 1000.
+    pub max_uploads_per_client: usize,
     /// TLS on both listeners. Absent: plaintext (keep such a server on a trusted network).
     pub tls: Option<TlsConfig>,
 }
@@ -352,6 +355,7 @@ impl Default for ServerConfig {
             read_chunk_size: ByteSize::mib(1),
             upload_idle_timeout: Duration::from_secs(600),
             max_proto_size: ByteSize::mib(4),
+            max_uploads_per_client: 1000,
             tls: None,
         }
     }
@@ -727,6 +731,9 @@ impl Config {
         }
         if let Some(auth) = &self.auth {
             auth.validate()?;
+        }
+        if s.max_uploads_per_client == 0 {
+            return Err(ConfigError::Invalid("server.max_uploads_per_client must be at least 1".into()));
         }
         let ActionCacheConfig::Sql(sql) = &self.action_cache;
         if sql.url.is_some() {

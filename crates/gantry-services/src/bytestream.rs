@@ -46,6 +46,8 @@ struct Upload {
 struct Session {
     upload: tokio::sync::Mutex<Upload>,
     committed: AtomicI64,
+    /// Who started it (see `owner_of`), for the per-client limit.
+    owner: String,
 }
 
 type Sessions = Arc<Mutex<HashMap<String, Arc<Session>>>>;
@@ -53,10 +55,22 @@ type Sessions = Arc<Mutex<HashMap<String, Arc<Session>>>>;
 /// More concurrent uploads than this are refused (each may buffer up to 1 MiB).
 const MAX_SESSIONS: usize = 10_000;
 
+/// Whom an upload counts against: the authenticated identity, or the peer's address for
+/// anonymous callers and servers without `[auth]`.
+fn owner_of(caller: &gantry_core::auth::Caller, peer: Option<std::net::SocketAddr>) -> String {
+    match caller {
+        gantry_core::auth::Caller::Identity(id) if id.name != "anonymous" => format!("identity {}", id.name),
+        _ => format!("peer {}", peer.map_or("unknown".to_string(), |a| a.ip().to_string())),
+    }
+}
+
 pub struct ByteStreamService {
     cas: Arc<dyn BlobStore>,
     metrics: Arc<Metrics>,
     chunk_size: usize,
+    /// Uploads one client may have in progress at once, so one client cannot take every
+    /// session (`[server] max_uploads_per_client`).
+    per_client: usize,
     sessions: Sessions,
     _reaper: TaskGuard,
 }
@@ -79,7 +93,13 @@ impl ByteStreamService {
                 });
             }
         });
-        ByteStreamService { cas, metrics, chunk_size, sessions, _reaper: reaper }
+        ByteStreamService { cas, metrics, chunk_size, per_client: MAX_SESSIONS, sessions, _reaper: reaper }
+    }
+
+    /// Limits the uploads one client may have in progress (at most the global limit).
+    pub fn with_per_client_limit(mut self, n: usize) -> Self {
+        self.per_client = n.clamp(1, MAX_SESSIONS);
+        self
     }
 
     pub fn sessions_in_progress(&self) -> usize {
@@ -210,6 +230,7 @@ impl ByteStream for ByteStreamService {
 
     async fn write(&self, request: Request<Streaming<WriteRequest>>) -> Result<Response<WriteResponse>, Status> {
         let caller = gantry_core::auth::caller(&request);
+        let owner = owner_of(&caller, request.remote_addr());
         let mut stream = request.into_inner();
         let first = stream.message().await?.ok_or_else(|| Error::invalid("empty Write stream"))?;
         if first.resource_name.is_empty() {
@@ -230,13 +251,22 @@ impl ByteStream for ByteStreamService {
 
         let session = if first.write_offset == 0 {
             let up = self.new_upload(&rn).await?;
-            let s = Arc::new(Session { upload: tokio::sync::Mutex::new(up), committed: AtomicI64::new(0) });
+            let s = Arc::new(Session { upload: tokio::sync::Mutex::new(up), committed: AtomicI64::new(0), owner: owner.clone() });
             let mut map = self.sessions.lock().expect("poisoned");
-            if map.len() >= MAX_SESSIONS && !map.contains_key(&name) {
-                return Err(Error::ResourceExhausted(format!(
-                    "{MAX_SESSIONS} uploads are already in progress; retry later"
-                ))
-                .into());
+            if !map.contains_key(&name) {
+                if map.len() >= MAX_SESSIONS {
+                    return Err(Error::ResourceExhausted(format!(
+                        "{MAX_SESSIONS} uploads are already in progress; retry later"
+                    ))
+                    .into());
+                }
+                if map.values().filter(|s| s.owner == owner).count() >= self.per_client {
+                    return Err(Error::ResourceExhausted(format!(
+                        "{} uploads of yours are already in progress (server.max_uploads_per_client); finish or abandon some",
+                        self.per_client
+                    ))
+                    .into());
+                }
             }
             map.insert(name.clone(), s.clone());
             s

@@ -45,11 +45,13 @@ pub struct Limits {
     pub upload_idle_timeout: Duration,
     /// Largest Action, Command or Directory read on a client's behalf.
     pub max_proto_size: u64,
+    /// Uploads one client (identity, or address when anonymous) may have in progress.
+    pub max_uploads_per_client: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600), max_proto_size: 4 << 20 }
+        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600), max_proto_size: 4 << 20, max_uploads_per_client: 1000 }
     }
 }
 
@@ -129,7 +131,8 @@ impl Services {
             self.metrics.clone(),
             self.limits.read_chunk_size,
             self.limits.upload_idle_timeout,
-        ))
+        )
+        .with_per_client_limit(self.limits.max_uploads_per_client))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
         let ac = ActionCacheServer::new(action_cache::ActionCacheService::new(

@@ -666,3 +666,46 @@ async fn write_cancelled_mid_chunk_restarts_cleanly() {
     assert_eq!(resp.committed_size, data.len() as i64);
     assert!(cas.get(&d).await.unwrap() == data);
 }
+
+/// One client cannot take every upload session: past `max_uploads_per_client` abandoned
+/// uploads its next one is RESOURCE_EXHAUSTED, while another identity still uploads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_uploads_are_limited_per_client() {
+    use gantry_services::auth::{token_sha256, Authenticator};
+    let dir = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+    let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
+    let text = format!(
+        "[auth]\n[[auth.tokens]]\nname = \"greedy\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n[[auth.tokens]]\nname = \"polite\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n\
+         [auth.grants.w]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\"]\n",
+        token_sha256("greedy-token"),
+        token_sha256("polite-token")
+    );
+    let auth = gantry_config::Config::parse(&text, "t.toml".as_ref()).unwrap().auth.unwrap();
+    let limits = Limits { max_uploads_per_client: 3, ..Limits::default() };
+    let services = Services::new(cas, ac, limits).with_auth(Authenticator::new(&auth));
+    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
+    let start_upload = |token: &'static str, seed: u32| {
+        let channel = channel.clone();
+        async move {
+            let data = pattern(10_000, seed);
+            let d = DigestFunction::Sha256.digest_of(&data);
+            let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
+            let mut req = tonic::Request::new(futures::stream::iter(write_reqs(&name, &data[..5000], 0, 1000, false)));
+            req.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+            ByteStreamClient::new(channel).write(req).await
+        }
+    };
+    // Three uploads abandoned half way: each keeps its session for a resume.
+    for seed in 0..3 {
+        let _ = start_upload("greedy-token", seed).await;
+    }
+    let e = start_upload("greedy-token", 10).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("max_uploads_per_client"), "{}", e.message());
+    // Another identity is not starved by the first.
+    let r = start_upload("polite-token", 20).await;
+    assert!(!matches!(&r, Err(e) if e.code() == Code::ResourceExhausted), "{r:?}");
+    drop(server);
+}

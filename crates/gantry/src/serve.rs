@@ -59,6 +59,7 @@ pub fn limits(config: &Config) -> Limits {
         read_chunk_size: config.server.read_chunk_size.as_u64() as usize,
         upload_idle_timeout: config.server.upload_idle_timeout,
         max_proto_size: config.server.max_proto_size.as_u64(),
+        max_uploads_per_client: config.server.max_uploads_per_client,
     }
 }
 
