@@ -71,6 +71,35 @@ pub struct AuthConfig {
     /// Credentials of `gantry worker` processes. Only these may register a worker, and
     /// they may call nothing else.
     pub workers: WorkerAuthConfig,
+    /// JSON Web Tokens as bearer credentials, verified against a JWKS file.
+    pub jwt: Option<JwtConfig>,
+}
+
+/// `[auth.jwt]`: a bearer credential that is a JWT is verified against the keys of
+/// `jwks` (a JWKS file, read at startup), with its issuer, audience and expiry checked;
+/// its `grants_claim` names the grants it has.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    pub jwks: PathBuf,
+    /// Required `iss`.
+    pub issuer: String,
+    /// Required in `aud`.
+    pub audience: String,
+    /// The claim listing grant names (a string array). Default "gantry_grants".
+    #[serde(default = "default_grants_claim")]
+    pub grants_claim: String,
+    /// The claim naming the caller in logs and refusals. Default "sub".
+    #[serde(default = "default_name_claim")]
+    pub name_claim: String,
+}
+
+fn default_grants_claim() -> String {
+    "gantry_grants".into()
+}
+
+fn default_name_claim() -> String {
+    "sub".into()
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -20,13 +20,24 @@ use sha2::{Digest as _, Sha256};
 #[derive(Debug)]
 pub struct Authenticator {
     by_sha256: HashMap<String, Arc<Identity>>,
+    jwt: Option<Jwt>,
     /// Identities of verified client certificates, by a DNS subject alternative name.
     by_dns_name: HashMap<String, Arc<Identity>>,
     anonymous: Option<Arc<Identity>>,
 }
 
 impl Authenticator {
-    /// Builds the lookup from a validated `[auth]` section.
+    /// Builds the lookup from a validated `[auth]` section, reading the JWKS file if
+    /// `[auth.jwt]` is set.
+    pub fn load(cfg: &AuthConfig) -> gantry_core::Result<Authenticator> {
+        let mut a = Self::new(cfg);
+        if let Some(j) = &cfg.jwt {
+            a.jwt = Some(Jwt::load(j, cfg)?);
+        }
+        Ok(a)
+    }
+
+    /// Builds the lookup from a validated `[auth]` section, without JWTs.
     pub fn new(cfg: &AuthConfig) -> Authenticator {
         let grant = |name: &str| {
             let g = &cfg.grants[name];
@@ -61,7 +72,7 @@ impl Authenticator {
             let grant = Grant { name: "anonymous".into(), instances: vec!["*".into()], permissions };
             Arc::new(Identity { name: "anonymous".into(), principal: Principal::Client, grants: Arc::new(vec![grant]) })
         });
-        Authenticator { by_sha256, by_dns_name, anonymous }
+        Authenticator { by_sha256, jwt: None, by_dns_name, anonymous }
     }
 
     /// Who sent `authorization` (the header's value, if any), over a connection whose
@@ -81,8 +92,105 @@ impl Authenticator {
         if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() || token.len() > 4096 {
             return Err("malformed authorization header: expected Bearer TOKEN");
         }
+        if let Some(jwt) = &self.jwt
+            && token.starts_with("eyJ")
+            && token.matches('.').count() == 2
+        {
+            return jwt.verify(token).ok_or("invalid credentials");
+        }
         let hash = hex::encode(Sha256::digest(token.as_bytes()));
         self.by_sha256.get(&hash).cloned().ok_or("invalid credentials")
+    }
+}
+
+/// JWT verification: the keys of the JWKS file by key id, and what a token must say.
+struct Jwt {
+    keys: HashMap<String, (jsonwebtoken::DecodingKey, jsonwebtoken::Algorithm)>,
+    issuer: String,
+    audience: String,
+    grants_claim: String,
+    name_claim: String,
+    grants: HashMap<String, Grant>,
+}
+
+impl std::fmt::Debug for Jwt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Jwt").field("keys", &self.keys.len()).field("issuer", &self.issuer).finish()
+    }
+}
+
+impl Jwt {
+    fn load(cfg: &gantry_config::JwtConfig, auth: &AuthConfig) -> gantry_core::Result<Jwt> {
+        use gantry_core::Error;
+        let text = std::fs::read_to_string(&cfg.jwks).map_err(|e| Error::io(format!("auth.jwt.jwks {}", cfg.jwks.display()), e))?;
+        let set: jsonwebtoken::jwk::JwkSet =
+            serde_json::from_str(&text).map_err(|e| Error::invalid(format!("auth.jwt.jwks {}: not a JWKS: {e}", cfg.jwks.display())))?;
+        let mut keys = HashMap::new();
+        for (i, k) in set.keys.iter().enumerate() {
+            let kid = k.common.key_id.clone().ok_or_else(|| Error::invalid(format!("auth.jwt.jwks: keys[{i}] has no kid")))?;
+            let alg = match &k.algorithm {
+                jsonwebtoken::jwk::AlgorithmParameters::EllipticCurve(p) => match p.curve {
+                    jsonwebtoken::jwk::EllipticCurve::P256 => jsonwebtoken::Algorithm::ES256,
+                    jsonwebtoken::jwk::EllipticCurve::P384 => jsonwebtoken::Algorithm::ES384,
+                    _ => return Err(Error::invalid(format!("auth.jwt.jwks: key {kid}: unsupported curve"))),
+                },
+                jsonwebtoken::jwk::AlgorithmParameters::RSA(_) => jsonwebtoken::Algorithm::RS256,
+                jsonwebtoken::jwk::AlgorithmParameters::OctetKeyPair(_) => jsonwebtoken::Algorithm::EdDSA,
+                // Shared secrets would put a secret in a file every server reads.
+                jsonwebtoken::jwk::AlgorithmParameters::OctetKey(_) => {
+                    return Err(Error::invalid(format!("auth.jwt.jwks: key {kid}: symmetric keys are not accepted")));
+                }
+            };
+            let key = jsonwebtoken::DecodingKey::from_jwk(k).map_err(|e| Error::invalid(format!("auth.jwt.jwks: key {kid}: {e}")))?;
+            keys.insert(kid, (key, alg));
+        }
+        if keys.is_empty() {
+            return Err(Error::invalid(format!("auth.jwt.jwks {}: no keys", cfg.jwks.display())));
+        }
+        let grants = auth
+            .grants
+            .iter()
+            .map(|(name, g)| {
+                let grant = Grant {
+                    name: name.clone(),
+                    instances: g.instances.clone(),
+                    permissions: g.permissions.iter().filter_map(|p| Permission::parse(p)).collect(),
+                };
+                (name.clone(), grant)
+            })
+            .collect();
+        Ok(Jwt {
+            keys,
+            issuer: cfg.issuer.clone(),
+            audience: cfg.audience.clone(),
+            grants_claim: cfg.grants_claim.clone(),
+            name_claim: cfg.name_claim.clone(),
+            grants,
+        })
+    }
+
+    /// The identity a valid token names; None for any fault (signature, key, issuer,
+    /// audience, expiry, shape), which the caller reports without detail.
+    fn verify(&self, token: &str) -> Option<Arc<Identity>> {
+        let header = jsonwebtoken::decode_header(token).ok()?;
+        let (key, alg) = self.keys.get(header.kid.as_deref()?)?;
+        if header.alg != *alg {
+            return None;
+        }
+        let mut v = jsonwebtoken::Validation::new(*alg);
+        v.set_issuer(&[&self.issuer]);
+        v.set_audience(&[&self.audience]);
+        v.set_required_spec_claims(&["exp", "iss", "aud"]);
+        v.leeway = 30;
+        let data = jsonwebtoken::decode::<serde_json::Value>(token, key, &v).ok()?;
+        let name = data.claims.get(&self.name_claim).and_then(|n| n.as_str()).unwrap_or("jwt").to_string();
+        let grants = data
+            .claims
+            .get(&self.grants_claim)
+            .and_then(|g| g.as_array())
+            .map(|names| names.iter().filter_map(|n| self.grants.get(n.as_str()?).cloned()).collect())
+            .unwrap_or_default();
+        Some(Arc::new(Identity { name, principal: Principal::Client, grants: Arc::new(grants) }))
     }
 }
 
@@ -165,6 +273,7 @@ mod tests {
             tokens: vec![TokenConfig { name: "dev".into(), sha256: token_sha256("s3cret-dev").to_uppercase(), grants: vec!["dev".into()] }],
             grants,
             certificates: vec![],
+            jwt: None,
             workers: WorkerAuthConfig {
                 tokens: vec![WorkerTokenConfig { name: "pool".into(), sha256: token_sha256("s3cret-worker") }],
                 certificates: vec![],
@@ -205,6 +314,62 @@ mod tests {
         assert_eq!(a.authenticate(None, &names).unwrap().name, "ci-runner");
         assert_eq!(a.authenticate(Some(b"Bearer s3cret-dev"), &names).unwrap().name, "dev", "a token takes precedence");
         assert!(a.authenticate(None, &["unknown.test".to_string()]).is_err());
+    }
+
+    /// A JWKS with one P-256 key, and a signer for tokens with chosen claims.
+    fn jwt_setup(dir: &std::path::Path) -> (AuthConfig, impl Fn(serde_json::Value, &str) -> String) {
+        use base64::Engine as _;
+        let key = rcgen::KeyPair::generate().unwrap();
+        let raw = key.public_key_raw();
+        let b64 = |b: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+        let jwks = serde_json::json!({"keys": [{"kty": "EC", "crv": "P-256", "kid": "k1", "alg": "ES256", "x": b64(&raw[1..33]), "y": b64(&raw[33..65])}]});
+        std::fs::write(dir.join("jwks.json"), jwks.to_string()).unwrap();
+        let mut cfg = config();
+        cfg.jwt = Some(gantry_config::JwtConfig {
+            jwks: dir.join("jwks.json"),
+            issuer: "https://ci.test".into(),
+            audience: "gantry".into(),
+            grants_claim: "gantry_grants".into(),
+            name_claim: "sub".into(),
+        });
+        let pem = key.serialize_pem();
+        let sign = move |claims: serde_json::Value, kid: &str| {
+            let mut h = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+            h.kid = Some(kid.to_string());
+            jsonwebtoken::encode(&h, &claims, &jsonwebtoken::EncodingKey::from_ec_pem(pem.as_bytes()).unwrap()).unwrap()
+        };
+        (cfg, sign)
+    }
+
+    #[test]
+    fn jwts_are_verified() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, sign) = jwt_setup(dir.path());
+        let a = Authenticator::load(&cfg).unwrap();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let claims = |iss: &str, aud: &str, exp: u64| serde_json::json!({"sub": "build-42", "iss": iss, "aud": aud, "exp": exp, "gantry_grants": ["dev", "unknown"]});
+        let bearer = |t: String| format!("Bearer {t}").into_bytes();
+        let id = a.authenticate_token(Some(&bearer(sign(claims("https://ci.test", "gantry", now + 300), "k1")))).unwrap();
+        assert_eq!(id.name, "build-42");
+        assert!(id.check(Permission::Read, "dev/x").is_ok() && id.check(Permission::Read, "main").is_err(), "grants from the claim");
+        for (why, token) in [
+            ("expired", sign(claims("https://ci.test", "gantry", now - 300), "k1")),
+            ("wrong issuer", sign(claims("https://evil.test", "gantry", now + 300), "k1")),
+            ("wrong audience", sign(claims("https://ci.test", "other", now + 300), "k1")),
+            ("unknown key", sign(claims("https://ci.test", "gantry", now + 300), "k2")),
+        ] {
+            assert_eq!(a.authenticate_token(Some(&bearer(token))).unwrap_err(), "invalid credentials", "{why}");
+        }
+        // A signature made by another key under the same kid.
+        let dir2 = tempfile::tempdir().unwrap();
+        let (_, other_sign) = jwt_setup(dir2.path());
+        let forged = other_sign(claims("https://ci.test", "gantry", now + 300), "k1");
+        assert_eq!(a.authenticate_token(Some(&bearer(forged))).unwrap_err(), "invalid credentials", "bad signature");
+        // A tampered payload.
+        let good = sign(claims("https://ci.test", "gantry", now + 300), "k1");
+        let mut parts: Vec<String> = good.split('.').map(str::to_string).collect();
+        parts[1] = parts[1].chars().rev().collect();
+        assert!(a.authenticate_token(Some(&bearer(parts.join(".")))).is_err());
     }
 
     proptest! {

@@ -75,7 +75,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     match &config.auth {
         Some(auth) => {
             tracing::info!(tokens = auth.tokens.len(), worker_tokens = auth.workers.tokens.len(), anonymous = ?auth.anonymous, "[auth]: every call needs credentials");
-            services = services.with_auth(gantry_services::auth::Authenticator::new(auth));
+            services = services.with_auth(gantry_services::auth::Authenticator::load(auth).context("[auth]")?);
         }
         None if !config.server.listen.ip().is_loopback() => tracing::warn!(
             listen = %config.server.listen,
