@@ -401,6 +401,14 @@ pub enum CasConfig {
     /// `kind = "memory"`: blobs in RAM, evicted least-recently-used past `max_size`.
     /// Lost on restart; for tests and small fast tiers.
     Memory(MemoryStoreConfig),
+    /// `kind = "s3"`: blobs as objects in an S3-compatible bucket, shared by every
+    /// `gantry serve` of a deployment, optionally behind a local filesystem tier
+    /// (`[cas.local]`). Credentials come only from the standard AWS environment
+    /// variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`),
+    /// the shared credentials file (`~/.aws/credentials`, profile `AWS_PROFILE` or
+    /// `default`), web identity, or the instance/container metadata service; never
+    /// from gantry.toml.
+    S3(S3StoreConfig),
 }
 
 impl Default for CasConfig {
@@ -434,6 +442,69 @@ pub struct MemoryStoreConfig {
 impl Default for MemoryStoreConfig {
     fn default() -> Self {
         MemoryStoreConfig { max_size: ByteSize::gib(1) }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3StoreConfig {
+    /// Bucket name. Required. gantry never creates it; it must exist at startup.
+    pub bucket: String,
+    /// Endpoint URL of an S3-compatible service, e.g. "http://127.0.0.1:9000"
+    /// (path-style requests). Omit for AWS itself.
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// Region of the bucket. Default "us-east-1".
+    #[serde(default = "default_region")]
+    pub region: String,
+    /// Key prefix of every object gantry writes, e.g. "cas/". Default "" (the bucket root).
+    #[serde(default)]
+    pub prefix: String,
+    /// Most S3 requests in flight at once for one FindMissingBlobs or completeness
+    /// check (HEADs of blobs not known to be present). Default 64.
+    #[serde(default = "default_s3_concurrency")]
+    pub max_concurrent_requests: usize,
+    /// How long a blob confirmed present in the bucket (written, read or found by a HEAD)
+    /// is answered as present without asking S3 again. Default "10m".
+    #[serde(default = "default_presence_ttl", with = "humantime_serde")]
+    pub presence_ttl: Duration,
+    /// Most blobs in that record of recent confirmations (about 100 bytes each); the
+    /// oldest are dropped first. Default 1000000.
+    #[serde(default = "default_presence_entries")]
+    pub presence_entries: usize,
+    /// The local filesystem tier in front of the bucket. Absent: every read goes to S3.
+    #[serde(default)]
+    pub local: Option<LocalTierConfig>,
+}
+
+fn default_region() -> String {
+    "us-east-1".into()
+}
+fn default_s3_concurrency() -> usize {
+    64
+}
+fn default_presence_ttl() -> Duration {
+    Duration::from_secs(600)
+}
+fn default_presence_entries() -> usize {
+    1_000_000
+}
+
+/// `[cas.local]`: a per-machine cache of the bucket on local disk. Reads fill it, writes
+/// reach the bucket before they are acknowledged, so losing the directory loses nothing.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalTierConfig {
+    /// Directory of the tier. Default `{data_dir}/cas-local`.
+    pub path: Option<PathBuf>,
+    /// Size past which this machine's least recently used blobs leave the tier (they
+    /// stay in the bucket). Default "20GiB".
+    pub max_size: ByteSize,
+}
+
+impl Default for LocalTierConfig {
+    fn default() -> Self {
+        LocalTierConfig { path: None, max_size: ByteSize::gib(20) }
     }
 }
 
@@ -785,6 +856,10 @@ impl Config {
         let max = match &self.cas {
             CasConfig::Fs(f) => f.max_size,
             CasConfig::Memory(m) => m.max_size,
+            CasConfig::S3(s3) => {
+                s3.validate()?;
+                s3.local.as_ref().map_or(ByteSize::b(1), |l| l.max_size)
+            }
         };
         if max.as_u64() == 0 {
             return Err(ConfigError::Invalid("cas.max_size must be greater than zero".into()));
@@ -797,9 +872,60 @@ impl Config {
         fs.path.clone().unwrap_or_else(|| self.server.data_dir.join("cas"))
     }
 
+    /// Directory of the S3 store's local tier, resolved against `data_dir`.
+    pub fn local_tier_path(&self, local: &LocalTierConfig) -> PathBuf {
+        local.path.clone().unwrap_or_else(|| self.server.data_dir.join("cas-local"))
+    }
+
     /// URL of the metadata database, resolved against `data_dir`.
     pub fn metadata_url(&self) -> String {
         self.metadata.url.clone().unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
+    }
+}
+
+impl S3StoreConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        // Bucket naming rules of S3 itself, so a typo fails here and not at the first upload.
+        let b = &self.bucket;
+        if b.len() < 3
+            || b.len() > 63
+            || !b.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+            || !b.starts_with(|c: char| c.is_ascii_alphanumeric())
+            || !b.ends_with(|c: char| c.is_ascii_alphanumeric())
+        {
+            return Err(ConfigError::Invalid(format!(
+                "cas.bucket {b:?} is not an S3 bucket name (3 to 63 characters: lowercase letters, digits, '-' and '.')"
+            )));
+        }
+        if let Some(e) = &self.endpoint {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                return Err(ConfigError::Invalid(format!("cas.endpoint {e:?} must start with http:// or https://")));
+            }
+            if e.contains('@') {
+                // Credentials never live in gantry.toml, not even inside a URL.
+                return Err(ConfigError::Invalid(
+                    "cas.endpoint must not contain credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY".into(),
+                ));
+            }
+        }
+        if self.region.trim().is_empty() {
+            return Err(ConfigError::Invalid("cas.region must not be empty".into()));
+        }
+        if self.prefix.starts_with('/') || self.prefix.contains("//") {
+            return Err(ConfigError::Invalid(format!(
+                "cas.prefix {:?} must not start with '/' or contain '//'",
+                self.prefix
+            )));
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err(ConfigError::Invalid("cas.max_concurrent_requests must be at least 1".into()));
+        }
+        if let Some(l) = &self.local {
+            if l.max_size.as_u64() == 0 {
+                return Err(ConfigError::Invalid("cas.local.max_size must be greater than zero".into()));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -834,12 +960,49 @@ mod tests {
             "lisen = \"x\"",
             "[server]\nlisten_addr = \"127.0.0.1:1\"",
             "[cas]\nkind = \"fs\"\nmax_sise = \"1GiB\"",
-            "[cas]\nkind = \"s3\"",
+            "[cas]\nkind = \"gcs\"",
+            "[cas]\nkind = \"s3\"\nbucket = \"b-1\"\naccess_key_id = \"AKIA\"",
+            "[cas]\nkind = \"s3\"\nbucket = \"b-1\"\n[cas.local]\nmax_sise = \"1GiB\"",
             "[action_cache]\nkind = \"sql\"\ncompleteness = false",
         ] {
             let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains("test.toml"), "{bad}: {e}");
             assert!(e.contains("unknown"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn s3_section() {
+        let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\n").unwrap();
+        let CasConfig::S3(s3) = &c.cas else { panic!("{:?}", c.cas) };
+        assert_eq!((s3.region.as_str(), s3.prefix.as_str(), s3.endpoint.as_deref()), ("us-east-1", "", None));
+        assert_eq!((s3.max_concurrent_requests, s3.presence_ttl, s3.presence_entries), (64, Duration::from_secs(600), 1_000_000));
+        assert!(s3.local.is_none());
+        let c = parse(
+            "[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nendpoint = \"http://127.0.0.1:9000\"\nregion = \"eu-west-1\"\nprefix = \"cas/\"\n[cas.local]\nmax_size = \"2GiB\"\n",
+        )
+        .unwrap();
+        let CasConfig::S3(s3) = &c.cas else { panic!() };
+        assert_eq!(s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!((s3.region.as_str(), s3.prefix.as_str()), ("eu-west-1", "cas/"));
+        let local = s3.local.as_ref().unwrap();
+        assert_eq!(local.max_size, ByteSize::gib(2));
+        assert_eq!(c.local_tier_path(local), PathBuf::from("./gantry-data/cas-local"));
+        let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\n[cas.local]\n").unwrap();
+        let CasConfig::S3(s3) = &c.cas else { panic!() };
+        assert_eq!(s3.local.as_ref().unwrap().max_size, ByteSize::gib(20));
+        assert!(parse("[cas]\nkind = \"s3\"").unwrap_err().to_string().contains("bucket"));
+        for (bad, what) in [
+            ("bucket = \"Gantry_CAS\"", "bucket"),
+            ("bucket = \"ok-bucket\"\nendpoint = \"127.0.0.1:9000\"", "http://"),
+            ("bucket = \"ok-bucket\"\nendpoint = \"http://AKIA:secret@h:9000\"", "credentials"),
+            ("bucket = \"ok-bucket\"\nprefix = \"/cas\"", "prefix"),
+            ("bucket = \"ok-bucket\"\nmax_concurrent_requests = 0", "max_concurrent_requests"),
+            ("bucket = \"ok-bucket\"\n[cas.local]\nmax_size = \"0B\"", "local.max_size"),
+        ] {
+            let e = parse(&format!("[cas]\nkind = \"s3\"\n{bad}")).unwrap_err().to_string();
+            assert!(e.contains(what), "{bad}: {e}");
+            assert!(!e.contains("secret"), "{e}");
         }
     }
 

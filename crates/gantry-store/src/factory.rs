@@ -6,7 +6,7 @@ use std::sync::Arc;
 use gantry_config::{ActionCacheConfig, CasConfig, Config};
 use gantry_core::{ActionCache, BlobStore, Result, ResultExt};
 
-use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, MetadataDb, MetadataOptions, SqlActionCache};
+use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, MetadataDb, MetadataOptions, S3Options, S3Store, SqlActionCache, TieredStore};
 
 /// The CAS as services see it: the configured backend behind `IntegrityStore`.
 pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
@@ -20,6 +20,19 @@ pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
             )
         }
         CasConfig::Memory(m) => Arc::new(MemoryStore::new(m.max_size.as_u64())),
+        CasConfig::S3(s3) => {
+            let remote = S3Store::open(S3Options::from_config(s3)).context("[cas] kind = \"s3\"")?;
+            match &s3.local {
+                None => Arc::new(remote),
+                Some(local) => {
+                    let path = config.local_tier_path(local);
+                    let tier = FsStore::open(&path, local.max_size.as_u64())
+                        .await
+                        .context(format_args!("[cas.local] at {}", path.display()))?;
+                    Arc::new(TieredStore::new(Arc::new(tier), Arc::new(remote)))
+                }
+            }
+        }
     };
     backend.check().await.context("[cas] startup check")?;
     Ok(Arc::new(IntegrityStore::new(backend)))

@@ -2,6 +2,10 @@
 //!
 //! - `FsStore` (`[cas] kind = "fs"`): blobs as files, atomic writes, LRU eviction.
 //! - `MemoryStore` (`[cas] kind = "memory"`): blobs in RAM, LRU eviction.
+//! - `S3Store` (`[cas] kind = "s3"`): blobs in an S3-compatible bucket, with a bounded,
+//!   expiring record of blobs recently confirmed there.
+//! - `TieredStore` (`[cas.local]`): a per-machine filesystem tier in front of `S3Store`;
+//!   reads fill it, writes reach the bucket first.
 //! - `GrpcStore`: blobs on a remote REAPI server (used by separate worker processes).
 //! - `IntegrityStore`: verifies every write against its digest; serves the empty blob.
 //! - `MetadataDb` (`[metadata] url`): the one SQL database (SQLite or PostgreSQL, one
@@ -23,10 +27,12 @@ pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
 pub mod metadata_db;
+pub mod s3_store;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
 pub mod sql_queue_store;
+pub mod tiered_store;
 
 pub use completeness_check::CompletenessCheckingActionCache;
 pub use factory::{build_action_cache, build_cas, open_metadata};
@@ -35,10 +41,12 @@ pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use metadata_db::{Dialect, MetadataDb, MetadataOptions, RoleLease};
+pub use s3_store::{S3Credentials, S3Options, S3Store};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
 pub use sql_queue_store::SqlQueueStore;
 pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
+pub use tiered_store::TieredStore;
 
 #[cfg(test)]
 mod store_suite;

@@ -7,10 +7,24 @@ use bytes::Bytes;
 use futures::StreamExt;
 use gantry_core::{BlobStore, Digest, DigestFunction, Error};
 
-use crate::{FsStore, IntegrityStore, MemoryStore};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use gantry_testkit::{S3_KEY_ID, S3_SECRET_KEY, S3Server};
+
+use crate::s3_store::PART_SIZE;
+use crate::{FsStore, IntegrityStore, MemoryStore, S3Credentials, S3Options, S3Store, TieredStore};
 
 fn blob(seed: u8, len: usize) -> (Bytes, Digest) {
     let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+    let d = DigestFunction::Sha256.digest_of(&data);
+    (Bytes::from(data), d)
+}
+
+/// Distinct blobs by number, for tests that need many.
+fn blob_n(n: u32, len: usize) -> (Bytes, Digest) {
+    let mut data = vec![0u8; len];
+    data[..4].copy_from_slice(&n.to_le_bytes());
     let d = DigestFunction::Sha256.digest_of(&data);
     (Bytes::from(data), d)
 }
@@ -132,43 +146,344 @@ async fn concurrent_writers_same_digest(s: Arc<dyn BlobStore>) {
         t.await.unwrap().unwrap();
     }
     assert_eq!(s.get(&d).await.unwrap(), data);
-    assert_eq!(s.usage().blobs, 1);
+    // Backends without a capacity (the bucket) report no usage.
+    assert!(s.usage().blobs <= 1);
+    assert_eq!(s.find_present(&[d]).await.unwrap(), [true]);
 }
 
+/// The suite for one backend. `make(max_bytes)` builds the store (and the temporary
+/// directory it lives in), or returns None when a test server could not start (a skip
+/// locally, a panic under CI=true). Backends without a capacity (the bucket) leave out
+/// the eviction test with `unbounded`.
 macro_rules! suite {
     ($module:ident, $make:expr) => {
+        suite!(@tests $module, $make, {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn eviction_order() {
+                let Some(s) = make(4000).await else { return };
+                super::eviction_order(s.0).await
+            }
+        });
+    };
+    ($module:ident, $make:expr, unbounded) => {
+        suite!(@tests $module, $make, {});
+    };
+    (@tests $module:ident, $make:expr, { $($extra:item)* }) => {
         mod $module {
             use super::*;
             #[allow(unused)]
-            async fn make(max: u64) -> (Arc<dyn BlobStore>, Option<tempfile::TempDir>) {
+            async fn make(max: u64) -> Option<(Arc<dyn BlobStore>, Option<tempfile::TempDir>)> {
                 let f = $make;
                 f(max).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn round_trip() { super::round_trip(make(1 << 30).await.0).await }
+            async fn round_trip() {
+                let Some(s) = make(1 << 30).await else { return };
+                super::round_trip(s.0).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn ranges() { super::ranges(make(1 << 30).await.0).await }
+            async fn ranges() {
+                let Some(s) = make(1 << 30).await else { return };
+                super::ranges(s.0).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn integrity() { super::integrity(make(1 << 30).await.0).await }
+            async fn integrity() {
+                let Some(s) = make(1 << 30).await else { return };
+                super::integrity(s.0).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn empty_blob() { super::empty_blob(make(1 << 30).await.0).await }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn eviction_order() { super::eviction_order(make(4000).await.0).await }
+            async fn empty_blob() {
+                let Some(s) = make(1 << 30).await else { return };
+                super::empty_blob(s.0).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_writers_same_digest() {
-                super::concurrent_writers_same_digest(make(1 << 30).await.0).await
+                let Some(s) = make(1 << 30).await else { return };
+                super::concurrent_writers_same_digest(s.0).await
             }
+            $($extra)*
         }
     };
 }
 
 suite!(memory, |max: u64| async move {
-    (Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(max)))) as Arc<dyn BlobStore>, None)
+    Some((Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(max)))) as Arc<dyn BlobStore>, None))
 });
 
 suite!(fs, |max: u64| async move {
     let dir = tempfile::tempdir().unwrap();
     let store = FsStore::open(dir.path(), max).await.unwrap();
     // keep the directory alive for the test by leaking it into the returned tuple
-    (Arc::new(IntegrityStore::new(Arc::new(store))) as Arc<dyn BlobStore>, Some(dir))
+    Some((Arc::new(IntegrityStore::new(Arc::new(store))) as Arc<dyn BlobStore>, Some(dir)))
 });
+
+suite!(
+    s3,
+    |_max: u64| async move {
+        let server = S3Server::shared()?;
+        Some((Arc::new(IntegrityStore::new(Arc::new(s3_store(server, |_| {})))) as Arc<dyn BlobStore>, None))
+    },
+    unbounded
+);
+
+// The tier is bounded but the bucket behind it is not: an evicted blob is still present,
+// so the eviction test does not apply (tiered_evicts_locally_but_loses_nothing does).
+suite!(
+    s3_tiered,
+    |max: u64| async move {
+        let server = S3Server::shared()?;
+        let dir = tempfile::tempdir().unwrap();
+        let tier = FsStore::open(dir.path(), max).await.unwrap();
+        let store = TieredStore::new(Arc::new(tier), Arc::new(s3_store(server, |_| {})));
+        Some((Arc::new(IntegrityStore::new(Arc::new(store))) as Arc<dyn BlobStore>, Some(dir)))
+    },
+    unbounded
+);
+
+// Tests that only make sense on the bucket, with and without the tier.
+
+/// A fresh bucket on `server`, so tests sharing the server never see each other's blobs.
+fn fresh_bucket(server: &S3Server) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("gantry-t{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    server.create_bucket(&name);
+    name
+}
+
+fn s3_options(server: &S3Server, bucket: &str) -> S3Options {
+    S3Options {
+        endpoint: Some(server.endpoint()),
+        prefix: "cas/".into(),
+        credentials: S3Credentials::Static { key_id: S3_KEY_ID.into(), secret_key: S3_SECRET_KEY.into() },
+        // A stopped server must fail the request quickly in tests.
+        max_retries: 1,
+        retry_timeout: Duration::from_secs(2),
+        ..S3Options::new(bucket)
+    }
+}
+
+fn s3_store(server: &S3Server, tweak: impl FnOnce(&mut S3Options)) -> S3Store {
+    let mut opts = s3_options(server, &fresh_bucket(server));
+    tweak(&mut opts);
+    S3Store::open(opts).unwrap()
+}
+
+fn heads(s: &S3Store) -> u64 {
+    s.requests().head.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_check_names_the_bucket_and_endpoint_never_the_secret() {
+    let Some(server) = S3Server::shared() else { return };
+    let store = s3_store(server, |_| {});
+    store.check().await.unwrap();
+    assert!(server.list(&store.bucket()).is_empty(), "the probe object is deleted");
+    let missing = S3Store::open(s3_options(server, "no-such-bucket")).unwrap();
+    let e = missing.check().await.err().unwrap();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("no-such-bucket") && msg.contains(&server.endpoint()), "{msg}");
+    assert!(!msg.contains(S3_SECRET_KEY), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_multipart_blob_round_trips_and_abandoned_uploads_leave_nothing() {
+    let Some(server) = S3Server::shared() else { return };
+    let raw = Arc::new(s3_store(server, |_| {}));
+    let s: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(raw.clone()));
+    let len = 2 * PART_SIZE + 12345;
+    let (data, d) = blob(40, len);
+    let mut w = s.begin_write(&d).await.unwrap();
+    for chunk in data.chunks(1 << 20) {
+        w.write(Bytes::copy_from_slice(chunk)).await.unwrap();
+    }
+    w.commit().await.unwrap();
+    // create + 3 parts + complete, not one PUT
+    assert_eq!(raw.requests().put.load(Ordering::Relaxed), 5);
+    assert_eq!(server.list(&raw.bucket()), vec![raw.key(&d)]);
+    assert_eq!(s.get(&d).await.unwrap(), data);
+    // a range across the first part boundary
+    let from = PART_SIZE as u64 - 100;
+    let part = collect(s.read(&d, from, Some(300)).await.unwrap()).await;
+    assert_eq!(&part[..], &data[from as usize..from as usize + 300]);
+    // A multipart upload dropped half way (a client gone) leaves no object.
+    let (data2, d2) = blob(41, PART_SIZE + PART_SIZE / 2);
+    let mut w = s.begin_write(&d2).await.unwrap();
+    w.write(data2.slice(..PART_SIZE + 10)).await.unwrap();
+    drop(w);
+    // so does one whose bytes do not match the digest
+    let mut bad = data2.to_vec();
+    bad[PART_SIZE + 5] ^= 1;
+    let e = s.put(&d2, Bytes::from(bad)).await.err().unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(!s.has(&d2).await.unwrap());
+    assert_eq!(server.list(&raw.bucket()), vec![raw.key(&d)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_ranged_reads_fetch_only_the_range() {
+    let Some(server) = S3Server::shared() else { return };
+    let s = s3_store(server, |_| {});
+    let (data, d) = blob(42, 1 << 20);
+    s.put(&d, data.clone()).await.unwrap();
+    let st = s.read(&d, 1000, Some(10)).await.unwrap();
+    let got = collect(st).await;
+    assert_eq!(&got[..], &data[1000..1010]);
+    assert_eq!(collect(s.read(&d, (1 << 20) - 3, None).await.unwrap()).await, &data[(1 << 20) - 3..]);
+    assert!(collect(s.read(&d, 1 << 20, None).await.unwrap()).await.is_empty());
+    let (_, missing) = blob(43, 10);
+    assert!(s.read(&missing, 0, Some(0)).await.err().unwrap().is_not_found());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_lost_local_tier_loses_nothing() {
+    let Some(server) = S3Server::shared() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let tier_path = dir.path().join("tier");
+    let tier = Arc::new(FsStore::open(&tier_path, 1 << 30).await.unwrap());
+    let s: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier.clone(), Arc::new(s3_store(server, |_| {}))))));
+    let blobs: Vec<_> = (50..60u8).map(|i| blob(i, 3000 + i as usize)).collect();
+    for (data, d) in &blobs {
+        s.put(d, data.clone()).await.unwrap();
+    }
+    assert_eq!(tier.usage().blobs, 10, "uploads are cached in the tier");
+    std::fs::remove_dir_all(&tier_path).unwrap();
+    let ds: Vec<_> = blobs.iter().map(|b| b.1).collect();
+    assert_eq!(s.find_present(&ds).await.unwrap(), vec![true; 10]);
+    for (data, d) in &blobs {
+        assert_eq!(&s.get(d).await.unwrap(), data);
+    }
+    // The reads filled the tier again.
+    assert!(tier.path_of(&ds[0]).is_some_and(|p| p.is_file()));
+    let (data, d) = blob(61, 5000);
+    s.put(&d, data.clone()).await.unwrap();
+    assert_eq!(s.get(&d).await.unwrap(), data, "writes work into the vanished directory");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_reads_fill_the_tier_of_another_machine() {
+    let Some(server) = S3Server::shared() else { return };
+    let bucket = fresh_bucket(server);
+    let machine = |dir: &std::path::Path| {
+        let (dir, opts) = (dir.to_owned(), s3_options(server, &bucket));
+        async move {
+            let tier = Arc::new(FsStore::open(&dir, 1 << 30).await.unwrap());
+            let s3 = Arc::new(S3Store::open(opts).unwrap());
+            let s: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier.clone(), s3.clone()))));
+            (s, tier, s3)
+        }
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, _, _) = machine(da.path()).await;
+    let (b, b_tier, b_s3) = machine(db.path()).await;
+    let (data, d) = blob(62, 200_000);
+    a.put(&d, data.clone()).await.unwrap();
+    assert_eq!(b_tier.usage().blobs, 0, "tiers are per machine");
+    // a ranged read does not fill
+    assert_eq!(collect(b.read(&d, 10, Some(10)).await.unwrap()).await, &data[10..20]);
+    assert_eq!(b_tier.usage().blobs, 0);
+    assert_eq!(b.get(&d).await.unwrap(), data);
+    assert_eq!(b_tier.usage().blobs, 1, "a whole read fills this machine's tier");
+    let gets = b_s3.requests().get.load(Ordering::Relaxed);
+    assert_eq!(b.get(&d).await.unwrap(), data);
+    assert_eq!(b_s3.requests().get.load(Ordering::Relaxed), gets, "the second read is served by the tier");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_evicts_locally_but_loses_nothing() {
+    let Some(server) = S3Server::shared() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let tier = Arc::new(FsStore::open(dir.path(), 4000).await.unwrap());
+    let s: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier.clone(), Arc::new(s3_store(server, |_| {}))))));
+    let blobs: Vec<_> = (70..76u8).map(|i| blob(i, 1000)).collect();
+    for (data, d) in &blobs {
+        s.put(d, data.clone()).await.unwrap();
+    }
+    assert_eq!(tier.usage().blobs, 4, "the tier keeps its size");
+    for (data, d) in &blobs {
+        assert_eq!(&s.get(d).await.unwrap(), data);
+    }
+    // larger than the whole tier: stored in the bucket all the same
+    let (big, bd) = blob(77, 10_000);
+    s.put(&bd, big.clone()).await.unwrap();
+    assert_eq!(s.get(&bd).await.unwrap(), big);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn find_missing_asks_s3_only_about_blobs_not_known_present() {
+    let Some(server) = S3Server::shared() else { return };
+    let bucket = fresh_bucket(server);
+    let dir = tempfile::tempdir().unwrap();
+    // A tier too small for the uploads: the record of confirmations answers for them.
+    let tier = Arc::new(FsStore::open(dir.path(), 50_000).await.unwrap());
+    let s3 = Arc::new(S3Store::open(s3_options(server, &bucket)).unwrap());
+    let a: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier, s3.clone()))));
+    let blobs: Vec<_> = (0..300u32).map(|i| blob_n(i, 1000)).collect();
+    for (data, d) in &blobs {
+        a.put(d, data.clone()).await.unwrap();
+    }
+    let mut ds: Vec<Digest> = blobs.iter().map(|b| b.1).collect();
+    let missing: Vec<Digest> = (1000..1050u32).map(|i| blob_n(i, 10).1).collect();
+    ds.extend(&missing);
+    let before = heads(&s3);
+    let present = a.find_present(&ds).await.unwrap();
+    assert_eq!(present.iter().filter(|p| **p).count(), 300);
+    assert!(present[300..].iter().all(|p| !p));
+    assert_eq!(heads(&s3) - before, 50, "only the 50 unknown digests were asked about");
+
+    // Another machine (cold tier, empty record): one HEAD per digest, all in flight at
+    // once; then the record answers.
+    let other = Arc::new(S3Store::open(s3_options(server, &bucket)).unwrap());
+    let dir_b = tempfile::tempdir().unwrap();
+    let b: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(
+        Arc::new(FsStore::open(dir_b.path(), 1 << 30).await.unwrap()),
+        other.clone(),
+    ))));
+    assert_eq!(b.find_present(&ds[..300]).await.unwrap(), vec![true; 300]);
+    assert_eq!(heads(&other), 300);
+    assert_eq!(b.find_present(&ds[..300]).await.unwrap(), vec![true; 300]);
+    assert_eq!(heads(&other), 300, "confirmed blobs are not asked about again");
+
+    // Without the record (presence_ttl = 0) every lookup is a HEAD: the record is what
+    // saves them, not something else.
+    let no_record = S3Store::open(S3Options { presence_ttl: Duration::ZERO, ..s3_options(server, &bucket) }).unwrap();
+    no_record.find_present(&ds[..100]).await.unwrap();
+    no_record.find_present(&ds[..100]).await.unwrap();
+    assert_eq!(heads(&no_record), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_down_is_unavailable_never_a_miss() {
+    let Some(server) = S3Server::start() else { return };
+    let bucket = fresh_bucket(&server);
+    let dir = tempfile::tempdir().unwrap();
+    let s3 = Arc::new(S3Store::open(s3_options(&server, &bucket)).unwrap());
+    let s: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(
+        Arc::new(FsStore::open(dir.path(), 1 << 30).await.unwrap()),
+        s3.clone(),
+    ))));
+    let plain: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(s3.clone()));
+    let (data, d) = blob(80, 4000);
+    s.put(&d, data.clone()).await.unwrap();
+    let endpoint = server.endpoint();
+    drop(server);
+    let (data2, d2) = blob(81, 4000);
+    for store in [&s, &plain] {
+        let e = store.find_present(&[d2]).await.err().expect("an unreachable bucket is not a miss");
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+        assert!(e.to_string().contains(&bucket) && e.to_string().contains(&endpoint), "{e}");
+        let e = store.read(&d2, 0, None).await.err().unwrap();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+        let e = store.put(&d2, data2.clone()).await.err().expect("a write S3 did not take is not acknowledged");
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+        // a multipart upload fails too, at the latest on commit
+        let (big, bd) = blob(82, PART_SIZE + 1);
+        let e = store.put(&bd, big).await.err().unwrap();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    }
+    // What the tier holds is still served: the bucket had it when it was written.
+    assert_eq!(s.get(&d).await.unwrap(), data);
+    assert_eq!(s.find_present(&[d]).await.unwrap(), [true]);
+}

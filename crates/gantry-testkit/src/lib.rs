@@ -1,8 +1,8 @@
 //! gantry-testkit owns the real components gantry's tests start for themselves, so that
-//! no test needs a system service or docker: today a PostgreSQL server (`PgServer`),
-//! run from Debian's `postgresql` package in a temporary directory on a free loopback
-//! port, as the unprivileged `nobody` when the tests run as root, and stopped when
-//! dropped.
+//! no test needs a system service or docker: a PostgreSQL server (`PgServer`), run from
+//! Debian's `postgresql` package in a temporary directory on a free loopback port, as the
+//! unprivileged `nobody` when the tests run as root, and an S3-compatible server
+//! (`S3Server`, moto from PyPI) on a free loopback port; both stop when dropped.
 //!
 //! A component that cannot start is a skip on a developer's machine (with the reason on
 //! stderr) and a failure when `CI=true`, so CI never passes by testing less.
@@ -230,9 +230,182 @@ fn as_user(mut cmd: Command, run_as: Option<(u32, u32)>) -> Command {
     cmd
 }
 
+/// Credentials the tests hand to gantry's S3 client. The test server accepts any.
+pub const S3_KEY_ID: &str = "gantry-test-key";
+pub const S3_SECRET_KEY: &str = "gantry-test-secret";
+
+/// An S3-compatible server of the tests' own: moto's server (PyPI `moto[server]`,
+/// installed by `scripts/test`), in memory, on a free loopback port, stopped when dropped.
+/// It speaks path-style S3 with SigV4-signed requests and multipart uploads.
+pub struct S3Server {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl S3Server {
+    /// Starts a server, or returns `None` (see [`unavailable`]).
+    pub fn start() -> Option<S3Server> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Self::try_start() {
+                Ok(s) => return Some(s),
+                Err(e) => last = e,
+            }
+        }
+        unavailable("S3 server (moto)", &last)
+    }
+
+    /// One server for the whole test binary, started once by the first caller (tests
+    /// that share it use buckets of their own). It runs from a thread that never ends,
+    /// because the parent-death signal that stops it fires when the *thread* that
+    /// started it exits, and test threads end with their test.
+    pub fn shared() -> Option<&'static S3Server> {
+        static SHARED: std::sync::OnceLock<Option<&'static S3Server>> = std::sync::OnceLock::new();
+        *SHARED.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("gantry-testkit-s3".into())
+                .spawn(move || {
+                    let server = Self::start().map(|s| &*Box::leak(Box::new(s)));
+                    let _ = tx.send(server);
+                    loop {
+                        std::thread::park();
+                    }
+                })
+                .expect("spawning the S3 server thread");
+            rx.recv().expect("S3 server thread")
+        })
+    }
+
+    fn command() -> Result<Command, String> {
+        if let Some(path) = std::env::var_os("PATH") {
+            for dir in std::env::split_paths(&path) {
+                let p = dir.join("moto_server");
+                if p.is_file() {
+                    return Ok(Command::new(p));
+                }
+            }
+        }
+        let probe = Command::new("python3").args(["-c", "import moto.server, flask, werkzeug"]).output();
+        match probe {
+            Ok(o) if o.status.success() => {
+                let mut c = Command::new("python3");
+                c.args(["-m", "moto.server"]);
+                Ok(c)
+            }
+            _ => Err("moto_server not on PATH and python3 cannot import moto.server (pip install 'moto[server]')".into()),
+        }
+    }
+
+    fn try_start() -> Result<S3Server, String> {
+        let mut cmd = Self::command()?;
+        let dir = tempfile::Builder::new().prefix("gantry-s3-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("finding a free port: {e}"))?
+            .port();
+        let log_path = dir.path().join("s3.log");
+        let log = std::fs::File::create(&log_path).map_err(|e| format!("creating the log: {e}"))?;
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log);
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|e| format!("starting moto_server: {e}"))?;
+        let mut server = S3Server { child, port, _dir: dir };
+        let start = Instant::now();
+        loop {
+            // Ready when it answers S3's ListBuckets.
+            if let Ok((status, _)) = server.request("GET", "/") {
+                if status == 200 {
+                    return Ok(server);
+                }
+            }
+            if let Ok(Some(status)) = server.child.try_wait() {
+                return Err(format!("moto_server exited with {status}: {}", std::fs::read_to_string(&log_path).unwrap_or_default()));
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(format!("moto_server not ready after 60 s: {}", std::fs::read_to_string(&log_path).unwrap_or_default()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The endpoint URL to give an S3 client.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// One unsigned HTTP/1.1 request (the server accepts them): (status, body).
+    pub fn request(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.port)?;
+        let mut resp = String::new();
+        s.read_to_string(&mut resp)?;
+        let status = resp
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {resp:.200}")))?;
+        let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Ok((status, body))
+    }
+
+    /// Creates a bucket (a fresh one per test keeps tests that share the server apart).
+    pub fn create_bucket(&self, name: &str) {
+        let (status, body) = self.request("PUT", &format!("/{name}")).expect("creating a bucket");
+        assert_eq!(status, 200, "creating bucket {name}: {body}");
+    }
+
+    /// Deletes an object behind the client's back (an expiry, an operator).
+    pub fn delete_object(&self, bucket: &str, key: &str) {
+        let (status, body) = self.request("DELETE", &format!("/{bucket}/{key}")).expect("deleting an object");
+        assert!(status == 204 || status == 200, "deleting {bucket}/{key}: {status} {body}");
+    }
+
+    /// Keys of the objects in a bucket (the first 1000).
+    pub fn list(&self, bucket: &str) -> Vec<String> {
+        let (status, body) = self.request("GET", &format!("/{bucket}?list-type=2")).expect("listing a bucket");
+        assert_eq!(status, 200, "listing {bucket}: {body}");
+        body.split("<Key>").skip(1).filter_map(|p| p.split_once("</Key>").map(|(k, _)| k.to_string())).collect()
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn s3_server_starts_serves_and_stops() {
+        let Some(s3) = S3Server::start() else { return };
+        s3.create_bucket("testkit-bucket");
+        assert!(s3.list("testkit-bucket").is_empty());
+        let (status, _) = s3.request("GET", "/no-such-bucket?list-type=2").unwrap();
+        assert_eq!(status, 404);
+        let port = s3.port();
+        drop(s3);
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "server stopped on drop");
+    }
 
     #[test]
     fn starts_serves_and_stops() {

@@ -187,6 +187,12 @@ pub struct CasArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// A second server on the same shared CAS (another frontend on the same bucket, with
+    /// its own local tier) that has not seen the blobs: FindMissingBlobs over them is
+    /// measured there too, once cold (nothing known locally: one HEAD per digest on S3)
+    /// and once more warm.
+    #[arg(long)]
+    cold_target: Option<String>,
 }
 
 #[derive(Serialize, Default)]
@@ -198,6 +204,29 @@ struct CasReport {
     bytestream_read_mib_s: f64,
     batch_update_blobs_per_s: f64,
     find_missing_digests_per_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    find_missing_cold_digests_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    find_missing_cold_then_warm_digests_per_s: Option<f64>,
+}
+
+/// FindMissingBlobs over `digests` in requests of 10,000: (digests/s, missing count).
+async fn find_missing_rate(channel: &Channel, inst: &str, digests: &[reapi::Digest], concurrency: usize) -> anyhow::Result<(f64, usize)> {
+    let start = Instant::now();
+    let missing: usize = futures::stream::iter(digests.chunks(10_000))
+        .map(|chunk| {
+            let mut cas = ContentAddressableStorageClient::new(channel.clone());
+            let req = reapi::FindMissingBlobsRequest {
+                instance_name: inst.to_string(),
+                blob_digests: chunk.to_vec(),
+                ..Default::default()
+            };
+            async move { anyhow::Ok(cas.find_missing_blobs(req).await?.into_inner().missing_blob_digests.len()) }
+        })
+        .buffer_unordered(concurrency)
+        .try_fold(0, |a, n| async move { Ok(a + n) })
+        .await?;
+    Ok((digests.len() as f64 / start.elapsed().as_secs_f64(), missing))
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -399,22 +428,18 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     let digests: Vec<reapi::Digest> = smalls.iter().map(|(d, _)| d.to_proto()).collect();
     drop(smalls);
     progress(args.json, &format!("FindMissingBlobs over {} digests...", digests.len()));
-    let start = Instant::now();
-    let missing: usize = futures::stream::iter(digests.chunks(10_000))
-        .map(|chunk| {
-            let mut cas = ContentAddressableStorageClient::new(channel.clone());
-            let req = reapi::FindMissingBlobsRequest {
-                instance_name: inst.clone(),
-                blob_digests: chunk.to_vec(),
-                ..Default::default()
-            };
-            async move { anyhow::Ok(cas.find_missing_blobs(req).await?.into_inner().missing_blob_digests.len()) }
-        })
-        .buffer_unordered(args.concurrency)
-        .try_fold(0, |a, n| async move { Ok(a + n) })
-        .await?;
-    report.find_missing_digests_per_s = digests.len() as f64 / start.elapsed().as_secs_f64();
+    let (rate, missing) = find_missing_rate(&channel, &inst, &digests, args.concurrency).await?;
+    report.find_missing_digests_per_s = rate;
     anyhow::ensure!(missing == 0, "{missing} blobs just uploaded were reported missing");
+    if let Some(cold) = &args.cold_target {
+        let cold_channel = gantry_core::client::connect(cold).await.context("--cold-target")?;
+        progress(args.json, &format!("FindMissingBlobs over {} digests on {cold}, cold then warm...", digests.len()));
+        for slot in [&mut report.find_missing_cold_digests_per_s, &mut report.find_missing_cold_then_warm_digests_per_s] {
+            let (rate, missing) = find_missing_rate(&cold_channel, &inst, &digests, args.concurrency).await?;
+            anyhow::ensure!(missing == 0, "{missing} blobs uploaded through {target} were reported missing by {cold}");
+            *slot = Some(rate);
+        }
+    }
 
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -427,6 +452,10 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
         println!("| ByteStream read, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |", args.stream_blob, report.bytestream_read_mib_s);
         println!("| BatchUpdateBlobs, {} x {} | {:.0} blobs/s |", args.small_count, args.small_size, report.batch_update_blobs_per_s);
         println!("| FindMissingBlobs, {} digests | {:.0} digests/s |", args.small_count, report.find_missing_digests_per_s);
+        if let (Some(cold), Some(warm)) = (report.find_missing_cold_digests_per_s, report.find_missing_cold_then_warm_digests_per_s) {
+            println!("| FindMissingBlobs on --cold-target, cold | {cold:.0} digests/s |");
+            println!("| FindMissingBlobs on --cold-target, again | {warm:.0} digests/s |");
+        }
     }
     Ok(())
 }
