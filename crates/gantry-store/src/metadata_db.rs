@@ -153,10 +153,14 @@ impl MetadataDb {
             .after_connect(move |conn, _| {
                 Box::pin(async move {
                     if dialect == Dialect::Sqlite {
-                        // WAL lets readers run beside the writer; NORMAL sync keeps every
-                        // committed row across a process crash.
+                        // WAL lets readers run beside the writer. FULL, not NORMAL: a
+                        // commit returns only after the WAL is fsynced, so a row the client
+                        // was told about (an UpdateActionResult answered OK, a submitted
+                        // change) survives a power loss or kernel crash, not just a
+                        // process crash. In WAL mode that is one fsync per commit, and
+                        // checkpoints stay in the background.
                         conn.execute("PRAGMA journal_mode = WAL").await?;
-                        conn.execute("PRAGMA synchronous = NORMAL").await?;
+                        conn.execute("PRAGMA synchronous = FULL").await?;
                         conn.execute("PRAGMA busy_timeout = 5000").await?;
                     }
                     Ok(())
@@ -362,5 +366,16 @@ mod tests {
         let e = MetadataDb::open_with("postgres://gantry:s3cret@127.0.0.1:1/none", &quick).await.unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, Error::Unavailable(_)) && !text.contains("s3cret") && text.contains("***"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn sqlite_commits_are_durable_wal_with_full_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = MetadataDb::open(&format!("sqlite://{}/meta.db", dir.path().display())).await.unwrap();
+        let mode: String = sqlx::query("PRAGMA journal_mode").fetch_one(db.pool()).await.unwrap().try_get(0).unwrap();
+        assert_eq!(mode.to_lowercase(), "wal");
+        // 2 is FULL: every commit fsyncs the WAL before it returns.
+        let sync: i64 = sqlx::query("PRAGMA synchronous").fetch_one(db.pool()).await.unwrap().try_get(0).unwrap();
+        assert_eq!(sync, 2);
     }
 }
