@@ -134,6 +134,11 @@ pub struct ExecutionConfig {
     /// Upper bound on any action's timeout. Default "3h".
     #[serde(with = "humantime_serde")]
     pub max_timeout: Duration,
+    /// A worker that still heartbeats but has sent no result this long past an action's
+    /// timeout is told to cancel it, and the action is re-queued (counted as a worker
+    /// loss). Covers the kill, the output upload and the report. Default "1m".
+    #[serde(with = "humantime_serde")]
+    pub timeout_grace: Duration,
     /// Finished operations stay visible to GetOperation/WaitExecution this long. Default "10m".
     #[serde(with = "humantime_serde")]
     pub completed_retention: Duration,
@@ -213,6 +218,7 @@ impl Default for ExecutionConfig {
             heartbeat_timeout: Duration::from_secs(15),
             default_timeout: Duration::from_secs(3600),
             max_timeout: Duration::from_secs(3 * 3600),
+            timeout_grace: Duration::from_secs(60),
             completed_retention: Duration::from_secs(600),
         }
     }

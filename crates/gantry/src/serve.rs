@@ -93,6 +93,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
             completed_retention: e.completed_retention,
             default_timeout: e.default_timeout,
             max_timeout: e.max_timeout,
+            timeout_grace: e.timeout_grace,
         },
         ac,
         log,
