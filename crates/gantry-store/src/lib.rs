@@ -12,6 +12,7 @@
 //! - `SqlExecutionLog`: per-action metering records, in the same database.
 //! - `SqlBuildStore`: the batching service's builds and their outcomes (its training history).
 //! - `SqlQueueStore`: the submit queue's changes, journal, landings, builds and graph cache.
+//! - `Retention`: bounds the history tables by age and row count in the background.
 //!
 //! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
 
@@ -23,6 +24,7 @@ pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
 pub mod metadata_db;
+pub mod retention;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
@@ -35,6 +37,7 @@ pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use metadata_db::{Dialect, MetadataDb, MetadataOptions};
+pub use retention::Retention;
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
 pub use sql_queue_store::SqlQueueStore;

@@ -51,6 +51,18 @@ impl Dialect {
         }
     }
 
+    /// The hidden column that names one row of any table, even one without a primary
+    /// key, for `DELETE ... WHERE {row_id} IN (SELECT {row_id} ... LIMIT n)`: the
+    /// portable way to delete a bounded batch (neither dialect in sqlx's reach has
+    /// `DELETE ... LIMIT` on both sides). PostgreSQL's `ctid` is stable within the
+    /// statement's snapshot, which is all this needs.
+    pub fn row_id(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => "rowid",
+            Dialect::Postgres => "ctid",
+        }
+    }
+
     /// A statement, run first inside a transaction, that makes that transaction the only
     /// writer of `table` until it ends, so "read the last sequence number, write the next"
     /// cannot interleave with another writer. SQLite serialises writers by itself;
@@ -222,6 +234,20 @@ impl MetadataDb {
             .map_err(self.err("reading the schema version"))
     }
 
+    /// The database's size on disk in bytes (SQLite: the main file's pages, not the WAL;
+    /// PostgreSQL: the whole database), for `/metrics`.
+    pub async fn size_bytes(&self) -> Result<i64> {
+        let sql = match self.dialect {
+            Dialect::Sqlite => "SELECT p.page_count * s.page_size FROM pragma_page_count() AS p, pragma_page_size() AS s",
+            Dialect::Postgres => "SELECT pg_database_size(current_database())",
+        };
+        sqlx::query(sql)
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|r| r.try_get::<i64, _>(0))
+            .map_err(self.err("reading the database size"))
+    }
+
     /// Takes the lease `name` for `holder` until `now_ms + ttl`, or renews it if `holder`
     /// has it already. False when another holder's lease has not expired. One statement,
     /// so two processes racing for a free lease cannot both win.
@@ -312,6 +338,11 @@ const MIGRATIONS: &[Version] = &[
         version: 2,
         description: "leases held by one gantry process at a time",
         sql: include_str!("../migrations/0002_leases.sql"),
+    },
+    Version {
+        version: 3,
+        description: "indexes for retention",
+        sql: include_str!("../migrations/0003_retention.sql"),
     },
 ];
 

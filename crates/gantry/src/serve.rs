@@ -210,6 +210,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let server = RunningServer::start(&services, config.server.listen, config.server.http_listen).await?;
     let builds = start_build_runners(&config, &db, &services, server.grpc_addr).await?;
     let queue = start_queue(&config, &db, &services, server.grpc_addr).await?;
+    // History bounds, applied by the scheduler (frontends share its database).
+    let _retention = config.execution.scheduler.is_none().then(|| {
+        gantry_store::Retention::new(db.clone(), config.retention.clone()).spawn(services.metrics.registry())
+    });
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server
