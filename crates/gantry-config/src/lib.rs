@@ -186,8 +186,10 @@ pub struct ExecutionConfig {
     #[serde(with = "humantime_serde")]
     pub max_timeout: Duration,
     /// A worker that still heartbeats but has sent no result this long past an action's
-    /// timeout is told to cancel it, and the action is re-queued (counted as a worker
-    /// loss). Covers the kill, the output upload and the report. Default "1m".
+    /// timeout (counted from when the action was handed to it) is told to cancel it, and
+    /// the action is re-queued (counted as a worker loss). It must cover fetching the
+    /// inputs, the kill, uploading the outputs and the report, so keep it generous for
+    /// large inputs or outputs. Default "10m".
     #[serde(with = "humantime_serde")]
     pub timeout_grace: Duration,
     /// Finished operations stay visible to GetOperation/WaitExecution this long. Default "10m".
@@ -269,7 +271,7 @@ impl Default for ExecutionConfig {
             heartbeat_timeout: Duration::from_secs(15),
             default_timeout: Duration::from_secs(3600),
             max_timeout: Duration::from_secs(3 * 3600),
-            timeout_grace: Duration::from_secs(60),
+            timeout_grace: Duration::from_secs(600),
             completed_retention: Duration::from_secs(600),
         }
     }

@@ -48,7 +48,7 @@ impl Default for SchedulerConfig {
             completed_retention: Duration::from_secs(600),
             default_timeout: Duration::from_secs(3600),
             max_timeout: Duration::from_secs(3 * 3600),
-            timeout_grace: Duration::from_secs(60),
+            timeout_grace: Duration::from_secs(600),
         }
     }
 }
@@ -96,7 +96,8 @@ pub fn shown_name(name: &str) -> std::borrow::Cow<'_, str> {
 
 /// Whether an action handed to a worker at `dispatched_at` with `timeout` should have
 /// been reported by `now`. The worker kills the action at its timeout and reports at
-/// once; `grace` covers the kill, the output upload and the report's trip. Past that the
+/// once; `grace` covers fetching the inputs (the clock starts at dispatch), the kill, the
+/// output upload and the report's trip. Past that the
 /// worker is stuck (or lying), and the action is taken back.
 pub fn overdue(dispatched_at: Instant, timeout: Duration, grace: Duration, now: Instant) -> bool {
     now.saturating_duration_since(dispatched_at) > timeout.saturating_add(grace)
