@@ -45,6 +45,57 @@ pub struct Config {
     /// Authentication and authorization. Absent: every caller may do everything (keep
     /// such a server on loopback or a trusted network).
     pub auth: Option<AuthConfig>,
+    /// How long metadata rows are kept, and how many.
+    pub retention: RetentionConfig,
+}
+
+/// `[retention]`: bounds on the metadata database's history tables, applied by a
+/// background task (`metadata-retention`) that deletes the oldest rows past a bound in
+/// batches of `batch_size`, so no request waits behind one long delete. In a deployment
+/// of several `gantry serve` on one PostgreSQL, every scheduler (not frontends) applies
+/// them; deleting what another just deleted is harmless.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// How often the bounds are applied. Default "1m".
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Rows deleted per statement. Default 1000.
+    pub batch_size: u32,
+    /// Action cache entries, aged from their last write. An entry older than `max_age`
+    /// is a cache miss even before it is deleted; its blobs are then evictable from the
+    /// CAS as usual. Default 30 days, 5,000,000 entries.
+    pub action_cache: RetentionBound,
+    /// The execution log (metering per executed action), aged from completion.
+    /// Default 30 days, 10,000,000 records.
+    pub execution_log: RetentionBound,
+    /// Finished builds of the batching service (its training history), aged from their
+    /// end. Builds still queued or running are never deleted. Default 180 days, 1,000,000 builds.
+    pub builds: RetentionBound,
+}
+
+/// One table's bounds; 0 turns a bound off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionBound {
+    /// Rows older than this are deleted, e.g. "30days". "0s": no age bound.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
+    /// Past this many rows the oldest are deleted. 0: no count bound.
+    pub max_rows: u64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        const DAY: u64 = 24 * 3600;
+        RetentionConfig {
+            interval: Duration::from_secs(60),
+            batch_size: 1000,
+            action_cache: RetentionBound { max_age: Duration::from_secs(30 * DAY), max_rows: 5_000_000 },
+            execution_log: RetentionBound { max_age: Duration::from_secs(30 * DAY), max_rows: 10_000_000 },
+            builds: RetentionBound { max_age: Duration::from_secs(180 * DAY), max_rows: 1_000_000 },
+        }
+    }
 }
 
 /// `[auth]`: who may call gantry and what each may do. Credentials are bearer tokens
@@ -248,6 +299,13 @@ pub struct ExecutionConfig {
     /// Upper bound on any action's timeout. Default "3h".
     #[serde(with = "humantime_serde")]
     pub max_timeout: Duration,
+    /// A worker that still heartbeats but has sent no result this long past an action's
+    /// timeout (counted from when the action was handed to it) is told to cancel it, and
+    /// the action is re-queued (counted as a worker loss). It must cover fetching the
+    /// inputs, the kill, uploading the outputs and the report, so keep it generous for
+    /// large inputs or outputs. Default "10m".
+    #[serde(with = "humantime_serde")]
+    pub timeout_grace: Duration,
     /// Finished operations stay visible to GetOperation/WaitExecution this long. Default "10m".
     #[serde(with = "humantime_serde")]
     pub completed_retention: Duration,
@@ -327,6 +385,7 @@ impl Default for ExecutionConfig {
             heartbeat_timeout: Duration::from_secs(15),
             default_timeout: Duration::from_secs(3600),
             max_timeout: Duration::from_secs(3 * 3600),
+            timeout_grace: Duration::from_secs(600),
             completed_retention: Duration::from_secs(600),
         }
     }
@@ -864,6 +923,13 @@ impl Config {
         if max.as_u64() == 0 {
             return Err(ConfigError::Invalid("cas.max_size must be greater than zero".into()));
         }
+        let r = &self.retention;
+        if r.interval.is_zero() {
+            return Err(ConfigError::Invalid("retention.interval must be greater than zero".into()));
+        }
+        if r.batch_size == 0 {
+            return Err(ConfigError::Invalid("retention.batch_size must be at least 1".into()));
+        }
         Ok(())
     }
 
@@ -1077,6 +1143,19 @@ mod tests {
         assert_eq!(c.metadata_url(), "postgres://gantry@db:5432/gantry");
         assert_eq!(c.metadata.max_connections, 32);
         assert_eq!(c.metadata.connect_timeout, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn retention_section() {
+        let c = parse("[retention]\ninterval = \"10s\"\n[retention.execution_log]\nmax_age = \"7days\"\nmax_rows = 0").unwrap();
+        assert_eq!(c.retention.interval, Duration::from_secs(10));
+        assert_eq!(c.retention.execution_log, RetentionBound { max_age: Duration::from_secs(7 * 86400), max_rows: 0 });
+        assert_eq!(c.retention.action_cache, RetentionConfig::default().action_cache, "untouched tables keep their defaults");
+        let err = |t: &str| parse(t).unwrap_err().to_string();
+        assert!(err("[retention.builds]\nmax_age = \"1d\"").contains("max_rows"), "a bound names both limits");
+        assert!(err("[retention.action_cache]\nmax_age = \"1d\"\nmax_rows = 1\nmax_bytes = 1").contains("unknown"));
+        assert!(err("[retention]\nbatch_size = 0").contains("retention.batch_size"));
+        assert!(err("[retention]\ninterval = \"0s\"").contains("retention.interval"));
     }
 
     #[test]

@@ -156,7 +156,7 @@ impl Execution for ExecutionService {
     async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
-        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
+        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
         Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
     }
 }
@@ -276,7 +276,7 @@ impl Operations for OperationsService {
     async fn get_operation(&self, request: Request<GetOperationRequest>) -> Result<Response<Operation>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
-        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {name}")))?;
+        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
         let s = rx.borrow().clone();
         Ok(Response::new(to_operation(&s)))
     }
@@ -297,7 +297,7 @@ impl Operations for OperationsService {
     async fn wait_operation(&self, request: Request<WaitOperationRequest>) -> Result<Response<Operation>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let req = request.into_inner();
-        let mut rx = self.scheduler.watch(&req.name).ok_or_else(|| Status::not_found(format!("no operation {}", req.name)))?;
+        let mut rx = self.scheduler.watch(&req.name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&req.name))))?;
         let timeout = req
             .timeout
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32))

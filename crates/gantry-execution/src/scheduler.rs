@@ -2,6 +2,9 @@
 //! hands each to the first idle worker whose platform properties satisfy it. Identical
 //! in-flight actions (same instance and action digest) share one execution. A worker that
 //! disconnects or misses heartbeats loses its actions back to the queue, up to a limit.
+//! So does a worker that keeps heartbeating but sends no result for an action past its
+//! timeout plus a grace period: the scheduler cancels the action there and re-queues it,
+//! counted as a worker loss ([`overdue`]).
 //!
 //! All state sits behind one mutex, held only for in-memory bookkeeping; the awaits of a
 //! completion (action cache write, execution log) happen outside it.
@@ -32,6 +35,9 @@ pub struct SchedulerConfig {
     pub default_timeout: Duration,
     /// Upper bound on any action's timeout.
     pub max_timeout: Duration,
+    /// How long past an action's timeout the scheduler waits for its worker's report
+    /// before it takes the action back (see [`overdue`]).
+    pub timeout_grace: Duration,
 }
 
 impl Default for SchedulerConfig {
@@ -42,8 +48,59 @@ impl Default for SchedulerConfig {
             completed_retention: Duration::from_secs(600),
             default_timeout: Duration::from_secs(3600),
             max_timeout: Duration::from_secs(3 * 3600),
+            timeout_grace: Duration::from_secs(600),
         }
     }
+}
+
+/// The timeout an action runs with: its own, or `default` when it asks for none (0).
+/// REAPI: a negative timeout, or one above the server's maximum, is INVALID_ARGUMENT
+/// (clamping it would run the action under a limit the client did not ask for).
+pub fn resolve_timeout(
+    requested: Option<&gantry_core::google::protobuf::Duration>,
+    default: Duration,
+    max: Duration,
+) -> Result<Duration> {
+    let Some(d) = requested else { return Ok(default) };
+    if d.seconds < 0 || d.nanos < 0 || d.nanos >= 1_000_000_000 {
+        return Err(Error::invalid(format!(
+            "action.timeout: {}s {}ns is not a valid non-negative duration",
+            d.seconds, d.nanos
+        )));
+    }
+    let t = Duration::new(d.seconds as u64, d.nanos as u32);
+    if t.is_zero() {
+        return Ok(default);
+    }
+    if t > max {
+        return Err(Error::invalid(format!(
+            "action.timeout {t:?} exceeds this server's max_timeout {max:?}"
+        )));
+    }
+    Ok(t)
+}
+
+/// An operation name as quoted in messages: a client may send megabytes of it, and an
+/// error must not echo them back.
+pub fn shown_name(name: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 200;
+    if name.len() <= MAX {
+        return name.into();
+    }
+    let mut end = MAX;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &name[..end], name.len()).into()
+}
+
+/// Whether an action handed to a worker at `dispatched_at` with `timeout` should have
+/// been reported by `now`. The worker kills the action at its timeout and reports at
+/// once; `grace` covers fetching the inputs (the clock starts at dispatch), the kill, the
+/// output upload and the report's trip. Past that the
+/// worker is stuck (or lying), and the action is taken back.
+pub fn overdue(dispatched_at: Instant, timeout: Duration, grace: Duration, now: Instant) -> bool {
+    now.saturating_duration_since(dispatched_at) > timeout.saturating_add(grace)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +146,8 @@ struct Job {
     seq: u64,
     queued_at: SystemTime,
     worker: Option<String>,
+    /// When the current worker was handed the action.
+    dispatched_at: Option<Instant>,
     losses: u32,
     cancel_requested: bool,
     /// Size class the action must run on (None: any worker).
@@ -107,10 +166,21 @@ struct Job {
     completed_at: Option<Instant>,
 }
 
+impl WorkerEntry {
+    /// Slots in use: running actions and overdue ones not yet reported.
+    fn busy(&self) -> usize {
+        self.running.len() + self.overdue.len()
+    }
+}
+
 struct WorkerEntry {
     properties: Vec<Property>,
     slots: usize,
     running: HashSet<String>,
+    /// Actions taken back from this worker because it never reported them; each still
+    /// holds a slot until the worker reports it (its report is then dropped), so a stuck
+    /// worker is not handed more work than it has slots.
+    overdue: HashSet<String>,
     tx: mpsc::UnboundedSender<wpb::SchedulerMessage>,
     last_seen: Instant,
     /// In-process workers cannot be lost to a network, so they are not timed out.
@@ -238,11 +308,7 @@ impl Scheduler {
         required.extend(platform::from_platform(spec.action.platform.as_ref()));
         required.sort();
         required.dedup();
-        let requested = spec.action.timeout.as_ref().map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32));
-        let timeout = match requested {
-            Some(t) if !t.is_zero() => t.min(self.config.max_timeout),
-            _ => self.config.default_timeout,
-        };
+        let timeout = resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
         let key = (spec.instance.clone(), spec.action_digest);
         // REAPI: in-flight requests for a do_not_cache action may not be merged.
         let mergeable = !spec.action.do_not_cache;
@@ -308,6 +374,7 @@ impl Scheduler {
                 seq,
                 queued_at: SystemTime::now(),
                 worker: None,
+                dispatched_at: None,
                 losses: 0,
                 cancel_requested: false,
                 size_class,
@@ -329,7 +396,7 @@ impl Scheduler {
     fn dispatch(&self, st: &mut State) {
         let mut assigned = Vec::new();
         for (prio, seq, name) in st.queue.iter() {
-            if !st.workers.values().any(|w| w.running.len() < w.slots) {
+            if !st.workers.values().any(|w| w.busy() < w.slots) {
                 break;
             }
             let job = &st.jobs[name];
@@ -338,11 +405,12 @@ impl Scheduler {
                 .workers
                 .iter()
                 .filter(|(_, w)| {
-                    w.running.len() < w.slots
+                    w.busy() < w.slots
+                        && !w.overdue.contains(name)
                         && platform::satisfies(&w.properties, &job.platform)
                         && job.size_class.is_none_or(|c| w.size_class == c)
                 })
-                .min_by_key(|(id, w)| (w.running.len() * 1000 / w.slots.max(1), (*id).clone()))
+                .min_by_key(|(id, w)| (w.busy() * 1000 / w.slots.max(1), (*id).clone()))
                 .map(|(id, _)| id.clone());
             if let Some(wid) = pick {
                 let msg = wpb::SchedulerMessage {
@@ -368,6 +436,7 @@ impl Scheduler {
             st.queue.remove(&k);
             let job = st.jobs.get_mut(&k.2).expect("queued job exists");
             job.worker = Some(wid);
+            job.dispatched_at = Some(Instant::now());
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
         self.update_gauges(st);
@@ -385,7 +454,7 @@ impl Scheduler {
         for &c in classes {
             let workers: Vec<&WorkerEntry> = st.workers.values().filter(|w| w.size_class == c).collect();
             let slots: usize = workers.iter().map(|w| w.slots).sum();
-            let idle: usize = workers.iter().map(|w| w.slots.saturating_sub(w.running.len())).sum();
+            let idle: usize = workers.iter().map(|w| w.slots.saturating_sub(w.busy())).sum();
             let queued = st.queue.iter().filter(|(_, _, n)| st.jobs[n].size_class == Some(c)).count();
             let avg = st.class_avg_seconds.get(&c).copied().unwrap_or(1.0);
             let wait = if idle > 0 { 0.0 } else { (queued + 1) as f64 * avg / slots.max(1) as f64 };
@@ -420,6 +489,7 @@ impl Scheduler {
                 properties: props,
                 slots: reg.slots.max(1) as usize,
                 running: HashSet::new(),
+                overdue: HashSet::new(),
                 tx,
                 last_seen: Instant::now(),
                 local,
@@ -482,8 +552,14 @@ impl Scheduler {
             let mut st = self.state.lock().expect("poisoned");
             let size_class = st.workers.get(worker).map_or(1, |w| w.size_class);
             if let Some(w) = st.workers.get_mut(worker) {
-                w.running.remove(&f.job_id);
                 w.last_seen = Instant::now();
+                if w.overdue.remove(&f.job_id) {
+                    // The late report of an action taken back: its slot is free again,
+                    // the action itself is queued or running elsewhere.
+                    self.dispatch(&mut st);
+                    return;
+                }
+                w.running.remove(&f.job_id);
             }
             let current = st.jobs.get(&f.job_id).is_some_and(|j| j.worker.as_deref() == Some(worker) && j.completed_at.is_none());
             if !current {
@@ -675,30 +751,70 @@ impl Scheduler {
         let Some(w) = st.workers.remove(worker) else { return };
         tracing::warn!(worker, why, running = w.running.len(), "worker lost");
         for name in w.running {
-            let Some(job) = st.jobs.get_mut(&name) else { continue };
-            if job.completed_at.is_some() {
-                continue;
+            self.lose_job(&mut st, &name, worker, why);
+        }
+        self.dispatch(&mut st);
+    }
+
+    /// An action's worker is gone (or stuck): re-queue the action, or fail it with
+    /// UNAVAILABLE once it has lost workers more than `max_worker_losses` times.
+    fn lose_job(&self, st: &mut State, name: &str, worker: &str, why: &str) {
+        let Some(job) = st.jobs.get_mut(name) else { return };
+        if job.completed_at.is_some() {
+            return;
+        }
+        job.losses += 1;
+        job.worker = None;
+        job.dispatched_at = None;
+        if job.cancel_requested {
+            self.complete(st, name, cancelled_response());
+        } else if job.losses > self.config.max_worker_losses {
+            let losses = job.losses;
+            let resp = ExecuteResponse {
+                status: Some(status(
+                    tonic::Code::Unavailable,
+                    format!("the action lost its worker {losses} times (last: {worker}, {why})"),
+                )),
+                ..Default::default()
+            };
+            self.complete(st, name, resp);
+        } else {
+            job.tx.send_modify(|s| s.stage = Stage::Queued);
+            let key = (job.spec.priority, job.seq, name.to_string());
+            st.queue.insert(key);
+        }
+    }
+
+    /// Takes back every action whose worker is still connected but has not reported it
+    /// past its timeout plus the grace: the worker is told to cancel it, and the action is
+    /// re-queued as if the worker had been lost.
+    fn reclaim_overdue(&self, now: Instant) {
+        let mut st = self.state.lock().expect("poisoned");
+        let grace = self.config.timeout_grace;
+        let late: Vec<(String, String, Duration)> = st
+            .jobs
+            .values()
+            .filter(|j| j.completed_at.is_none())
+            .filter_map(|j| match (&j.worker, j.dispatched_at) {
+                (Some(w), Some(at)) if overdue(at, j.timeout, grace, now) => Some((j.name.clone(), w.clone(), j.timeout)),
+                _ => None,
+            })
+            .collect();
+        if late.is_empty() {
+            return;
+        }
+        for (name, worker, timeout) in late {
+            if let Some(w) = st.workers.get_mut(&worker) {
+                if w.running.remove(&name) {
+                    w.overdue.insert(name.clone());
+                }
+                let _ = w.tx.send(wpb::SchedulerMessage {
+                    kind: Some(wpb::scheduler_message::Kind::Cancel(wpb::Cancel { job_id: name.clone() })),
+                });
             }
-            job.losses += 1;
-            job.worker = None;
-            if job.cancel_requested {
-                let resp = cancelled_response();
-                self.complete(&mut st, &name, resp);
-            } else if job.losses > self.config.max_worker_losses {
-                let losses = job.losses;
-                let resp = ExecuteResponse {
-                    status: Some(status(
-                        tonic::Code::Unavailable,
-                        format!("the action lost its worker {losses} times (last: {worker}, {why})"),
-                    )),
-                    ..Default::default()
-                };
-                self.complete(&mut st, &name, resp);
-            } else {
-                job.tx.send_modify(|s| s.stage = Stage::Queued);
-                let key = (job.spec.priority, job.seq, name.clone());
-                st.queue.insert(key);
-            }
+            let why = format!("no result {:.0?} after its {timeout:.0?} timeout", grace);
+            tracing::warn!(worker = %worker, operation = %name, "{why}; taking the action back");
+            self.lose_job(&mut st, &name, &worker, &why);
         }
         self.dispatch(&mut st);
     }
@@ -707,7 +823,7 @@ impl Scheduler {
     /// when its worker has killed the process.
     pub fn cancel(&self, name: &str) -> Result<()> {
         let mut st = self.state.lock().expect("poisoned");
-        let job = st.jobs.get_mut(name).ok_or_else(|| Error::not_found(format!("no operation {name}")))?;
+        let job = st.jobs.get_mut(name).ok_or_else(|| Error::not_found(format!("no operation {}", shown_name(name))))?;
         if job.completed_at.is_some() {
             return Ok(());
         }
@@ -762,9 +878,9 @@ impl Scheduler {
     pub fn delete(&self, name: &str) -> Result<()> {
         let mut st = self.state.lock().expect("poisoned");
         match st.jobs.get(name) {
-            None => Err(Error::not_found(format!("no operation {name}"))),
+            None => Err(Error::not_found(format!("no operation {}", shown_name(name)))),
             Some(j) if j.completed_at.is_none() => {
-                Err(Error::FailedPrecondition(format!("operation {name} is still running; cancel it first")))
+                Err(Error::FailedPrecondition(format!("operation {} is still running; cancel it first", shown_name(name))))
             }
             Some(_) => {
                 st.jobs.remove(name);
@@ -795,6 +911,7 @@ impl Scheduler {
         for w in lost {
             self.worker_lost(&w, "missed heartbeats");
         }
+        self.reclaim_overdue(Instant::now());
         let mut st = self.state.lock().expect("poisoned");
         let keep = self.config.completed_retention;
         st.jobs.retain(|_, j| j.completed_at.is_none_or(|t| t.elapsed() < keep));
@@ -986,5 +1103,105 @@ mod tests {
         assert!(s.delete(&r).is_err(), "running operations cannot be deleted");
         assert!(s.delete(&q).is_ok());
         assert!(s.watch(&q).is_none());
+    }
+
+    #[test]
+    fn overdue_only_past_timeout_plus_grace() {
+        let t0 = Instant::now();
+        let (timeout, grace) = (Duration::from_secs(10), Duration::from_secs(5));
+        assert!(!overdue(t0, timeout, grace, t0));
+        assert!(!overdue(t0, timeout, grace, t0 + Duration::from_secs(15)), "exactly at the limit is not late");
+        assert!(overdue(t0, timeout, grace, t0 + Duration::from_millis(15_001)));
+        // A clock that went backwards (now before dispatch) is never late.
+        assert!(!overdue(t0 + Duration::from_secs(100), timeout, grace, t0));
+        assert!(!overdue(t0, Duration::MAX, grace, t0 + Duration::from_secs(1 << 30)), "no overflow");
+    }
+
+    /// A worker that keeps heartbeating but never reports: the action is cancelled there,
+    /// moves to another worker, and the stuck worker's late report changes nothing.
+    #[tokio::test]
+    async fn heartbeating_worker_that_never_reports_loses_its_action() {
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
+        let cfg = SchedulerConfig { timeout_grace: Duration::from_millis(300), max_worker_losses: 1, ..Default::default() };
+        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
+        let mut stuck = s.register(reg("stuck", 1, &[]), false).unwrap();
+        let mut job = spec("stuck", 0, &[]);
+        job.action.timeout = Some(gantry_core::google::protobuf::Duration { seconds: 1, nanos: 0 });
+        let (n, mut rx) = s.submit(job).await.unwrap();
+        assert_eq!(assigned(&mut stuck), vec![n.clone()]);
+        let mut other = s.register(reg("other", 1, &[]), false).unwrap();
+        let beat = {
+            let s = s.clone();
+            spawn_named("test-heartbeats", async move {
+                loop {
+                    s.heartbeat("stuck");
+                    s.heartbeat("other");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert!(assigned(&mut other).is_empty(), "not taken back before timeout + grace");
+        assert_eq!(rx.borrow().stage, Stage::Executing);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let m = stuck.messages.try_recv().expect("the stuck worker is told to cancel");
+        assert!(matches!(m.kind, Some(wpb::scheduler_message::Kind::Cancel(c)) if c.job_id == n));
+        assert_eq!(assigned(&mut other), vec![n.clone()], "re-queued and run elsewhere");
+        assert_eq!(s.worker_count(), 2, "a heartbeating worker is not dropped");
+        // The stuck worker's late report is ignored; the new worker's result completes it.
+        let mut late = finished_ok(&n);
+        late.action_result = Some(ActionResult { exit_code: 9, ..Default::default() }.encode_to_vec());
+        s.finished("stuck", late).await;
+        assert_eq!(rx.borrow().stage, Stage::Executing);
+        s.finished("other", finished_ok(&n)).await;
+        let st = rx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
+        assert_eq!(st.response.unwrap().result.unwrap().exit_code, 0);
+        drop(beat);
+    }
+
+    #[tokio::test]
+    async fn an_action_overdue_too_often_fails_unavailable() {
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
+        let cfg = SchedulerConfig { timeout_grace: Duration::from_millis(100), max_worker_losses: 0, ..Default::default() };
+        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
+        let _w = s.register(reg("w", 2, &[]), true).unwrap();
+        let mut job = spec("late", 0, &[]);
+        job.action.timeout = Some(gantry_core::google::protobuf::Duration { seconds: 0, nanos: 200_000_000 });
+        let (_, mut rx) = s.submit(job).await.unwrap();
+        let st = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|s| s.stage == Stage::Completed))
+            .await
+            .expect("failed by the backstop")
+            .unwrap()
+            .clone();
+        let status = st.response.unwrap().status.unwrap();
+        assert_eq!(status.code, tonic::Code::Unavailable as i32);
+        assert!(status.message.contains("no result"), "{}", status.message);
+    }
+
+    #[test]
+    fn timeouts_are_checked_not_clamped() {
+        use gantry_core::google::protobuf::Duration as PDuration;
+        let (def, max) = (Duration::from_secs(3600), Duration::from_secs(3 * 3600));
+        let d = |seconds, nanos| PDuration { seconds, nanos };
+        assert_eq!(resolve_timeout(None, def, max).unwrap(), def);
+        assert_eq!(resolve_timeout(Some(&d(0, 0)), def, max).unwrap(), def, "0 asks for the default");
+        assert_eq!(resolve_timeout(Some(&d(300, 5)), def, max).unwrap(), Duration::new(300, 5));
+        assert_eq!(resolve_timeout(Some(&d(3 * 3600, 0)), def, max).unwrap(), max, "the maximum itself is allowed");
+        for bad in [d(3 * 3600, 1), d(-1, 0), d(5, -1), d(1, 1_000_000_000), d(i64::MAX, 0)] {
+            let e = resolve_timeout(Some(&bad), def, max).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("action.timeout"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn huge_operation_names_are_not_echoed() {
+        assert_eq!(shown_name("op-1"), "op-1");
+        let huge = "é".repeat(1 << 19);
+        let shown = shown_name(&huge);
+        assert!(shown.len() < 300 && shown.contains(&format!("{} bytes", 1 << 20)), "{shown}");
     }
 }

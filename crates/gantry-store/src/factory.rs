@@ -54,7 +54,8 @@ pub async fn open_metadata(config: &Config) -> Result<MetadataDb> {
 pub async fn build_action_cache(config: &Config, db: &MetadataDb, cas: Arc<dyn BlobStore>) -> Result<Arc<dyn ActionCache>> {
     match &config.action_cache {
         ActionCacheConfig::Sql(sql) => {
-            let ac: Arc<dyn ActionCache> = Arc::new(SqlActionCache::new(db.clone()));
+            let ac: Arc<dyn ActionCache> =
+                Arc::new(SqlActionCache::new(db.clone()).with_max_age(config.retention.action_cache.max_age));
             ac.check().await.context("[action_cache] startup check")?;
             Ok(if sql.completeness_check { Arc::new(CompletenessCheckingActionCache::new(ac, cas)) } else { ac })
         }

@@ -6,6 +6,15 @@
 //! blob under its name or nothing (leftover temp files are removed at the next start).
 //! Small writes stay in memory until commit, which then costs one blocking task.
 //!
+//! A write is acknowledged only once its directory entry is durable too: after the
+//! rename the shard directory is fsynced (and, when the shard was just created, the
+//! function directory that holds it), so a power loss or kernel crash cannot take back
+//! a blob the client was told is stored. Those directory fsyncs are group-committed per
+//! directory ([`DirSync`]): every commit into a shard that arrives while that shard's
+//! sync runs joins the next one, a single fsync for all of them. The data fsyncs of the temp
+//! files run in parallel on the blocking pool, where the filesystem's journal merges
+//! concurrent ones into shared commits.
+//!
 //! Recency is tracked in memory (O(1) per touch). At startup the index is rebuilt from
 //! the files, oldest modification time first; that approximates the previous LRU order
 //! without paying a metadata write on every read.
@@ -18,7 +27,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -42,6 +51,88 @@ struct Inner {
     root: PathBuf,
     tmp: PathBuf,
     index: Mutex<LruIndex<()>>,
+    dir_sync: DirSync,
+}
+
+/// Group commit of directory fsyncs, per directory. A caller joins the open round of
+/// its directory and waits; one caller per directory at a time leads: it closes the open
+/// round, fsyncs the directory once, publishes the outcome to the round's members, and
+/// the next round starts as soon as it is done. N concurrent commits into one shard cost
+/// one fsync instead of N, commits into different shards sync in parallel (the journal
+/// merges concurrent fsyncs), and no caller waits for more than the round in progress
+/// plus its own.
+#[derive(Default)]
+struct DirSync {
+    dirs: Mutex<std::collections::HashMap<PathBuf, Arc<OneDir>>>,
+    /// Directory fsyncs done so far (what group commit saves is visible in tests).
+    fsyncs: std::sync::atomic::AtomicU64,
+}
+
+/// The rounds of one directory.
+#[derive(Default)]
+struct OneDir {
+    state: Mutex<OneDirState>,
+    done: Condvar,
+}
+
+type Round = Arc<std::sync::OnceLock<std::result::Result<(), String>>>;
+
+#[derive(Default)]
+struct OneDirState {
+    /// Where the open round's outcome will be published.
+    open_round: Round,
+    /// Whether a caller is syncing a round of this directory now.
+    leading: bool,
+}
+
+impl DirSync {
+    /// The directories `Inner::open` creates: the root and each digest function's
+    /// directory.
+    fn layout(root: &Path) -> Vec<PathBuf> {
+        let mut v = vec![root.to_path_buf()];
+        v.extend(DigestFunction::ALL.iter().map(|f| root.join(f.name())));
+        v
+    }
+
+    /// Returns once every directory in `dirs` has been fsynced after this call began.
+    fn sync(&self, dirs: impl IntoIterator<Item = PathBuf>) -> Result<()> {
+        for dir in dirs {
+            // Bounded: one entry per shard directory (256 per digest function) and their
+            // parents.
+            let one = self.dirs.lock().expect("poisoned").entry(dir.clone()).or_default().clone();
+            self.sync_one(&one, &dir)
+                .map_err(|e| Error::Unavailable(format!("fsync of CAS directory {} failed: {e}", dir.display())))?;
+        }
+        Ok(())
+    }
+
+    fn sync_one(&self, one: &OneDir, dir: &Path) -> std::result::Result<(), String> {
+        let mut st = one.state.lock().expect("poisoned");
+        let mine = st.open_round.clone();
+        loop {
+            if let Some(outcome) = mine.get() {
+                return outcome.clone();
+            }
+            if !st.leading && Arc::ptr_eq(&st.open_round, &mine) {
+                // Lead the round this caller is in: close it and sync with no lock held.
+                st.leading = true;
+                st.open_round = Round::default();
+                drop(st);
+                self.fsyncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _ = mine.set(fsync_dir(dir).map_err(|e| e.to_string()));
+                st = one.state.lock().expect("poisoned");
+                st.leading = false;
+                one.done.notify_all();
+                continue;
+            }
+            st = one.done.wait(st).expect("poisoned");
+        }
+    }
+}
+
+/// Makes a directory's entries (a rename into it, a subdirectory created in it) durable.
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
@@ -113,6 +204,17 @@ impl Inner {
                 }
             }
         }
+        // The layout itself must survive a crash before any blob is acknowledged in it.
+        for d in DirSync::layout(&root) {
+            fsync_dir(&d).context(format_args!("fsync {}", d.display()))?;
+        }
+        // The root's own entry: its parent may not be ours to open (a read-only /var/lib),
+        // so a failure there is reported, not fatal.
+        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if let Err(e) = fsync_dir(parent) {
+                tracing::warn!(dir = %parent.display(), error = %e, "could not fsync the CAS directory's parent");
+            }
+        }
         found.sort();
         let mut index = LruIndex::new(max_bytes);
         let inner_root = root.clone();
@@ -124,29 +226,40 @@ impl Inner {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
-        Ok(Inner { root, tmp, index: Mutex::new(index) })
+        Ok(Inner { root, tmp, index: Mutex::new(index), dir_sync: DirSync::default() })
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
     /// older blobs if needed. Done under the index lock so that an eviction can never
     /// delete a file that a concurrent commit of the same digest just renamed into place.
+    ///
+    /// Returns only once the directory entry is durable (see the module doc); the sync
+    /// happens after the lock is released, so commits to other shards are not held up.
     fn publish(&self, tmp_path: &Path, digest: &Digest) -> Result<()> {
         let dest = blob_path(&self.root, digest);
-        let mut index = self.index.lock().expect("poisoned");
-        if let Err(e) = fs::rename(tmp_path, &dest) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                return Err(Error::io(format!("renaming blob {digest} into place"), e));
+        let parent = dest.parent().expect("blob path has a parent").to_path_buf();
+        let mut created_shard = false;
+        {
+            let mut index = self.index.lock().expect("poisoned");
+            if let Err(e) = fs::rename(tmp_path, &dest) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(Error::io(format!("renaming blob {digest} into place"), e));
+                }
+                fs::create_dir_all(&parent).context(format_args!("creating {}", parent.display()))?;
+                created_shard = true;
+                fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
             }
-            let parent = dest.parent().expect("blob path has a parent");
-            fs::create_dir_all(parent).context(format_args!("creating {}", parent.display()))?;
-            fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
-        }
-        for (old, ()) in index.insert(*digest, digest.size, ()) {
-            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
-                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
+            for (old, ()) in index.insert(*digest, digest.size, ()) {
+                if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
+                    tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
+                }
             }
         }
-        Ok(())
+        // A new shard's own entry lives in the function directory: sync that too, or the
+        // blob could survive a crash in a directory that did not.
+        let function_dir = created_shard.then(|| parent.parent().expect("shard has a parent").to_path_buf());
+        self.dir_sync.sync(std::iter::once(parent).chain(function_dir))
+            .map_err(|e| e.context(format_args!("blob {digest}")))
     }
 
     /// Takes a blob that another process wrote into this directory into the index, if
@@ -448,6 +561,46 @@ mod tests {
         assert!(!store.has(&d).await.unwrap());
         assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
         assert!(store.read(&d, 0, None).await.err().unwrap().is_not_found());
+    }
+
+    #[tokio::test]
+    async fn a_commit_syncs_its_shard_and_a_new_shards_parent() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        let fsyncs = || store.inner.dir_sync.fsyncs.load(std::sync::atomic::Ordering::Relaxed);
+        let a = Bytes::from_static(b"first blob");
+        let d = DigestFunction::Sha256.digest_of(&a);
+        store.put(&d, a).await.unwrap();
+        assert_eq!(fsyncs(), 2, "the new shard and the function directory holding it");
+        // Another blob in the same (now existing) shard: only the shard is synced.
+        let same_shard = (0u32..)
+            .map(|i| Bytes::from(format!("blob {i}")))
+            .find(|b| DigestFunction::Sha256.digest_of(b).hash_hex()[..2] == d.hash_hex()[..2])
+            .unwrap();
+        store.put(&DigestFunction::Sha256.digest_of(&same_shard), same_shard).await.unwrap();
+        assert_eq!(fsyncs(), 3);
+    }
+
+    #[test]
+    fn dir_sync_group_commit_reports_each_rounds_outcome() {
+        let dir = tempfile::tempdir().unwrap();
+        let sync = Arc::new(DirSync::default());
+        let good = dir.path().to_path_buf();
+        let threads: Vec<_> = (0..32)
+            .map(|_| {
+                let (sync, good) = (sync.clone(), good.clone());
+                std::thread::spawn(move || sync.sync([good]))
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap().unwrap();
+        }
+        let n = sync.fsyncs.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((1..=32).contains(&n), "{n} fsyncs for 32 callers");
+        // A failed round fails its members and does not poison later rounds.
+        let e = sync.sync([dir.path().join("missing")]).unwrap_err();
+        assert!(matches!(e, Error::Unavailable(_)) && e.to_string().contains("missing"), "{e}");
+        sync.sync([good]).unwrap();
     }
 
     #[tokio::test]

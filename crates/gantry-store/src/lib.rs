@@ -16,6 +16,7 @@
 //! - `SqlExecutionLog`: per-action metering records, in the same database.
 //! - `SqlBuildStore`: the batching service's builds and their outcomes (its training history).
 //! - `SqlQueueStore`: the submit queue's changes, journal, landings, builds and graph cache.
+//! - `Retention`: bounds the history tables by age and row count in the background.
 //!
 //! `factory` builds the stack from `gantry.toml`; services see only the gantry-core traits.
 
@@ -28,6 +29,7 @@ pub mod lru_index;
 pub mod memory_store;
 pub mod metadata_db;
 pub mod s3_store;
+pub mod retention;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
@@ -41,6 +43,7 @@ pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;
 pub use metadata_db::{Dialect, MetadataDb, MetadataOptions, RoleLease};
+pub use retention::Retention;
 pub use s3_store::{S3Credentials, S3Options, S3Store};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;

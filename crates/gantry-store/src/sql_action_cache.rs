@@ -5,7 +5,7 @@
 //! `INSERT ... ON CONFLICT`), so one code path serves both dialects; what differs lives in
 //! `metadata_db.rs`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use gantry_core::reapi::ActionResult;
@@ -18,12 +18,30 @@ use crate::MetadataDb;
 
 pub struct SqlActionCache {
     db: MetadataDb,
+    /// Entries written longer ago than this are misses (`[retention.action_cache]
+    /// max_age`); zero: no limit.
+    max_age: Duration,
 }
 
 impl SqlActionCache {
     /// The action cache in `db`, whose migrations created its table.
     pub fn new(db: MetadataDb) -> Self {
-        SqlActionCache { db }
+        SqlActionCache { db, max_age: Duration::ZERO }
+    }
+
+    /// Serves no entry older than `max_age` (zero: any age), so an entry past its
+    /// retention is a miss at once, not only once the retention task has deleted it.
+    pub fn with_max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = max_age;
+        self
+    }
+}
+
+impl SqlActionCache {
+    /// The oldest `updated_at` (seconds) served now.
+    fn oldest_served(&self) -> i64 {
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        crate::retention::cutoff(now_ms, self.max_age, 1000).unwrap_or(i64::MIN)
     }
 }
 
@@ -32,12 +50,14 @@ impl ActionCache for SqlActionCache {
     async fn get(&self, instance: &str, action: &Digest) -> Result<Option<ActionResult>> {
         let row: Option<AnyRow> = sqlx::query(
             "SELECT result FROM action_cache
-             WHERE instance_name = $1 AND digest_function = $2 AND action_hash = $3 AND action_size = $4",
+             WHERE instance_name = $1 AND digest_function = $2 AND action_hash = $3 AND action_size = $4
+                AND updated_at >= $5",
         )
         .bind(instance)
         .bind(action.function.name())
         .bind(action.hash_hex())
         .bind(action.size as i64)
+        .bind(self.oldest_served())
         .fetch_optional(self.db.pool())
         .await
         .map_err(self.db.err("reading an action cache entry"))?;

@@ -54,6 +54,14 @@ pub fn meter_main(args: &[String]) -> ! {
     if let Some(n) = cpus {
         pin_to_cpus(n);
     }
+    // The worker asked the kernel to send us SIGTERM if it dies (PR_SET_PDEATHSIG, see
+    // process.rs). Nobody would then wait for the action or kill it at its timeout, so
+    // take the whole process group (us, the command, everything it started) down with
+    // it. The handler is reset to the default in the command when it execs.
+    // SAFETY: the handler only calls kill(2), which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, kill_own_group as extern "C" fn(libc::c_int) as libc::sighandler_t);
+    }
     // The environment and working directory were set up by the worker for us; the
     // command inherits them, and stays in our process group.
     let err = match std::process::Command::new(&cmd[0]).args(&cmd[1..]).spawn() {
@@ -87,6 +95,13 @@ pub fn meter_main(args: &[String]) -> ! {
     // Could not start it: mirror a shell's "command not found".
     eprintln!("gantry: could not start {}: {err}", cmd[0]);
     std::process::exit(127);
+}
+
+extern "C" fn kill_own_group(_: libc::c_int) {
+    // SAFETY: kill(0, ...) signals our own process group; no memory is touched.
+    unsafe {
+        libc::kill(0, libc::SIGKILL);
+    }
 }
 
 /// Restricts this process (and what it spawns) to the first `n` CPUs it may use.

@@ -2,6 +2,11 @@
 //! started), stdout/stderr to files, and `wait4` on its pid for the rusage of the process
 //! and the descendants it reaped: peak RSS of the largest of them, user and system CPU.
 //!
+//! While the command runs, the peak RSS (VmHWM) of every process in its group is also
+//! sampled from /proc. A command killed at its timeout or cancelled never reports its
+//! own rusage, and the processes it left are not reaped by anyone we wait for: the
+//! samples, taken last just before the kill, are then its peak memory instead of 0.
+//!
 //! cgroup v2 would measure the whole tree's peak, but needs a delegated cgroup2
 //! hierarchy; `metering_method()` says which one this machine allows.
 
@@ -9,6 +14,8 @@ use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gantry_core::{Error, Result};
@@ -73,6 +80,55 @@ pub struct Spec<'a> {
     pub timeout: Duration,
 }
 
+/// How often the group's memory is sampled while it runs.
+const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+
+/// The process group of a process, from the text of `/proc/PID/stat`. The command name
+/// (in parentheses) may contain anything, so fields are counted after its last `)`:
+/// state, ppid, pgrp.
+fn parse_pgrp(stat: &str) -> Option<i32> {
+    stat.rsplit_once(')')?.1.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Peak resident set size in bytes, from the text of `/proc/PID/status` (`VmHWM: N kB`).
+fn parse_vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line["VmHWM:".len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The largest peak RSS among the live processes of group `pgid` (0 if none is left).
+/// Processes that exit while being read are skipped.
+fn group_peak(pgid: i32) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    let mut peak = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        if parse_pgrp(&stat) != Some(pgid) {
+            continue;
+        }
+        if let Some(hwm) = std::fs::read_to_string(format!("/proc/{pid}/status")).ok().as_deref().and_then(parse_vm_hwm) {
+            peak = peak.max(hwm);
+        }
+    }
+    peak
+}
+
+/// Samples the group's peak RSS every `SAMPLE_EVERY` into `peak` until dropped.
+fn sample_group(pgid: i32, peak: Arc<AtomicU64>) -> gantry_core::TaskGuard {
+    gantry_core::task::spawn_named("action-memory-sampler", async move {
+        loop {
+            let p = peak.clone();
+            // /proc reads never wait on a disk, but a scan of many processes is still
+            // work better kept off the runtime's threads.
+            let _ = tokio::task::spawn_blocking(move || p.fetch_max(group_peak(pgid), Ordering::Relaxed)).await;
+            tokio::time::sleep(SAMPLE_EVERY).await;
+        }
+    })
+}
+
 fn kill_group(pgid: i32) {
     // SAFETY: kill(2) with a negative pid signals the process group; no memory is touched.
     unsafe {
@@ -122,6 +178,25 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         .stdout(File::create(spec.stdout).map_err(|e| Error::io("creating stdout file", e))?)
         .stderr(File::create(spec.stderr).map_err(|e| Error::io("creating stderr file", e))?)
         .process_group(0);
+    // If this worker dies (SIGKILL, OOM kill), nobody would supervise the action: ask the
+    // kernel to signal it then. The trampoline turns SIGTERM into a kill of the whole
+    // process group (meter.rs); a command started directly can only be killed itself.
+    let on_parent_death = if spec.meter.is_some() { libc::SIGTERM } else { libc::SIGKILL };
+    // SAFETY: getpid before the fork; the closure runs between fork and exec and calls
+    // only async-signal-safe functions (prctl, getppid).
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, on_parent_death as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The worker died between the fork and the prctl: nobody will reap us.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the worker exited while starting the action"));
+            }
+            Ok(())
+        });
+    }
     let start = Instant::now();
     let child = cmd
         .spawn()
@@ -130,22 +205,29 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
     drop(child);
     let mut guard = GroupGuard { pgid: pid, armed: true };
+    let sampled = Arc::new(AtomicU64::new(0));
+    let sampler = sample_group(pid, sampled.clone());
     let mut wait = tokio::task::spawn_blocking(move || crate::meter::wait_child(pid));
     tokio::pin!(cancel);
     let mut forced = None;
+    // The last figures before a forced kill: afterwards there is nothing left to read.
+    let last_sample = || sampled.fetch_max(group_peak(pid), Ordering::Relaxed);
     let (r, status, ru) = tokio::select! {
         res = &mut wait => res.map_err(|e| Error::internal(format!("wait task: {e}")))?,
         _ = tokio::time::sleep(spec.timeout) => {
+            last_sample();
             kill_group(pid);
             forced = Some(Ending::TimedOut);
             wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
         }
         _ = &mut cancel => {
+            last_sample();
             kill_group(pid);
             forced = Some(Ending::Cancelled);
             wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
         }
     };
+    drop(sampler);
     // Whatever the command left running in its group goes with it.
     kill_group(pid);
     guard.armed = false;
@@ -163,12 +245,17 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     let (mut peak, mut user, mut sys) = (ru.ru_maxrss.max(0) as u64 * 1024, secs(ru.ru_utime), secs(ru.ru_stime));
     if spec.meter.is_some() {
         // The trampoline's own numbers are polluted the same way; its report on the
-        // command is not. Killed before it could report: memory unknown (0), CPU kept.
+        // command is not. Killed before it could report: the samples, CPU kept.
         match crate::meter::read_result(&result_file) {
             Some((p, u, s)) => (peak, user, sys) = (p, u, s),
             None => peak = 0,
         }
         let _ = std::fs::remove_file(&result_file);
+    }
+    if forced.is_some() || peak == 0 {
+        // The reaped processes' rusage misses what was killed before it was reaped (the
+        // command's children, when the trampoline died first): the samples cover them.
+        peak = peak.max(sampled.load(Ordering::Relaxed));
     }
     Ok(RunOutcome {
         ending,
@@ -219,6 +306,27 @@ mod tests {
         assert!(start.elapsed() < Duration::from_secs(5));
         std::thread::sleep(Duration::from_millis(2500));
         assert!(!marker.exists(), "the background grandchild was killed with the group");
+    }
+
+    #[test]
+    fn proc_parsers() {
+        // A command name with spaces and parentheses does not shift the fields.
+        assert_eq!(parse_pgrp("4242 (we (ird) name) S 1 4240 4240 0 -1 4194560"), Some(4240));
+        assert_eq!(parse_pgrp("garbage"), None);
+        let status = "Name:\tpython3\nVmPeak:\t  200000 kB\nVmHWM:\t   81234 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(parse_vm_hwm(status), Some(81234 * 1024));
+        assert_eq!(parse_vm_hwm("Name: kthreadd\n"), None, "kernel threads have no VmHWM");
+    }
+
+    /// Killed at its timeout, an action still reports the memory it reached: the
+    /// 80 MB the grandchild holds, not 0 and not the shell's few hundred KiB.
+    #[tokio::test]
+    async fn timed_out_action_reports_its_real_peak_memory() {
+        let d = tempfile::tempdir().unwrap();
+        let args = sh("python3 -c 'import time; b = bytearray(80_000_000); time.sleep(60)'; true");
+        let out = run(spec(d.path(), &args, Duration::from_millis(1500)), std::future::pending()).await.unwrap();
+        assert_eq!(out.ending, Ending::TimedOut);
+        assert!(out.peak_memory_bytes > 80_000_000, "peak {}", out.peak_memory_bytes);
     }
 
     #[tokio::test]

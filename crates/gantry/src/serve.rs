@@ -107,6 +107,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
             completed_retention: e.completed_retention,
             default_timeout: e.default_timeout,
             max_timeout: e.max_timeout,
+            timeout_grace: e.timeout_grace,
         },
         ac,
         log,
@@ -254,6 +255,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     .into_iter()
     .flatten()
     .collect();
+    // History bounds, applied by the scheduler (frontends share its database).
+    let _retention = config.execution.scheduler.is_none().then(|| {
+        gantry_store::Retention::new(db.clone(), config.retention.clone()).spawn(services.metrics.registry())
+    });
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server

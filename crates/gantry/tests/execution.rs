@@ -220,6 +220,68 @@ async fn sigkilled_worker_process_loses_its_action_to_another_worker() {
     server.stop();
 }
 
+/// A worker SIGSTOPped mid-action stops heartbeating: it is dropped, and the action
+/// completes, correctly, on another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstopped_worker_loses_its_action_to_another_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve(tmp.path(), 0);
+    let c = Client::connect(&server.grpc).await;
+    let mut a = worker(&server, tmp.path(), "worker-a");
+    let started = tmp.path().join("started");
+    let input = c.tree(&root(vec![])).await;
+    let script = format!("touch {}; sleep 2; echo finished", started.display());
+    let action = c.action(command(&["/bin/sh", "-c", &script], &[], &[]), input, 120, false).await;
+    wait_until(|| metric(&server.http, "gantry_execution_workers") == 1.0).await;
+    let c2 = Client { channel: c.channel.clone() };
+    let run = tokio::spawn(async move { c2.execute(action, false).await });
+    wait_until(|| started.exists()).await;
+    Command::new("kill").args(["-STOP", &a.id().to_string()]).status().unwrap();
+    let mut b = worker(&server, tmp.path(), "worker-b");
+    let (_, _, resp) = tokio::time::timeout(Duration::from_secs(60), run).await.unwrap().unwrap();
+    assert_eq!(resp.status.as_ref().unwrap().code, 0, "{:?}", resp.status);
+    let r = resp.result.unwrap();
+    assert_eq!(r.execution_metadata.unwrap().worker, "worker-b");
+    assert_eq!(c.get(r.stdout_digest.as_ref().unwrap()).await, b"finished\n");
+    a.kill().unwrap();
+    a.wait().unwrap();
+    b.kill().unwrap();
+    b.wait().unwrap();
+    server.stop();
+}
+
+fn alive(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit(')').next().unwrap_or("").trim_start().chars().next();
+    !stat.is_empty() && state != Some('Z')
+}
+
+/// A worker SIGKILLed mid-action takes the action's processes with it (the trampoline
+/// gets PR_SET_PDEATHSIG and kills its process group), not leaving them unsupervised.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_worker_leaves_no_action_processes_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve(tmp.path(), 0);
+    let c = Client::connect(&server.grpc).await;
+    let mut a = worker(&server, tmp.path(), "worker-a");
+    let pids = tmp.path().join("pids");
+    let script = format!("sleep 120 & echo $! > {p}.tmp; echo $$ >> {p}.tmp; mv {p}.tmp {p}; wait", p = pids.display());
+    let input = c.tree(&root(vec![])).await;
+    let action = c.action(command(&["/bin/sh", "-c", &script], &[], &[]), input, 300, false).await;
+    wait_until(|| metric(&server.http, "gantry_execution_workers") == 1.0).await;
+    let c2 = Client { channel: c.channel.clone() };
+    let run = tokio::spawn(async move { c2.execute(action, false).await });
+    wait_until(|| pids.exists()).await;
+    let pids: Vec<i32> = std::fs::read_to_string(&pids).unwrap().lines().map(|l| l.trim().parse().unwrap()).collect();
+    assert_eq!(pids.len(), 2);
+    assert!(pids.iter().all(|&p| alive(p)));
+    a.kill().unwrap(); // SIGKILL
+    a.wait().unwrap();
+    wait_until(|| pids.iter().all(|&p| !alive(p))).await;
+    run.abort();
+    server.stop();
+}
+
 async fn wait_until(mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !f() {
