@@ -636,16 +636,16 @@ struct AuthTarget {
     name: &'static str,
     _server: (gantry_services::RunningServer, tempfile::TempDir),
     channels: Vec<tonic::transport::Channel>,
-    token: Option<String>,
+    token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
-async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool) -> anyhow::Result<AuthTarget> {
+async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool, with_token: bool) -> anyhow::Result<AuthTarget> {
     use tonic::transport::{Certificate, ClientTlsConfig};
     let dir = tempfile::tempdir()?;
     let mut config = gantry_config::Config::default();
     config.server.data_dir = dir.path().to_owned();
     config.execution.workers = Some(gantry_config::Workers::Count(0));
-    let token = secure.then(|| uuid::Uuid::new_v4().simple().to_string());
+    let token = with_token.then(|| uuid::Uuid::new_v4().simple().to_string());
     if let Some(t) = &token {
         let text = format!(
             "[auth]\n[[auth.tokens]]\nname = \"bench\"\nsha256 = \"{}\"\ngrants = [\"all\"]\n[auth.grants.all]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\", \"write_ac\"]\n",
@@ -677,14 +677,16 @@ async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool) -> 
         };
         channels.push(ep.tcp_nodelay(true).connect().await?);
     }
+    let token = token.map(|t| format!("Bearer {t}").parse().expect("a uuid is ascii"));
     Ok(AuthTarget { name, _server: (server, dir), channels, token })
 }
 
-/// `msg` with the bearer token, if the configuration has one.
-fn authed<T>(msg: T, token: &Option<String>) -> tonic::Request<T> {
+/// `msg` with the bearer token, if the configuration has one. The header value is made
+/// once per configuration, so the client's own cost stays out of the comparison.
+fn authed<T>(msg: T, header: &Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    if let Some(tok) = token {
-        r.metadata_mut().insert("authorization", format!("Bearer {tok}").parse().expect("a uuid is ascii"));
+    if let Some(h) = header {
+        r.metadata_mut().insert("authorization", h.clone());
     }
     r
 }
@@ -728,7 +730,11 @@ async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, 
 async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     use gantry_core::reapi::action_cache_client::ActionCacheClient;
     anyhow::ensure!(args.clients > 0 && args.calls > 0 && args.rounds > 0, "--clients, --calls and --rounds must be at least 1");
-    let targets = [auth_target("plaintext, no [auth]", &args, false).await?, auth_target("TLS + bearer token", &args, true).await?];
+    let targets = [
+        auth_target("plaintext, no [auth]", &args, false, false).await?,
+        auth_target("plaintext + bearer token", &args, false, true).await?,
+        auth_target("TLS + bearer token", &args, true, true).await?,
+    ];
     // The same entry and blobs in both: an action result with no outputs, 100 small blobs.
     let action = DigestFunction::Sha256.digest_of(b"bench auth action");
     let blobs: Vec<Digest> = (0..100u32).map(|i| DigestFunction::Sha256.digest_of(format!("blob {i}").as_bytes())).collect();
