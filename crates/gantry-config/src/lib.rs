@@ -658,7 +658,8 @@ pub struct BatchConfig {
     /// Bounds memory per request. Default 100000.
     pub stream_sort_window: usize,
     /// Bazel builds `gantry serve` runs at once, each in its own output base. 0: plan
-    /// only (EnqueueTargets answers with builds and nobody runs them). Default 2.
+    /// only (EnqueueTargets answers with builds and nobody runs them). A frontend
+    /// (`[execution] scheduler`) runs none: the scheduler runs them. Default 2.
     pub runners: usize,
     /// The Bazel binary. Default "bazel" (found on PATH).
     pub bazel: PathBuf,

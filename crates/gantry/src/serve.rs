@@ -68,7 +68,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     let ac = gantry_store::build_action_cache(config, db, cas.clone()).await.context("setting up the action cache")?;
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let mut batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
-    if config.batch.runners > 0 {
+    if runs_batch_builds(config) {
         batcher = batcher.expect_builds();
     }
     let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
@@ -301,7 +301,10 @@ async fn start_build_runners(
     grpc_addr: SocketAddr,
 ) -> anyhow::Result<Option<(Arc<gantry_builds::BuildService>, RoleLease)>> {
     let b = &config.batch;
-    if b.runners == 0 {
+    if !runs_batch_builds(config) {
+        if b.runners > 0 {
+            tracing::info!("frontend: the batch builds run on the scheduler's gantry serve, not here");
+        }
         return Ok(None);
     }
     if which(&b.bazel).is_none() {
@@ -389,6 +392,13 @@ async fn start_queue(
     services.queue.attach(queue.clone());
     tracing::info!(repository = %repository.display(), mainline = %q.mainline, capacity = q.capacity, "submit queue started");
     Ok(Some((queue, lease)))
+}
+
+/// Whether this server runs the batching service's builds: a scheduler with `[batch]
+/// runners`. A frontend leaves them to the scheduler, the one process per metadata
+/// database that may run them (a lease enforces it).
+fn runs_batch_builds(config: &Config) -> bool {
+    config.batch.runners > 0 && config.execution.scheduler.is_none()
 }
 
 /// How long a role's lease outlives a process that stopped renewing it.
