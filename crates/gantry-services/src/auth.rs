@@ -32,21 +32,22 @@ impl Authenticator {
     pub fn load(cfg: &AuthConfig) -> gantry_core::Result<Authenticator> {
         let mut a = Self::new(cfg);
         if let Some(j) = &cfg.jwt {
-            a.jwt = Some(Jwt::load(j, cfg)?);
+            a.jwt = Some(Jwt::load(j, grants_of(cfg))?);
         }
         Ok(a)
     }
 
+    /// Whether any identity comes from a client certificate, so requests without a token
+    /// need their peer certificate read at all.
+    fn knows_certificates(&self) -> bool {
+        !self.by_dns_name.is_empty()
+    }
+
     /// Builds the lookup from a validated `[auth]` section, without JWTs.
     pub fn new(cfg: &AuthConfig) -> Authenticator {
-        let grant = |name: &str| {
-            let g = &cfg.grants[name];
-            Grant {
-                name: name.to_string(),
-                instances: g.instances.clone(),
-                permissions: g.permissions.iter().filter_map(|p| Permission::parse(p)).collect(),
-            }
-        };
+        let all = grants_of(cfg);
+        // Validation guarantees every named grant is defined.
+        let grant = |name: &str| all[name].clone();
         let mut by_sha256 = HashMap::new();
         for t in &cfg.tokens {
             let grants = t.grants.iter().map(|g| grant(g)).collect();
@@ -120,7 +121,7 @@ impl std::fmt::Debug for Jwt {
 }
 
 impl Jwt {
-    fn load(cfg: &gantry_config::JwtConfig, auth: &AuthConfig) -> gantry_core::Result<Jwt> {
+    fn load(cfg: &gantry_config::JwtConfig, grants: HashMap<String, Grant>) -> gantry_core::Result<Jwt> {
         use gantry_core::Error;
         let text = std::fs::read_to_string(&cfg.jwks).map_err(|e| Error::io(format!("auth.jwt.jwks {}", cfg.jwks.display()), e))?;
         let set: jsonwebtoken::jwk::JwkSet =
@@ -147,18 +148,6 @@ impl Jwt {
         if keys.is_empty() {
             return Err(Error::invalid(format!("auth.jwt.jwks {}: no keys", cfg.jwks.display())));
         }
-        let grants = auth
-            .grants
-            .iter()
-            .map(|(name, g)| {
-                let grant = Grant {
-                    name: name.clone(),
-                    instances: g.instances.clone(),
-                    permissions: g.permissions.iter().filter_map(|p| Permission::parse(p)).collect(),
-                };
-                (name.clone(), grant)
-            })
-            .collect();
         Ok(Jwt {
             keys,
             issuer: cfg.issuer.clone(),
@@ -192,6 +181,17 @@ impl Jwt {
             .unwrap_or_default();
         Some(Arc::new(Identity { name, principal: Principal::Client, grants: Arc::new(grants) }))
     }
+}
+
+/// The grants of `[auth.grants.*]` by name.
+fn grants_of(cfg: &AuthConfig) -> HashMap<String, Grant> {
+    cfg.grants
+        .iter()
+        .map(|(name, g)| {
+            let permissions = g.permissions.iter().filter_map(|p| Permission::parse(p)).collect();
+            (name.clone(), Grant { name: name.clone(), instances: g.instances.clone(), permissions })
+        })
+        .collect()
 }
 
 /// The SHA-256 line `[[auth.tokens]]` wants for `token`.
@@ -246,13 +246,18 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let caller = match &self.auth {
             None => Caller::Unrestricted,
-            Some(auth) => match auth.authenticate(req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes()), &peer_dns_names(&req)) {
-                Ok(id) => Caller::Identity(id),
-                Err(why) => {
-                    let res = tonic::Status::unauthenticated(why).into_http();
-                    return Box::pin(async move { Ok(res) });
+            Some(auth) => {
+                let header = req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes());
+                // Parsing the peer certificate is only worth it when it may decide.
+                let names = if header.is_none() && auth.knows_certificates() { peer_dns_names(&req) } else { vec![] };
+                match auth.authenticate(header, &names) {
+                    Ok(id) => Caller::Identity(id),
+                    Err(why) => {
+                        let res = tonic::Status::unauthenticated(why).into_http();
+                        return Box::pin(async move { Ok(res) });
+                    }
                 }
-            },
+            }
         };
         req.extensions_mut().insert(caller);
         Box::pin(self.inner.call(req))
