@@ -1,7 +1,7 @@
 //! The REAPI Execution service (Execute, WaitExecution) and the google.longrunning
 //! Operations service (Get, List, Cancel, Delete, Wait) over the scheduler.
 
-use gantry_core::auth::{require, require_somewhere, Permission};
+use gantry_core::auth::{caller, require, require_somewhere, Caller, Permission};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -206,6 +206,10 @@ impl ExecutionService {
     async fn execute_inner(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, ExecError> {
         require(&request, Permission::Execute, &request.get_ref().instance_name)?;
         let who = requester(&request);
+        let owner = match caller(&request) {
+            Caller::Identity(id) => Some(id.name.clone()),
+            Caller::Unrestricted => None,
+        };
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let digest = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;
@@ -240,8 +244,23 @@ impl ExecutionService {
             command,
             priority,
             requester: who,
+            owner,
         }).await?;
         Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
+    }
+}
+
+/// Whose operations a call may list, cancel or delete: everyone's (None) for an
+/// administrator or a server without `[auth]`, else the caller's own, which needs
+/// `execute` somewhere.
+fn scope<T>(req: &Request<T>) -> Result<Option<String>, Status> {
+    match caller(req) {
+        Caller::Unrestricted => Ok(None),
+        Caller::Identity(_) if require_somewhere(req, Permission::Admin).is_ok() => Ok(None),
+        Caller::Identity(id) => {
+            require_somewhere(req, Permission::Execute)?;
+            Ok(Some(id.name.clone()))
+        }
     }
 }
 
@@ -258,10 +277,9 @@ impl OperationsService {
 #[tonic::async_trait]
 impl Operations for OperationsService {
     async fn list_operations(&self, request: Request<ListOperationsRequest>) -> Result<Response<ListOperationsResponse>, Status> {
-        // Every client's operations: an administrator's view.
-        require_somewhere(&request, Permission::Admin)?;
+        let by = scope(&request)?;
         let req = request.into_inner();
-        let all = self.scheduler.list();
+        let all = self.scheduler.list(by.as_deref());
         let start: usize = if req.page_token.is_empty() {
             0
         } else {
@@ -282,15 +300,14 @@ impl Operations for OperationsService {
     }
 
     async fn delete_operation(&self, request: Request<DeleteOperationRequest>) -> Result<Response<Empty>, Status> {
-        require_somewhere(&request, Permission::Admin)?;
-        self.scheduler.delete(&request.into_inner().name)?;
+        let by = scope(&request)?;
+        self.scheduler.delete(&request.into_inner().name, by.as_deref())?;
         Ok(Response::new(Empty {}))
     }
 
     async fn cancel_operation(&self, request: Request<CancelOperationRequest>) -> Result<Response<Empty>, Status> {
-        // Operations do not record their owner yet, so only an administrator may cancel.
-        require_somewhere(&request, Permission::Admin)?;
-        self.scheduler.cancel(&request.into_inner().name)?;
+        let by = scope(&request)?;
+        self.scheduler.cancel(&request.into_inner().name, by.as_deref())?;
         Ok(Response::new(Empty {}))
     }
 

@@ -82,6 +82,16 @@ pub fn resolve_timeout(
 
 /// An operation name as quoted in messages: a client may send megabytes of it, and an
 /// error must not echo them back.
+/// Whether `by` (None: an administrator) may see and act on `job`. Someone else's
+/// operation looks exactly like a missing one.
+fn may_touch(job: &Job, by: Option<&str>) -> bool {
+    by.is_none_or(|who| job.owners.iter().any(|o| o == who))
+}
+
+fn not_found(name: &str) -> Error {
+    Error::not_found(format!("no operation {}", shown_name(name)))
+}
+
 pub fn shown_name(name: &str) -> std::borrow::Cow<'_, str> {
     const MAX: usize = 200;
     if name.len() <= MAX {
@@ -135,12 +145,17 @@ pub struct JobSpec {
     pub command: reapi::Command,
     pub priority: i32,
     pub requester: Requester,
+    /// The identity that asked (`[auth]`); None on a server without authentication.
+    pub owner: Option<String>,
 }
 
 struct Job {
     name: String,
     key: (String, Digest),
     spec: JobSpec,
+    /// Identities whose Execute calls share this operation (requests for the same action
+    /// are merged); only they, or an administrator, may list, cancel or delete it.
+    owners: Vec<String>,
     platform: Vec<Property>,
     timeout: Duration,
     seq: u64,
@@ -313,9 +328,14 @@ impl Scheduler {
         // REAPI: in-flight requests for a do_not_cache action may not be merged.
         let mergeable = !spec.action.do_not_cache;
         let mut st = self.state.lock().expect("poisoned");
-        if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable) {
-            let job = &st.jobs[name];
-            return Ok((name.clone(), job.tx.subscribe()));
+        if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable).cloned() {
+            let job = st.jobs.get_mut(&name).expect("in-flight jobs exist");
+            if let Some(o) = spec.owner {
+                if !job.owners.contains(&o) {
+                    job.owners.push(o);
+                }
+            }
+            return Ok((name, job.tx.subscribe()));
         }
         if !st.workers.is_empty() {
             let offers = st.workers.values().map(|w| w.properties.as_slice());
@@ -368,6 +388,7 @@ impl Scheduler {
             Job {
                 name: name.clone(),
                 key,
+                owners: spec.owner.iter().cloned().collect(),
                 spec,
                 platform: required,
                 timeout,
@@ -820,12 +841,20 @@ impl Scheduler {
     }
 
     /// Cancels an operation: a queued one completes as CANCELLED at once, a running one
-    /// when its worker has killed the process.
-    pub fn cancel(&self, name: &str) -> Result<()> {
+    /// when its worker has killed the process. `by` is the caller when it may touch only
+    /// its own operations (None: an administrator). An operation another identity shares
+    /// keeps running for that identity; the caller only lets go of it.
+    pub fn cancel(&self, name: &str, by: Option<&str>) -> Result<()> {
         let mut st = self.state.lock().expect("poisoned");
-        let job = st.jobs.get_mut(name).ok_or_else(|| Error::not_found(format!("no operation {}", shown_name(name))))?;
+        let job = st.jobs.get_mut(name).filter(|j| may_touch(j, by)).ok_or_else(|| not_found(name))?;
         if job.completed_at.is_some() {
             return Ok(());
+        }
+        if let Some(who) = by {
+            if job.owners.len() > 1 {
+                job.owners.retain(|o| o != who);
+                return Ok(());
+            }
         }
         job.cancel_requested = true;
         let key = job.key.clone();
@@ -867,18 +896,20 @@ impl Scheduler {
         self.state.lock().expect("poisoned").jobs.get(name).map(|j| j.tx.subscribe())
     }
 
-    pub fn list(&self) -> Vec<OpState> {
+    /// Operations in submission order: all of them, or those `owner` shares.
+    pub fn list(&self, owner: Option<&str>) -> Vec<OpState> {
         let st = self.state.lock().expect("poisoned");
-        let mut v: Vec<_> = st.jobs.values().map(|j| (j.seq, j.tx.borrow().clone())).collect();
+        let mut v: Vec<_> = st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.seq, j.tx.borrow().clone())).collect();
         v.sort_by_key(|(s, _)| *s);
         v.into_iter().map(|(_, s)| s).collect()
     }
 
     /// Forgets a finished operation. Running ones cannot be deleted (cancel them first).
-    pub fn delete(&self, name: &str) -> Result<()> {
+    /// `by` as for [`Scheduler::cancel`].
+    pub fn delete(&self, name: &str, by: Option<&str>) -> Result<()> {
         let mut st = self.state.lock().expect("poisoned");
-        match st.jobs.get(name) {
-            None => Err(Error::not_found(format!("no operation {}", shown_name(name)))),
+        match st.jobs.get(name).filter(|j| may_touch(j, by)) {
+            None => Err(not_found(name)),
             Some(j) if j.completed_at.is_none() => {
                 Err(Error::FailedPrecondition(format!("operation {} is still running; cancel it first", shown_name(name))))
             }
@@ -956,6 +987,7 @@ mod tests {
             command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
             priority,
             requester: Requester::default(),
+            owner: None,
         }
     }
 
@@ -1048,7 +1080,7 @@ mod tests {
         let (n2, _) = s.submit(b).await.unwrap();
         assert_ne!(n1, n2, "do_not_cache actions run separately");
         let (c1, _) = s.submit(spec("c", 0, &[])).await.unwrap();
-        s.cancel(&c1).unwrap();
+        s.cancel(&c1, None).unwrap();
         let (c2, _) = s.submit(spec("c", 0, &[])).await.unwrap();
         assert_ne!(c1, c2, "a new request does not join a cancelled operation");
     }
@@ -1090,19 +1122,50 @@ mod tests {
     async fn cancel_queued_and_running() {
         let s = scheduler(3).await;
         let (q, mut qrx) = s.submit(spec("queued", 0, &[])).await.unwrap();
-        s.cancel(&q).unwrap();
+        s.cancel(&q, None).unwrap();
         let st = qrx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
         assert_eq!(st.response.unwrap().status.unwrap().code, tonic::Code::Cancelled as i32);
         let mut w = s.register(reg("w", 1, &[]), true).unwrap();
         assert!(assigned(&mut w).is_empty(), "a cancelled action is not dispatched");
         let (r, _) = s.submit(spec("running", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut w), vec![r.clone()]);
-        s.cancel(&r).unwrap();
+        s.cancel(&r, None).unwrap();
         let m = w.messages.try_recv().unwrap();
         assert!(matches!(m.kind, Some(wpb::scheduler_message::Kind::Cancel(c)) if c.job_id == r));
-        assert!(s.delete(&r).is_err(), "running operations cannot be deleted");
-        assert!(s.delete(&q).is_ok());
+        assert!(s.delete(&r, None).is_err(), "running operations cannot be deleted");
+        assert!(s.delete(&q, None).is_ok());
         assert!(s.watch(&q).is_none());
+    }
+
+    #[tokio::test]
+    async fn operations_belong_to_the_identities_that_asked() {
+        let s = scheduler(3).await;
+        let owned = |tag: &str, who: &str| JobSpec { owner: Some(who.to_string()), ..spec(tag, 0, &[]) };
+        let (a, mut arx) = s.submit(owned("alice-only", "alice")).await.unwrap();
+        let (shared, mut srx) = s.submit(owned("both", "alice")).await.unwrap();
+        let (merged, _) = s.submit(owned("both", "bob")).await.unwrap();
+        assert_eq!(merged, shared, "the same action is one operation");
+        let names = |v: Vec<OpState>| v.into_iter().map(|o| o.name).collect::<Vec<_>>();
+        assert_eq!(names(s.list(Some("bob"))), vec![shared.clone()], "bob sees only what he asked for");
+        assert_eq!(names(s.list(Some("alice"))), vec![a.clone(), shared.clone()]);
+        assert_eq!(names(s.list(None)).len(), 2, "an administrator sees everything");
+        // Bob cannot cancel or delete Alice's operation, and cannot tell it exists.
+        let e = s.cancel(&a, Some("bob")).unwrap_err();
+        let missing = s.cancel("operations/does-not-exist", Some("bob")).unwrap_err();
+        assert_eq!((e.code(), e.to_string().replace(&a, "X")), (missing.code(), missing.to_string().replace("operations/does-not-exist", "X")));
+        assert!(s.delete(&a, Some("bob")).is_err());
+        assert!(arx.borrow().stage != Stage::Completed);
+        // Alice lets go of the shared one: it keeps running for Bob.
+        s.cancel(&shared, Some("alice")).unwrap();
+        assert!(srx.borrow_and_update().stage != Stage::Completed);
+        assert!(names(s.list(Some("alice"))) == vec![a.clone()]);
+        // The last owner's cancel ends it.
+        s.cancel(&shared, Some("bob")).unwrap();
+        let st = srx.wait_for(|s| s.stage == Stage::Completed).await.unwrap().clone();
+        assert_eq!(st.response.unwrap().status.unwrap().code, tonic::Code::Cancelled as i32);
+        s.cancel(&a, Some("alice")).unwrap();
+        arx.wait_for(|s| s.stage == Stage::Completed).await.unwrap();
+        assert!(s.delete(&a, Some("alice")).is_ok());
     }
 
     #[test]
