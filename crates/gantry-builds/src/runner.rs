@@ -22,6 +22,45 @@ pub struct RunnerSettings {
     pub kill_grace: Duration,
     /// `--remote_executor` given to Bazel.
     pub remote_executor: String,
+    /// What Bazel presents to a server with `[auth]` or TLS.
+    pub credentials: BazelCredentials,
+}
+
+/// Credentials a runner's Bazel presents to the remote executor (`[batch] token_file`,
+/// `tls_*`): Bazel's own TLS flags, and the bearer token as `--remote_header`.
+#[derive(Debug, Clone, Default)]
+pub struct BazelCredentials {
+    /// Holds the token. Re-read before every build, so a rotated token is used at once;
+    /// passed through a private bazelrc (mode 0600), never on a command line.
+    pub token_file: Option<PathBuf>,
+    /// `--tls_certificate`: the CA that signed the server's certificate.
+    pub tls_certificate: Option<PathBuf>,
+    /// `--tls_client_certificate` and `--tls_client_key`, for mTLS.
+    pub tls_client_certificate: Option<PathBuf>,
+    pub tls_client_key: Option<PathBuf>,
+}
+
+/// Writes the bazelrc that carries the token: `build` (which `test` inherits) gets the
+/// header. Written to a temp file with mode 0600 and renamed, so Bazel never reads half
+/// a token and nobody else reads any.
+fn write_token_rc(token_file: &Path, rc: &Path) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let token = std::fs::read_to_string(token_file).map_err(|e| format!("reading the token file {}: {e}", token_file.display()))?;
+    let token = token.trim();
+    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("the token file {} must hold one token on one line", token_file.display()));
+    }
+    let tmp = rc.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| format!("creating {}: {e}", tmp.display()))?;
+    writeln!(f, "build --remote_header=Authorization=Bearer {token}").map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, rc).map_err(|e| format!("renaming {}: {e}", tmp.display()))
 }
 
 /// Flags every build gets before its own flags, so a build may override them.
@@ -135,7 +174,15 @@ impl Runner {
         a.push(format!("--host_jvm_args=-Xmx{}k", (s.heap_bytes / 1024).max(4096)));
         // A heap dump of a dying server is hundreds of MB per OOM build and minutes of I/O.
         a.push("--host_jvm_args=-XX:-HeapDumpOnOutOfMemoryError".into());
+        if s.credentials.token_file.is_some() {
+            a.push(format!("--bazelrc={}", self.token_rc().display()));
+        }
         a
+    }
+
+    /// The private bazelrc that carries the bearer token (see [`BazelCredentials`]).
+    pub fn token_rc(&self) -> PathBuf {
+        self.dir.join("credentials.bazelrc")
     }
 
     /// The full command line (without the program), for logs and tests.
@@ -147,6 +194,16 @@ impl Runner {
         a.extend(spec.flags.iter().cloned());
         a.extend(s.extra_flags.iter().cloned());
         a.push(format!("--remote_executor={}", s.remote_executor));
+        let c = &s.credentials;
+        for (flag, path) in [
+            ("--tls_certificate", &c.tls_certificate),
+            ("--tls_client_certificate", &c.tls_client_certificate),
+            ("--tls_client_key", &c.tls_client_key),
+        ] {
+            if let Some(p) = path {
+                a.push(format!("{flag}={}", p.display()));
+            }
+        }
         a.push(format!("--invocation_id={}", spec.invocation_id));
         a.push(format!("--build_event_json_file={}", bep_file.display()));
         a.push("--".into());
@@ -164,6 +221,11 @@ impl Runner {
         let ob = self.output_base();
         let mut facts = RunFacts::default();
         let fail_start = |message: String| RunReport::infra_error(message, started.elapsed().as_secs_f64());
+        if let Some(t) = &self.settings.credentials.token_file {
+            if let Err(e) = write_token_rc(t, &self.token_rc()) {
+                return fail_start(e);
+            }
+        }
         let log = match std::fs::File::create(&log_file) {
             Ok(f) => f,
             Err(e) => return fail_start(format!("creating {}: {e}", log_file.display())),
@@ -305,6 +367,68 @@ mod tests {
     /// A stand-in for Bazel whose client exits at once on SIGINT and whose server (in a
     /// session of its own, like Bazel's daemon) ignores SIGTERM, as a JVM thrashing in GC
     /// does: the deadline must still leave no server behind.
+    /// The token reaches Bazel through a private bazelrc, re-read before every build,
+    /// and never appears on the command line; TLS files go as Bazel's own flags.
+    #[tokio::test]
+    async fn credentials_reach_bazel_without_the_token_on_its_command_line() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        // A "bazel" that records its arguments and the rc files it was given.
+        let bazel = d.path().join("bazel");
+        std::fs::write(
+            &bazel,
+            "#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; case \"$a\" in --bazelrc=*) cat \"${a#--bazelrc=}\";; esac; done > \"$PWD/seen.txt\"\nexit 0\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bazel, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let ws = d.path().join("ws");
+        std::fs::create_dir_all(&ws).unwrap();
+        let token_file = d.path().join("batch.token");
+        std::fs::write(&token_file, "first-secret\n").unwrap();
+        let settings = RunnerSettings {
+            bazel,
+            startup_flags: vec![],
+            extra_flags: vec![],
+            heap_bytes: 64 << 20,
+            deadline: Duration::from_secs(20),
+            kill_grace: Duration::from_secs(1),
+            remote_executor: "grpcs://localhost:1".into(),
+            credentials: BazelCredentials {
+                token_file: Some(token_file.clone()),
+                tls_certificate: Some("/etc/ca.pem".into()),
+                tls_client_certificate: Some("/etc/c.pem".into()),
+                tls_client_key: Some("/etc/c.key".into()),
+            },
+        };
+        let runner = Runner::new(0, &d.path().join("runners"), std::sync::Arc::new(settings)).unwrap();
+        let spec = RunSpec {
+            workspace: ws.clone(),
+            command: "build".into(),
+            flags: vec![],
+            targets: vec!["//:t".into()],
+            invocation_id: "00000000-0000-0000-0000-000000000000".into(),
+        };
+        let args = runner.args(&spec, Path::new("/tmp/bep.json"));
+        assert!(!args.iter().any(|a| a.contains("secret")), "{args:?}");
+        for f in ["--tls_certificate=/etc/ca.pem", "--tls_client_certificate=/etc/c.pem", "--tls_client_key=/etc/c.key"] {
+            assert!(args.iter().any(|a| a == f), "{f} in {args:?}");
+        }
+        runner.run(&spec).await;
+        let seen = std::fs::read_to_string(ws.join("seen.txt")).unwrap();
+        assert!(seen.contains("build --remote_header=Authorization=Bearer first-secret"), "{seen}");
+        let mode = std::fs::metadata(runner.token_rc()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // A rotated token is used by the next build.
+        std::fs::write(&token_file, "second-secret").unwrap();
+        runner.run(&spec).await;
+        let seen = std::fs::read_to_string(ws.join("seen.txt")).unwrap();
+        assert!(seen.contains("Bearer second-secret") && !seen.contains("first-secret"), "{seen}");
+        // An unreadable or malformed token is an infrastructure error, before Bazel starts.
+        std::fs::write(&token_file, "two words").unwrap();
+        let r = runner.run(&spec).await;
+        assert_eq!(r.outcome, BuildOutcome::InfraError, "{r:?}");
+    }
+
     #[tokio::test]
     async fn deadline_kills_a_server_that_ignores_sigterm_after_its_client_exited() {
         let d = tempfile::tempdir().unwrap();
@@ -332,6 +456,7 @@ mod tests {
             deadline: Duration::from_millis(800),
             kill_grace: Duration::from_secs(2),
             remote_executor: "grpc://127.0.0.1:1".into(),
+            credentials: BazelCredentials::default(),
         };
         let runner = Runner::new(0, &d.path().join("runners"), std::sync::Arc::new(settings)).unwrap();
         let spec = RunSpec {

@@ -70,6 +70,7 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
             deadline,
             kill_grace: Duration::from_millis(500),
             remote_executor: "grpc://127.0.0.1:1".into(),
+            credentials: Default::default(),
         },
         memory_label: MemoryLabel::UsedHeapPostBuild,
         model_dir: dir.join("models"),

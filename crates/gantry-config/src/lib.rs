@@ -417,6 +417,10 @@ pub struct ServerConfig {
     /// Uploads (ByteStream writes) one client may have in progress at once: an
     /// authenticated identity, or an address for anonymous callers. Default 1000.
     pub max_uploads_per_client: usize,
+    /// Bytes that all uploads in progress may hold in memory, and one client a quarter
+    /// of it. Past that, idle uploads are spilled to disk (or dropped, when the CAS
+    /// cannot spill them; their clients start them over). Default "512MiB".
+    pub max_upload_memory: ByteSize,
     /// TLS on both listeners. Absent: plaintext (keep such a server on a trusted network).
     pub tls: Option<TlsConfig>,
 }
@@ -429,8 +433,23 @@ pub struct TlsConfig {
     pub cert: PathBuf,
     /// Its private key (PKCS#8, PKCS#1 or SEC1).
     pub key: PathBuf,
-    /// Require client certificates signed by this CA (mTLS). Unset: no client certificates.
+    /// Verify client certificates against this CA (mTLS). Unset: no client certificates.
     pub client_ca: Option<PathBuf>,
+    /// With `client_ca`: "required" (the default; a client without a certificate is
+    /// refused at the handshake) or "optional" (a client may instead authenticate with
+    /// a token, e.g. developers with tokens and workers with certificates; a certificate
+    /// that is presented must still verify).
+    #[serde(default)]
+    pub client_certificates: ClientCertificates,
+}
+
+/// `[server.tls] client_certificates`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientCertificates {
+    #[default]
+    Required,
+    Optional,
 }
 
 impl Default for ServerConfig {
@@ -444,6 +463,7 @@ impl Default for ServerConfig {
             upload_idle_timeout: Duration::from_secs(600),
             max_proto_size: ByteSize::mib(4),
             max_uploads_per_client: 1000,
+            max_upload_memory: ByteSize::mib(512),
             tls: None,
         }
     }
@@ -679,8 +699,20 @@ pub struct BatchConfig {
     pub kill_grace: Duration,
     /// Runners' output bases and git worktrees. Default `{data_dir}/runners`.
     pub runner_dir: Option<PathBuf>,
-    /// `--remote_executor` given to Bazel. Default: this server's gRPC address.
+    /// `--remote_executor` given to Bazel. Default: this server's gRPC address,
+    /// `grpcs://localhost:PORT` with `[server.tls]` (the certificate must name it; set
+    /// this to a name it holds otherwise).
     pub remote_executor: Option<String>,
+    /// A file holding the bearer token the runners' Bazel (and the submit queue's) sends
+    /// when the executor has `[auth]`. Re-read before every build, so rotating it needs
+    /// no restart; given to Bazel through a private bazelrc, never on a command line.
+    pub token_file: Option<PathBuf>,
+    /// Bazel's `--tls_certificate`: the CA that signed the executor's certificate.
+    pub tls_certificate: Option<PathBuf>,
+    /// Bazel's `--tls_client_certificate` and `--tls_client_key`, when the executor
+    /// wants client certificates.
+    pub tls_client_certificate: Option<PathBuf>,
+    pub tls_client_key: Option<PathBuf>,
     /// Which measurement is the memory label the models learn: "used_heap_post_build"
     /// (BEP usedHeapSizePostBuild, the default; see README for why), "peak_post_gc_heap"
     /// (BEP peakPostGcHeapSize) or "server_vm_hwm" (the Bazel server's peak RSS).
@@ -733,6 +765,10 @@ impl Default for BatchConfig {
             kill_grace: Duration::from_secs(10),
             runner_dir: None,
             remote_executor: None,
+            token_file: None,
+            tls_certificate: None,
+            tls_client_certificate: None,
+            tls_client_key: None,
             memory_label: MemoryLabel::UsedHeapPostBuild,
             retrain_interval: Duration::from_secs(600),
             min_history_builds: 20,
@@ -861,6 +897,14 @@ impl Config {
         if b.runners > 0 && b.deadline.is_zero() {
             return Err(ConfigError::Invalid("batch.deadline must be greater than zero".into()));
         }
+        if let Some(t) = &self.server.tls {
+            if t.client_certificates == ClientCertificates::Optional && t.client_ca.is_none() {
+                return Err(ConfigError::Invalid("server.tls.client_certificates = \"optional\" needs server.tls.client_ca".into()));
+            }
+        }
+        if b.tls_client_certificate.is_some() != b.tls_client_key.is_some() {
+            return Err(ConfigError::Invalid("batch.tls_client_certificate and batch.tls_client_key go together".into()));
+        }
         if b.long_window < b.short_window || b.short_window.is_zero() {
             return Err(ConfigError::Invalid(format!(
                 "batch.short_window ({:?}) must be non-zero and not longer than batch.long_window ({:?})",
@@ -891,6 +935,9 @@ impl Config {
         }
         if let Some(auth) = &self.auth {
             auth.validate()?;
+        }
+        if s.max_upload_memory.as_u64() < 1 << 20 {
+            return Err(ConfigError::Invalid("server.max_upload_memory must be at least 1MiB".into()));
         }
         if s.max_uploads_per_client == 0 {
             return Err(ConfigError::Invalid("server.max_uploads_per_client must be at least 1".into()));

@@ -74,6 +74,17 @@ pub trait BlobStore: Send + Sync + 'static {
 pub trait BlobWriter: Send + Sync {
     fn committed(&self) -> u64;
     async fn write(&mut self, chunk: Bytes) -> Result<()>;
+    /// Bytes this writer holds in memory, not yet on disk or sent: what an abandoned
+    /// upload costs the server while it waits for its client.
+    fn buffered(&self) -> u64 {
+        0
+    }
+    /// Moves what `buffered` counts out of memory (to a temp file) when the writer can;
+    /// the write goes on as before. Writers that cannot leave `buffered` unchanged, and
+    /// the server drops such an idle upload instead when upload memory runs short.
+    async fn spill(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Makes the blob visible under its digest, atomically. Fails with
     /// `InvalidArgument` if the bytes do not match the digest (when verified).
     async fn commit(self: Box<Self>) -> Result<()>;

@@ -19,7 +19,8 @@ use sha2::{Digest as _, Sha256};
 /// The credentials `[auth]` accepts, ready to look up.
 #[derive(Debug)]
 pub struct Authenticator {
-    by_sha256: HashMap<String, Arc<Identity>>,
+    /// By the token's SHA-256, raw: a lookup per call hashes and compares 32 bytes.
+    by_sha256: HashMap<[u8; 32], Arc<Identity>>,
     jwt: Option<Jwt>,
     /// Identities of verified client certificates, by a DNS subject alternative name.
     by_dns_name: HashMap<String, Arc<Identity>>,
@@ -52,11 +53,11 @@ impl Authenticator {
         for t in &cfg.tokens {
             let grants = t.grants.iter().map(|g| grant(g)).collect();
             let id = Identity { name: t.name.clone(), principal: Principal::Client, grants: Arc::new(grants) };
-            by_sha256.insert(t.sha256.to_ascii_lowercase(), Arc::new(id));
+            by_sha256.insert(digest_key(&t.sha256), Arc::new(id));
         }
         for t in &cfg.workers.tokens {
             let id = Identity { name: t.name.clone(), principal: Principal::Worker, grants: Arc::new(vec![]) };
-            by_sha256.insert(t.sha256.to_ascii_lowercase(), Arc::new(id));
+            by_sha256.insert(digest_key(&t.sha256), Arc::new(id));
         }
         let mut by_dns_name = HashMap::new();
         for c in &cfg.certificates {
@@ -99,7 +100,7 @@ impl Authenticator {
         {
             return jwt.verify(token).ok_or("invalid credentials");
         }
-        let hash = hex::encode(Sha256::digest(token.as_bytes()));
+        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         self.by_sha256.get(&hash).cloned().ok_or("invalid credentials")
     }
 }
@@ -195,6 +196,13 @@ fn grants_of(cfg: &AuthConfig) -> HashMap<String, Grant> {
 }
 
 /// The SHA-256 line `[[auth.tokens]]` wants for `token`.
+/// A configured `sha256` (64 hex digits, checked by config validation) as raw bytes.
+fn digest_key(hex_digits: &str) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    hex::decode_to_slice(hex_digits, &mut key).expect("[auth] validation checks sha256 is 64 hex digits");
+    key
+}
+
 pub fn token_sha256(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
 }

@@ -5,10 +5,15 @@
 //! stream breaks, the session keeps the bytes received so far; the client asks
 //! QueryWriteStatus for `committed_size` and continues with a Write at that offset.
 //! Sessions idle longer than `upload_idle_timeout` are dropped by a background task.
+//!
+//! Bytes that uploads hold in memory have a ceiling (`[server] max_upload_memory`), and
+//! one client may hold at most a quarter of it. Past either, idle uploads (the client's
+//! own first, then the least recently active) are spilled to disk by their writer, or
+//! dropped when their writer cannot spill; the client restarts those from offset 0.
 
 use gantry_core::auth::Permission;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,8 +51,39 @@ struct Upload {
 struct Session {
     upload: tokio::sync::Mutex<Upload>,
     committed: AtomicI64,
-    /// Who started it (see `owner_of`), for the per-client limit.
+    /// Who started it (see `owner_of`), for the per-client limits.
     owner: String,
+    /// The writer's `buffered()` when last looked at; its share of `memory.total`.
+    buffered: AtomicU64,
+    memory: Arc<UploadMemory>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.memory.total.fetch_sub(self.buffered.load(Ordering::Acquire), Ordering::AcqRel);
+    }
+}
+
+/// Bytes buffered in memory by every upload in progress, against the ceiling.
+struct UploadMemory {
+    total: AtomicU64,
+    limit: u64,
+    gauge: prometheus::IntGauge,
+    relieved: prometheus::IntCounterVec,
+}
+
+impl Session {
+    /// Records what the writer holds in memory now (call with the upload locked).
+    fn account(&self, up: &Upload) {
+        let now = up.writer.as_ref().map_or(0, |w| w.buffered());
+        let before = self.buffered.swap(now, Ordering::AcqRel);
+        if now >= before {
+            self.memory.total.fetch_add(now - before, Ordering::AcqRel);
+        } else {
+            self.memory.total.fetch_sub(before - now, Ordering::AcqRel);
+        }
+        self.memory.gauge.set(self.memory.total.load(Ordering::Acquire) as i64);
+    }
 }
 
 type Sessions = Arc<Mutex<HashMap<String, Arc<Session>>>>;
@@ -72,6 +108,7 @@ pub struct ByteStreamService {
     /// session (`[server] max_uploads_per_client`).
     per_client: usize,
     sessions: Sessions,
+    memory: Arc<UploadMemory>,
     _reaper: TaskGuard,
 }
 
@@ -93,7 +130,99 @@ impl ByteStreamService {
                 });
             }
         });
-        ByteStreamService { cas, metrics, chunk_size, per_client: MAX_SESSIONS, sessions, _reaper: reaper }
+        let gauge = prometheus::IntGauge::new("gantry_upload_buffered_bytes", "Bytes held in memory by ByteStream uploads in progress")
+            .expect("valid metric");
+        let relieved = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "gantry_upload_memory_relief_total",
+                "Idle uploads spilled to disk or dropped because upload memory passed its ceiling",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        for c in [Box::new(gauge.clone()) as Box<dyn prometheus::core::Collector>, Box::new(relieved.clone())] {
+            if let Err(e) = metrics.registry().register(c) {
+                tracing::warn!(error = %e, "upload memory metrics not registered");
+            }
+        }
+        let memory = Arc::new(UploadMemory { total: AtomicU64::new(0), limit: u64::MAX, gauge, relieved });
+        ByteStreamService { cas, metrics, chunk_size, per_client: MAX_SESSIONS, sessions, memory, _reaper: reaper }
+    }
+
+    /// Sets the ceiling on bytes buffered in memory by uploads (`[server] max_upload_memory`).
+    pub fn with_memory_limit(mut self, bytes: u64) -> Self {
+        let m = Arc::get_mut(&mut self.memory).expect("set before any upload");
+        m.limit = bytes.max(1);
+        self
+    }
+
+    /// Bytes buffered in memory by uploads in progress.
+    pub fn buffered_bytes(&self) -> u64 {
+        self.memory.total.load(Ordering::Acquire)
+    }
+
+    /// Brings upload memory back under its ceilings after `session` (locked by the caller
+    /// as `up`) grew: idle uploads give their memory back, the owner's own first, then
+    /// the least recently active; if that is not enough, this upload spills too.
+    async fn relieve(&self, session: &Arc<Session>, up: &mut Upload) -> Result<()> {
+        let share = (self.memory.limit / 4).max(1);
+        let owner_total = || {
+            let map = self.sessions.lock().expect("poisoned");
+            map.values().filter(|s| s.owner == session.owner).map(|s| s.buffered.load(Ordering::Acquire)).sum::<u64>()
+        };
+        let total = || self.memory.total.load(Ordering::Acquire);
+        let over_total = || total() > self.memory.limit;
+        // The owner's sum is counted only when everyone's together passes its share.
+        if total() <= share || (!over_total() && owner_total() <= share) {
+            return Ok(());
+        }
+        // Candidates: every other upload holding memory, the owner's own first. None of
+        // them is locked here; each is tried without waiting, and a busy one is skipped.
+        let others: Vec<(String, Arc<Session>)> = {
+            let map = self.sessions.lock().expect("poisoned");
+            map.iter()
+                .filter(|(_, s)| !Arc::ptr_eq(s, session) && s.buffered.load(Ordering::Acquire) > 0)
+                .map(|(n, s)| (n.clone(), s.clone()))
+                .collect()
+        };
+        let mut idle: Vec<(bool, Instant, String, Arc<Session>)> = Vec::new();
+        for (name, s) in others {
+            let last = s.upload.try_lock().map(|u| u.last_active).ok();
+            if let Some(last) = last {
+                idle.push((s.owner != session.owner, last, name, s));
+            }
+        }
+        idle.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        for (foreign, _, name, s) in idle {
+            let needed = over_total() || (!foreign && owner_total() > share);
+            if !needed {
+                break;
+            }
+            let Ok(mut u) = s.upload.try_lock() else { continue };
+            let dirty = u.dirty;
+            let spilled = match u.writer.as_mut() {
+                Some(w) if !dirty => w.spill().await.is_ok() && w.buffered() == 0,
+                _ => false,
+            };
+            s.account(&u);
+            drop(u);
+            if spilled {
+                self.memory.relieved.with_label_values(&["spilled"]).inc();
+            } else {
+                tracing::info!(upload = %name, "dropping an idle upload: upload memory is at its ceiling");
+                self.remove_session(&name, &s);
+                self.memory.relieved.with_label_values(&["dropped"]).inc();
+            }
+        }
+        if over_total() || owner_total() > share {
+            if let Some(w) = up.writer.as_mut() {
+                up.dirty = true;
+                w.spill().await?;
+                up.dirty = false;
+                session.account(up);
+            }
+        }
+        Ok(())
     }
 
     /// Limits the uploads one client may have in progress (at most the global limit).
@@ -251,7 +380,13 @@ impl ByteStream for ByteStreamService {
 
         let session = if first.write_offset == 0 {
             let up = self.new_upload(&rn).await?;
-            let s = Arc::new(Session { upload: tokio::sync::Mutex::new(up), committed: AtomicI64::new(0), owner: owner.clone() });
+            let s = Arc::new(Session {
+                upload: tokio::sync::Mutex::new(up),
+                committed: AtomicI64::new(0),
+                owner: owner.clone(),
+                buffered: AtomicU64::new(0),
+                memory: self.memory.clone(),
+            });
             let mut map = self.sessions.lock().expect("poisoned");
             if !map.contains_key(&name) {
                 if map.len() >= MAX_SESSIONS {
@@ -286,11 +421,18 @@ impl ByteStream for ByteStreamService {
             // The previous handler was dropped mid-write: start the upload over.
             *up = self.new_upload(&rn).await?;
             session.committed.store(0, Ordering::Release);
+            session.account(&up);
         }
 
         let mut msg = first;
         loop {
-            match self.apply(&mut up, &session, &name, msg).await {
+            let applied = self.apply(&mut up, &session, &name, msg).await;
+            session.account(&up);
+            let applied = match applied {
+                Ok(false) => self.relieve(&session, &mut up).await.map(|_| false),
+                other => other,
+            };
+            match applied {
                 Ok(true) => {
                     self.remove_session(&name, &session);
                     return Ok(Response::new(WriteResponse { committed_size: up.received }));

@@ -47,11 +47,27 @@ pub struct Limits {
     pub max_proto_size: u64,
     /// Uploads one client (identity, or address when anonymous) may have in progress.
     pub max_uploads_per_client: usize,
+    /// Bytes all uploads in progress may hold in memory; one client a quarter of it.
+    pub max_upload_memory: u64,
 }
 
+impl From<&gantry_config::ServerConfig> for Limits {
+    fn from(s: &gantry_config::ServerConfig) -> Self {
+        Limits {
+            max_batch_size: s.max_batch_size.as_u64(),
+            read_chunk_size: s.read_chunk_size.as_u64() as usize,
+            upload_idle_timeout: s.upload_idle_timeout,
+            max_proto_size: s.max_proto_size.as_u64(),
+            max_uploads_per_client: s.max_uploads_per_client,
+            max_upload_memory: s.max_upload_memory.as_u64(),
+        }
+    }
+}
+
+/// The defaults are `[server]`'s, kept in one place: gantry-config.
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_batch_size: 4 << 20, read_chunk_size: 1 << 20, upload_idle_timeout: Duration::from_secs(600), max_proto_size: 4 << 20, max_uploads_per_client: 1000 }
+        Limits::from(&gantry_config::ServerConfig::default())
     }
 }
 
@@ -132,7 +148,8 @@ impl Services {
             self.limits.read_chunk_size,
             self.limits.upload_idle_timeout,
         )
-        .with_per_client_limit(self.limits.max_uploads_per_client))
+        .with_per_client_limit(self.limits.max_uploads_per_client)
+        .with_memory_limit(self.limits.max_upload_memory))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
         let ac = ActionCacheServer::new(action_cache::ActionCacheService::new(

@@ -29,6 +29,8 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub client_ca: Option<PathBuf>,
+    /// Clients may connect without a certificate (and authenticate otherwise).
+    pub client_certificates_optional: bool,
 }
 
 fn read_certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>> {
@@ -56,7 +58,11 @@ pub fn server_config(files: &TlsFiles) -> Result<rustls::ServerConfig> {
             for c in read_certs(ca, "server.tls.client_ca")? {
                 roots.add(c).map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
             }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            let mut verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            if files.client_certificates_optional {
+                verifier = verifier.allow_unauthenticated();
+            }
+            let verifier = verifier
                 .build()
                 .map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
             builder.with_client_cert_verifier(verifier)

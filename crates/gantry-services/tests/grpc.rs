@@ -709,3 +709,53 @@ async fn abandoned_uploads_are_limited_per_client() {
     assert!(!matches!(&r, Err(e) if e.code() == Code::ResourceExhausted), "{r:?}");
     drop(server);
 }
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no {series} in metrics"))
+}
+
+/// Abandoned uploads cannot pin memory: past a client's quarter of `max_upload_memory`
+/// its idle uploads are spilled to temp files, and each still resumes and completes with
+/// exactly its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_uploads_spill_past_the_memory_ceiling_and_still_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+    let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
+    let limits = Limits { max_upload_memory: 4 << 20, ..Limits::default() };
+    let services = Services::new(cas.clone(), ac, limits);
+    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
+    let mut bs = ByteStreamClient::new(channel);
+    // 40 uploads of 1 MiB blobs, each abandoned after 512 KiB (under the store's spill
+    // threshold, so without the ceiling all 20 MiB would stay in memory).
+    let mut uploads = Vec::new();
+    for seed in 0..40u32 {
+        let data = pattern(1 << 20, seed);
+        let d = DigestFunction::Sha256.digest_of(&data);
+        let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
+        let r = bs.write(futures::stream::iter(write_reqs(&name, &data[..512 << 10], 0, 64 << 10, false))).await;
+        assert!(r.is_err(), "an unfinished write is not acknowledged");
+        let m = services.metrics.render();
+        assert!(
+            metric(&m, "gantry_upload_buffered_bytes ") <= (1 << 20) as f64,
+            "one anonymous client holds at most a quarter of 4 MiB after upload {seed}:\n{}",
+            m.lines().filter(|l| l.contains("upload")).collect::<Vec<_>>().join("\n")
+        );
+        uploads.push((name, data, d));
+    }
+    let m = services.metrics.render();
+    assert!(metric(&m, "gantry_upload_memory_relief_total{outcome=\"spilled\"} ") >= 30.0, "{m}");
+    // Every upload resumes where it stopped and stores exactly its bytes.
+    for (name, data, d) in &uploads {
+        let st = bs.query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+        assert_eq!(st.committed_size, 512 << 10);
+        let resp = bs.write(futures::stream::iter(write_reqs(name, data, 512 << 10, 64 << 10, true))).await.unwrap().into_inner();
+        assert_eq!(resp.committed_size, data.len() as i64);
+        assert!(cas.get(d).await.unwrap() == *data);
+    }
+    assert_eq!(metric(&services.metrics.render(), "gantry_upload_buffered_bytes "), 0.0);
+    drop(server);
+}

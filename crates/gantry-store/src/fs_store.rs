@@ -468,6 +468,29 @@ impl Staged {
 }
 
 impl FsWriter {
+    /// Appends `chunk` to the temp file, first moving any buffered bytes there.
+    async fn to_file(&mut self, chunk: Bytes) -> Result<()> {
+        let state = std::mem::replace(&mut self.state, WriteState::Busy);
+        let dir = self.inner.tmp.clone();
+        self.state = blocking(move || {
+            let mut tmp = match state {
+                WriteState::Buffered(buf) => {
+                    let mut t = TempFile::create(&dir)?;
+                    t.write_all(&buf)?;
+                    t
+                }
+                WriteState::Spilled(t) => t,
+                WriteState::Busy => return Err(Error::internal("writer used after a failed write")),
+            };
+            if !chunk.is_empty() {
+                tmp.write_all(&chunk)?;
+            }
+            Ok(WriteState::Spilled(tmp))
+        })
+        .await?;
+        Ok(())
+    }
+
     /// Writes everything to a temp file and fsyncs it; the blob is not visible yet.
     pub(crate) async fn stage(mut self: Box<Self>) -> Result<Staged> {
         if self.committed != self.digest.size {
@@ -505,30 +528,25 @@ impl BlobWriter for FsWriter {
     async fn write(&mut self, chunk: Bytes) -> Result<()> {
         let n = chunk.len() as u64;
         match &mut self.state {
-            WriteState::Buffered(buf) if buf.len() + chunk.len() <= SPILL_THRESHOLD => {
-                buf.extend_from_slice(&chunk);
-            }
-            _ => {
-                let state = std::mem::replace(&mut self.state, WriteState::Busy);
-                let dir = self.inner.tmp.clone();
-                self.state = blocking(move || {
-                    let mut tmp = match state {
-                        WriteState::Buffered(buf) => {
-                            let mut t = TempFile::create(&dir)?;
-                            t.write_all(&buf)?;
-                            t
-                        }
-                        WriteState::Spilled(t) => t,
-                        WriteState::Busy => return Err(Error::internal("writer used after a failed write")),
-                    };
-                    tmp.write_all(&chunk)?;
-                    Ok(WriteState::Spilled(tmp))
-                })
-                .await?;
-            }
+            WriteState::Buffered(buf) if buf.len() + chunk.len() <= SPILL_THRESHOLD => buf.extend_from_slice(&chunk),
+            _ => self.to_file(chunk).await?,
         }
         self.committed += n;
         Ok(())
+    }
+
+    fn buffered(&self) -> u64 {
+        match &self.state {
+            WriteState::Buffered(buf) => buf.len() as u64,
+            _ => 0,
+        }
+    }
+
+    async fn spill(&mut self) -> Result<()> {
+        match &self.state {
+            WriteState::Buffered(buf) if !buf.is_empty() => self.to_file(Bytes::new()).await,
+            _ => Ok(()),
+        }
     }
 
     async fn commit(self: Box<Self>) -> Result<()> {

@@ -100,6 +100,17 @@ impl BlobWriter for VerifyingWriter {
         Ok(())
     }
 
+    fn buffered(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |w| w.buffered())
+    }
+
+    async fn spill(&mut self) -> Result<()> {
+        match self.inner.as_mut() {
+            Some(w) => w.spill().await,
+            None => Ok(()),
+        }
+    }
+
     async fn commit(self: Box<Self>) -> Result<()> {
         let hasher = self.hasher.ok_or_else(|| Error::internal("writer used after a failed write"))?;
         let actual = hasher.finish();

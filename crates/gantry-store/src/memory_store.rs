@@ -57,7 +57,9 @@ impl BlobStore for MemoryStore {
         Ok(Box::new(MemoryWriter {
             index: self.index.clone(),
             digest: *digest,
-            buf: BytesMut::with_capacity(digest.size.min(64 << 20) as usize),
+            // The size is the client's claim: grow with the bytes that arrive instead of
+            // reserving what a 1-byte upload declares.
+            buf: BytesMut::with_capacity(digest.size.min(64 << 10) as usize),
         }))
     }
 
@@ -82,6 +84,10 @@ impl BlobWriter for MemoryWriter {
     async fn write(&mut self, chunk: Bytes) -> Result<()> {
         self.buf.extend_from_slice(&chunk);
         Ok(())
+    }
+
+    fn buffered(&self) -> u64 {
+        self.buf.len() as u64
     }
 
     async fn commit(self: Box<Self>) -> Result<()> {

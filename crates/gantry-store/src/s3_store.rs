@@ -491,6 +491,12 @@ impl BlobWriter for S3Writer {
         Ok(())
     }
 
+    fn buffered(&self) -> u64 {
+        // A part is sent only once it is full (S3's minimum part size), so a partial part
+        // stays here; the server drops this upload when it is idle and memory runs short.
+        self.buf.len() as u64
+    }
+
     async fn commit(mut self: Box<Self>) -> Result<()> {
         if self.failed {
             return Err(Error::internal("writer used after a failed write"));

@@ -155,6 +155,20 @@ impl BlobWriter for TieredWriter {
         self.remote.write(chunk).await
     }
 
+    fn buffered(&self) -> u64 {
+        self.remote.buffered() + self.local.as_ref().map_or(0, |w| w.buffered())
+    }
+
+    async fn spill(&mut self) -> Result<()> {
+        if let Some(w) = self.local.as_mut() {
+            if let Err(e) = w.spill().await {
+                tracing::warn!(blob = %self.digest, error = %e, "spilling to the local tier failed; the upload goes on without it");
+                self.local = None;
+            }
+        }
+        self.remote.spill().await
+    }
+
     async fn commit(self: Box<Self>) -> Result<()> {
         // The bucket first: only a blob the bucket holds may be acknowledged or cached.
         self.remote.commit().await?;

@@ -1392,6 +1392,7 @@ mod tests {
             deadline: Duration::from_secs(20),
             kill_grace: Duration::from_secs(1),
             remote_executor: "grpc://127.0.0.1:1".into(),
+            credentials: Default::default(),
         };
         let runner = Runner::new(0, d.path(), Arc::new(settings)).unwrap();
         let spec = RunSpec {

@@ -660,6 +660,7 @@ async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool, wit
             cert: args.tls_cert.clone(),
             key: args.tls_key.clone(),
             client_ca: None,
+            client_certificates_optional: false,
         })?)
     } else {
         None

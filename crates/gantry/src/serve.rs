@@ -54,13 +54,7 @@ pub fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
 }
 
 pub fn limits(config: &Config) -> Limits {
-    Limits {
-        max_batch_size: config.server.max_batch_size.as_u64(),
-        read_chunk_size: config.server.read_chunk_size.as_u64() as usize,
-        upload_idle_timeout: config.server.upload_idle_timeout,
-        max_proto_size: config.server.max_proto_size.as_u64(),
-        max_uploads_per_client: config.server.max_uploads_per_client,
-    }
+    Limits::from(&config.server)
 }
 
 pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<Services> {
@@ -227,6 +221,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 cert: t.cert.clone(),
                 key: t.key.clone(),
                 client_ca: t.client_ca.clone(),
+                client_certificates_optional: t.client_certificates == gantry_config::ClientCertificates::Optional,
             })
             .context("[server.tls]")?,
         ),
@@ -312,10 +307,13 @@ async fn start_build_runners(
         // every build will end INFRA_ERROR until it is installed.
         tracing::warn!(bazel = %b.bazel.display(), "batch.bazel not found: builds will fail with INFRA_ERROR (install Bazel, or set [batch] runners = 0)");
     }
+    if config.auth.is_some() && b.remote_executor.is_none() && b.token_file.is_none() {
+        tracing::warn!("[auth] is on and [batch] token_file is not set: the runners' Bazel reaches this server without a credential, which works only if [auth] anonymous may execute");
+    }
     let settings = gantry_builds::ServiceSettings {
         runners: b.runners,
         runner_dir: std::path::absolute(config.batch_runner_dir()).context("batch.runner_dir")?,
-        runner: runner_settings(b, b.deadline, grpc_addr),
+        runner: runner_settings(config, b.deadline, grpc_addr),
         memory_label: b.memory_label,
         model_dir: config.batch_model_dir(),
         retrain_interval: b.retrain_interval,
@@ -344,10 +342,18 @@ async fn start_build_runners(
 }
 
 /// How a runner invokes Bazel, from `[batch]`, with this server as the default executor.
-fn runner_settings(b: &gantry_config::BatchConfig, deadline: std::time::Duration, grpc_addr: SocketAddr) -> gantry_builds::runner::RunnerSettings {
+fn runner_settings(config: &Config, deadline: std::time::Duration, grpc_addr: SocketAddr) -> gantry_builds::runner::RunnerSettings {
+    let b = &config.batch;
     let remote_executor = b.remote_executor.clone().unwrap_or_else(|| {
-        let host = if grpc_addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { grpc_addr.ip().to_string() };
-        format!("grpc://{host}:{}", grpc_addr.port())
+        let ip = grpc_addr.ip();
+        // With TLS the name must be one the certificate holds; "localhost" is the one a
+        // server reached from its own host most often has.
+        match (&config.server.tls, ip.is_unspecified() || ip.is_loopback()) {
+            (Some(_), true) => format!("grpcs://localhost:{}", grpc_addr.port()),
+            (Some(_), false) => format!("grpcs://{grpc_addr}"),
+            (None, true) => format!("grpc://127.0.0.1:{}", grpc_addr.port()),
+            (None, false) => format!("grpc://{grpc_addr}"),
+        }
     });
     gantry_builds::runner::RunnerSettings {
         bazel: b.bazel.clone(),
@@ -357,6 +363,12 @@ fn runner_settings(b: &gantry_config::BatchConfig, deadline: std::time::Duration
         deadline,
         kill_grace: b.kill_grace,
         remote_executor,
+        credentials: gantry_builds::runner::BazelCredentials {
+            token_file: b.token_file.clone(),
+            tls_certificate: b.tls_certificate.clone(),
+            tls_client_certificate: b.tls_client_certificate.clone(),
+            tls_client_key: b.tls_client_key.clone(),
+        },
     }
 }
 
@@ -376,7 +388,7 @@ async fn start_queue(
         max_retries: q.max_retries,
         build_command: q.build_command.clone(),
         work_dir: std::path::absolute(config.queue_work_dir()).context("queue.work_dir")?,
-        runner: runner_settings(&config.batch, q.deadline, grpc_addr),
+        runner: runner_settings(config, q.deadline, grpc_addr),
         prior_success: q.prior_success,
         prior_conflict: q.prior_conflict,
     };

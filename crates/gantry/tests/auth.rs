@@ -1,16 +1,21 @@
 //! `[auth]` on a real `gantry serve`: tokens by SHA-256, grants by instance and
-//! permission, workers that must present a worker credential, and real Bazel 4.2.3
-//! passing its token with `--remote_header`.
+//! permission, workers that must present a worker credential, and real Bazel 4.2.3 over
+//! TLS passing its token with `--remote_header`.
 
 mod common;
 
+use common::tls::{write, Ca};
 use common::{BazelWorkspace, GantryServer, WorkerProcess};
 use gantry_core::reapi::action_cache_client::ActionCacheClient;
 use gantry_core::reapi::capabilities_client::CapabilitiesClient;
+use gantry_core::google::longrunning::operations_client::OperationsClient;
+use gantry_core::google::longrunning::{CancelOperationRequest, ListOperationsRequest};
+use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
 use gantry_core::reapi::execution_client::ExecutionClient;
 use gantry_core::reapi::{self, ActionResult};
 use gantry_core::DigestFunction;
 use gantry_proto::worker::v1 as wpb;
+use prost::Message;
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -138,6 +143,29 @@ async fn tokens_grants_and_worker_credentials() {
     let e = w.session(with_token(futures::stream::iter(vec![reg]), None)).await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
 
+    // Operations belong to the identity that started them. No worker is registered, so
+    // CI's action stays queued.
+    let cmd = reapi::Command { arguments: vec!["true".into()], ..Default::default() };
+    let cd = put(&ch, cmd.encode_to_vec(), CI).await;
+    let root = put(&ch, reapi::Directory::default().encode_to_vec(), CI).await;
+    let action = reapi::Action { command_digest: Some(cd), input_root_digest: Some(root), ..Default::default() };
+    let ad = put(&ch, action.encode_to_vec(), CI).await;
+    let exec = reapi::ExecuteRequest { instance_name: "main".into(), action_digest: Some(ad), ..Default::default() };
+    let mut stream = ExecutionClient::new(ch.clone()).execute(with_token(exec, Some(CI))).await.unwrap().into_inner();
+    let op = stream.message().await.unwrap().unwrap().name;
+    let mut ops = OperationsClient::new(ch.clone());
+    let list = |t: &'static str| {
+        let mut ops = ops.clone();
+        async move { ops.list_operations(with_token(ListOperationsRequest::default(), Some(t))).await.unwrap().into_inner().operations }
+    };
+    assert_eq!(list(CI).await.iter().map(|o| o.name.clone()).collect::<Vec<_>>(), vec![op.clone()]);
+    assert!(list(DEV).await.is_empty(), "a developer does not see CI's operations");
+    let e = ops.cancel_operation(with_token(CancelOperationRequest { name: op.clone() }, Some(DEV))).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "someone else's operation looks missing: {e:?}");
+    ops.cancel_operation(with_token(CancelOperationRequest { name: op.clone() }, Some(CI))).await.unwrap();
+    let last = stream.message().await.unwrap().unwrap();
+    assert!(last.done, "cancelled by its owner");
+
     // Refusals are counted by method and code.
     let metrics = common::http_get(&server.http, "/metrics");
     let count = |code: &str, method: &str| {
@@ -149,21 +177,51 @@ async fn tokens_grants_and_worker_credentials() {
     server.stop();
 }
 
+async fn put(ch: &Channel, data: Vec<u8>, token: &str) -> reapi::Digest {
+    let d = DigestFunction::Sha256.digest_of(&data).to_proto();
+    let req = reapi::BatchUpdateBlobsRequest {
+        requests: vec![reapi::batch_update_blobs_request::Request { digest: Some(d.clone()), data, compressor: 0 }],
+        ..Default::default()
+    };
+    let r = ContentAddressableStorageClient::new(ch.clone()).batch_update_blobs(with_token(req, Some(token))).await.unwrap();
+    assert_eq!(r.into_inner().responses[0].status.as_ref().unwrap().code, 0);
+    d
+}
+
 fn text(o: &std::process::Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 #[test]
-fn bazel_with_tokens_and_a_worker_with_its_credential() {
+fn bazel_over_tls_with_tokens_and_a_worker_with_its_credential() {
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::write(tmp.path().join("g.toml"), config()).unwrap();
-    let server = GantryServer::start(&tmp.path().join("d"), &["--config", tmp.path().join("g.toml").to_str().unwrap()]);
-    // The worker presents its credential from the environment.
-    let worker = WorkerProcess::start_env(&server.grpc, &tmp.path().join("w"), 2, &[("GANTRY_TOKEN", WORKER)]);
-    let ws = BazelWorkspace::new();
+    let d = tmp.path();
+    let ca = Ca::new("gantry test CA");
+    let (cert, key) = ca.issue(&["localhost", "127.0.0.1"]);
+    let (wcert, wkey) = ca.issue(&["workers.test"]);
+    let ca_pem = write(d, "ca.pem", &ca.pem());
+    // The team setup of README's "Securing gantry": people and CI by token (no client
+    // certificate), workers by certificate.
+    let tls = format!(
+        "[server.tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {ca_pem:?}\nclient_certificates = \"optional\"\n",
+        write(d, "server.pem", &cert),
+        write(d, "server.key", &key)
+    );
+    let workers = "[[auth.workers.certificates]]\nname = \"pool-tls\"\ndns_name = \"workers.test\"\n";
+    std::fs::write(d.join("g.toml"), format!("{tls}{}{workers}", config())).unwrap();
+    let server = GantryServer::start(&d.join("d"), &["--config", d.join("g.toml").to_str().unwrap()]);
+    let url = format!("grpcs://{}", server.grpc);
+    let (wcert, wkey) = (write(d, "worker.pem", &wcert), write(d, "worker.key", &wkey));
+    let worker = WorkerProcess::start_url(
+        &url,
+        &d.join("w"),
+        2,
+        &[("GANTRY_TLS_CA", &ca_pem), ("GANTRY_TLS_CERT", &wcert), ("GANTRY_TLS_KEY", &wkey)],
+    );
+    let ws = BazelWorkspace::new().with_tls();
     let header = |t: &str| format!("--remote_header=Authorization=Bearer {t}");
     let exec = |extra: &[String]| {
-        let mut v = vec![format!("--remote_executor=grpc://{}", server.grpc), "--remote_timeout=60".to_string()];
+        let mut v = vec![format!("--remote_executor={url}"), format!("--tls_certificate={ca_pem}"), "--remote_timeout=60".to_string()];
         v.extend(extra.iter().cloned());
         v.push("//:chain_c".into());
         v
@@ -182,7 +240,7 @@ fn bazel_with_tokens_and_a_worker_with_its_credential() {
 
     // A developer with only a remote cache: local results are not uploaded (no write_ac),
     // and Bazel reports the refusal; CI's uploads go through.
-    let cache = |t: &str| vec![format!("--remote_cache=grpc://{}", server.grpc), header(t), "//:empty".to_string()];
+    let cache = |t: &str| vec![format!("--remote_cache={url}"), format!("--tls_certificate={ca_pem}"), header(t), "//:empty".to_string()];
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel("build", &cache(DEV));
     assert!(out.status.success(), "the build itself succeeds: {}", text(&out));

@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod batch_workspace;
 pub mod reapi;
+pub mod tls;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -163,13 +164,33 @@ pub fn toml_list(v: &[String]) -> String {
 
 pub struct BazelWorkspace {
     pub dir: tempfile::TempDir,
+    /// Extra startup options, before the command.
+    startup: Vec<String>,
 }
 
 impl BazelWorkspace {
     pub fn new() -> BazelWorkspace {
         let dir = tempfile::tempdir().unwrap();
         copy_dir(&fixtures().join("ws"), &dir.path().join("ws"));
-        BazelWorkspace { dir }
+        BazelWorkspace { dir, startup: Vec::new() }
+    }
+
+    /// Lets Debian's Bazel 4.2.3 open TLS channels. Its netty was built without the
+    /// JDK's ALPN, so TLS needs netty-tcnative's OpenSSL provider, whose JNI library
+    /// (Debian's `libnetty-tcnative-jni`) netty looks up as `libnetty_tcnative.so` on
+    /// `java.library.path` and checks by file name, so it is copied, not linked.
+    /// README's "Securing gantry" gives users the same recipe.
+    pub fn with_tls(mut self) -> BazelWorkspace {
+        let lib = std::fs::read_dir("/usr/lib")
+            .unwrap()
+            .filter_map(|e| Some(e.ok()?.path().join("jni/libnetty-tcnative.so")))
+            .find(|p| p.exists())
+            .expect("no /usr/lib/*/jni/libnetty-tcnative.so: install libnetty-tcnative-jni (scripts/test does)");
+        let jni = self.dir.path().join("jni");
+        std::fs::create_dir_all(&jni).unwrap();
+        std::fs::copy(&lib, jni.join("libnetty_tcnative.so")).unwrap();
+        self.startup.push(format!("--host_jvm_args=-Djava.library.path={}", jni.display()));
+        self
     }
 
     pub fn ws(&self) -> PathBuf {
@@ -199,6 +220,7 @@ impl BazelWorkspace {
             .arg(format!("--output_base={}", self.dir.path().join("base").display()))
             .arg("--nohome_rc")
             .arg("--noworkspace_rc")
+            .args(&self.startup)
             .arg(command);
         if command != "clean" && command != "shutdown" {
             cmd.args(self.base_flags().into_iter().map(|f| {
