@@ -48,7 +48,9 @@ fn write_token_rc(token_file: &Path, rc: &Path) -> Result<(), String> {
     use std::os::unix::fs::OpenOptionsExt;
     let token = std::fs::read_to_string(token_file).map_err(|e| format!("reading the token file {}: {e}", token_file.display()))?;
     let token = token.trim();
-    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+    // Bazel tokenizes rc lines like a shell: the value is quoted, so it may not hold
+    // quotes or backslashes (no bearer token does).
+    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '\\')) {
         return Err(format!("the token file {} must hold one token on one line", token_file.display()));
     }
     let tmp = rc.with_extension("tmp");
@@ -59,7 +61,7 @@ fn write_token_rc(token_file: &Path, rc: &Path) -> Result<(), String> {
         .mode(0o600)
         .open(&tmp)
         .map_err(|e| format!("creating {}: {e}", tmp.display()))?;
-    writeln!(f, "build --remote_header=Authorization=Bearer {token}").map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    writeln!(f, "build \"--remote_header=Authorization=Bearer {token}\"").map_err(|e| format!("writing {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, rc).map_err(|e| format!("renaming {}: {e}", tmp.display()))
 }
 
@@ -415,7 +417,7 @@ mod tests {
         }
         runner.run(&spec).await;
         let seen = std::fs::read_to_string(ws.join("seen.txt")).unwrap();
-        assert!(seen.contains("build --remote_header=Authorization=Bearer first-secret"), "{seen}");
+        assert!(seen.contains("build \"--remote_header=Authorization=Bearer first-secret\""), "{seen}");
         let mode = std::fs::metadata(runner.token_rc()).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         // A rotated token is used by the next build.

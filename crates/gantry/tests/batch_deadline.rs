@@ -2,6 +2,9 @@
 //! running at its deadline is stopped (Bazel server included), rerun once as a child
 //! build, and not a third time; a build whose workspace is not a Bazel workspace ends
 //! INFRA_ERROR with the reason and is not retried.
+//!
+//! The deadline test's server has TLS and `[auth]`: the runner's Bazel reaches it with
+//! `[batch] token_file` and `tls_certificate`, as README's "Securing gantry" says.
 
 mod common;
 
@@ -12,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::batch::{gantry, stream_builds};
+use common::batch::{gantry, stream_builds, stream_builds_env};
+use common::tls::{write, Ca};
 use common::{fixture_flags, toml_list, GantryServer};
 use serde_json::Value;
 
@@ -20,25 +24,56 @@ use serde_json::Value;
 /// bounded by `[execution] default_timeout` so a sleeping genrule does not outlive the
 /// test by long.
 fn start_server(dir: &Path, deadline: &str, kill_grace: &str) -> (GantryServer, String) {
+    start_server_with(dir, deadline, kill_grace, None)
+}
+
+const CLIENT_TOKEN: &str = "client-token-0123456789";
+const RUNNER_TOKEN: &str = "runner-token-0123456789";
+
+/// `secure`: the CA's PEM path; the server then has TLS and `[auth]` with one token for
+/// `gantry batch`/`builds` and one, from `[batch] token_file`, for the runner's Bazel.
+fn start_server_with(dir: &Path, deadline: &str, kill_grace: &str, secure: Option<(&str, &str, &str)>) -> (GantryServer, String) {
     let config = dir.join("gantry.toml");
+    let mut startup = vec!["--nohome_rc".to_string(), "--noworkspace_rc".into(), "--max_idle_secs=60".into()];
+    let mut extra = String::new();
+    if let Some((ca, cert, key)) = secure {
+        startup.push(common::bazel_tls_startup_flag(dir));
+        let token_file = dir.join("runner.token");
+        std::fs::write(&token_file, format!("{RUNNER_TOKEN}\n")).unwrap();
+        let sha = gantry_services::auth::token_sha256;
+        extra = format!(
+            "token_file = {:?}\ntls_certificate = {ca:?}\n\
+             [server.tls]\ncert = {cert:?}\nkey = {key:?}\n\
+             [auth]\n[[auth.tokens]]\nname = \"client\"\nsha256 = \"{}\"\ngrants = [\"client\"]\n\
+             [[auth.tokens]]\nname = \"runners\"\nsha256 = \"{}\"\ngrants = [\"runners\"]\n\
+             [auth.grants.client]\ninstances = [\"*\"]\npermissions = [\"read\", \"batch\"]\n\
+             [auth.grants.runners]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\", \"execute\"]\n",
+            token_file.display(),
+            sha(CLIENT_TOKEN),
+            sha(RUNNER_TOKEN)
+        );
+    }
     std::fs::write(
         &config,
         format!(
-            "[batch]\nrunners = 1\nbazel_memory = \"512MiB\"\nmemory_cutoff_high = \"400MiB\"\nmemory_cutoff_medium = \"400MiB\"\nmemory_cutoff_low = \"400MiB\"\nretrain_interval = \"0s\"\ndeadline = \"{deadline}\"\nkill_grace = \"{kill_grace}\"\n\
-             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=60\"]\nextra_flags = {}\n\
-             [execution]\nworkers = 1\ndefault_timeout = \"40s\"\n",
+            "[execution]\nworkers = 1\ndefault_timeout = \"40s\"\n\
+             [batch]\nrunners = 1\nbazel_memory = \"512MiB\"\nmemory_cutoff_high = \"400MiB\"\nmemory_cutoff_medium = \"400MiB\"\nmemory_cutoff_low = \"400MiB\"\nretrain_interval = \"0s\"\ndeadline = \"{deadline}\"\nkill_grace = \"{kill_grace}\"\n\
+             startup_flags = {}\nextra_flags = {}\n{extra}",
+            toml_list(&startup),
             toml_list(&fixture_flags())
         ),
     )
     .unwrap();
     let server = GantryServer::start(&dir.join("data"), &["--config", config.to_str().unwrap()]);
-    let url = format!("grpc://{}", server.grpc);
+    let scheme = if secure.is_some() { "grpcs" } else { "grpc" };
+    let url = format!("{scheme}://{}", server.grpc);
     (server, url)
 }
 
 /// `gantry batch --command build --json --wait`; returns the stream id and the output.
-fn batch_wait(server: &str, ws: &Path, targets: &Path) -> (String, Output) {
+fn batch_wait(server: &str, ws: &Path, targets: &Path, env: &[(&str, &str)]) -> (String, Output) {
     let child = gantry()
+        .envs(env.iter().copied())
         .args(["batch", "--server", server, "--command", "build", "--json", "--wait", "--workspace"])
         .arg(ws)
         .arg("--targets")
@@ -140,10 +175,16 @@ fn deadline_stops_bazel_and_reruns_once() {
 
     let deadline = Duration::from_secs(8);
     let grace = Duration::from_secs(2);
-    let (server, url) = start_server(dir.path(), "8s", "2s");
+    let ca = Ca::new("deadline test CA");
+    let (cert, key) = ca.issue(&["localhost", "127.0.0.1"]);
+    let d = dir.path();
+    let ca_pem = write(d, "ca.pem", &ca.pem());
+    let (cert, key) = (write(d, "server.pem", &cert), write(d, "server.key", &key));
+    let (server, url) = start_server_with(d, "8s", "2s", Some((&ca_pem, &cert, &key)));
+    let env = [("GANTRY_TOKEN", CLIENT_TOKEN), ("GANTRY_TLS_CA", ca_pem.as_str())];
     let watcher = PidWatcher::start(dir.path().join("data/runners/r0/output_base"));
     let t = Instant::now();
-    let (stream, out) = batch_wait(&url, &ws, &targets);
+    let (stream, out) = batch_wait(&url, &ws, &targets, &env);
     let waited = t.elapsed();
     let pids = watcher.finish();
 
@@ -153,9 +194,12 @@ fn deadline_stops_bazel_and_reruns_once() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(started.exists(), "the slow action never started: the deadline hit before Bazel ran it");
+    assert!(
+        started.exists(),
+        "the slow action never started: the runner's Bazel did not reach the executor over TLS with its token, or the deadline hit first"
+    );
 
-    let builds = stream_builds(&url, &stream);
+    let builds = stream_builds_env(&url, &stream, &env);
     eprintln!("{builds:#?}");
     assert_eq!(builds.len(), 2, "the build and exactly one rerun: {:?}", builds.keys().collect::<Vec<_>>());
     let parent = builds.values().find(|b| b["parent_build_id"] == "").expect("the planned build");
@@ -197,7 +241,7 @@ fn a_directory_that_is_not_a_workspace_is_an_infra_error_and_not_retried() {
     std::fs::write(&targets, "//:g genrule\n").unwrap();
     let (server, url) = start_server(dir.path(), "1m", "2s");
 
-    let (stream, out) = batch_wait(&url, &ws, &targets);
+    let (stream, out) = batch_wait(&url, &ws, &targets, &[]);
     assert!(!out.status.success(), "gantry batch --wait succeeded without a workspace");
     let builds = stream_builds(&url, &stream);
     assert_eq!(builds.len(), 1, "an infra error is not retried: {builds:#?}");

@@ -12,7 +12,12 @@ pub fn gantry() -> Command {
 
 /// Every build of a stream, retries included, by id (`gantry builds --json`).
 pub fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
-    let out = gantry().args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
+    stream_builds_env(server, stream, &[])
+}
+
+/// Like `stream_builds`, with the client's environment (`GANTRY_TOKEN`, `GANTRY_TLS_CA`).
+pub fn stream_builds_env(server: &str, stream: &str, env: &[(&str, &str)]) -> BTreeMap<String, Value> {
+    let out = gantry().envs(env.iter().copied()).args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout)
         .lines()

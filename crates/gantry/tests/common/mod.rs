@@ -181,15 +181,7 @@ impl BazelWorkspace {
     /// `java.library.path` and checks by file name, so it is copied, not linked.
     /// README's "Securing gantry" gives users the same recipe.
     pub fn with_tls(mut self) -> BazelWorkspace {
-        let lib = std::fs::read_dir("/usr/lib")
-            .unwrap()
-            .filter_map(|e| Some(e.ok()?.path().join("jni/libnetty-tcnative.so")))
-            .find(|p| p.exists())
-            .expect("no /usr/lib/*/jni/libnetty-tcnative.so: install libnetty-tcnative-jni (scripts/test does)");
-        let jni = self.dir.path().join("jni");
-        std::fs::create_dir_all(&jni).unwrap();
-        std::fs::copy(&lib, jni.join("libnetty_tcnative.so")).unwrap();
-        self.startup.push(format!("--host_jvm_args=-Djava.library.path={}", jni.display()));
+        self.startup.push(bazel_tls_startup_flag(self.dir.path()));
         self
     }
 
@@ -260,6 +252,20 @@ impl BazelWorkspace {
         }
         panic!("no bazel-bin with outputs under {}", execroot.display());
     }
+}
+
+/// The startup option that lets Debian's Bazel 4.2.3 speak TLS (see
+/// [`BazelWorkspace::with_tls`]), with the library copied under `dir`.
+pub fn bazel_tls_startup_flag(dir: &Path) -> String {
+    let lib = std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(|e| Some(e.ok()?.path().join("jni/libnetty-tcnative.so")))
+        .find(|p| p.exists())
+        .expect("no /usr/lib/*/jni/libnetty-tcnative.so: install libnetty-tcnative-jni (scripts/test does)");
+    let jni = dir.join("jni");
+    std::fs::create_dir_all(&jni).unwrap();
+    std::fs::copy(&lib, jni.join("libnetty_tcnative.so")).unwrap();
+    format!("--host_jvm_args=-Djava.library.path={}", jni.display())
 }
 
 pub fn copy_dir(from: &Path, to: &Path) {
