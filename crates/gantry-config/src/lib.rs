@@ -554,6 +554,20 @@ pub struct S3StoreConfig {
     /// The local filesystem tier in front of the bucket. Absent: every read goes to S3.
     #[serde(default)]
     pub local: Option<LocalTierConfig>,
+    /// The bucket's lifecycle rule, if it has one: objects expire this long after their
+    /// Last-Modified (an S3 rule of N days is "Ndays"). gantry then answers a blob present
+    /// only while it has `min_blob_lifetime` left, and refreshes older ones that are asked
+    /// about. Unset: objects are never expired behind gantry's back.
+    #[serde(default, with = "humantime_serde")]
+    pub expire_after: Option<Duration>,
+    /// With `expire_after`: how long the blobs of an action-cache hit (and any blob
+    /// answered present) stay downloadable at least. Default "6h".
+    #[serde(default = "default_min_blob_lifetime", with = "humantime_serde")]
+    pub min_blob_lifetime: Duration,
+}
+
+fn default_min_blob_lifetime() -> Duration {
+    Duration::from_secs(6 * 3600)
 }
 
 fn default_region() -> String {
@@ -1022,6 +1036,15 @@ impl S3StoreConfig {
                 ));
             }
         }
+        if let Some(e) = self.expire_after {
+            if e <= self.min_blob_lifetime {
+                return Err(ConfigError::Invalid(format!(
+                    "cas.expire_after ({}) must be longer than cas.min_blob_lifetime ({}): no blob could be promised its lifetime",
+                    humantime_serde::re::humantime::format_duration(e),
+                    humantime_serde::re::humantime::format_duration(self.min_blob_lifetime)
+                )));
+            }
+        }
         if self.region.trim().is_empty() {
             return Err(ConfigError::Invalid("cas.region must not be empty".into()));
         }
@@ -1105,6 +1128,10 @@ mod tests {
         let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\n[cas.local]\n").unwrap();
         let CasConfig::S3(s3) = &c.cas else { panic!() };
         assert_eq!(s3.local.as_ref().unwrap().max_size, ByteSize::gib(20));
+        assert_eq!((s3.expire_after, s3.min_blob_lifetime), (None, Duration::from_secs(6 * 3600)));
+        let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nexpire_after = \"30days\"\nmin_blob_lifetime = \"12h\"\n").unwrap();
+        let CasConfig::S3(s3) = &c.cas else { panic!() };
+        assert_eq!((s3.expire_after, s3.min_blob_lifetime), (Some(Duration::from_secs(30 * 86_400)), Duration::from_secs(12 * 3600)));
         assert!(parse("[cas]\nkind = \"s3\"").unwrap_err().to_string().contains("bucket"));
         for (bad, what) in [
             ("bucket = \"Gantry_CAS\"", "bucket"),
@@ -1113,6 +1140,7 @@ mod tests {
             ("bucket = \"ok-bucket\"\nprefix = \"/cas\"", "prefix"),
             ("bucket = \"ok-bucket\"\nmax_concurrent_requests = 0", "max_concurrent_requests"),
             ("bucket = \"ok-bucket\"\n[cas.local]\nmax_size = \"0B\"", "local.max_size"),
+            ("bucket = \"ok-bucket\"\nexpire_after = \"6h\"", "min_blob_lifetime"),
         ] {
             let e = parse(&format!("[cas]\nkind = \"s3\"\n{bad}")).unwrap_err().to_string();
             assert!(e.contains(what), "{bad}: {e}");

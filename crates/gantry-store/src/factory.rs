@@ -29,7 +29,10 @@ pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
                     let tier = FsStore::open(&path, local.max_size.as_u64())
                         .await
                         .context(format_args!("[cas.local] at {}", path.display()))?;
-                    Arc::new(TieredStore::new(Arc::new(tier), Arc::new(remote)))
+                    let tiered = TieredStore::new(Arc::new(tier), Arc::new(remote));
+                    // A bucket that expires objects decides what is present; the tier
+                    // may hold what the bucket no longer does.
+                    Arc::new(if s3.expire_after.is_some() { tiered.with_remote_presence() } else { tiered })
                 }
             }
         }

@@ -13,6 +13,12 @@
 //!   `PresenceRecord`), with up to `max_concurrent_requests` HEADs in flight.
 //! - Any failure other than "no such key" is UNAVAILABLE with S3's message: never a
 //!   miss, never a lost write.
+//! - With a bucket lifecycle rule (`expire_after`), a blob is answered present only while
+//!   the rule leaves it at least `min_blob_lifetime` to live, judged by the object's
+//!   Last-Modified. An older object that is asked about is refreshed first (copied away
+//!   and back, server-side, which resets Last-Modified), so an action-cache hit's blobs
+//!   stay downloadable for `min_blob_lifetime` after the hit, and an object the rule
+//!   removed is a miss, never a hit Bazel cannot download.
 //!
 //! The `object_store` crate (not the AWS SDK) speaks S3: it is the Arrow project's
 //! store abstraction, small, built on the reqwest/hyper stack gantry already uses, and it
@@ -22,7 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -79,6 +85,11 @@ pub struct S3Options {
     pub max_retries: usize,
     /// Longest time spent retrying one request. Default 10 s.
     pub retry_timeout: Duration,
+    /// The bucket's lifecycle rule: objects expire this long after Last-Modified. None:
+    /// objects live until deleted.
+    pub expire_after: Option<Duration>,
+    /// With `expire_after`: how long a blob answered present is promised to stay.
+    pub min_blob_lifetime: Duration,
 }
 
 impl S3Options {
@@ -94,6 +105,8 @@ impl S3Options {
             credentials: S3Credentials::Environment,
             max_retries: 3,
             retry_timeout: Duration::from_secs(10),
+            expire_after: None,
+            min_blob_lifetime: Duration::from_secs(6 * 3600),
         }
     }
 
@@ -105,6 +118,8 @@ impl S3Options {
             max_concurrent_requests: c.max_concurrent_requests,
             presence_ttl: c.presence_ttl,
             presence_entries: c.presence_entries,
+            expire_after: c.expire_after,
+            min_blob_lifetime: c.min_blob_lifetime,
             ..S3Options::new(c.bucket.clone())
         }
     }
@@ -125,6 +140,8 @@ pub struct S3RequestCounts {
     pub get: AtomicU64,
     pub put: AtomicU64,
     pub delete: AtomicU64,
+    /// Server-side copies (lifetime refreshes make two each).
+    pub copy: AtomicU64,
 }
 
 pub struct S3Store {
@@ -261,7 +278,8 @@ impl Inner {
         }
         match res {
             Ok(()) => {
-                self.presence.insert(d);
+                // Last-Modified is at or after now: the commit finished just now.
+                self.presence.insert(d, self.good_until(SystemTime::now()));
                 Ok(led)
             }
             Err(msg) => Err(Error::Unavailable(msg.to_string())),
@@ -281,17 +299,55 @@ impl Inner {
         Error::Unavailable(format!("{}: {doing}: {e}", self.what))
     }
 
-    /// HEAD: Some(true) present, Some(false) absent (or not the blob's size), Err otherwise.
+    /// Until when a blob last modified at `modified` may be answered present: forever
+    /// without a lifecycle rule, else until the rule would leave it less than
+    /// `min_blob_lifetime`.
+    fn good_until(&self, modified: SystemTime) -> Option<SystemTime> {
+        let expire = self.opts.expire_after?;
+        Some(modified + expire.saturating_sub(self.opts.min_blob_lifetime))
+    }
+
+    /// HEAD: true when present (with the blob's size), false when absent, Err otherwise.
+    /// A present object too old to promise `min_blob_lifetime` is refreshed first.
     async fn head(&self, d: &Digest) -> Result<bool> {
         self.requests.head.fetch_add(1, Ordering::Relaxed);
-        match self.store.head(&self.path(d)).await {
-            Ok(meta) => Ok(meta.size == d.size),
+        let path = self.path(d);
+        let meta = match self.store.head(&path).await {
+            Ok(meta) if meta.size == d.size => meta,
+            Ok(_) => return Ok(false),
             Err(object_store::Error::NotFound { .. }) => {
                 self.presence.remove(d);
-                Ok(false)
+                return Ok(false);
             }
-            Err(e) => Err(self.unavailable(format_args!("HEAD of blob {d}"), e)),
+            Err(e) => return Err(self.unavailable(format_args!("HEAD of blob {d}"), e)),
+        };
+        let mut until = self.good_until(meta.last_modified.into());
+        if until.is_some_and(|u| u <= SystemTime::now()) {
+            self.refresh(d, &path).await?;
+            until = self.good_until(SystemTime::now());
         }
+        self.presence.insert(*d, until);
+        Ok(true)
+    }
+
+    /// Resets an object's Last-Modified, so the lifecycle rule's clock starts again: a
+    /// server-side copy to a scratch key and back (S3 refuses to copy an object onto
+    /// itself unchanged), then the scratch key is deleted.
+    async fn refresh(&self, d: &Digest, path: &ObjectPath) -> Result<()> {
+        let scratch = ObjectPath::from(format!("{}gantry-refresh/{}", self.opts.prefix, uuid::Uuid::new_v4()));
+        self.requests.copy.fetch_add(2, Ordering::Relaxed);
+        let copied = async {
+            self.store.copy(path, &scratch).await?;
+            self.store.copy(&scratch, path).await
+        }
+        .await;
+        self.requests.delete.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.store.delete(&scratch).await {
+            tracing::warn!(key = %scratch, error = %e, "deleting the scratch copy of a refreshed blob failed");
+        }
+        copied.map_err(|e| self.unavailable(format_args!("refreshing blob {d} before the bucket's lifecycle rule expires it"), e))?;
+        tracing::debug!(blob = %d, "refreshed an object the lifecycle rule would soon expire");
+        Ok(())
     }
 }
 
@@ -299,7 +355,8 @@ impl Inner {
 impl BlobStore for S3Store {
     async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
         let inner = &self.inner;
-        let mut present: Vec<bool> = digests.iter().map(|d| inner.presence.contains(d)).collect();
+        let now = SystemTime::now();
+        let mut present: Vec<bool> = digests.iter().map(|d| inner.presence.contains(d, now)).collect();
         let unknown: Vec<(usize, Digest)> =
             present.iter().enumerate().filter(|(_, p)| !**p).map(|(i, _)| (i, digests[i])).collect();
         let found: Vec<(usize, Digest, bool)> = futures::stream::iter(unknown)
@@ -307,11 +364,8 @@ impl BlobStore for S3Store {
             .buffer_unordered(inner.opts.max_concurrent_requests)
             .try_collect()
             .await?;
-        for (i, d, p) in found {
-            if p {
-                inner.presence.insert(d);
-                present[i] = true;
-            }
+        for (i, _, p) in found {
+            present[i] = p;
         }
         Ok(present)
     }
@@ -338,7 +392,10 @@ impl BlobStore for S3Store {
             }
             Err(e) => return Err(inner.unavailable(format_args!("GET of blob {digest}"), e)),
         };
-        inner.presence.insert(*digest);
+        let until = inner.good_until(res.meta.last_modified.into());
+        if until.is_none_or(|u| u > SystemTime::now()) {
+            inner.presence.insert(*digest, until);
+        }
         let d = *digest;
         // A connection cut mid-body must reach the client as an error, never as a short blob.
         let body = res.into_stream();
@@ -571,10 +628,12 @@ impl Drop for S3Writer {
 
 /// A bounded, expiring record of blobs confirmed in the bucket: written by this process,
 /// read from it, or found by a HEAD. A blob in it is answered present without a request.
-/// Entries expire `ttl` after their confirmation, and the oldest go first past `capacity`,
-/// so a blob that left the bucket is believed present for at most `ttl`.
+/// Entries expire `ttl` after their confirmation, or earlier when the bucket's lifecycle
+/// rule would leave the blob less than its promised lifetime (`good_until`), and the
+/// oldest go first past `capacity`, so a blob that left the bucket is believed present
+/// for at most `ttl`, and never past the time the lifecycle rule could remove it.
 struct PresenceRecord {
-    map: Mutex<lru::LruCache<Digest, Instant>>,
+    map: Mutex<lru::LruCache<Digest, (Instant, Option<SystemTime>)>>,
     ttl: Duration,
 }
 
@@ -584,13 +643,13 @@ impl PresenceRecord {
         PresenceRecord { map: Mutex::new(lru::LruCache::new(cap)), ttl }
     }
 
-    fn contains(&self, d: &Digest) -> bool {
+    fn contains(&self, d: &Digest, now: SystemTime) -> bool {
         if self.ttl.is_zero() {
             return false;
         }
         let mut map = self.map.lock().expect("poisoned");
         match map.peek(d) {
-            Some(at) if at.elapsed() < self.ttl => true,
+            Some((at, until)) if at.elapsed() < self.ttl && until.is_none_or(|u| now < u) => true,
             Some(_) => {
                 map.pop(d);
                 false
@@ -603,9 +662,9 @@ impl PresenceRecord {
         self.map.lock().expect("poisoned").pop(d);
     }
 
-    fn insert(&self, d: Digest) {
+    fn insert(&self, d: Digest, good_until: Option<SystemTime>) {
         if !self.ttl.is_zero() {
-            self.map.lock().expect("poisoned").put(d, Instant::now());
+            self.map.lock().expect("poisoned").put(d, (Instant::now(), good_until));
         }
     }
 }
@@ -685,18 +744,25 @@ mod tests {
     #[test]
     fn presence_record_expires_and_is_bounded() {
         let d = |i: u32| gantry_core::DigestFunction::Sha256.digest_of(&i.to_le_bytes());
+        let now = SystemTime::now();
         let r = PresenceRecord::new(2, Duration::from_secs(3600));
-        r.insert(d(1));
-        r.insert(d(2));
-        r.insert(d(3));
-        assert_eq!([r.contains(&d(1)), r.contains(&d(2)), r.contains(&d(3))], [false, true, true]);
+        r.insert(d(1), None);
+        r.insert(d(2), None);
+        r.insert(d(3), None);
+        assert_eq!([r.contains(&d(1), now), r.contains(&d(2), now), r.contains(&d(3), now)], [false, true, true]);
         let r = PresenceRecord::new(10, Duration::from_millis(1));
-        r.insert(d(1));
+        r.insert(d(1), None);
         std::thread::sleep(Duration::from_millis(5));
-        assert!(!r.contains(&d(1)), "an old confirmation is not trusted");
+        assert!(!r.contains(&d(1), now), "an old confirmation is not trusted");
         let off = PresenceRecord::new(10, Duration::ZERO);
-        off.insert(d(1));
-        assert!(!off.contains(&d(1)));
+        off.insert(d(1), None);
+        assert!(!off.contains(&d(1), now));
+        // A lifecycle rule ends the promise at good_until, whatever the ttl.
+        let r = PresenceRecord::new(10, Duration::from_secs(3600));
+        r.insert(d(1), Some(now + Duration::from_secs(60)));
+        assert!(r.contains(&d(1), now + Duration::from_secs(59)));
+        assert!(!r.contains(&d(1), now + Duration::from_secs(60)), "not past the time the rule leaves too little");
+        assert!(!r.contains(&d(1), now), "and the expired entry is gone");
     }
 
     #[test]

@@ -487,3 +487,91 @@ async fn s3_down_is_unavailable_never_a_miss() {
     assert_eq!(s.get(&d).await.unwrap(), data);
     assert_eq!(s.find_present(&[d]).await.unwrap(), [true]);
 }
+
+/// What a bucket lifecycle rule "expire `after` past Last-Modified" would remove now: the
+/// test applies it itself, since the S3 test server runs no lifecycle rules.
+async fn apply_lifecycle(server: &S3Server, bucket: &str, after: Duration) -> usize {
+    use object_store::{ObjectStore, ObjectStoreExt};
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_bucket_name(bucket)
+        .with_endpoint(server.endpoint())
+        .with_allow_http(true)
+        .with_region("us-east-1")
+        .with_access_key_id(S3_KEY_ID)
+        .with_secret_access_key(S3_SECRET_KEY)
+        .build()
+        .unwrap();
+    let objects: Vec<object_store::ObjectMeta> =
+        futures::TryStreamExt::try_collect(store.list(None)).await.unwrap();
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    for o in objects {
+        if std::time::SystemTime::from(o.last_modified) + after <= now {
+            store.delete(&o.location).await.unwrap();
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The lifetime promise on a bucket with a lifecycle rule: an action-cache hit's blobs
+/// stay downloadable for `min_blob_lifetime` after the hit (gantry refreshes objects
+/// too old to promise it), and an entry whose blobs the rule removed is a miss, never a
+/// hit Bazel cannot download.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_lifecycle_rule_never_breaks_a_hit() {
+    use gantry_core::reapi::{ActionResult, OutputFile};
+    use gantry_core::ActionCache;
+    let Some(server) = S3Server::shared() else { return };
+    let bucket = fresh_bucket(server);
+    let (expire, lifetime) = (Duration::from_secs(5), Duration::from_secs(3));
+    let s3 = Arc::new(
+        S3Store::open(S3Options { expire_after: Some(expire), min_blob_lifetime: lifetime, ..s3_options(server, &bucket) }).unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let tier = Arc::new(FsStore::open(dir.path(), 1 << 30).await.unwrap());
+    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier, s3.clone()).with_remote_presence())));
+    let db = crate::MetadataDb::open("sqlite::memory:").await.unwrap();
+    let ac = crate::CompletenessCheckingActionCache::new(Arc::new(crate::SqlActionCache::new(db)), cas.clone());
+    // Two entries, each with its own outputs; both fully present.
+    let mut entries = Vec::new();
+    for e in 0..2u32 {
+        let outputs: Vec<_> = (0..3u32).map(|i| blob_n(100 * e + i, 2000)).collect();
+        for (data, d) in &outputs {
+            cas.put(d, data.clone()).await.unwrap();
+        }
+        let result = ActionResult {
+            output_files: outputs
+                .iter()
+                .enumerate()
+                .map(|(i, (_, d))| OutputFile { path: format!("out{i}"), digest: Some(d.to_proto()), ..Default::default() })
+                .collect(),
+            ..Default::default()
+        };
+        let action = blob_n(900 + e, 10).1;
+        ac.put("", &action, &result).await.unwrap();
+        entries.push((action, outputs));
+    }
+    let written = std::time::Instant::now();
+    assert!(ac.get("", &entries[0].0).await.unwrap().is_some());
+
+    // Past expire - lifetime, a hit must refresh its blobs: the rule would otherwise
+    // remove them sooner than promised.
+    tokio::time::sleep((expire - lifetime) + Duration::from_millis(1500)).await;
+    let copies = s3.requests().copy.load(Ordering::Relaxed);
+    assert!(ac.get("", &entries[0].0).await.unwrap().is_some());
+    assert_eq!(s3.requests().copy.load(Ordering::Relaxed) - copies, 6, "each of the hit's 3 objects refreshed (2 copies each)");
+
+    // The rule runs once the first writes are past `expire`: it removes entry 1's
+    // objects and leaves entry 0's refreshed ones.
+    tokio::time::sleep((expire + Duration::from_millis(1200)).saturating_sub(written.elapsed())).await;
+    assert_eq!(apply_lifecycle(server, &bucket, expire).await, 3, "entry 1's three objects expired");
+    assert!(ac.get("", &entries[1].0).await.unwrap().is_none(), "blobs the rule removed make the entry a miss");
+    assert!(ac.get("", &entries[0].0).await.unwrap().is_some());
+    for (data, d) in &entries[0].1 {
+        assert_eq!(&cas.get(d).await.unwrap(), data, "the hit's blobs are still downloadable");
+    }
+    // Without the rule configured, gantry would have trusted its record of the removed
+    // blobs: the promise comes from knowing the rule.
+    assert!(!cas.find_present(&[entries[1].1[0].1]).await.unwrap()[0]);
+}

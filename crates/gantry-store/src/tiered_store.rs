@@ -10,6 +10,9 @@
 //!   that miss go to the remote store and do not fill.
 //! - FindMissingBlobs answers from the tier first and asks the remote store only about
 //!   the rest (which answers from its record of recent confirmations before it HEADs).
+//!   When the bucket expires objects (`with_remote_presence`), the remote store alone
+//!   answers: "present" must mean the bucket keeps the blob for its promised lifetime,
+//!   which the tier cannot know.
 //! - Losing the tier's directory loses nothing: `FsStore` reports a vanished file as a
 //!   miss, and the read falls through to the remote store.
 //! - The tier's LRU is this machine's: frontends sharing a bucket do not share tiers.
@@ -30,13 +33,22 @@ pub struct TieredStore {
     /// whole store already verifies them before `commit` reaches us.
     local_raw: Arc<dyn BlobStore>,
     remote: Arc<dyn BlobStore>,
+    /// Presence is the remote store's answer alone (see the module doc).
+    remote_presence: bool,
 }
 
 impl TieredStore {
     /// `local` is wrapped in an `IntegrityStore` here, so fills from the remote store are
     /// verified like client uploads.
     pub fn new(local: Arc<dyn BlobStore>, remote: Arc<dyn BlobStore>) -> Self {
-        TieredStore { local: Arc::new(IntegrityStore::new(local.clone())), local_raw: local, remote }
+        TieredStore { local: Arc::new(IntegrityStore::new(local.clone())), local_raw: local, remote, remote_presence: false }
+    }
+
+    /// FindMissingBlobs asks the remote store about every blob: for a bucket with a
+    /// lifecycle rule, whose answer carries the promise of a lifetime.
+    pub fn with_remote_presence(mut self) -> Self {
+        self.remote_presence = true;
+        self
     }
 
     /// A writer into the tier, or None when the tier cannot take the blob (too large for
@@ -55,6 +67,9 @@ impl TieredStore {
 #[async_trait]
 impl BlobStore for TieredStore {
     async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
+        if self.remote_presence {
+            return self.remote.find_present(digests).await;
+        }
         let mut present = match self.local.find_present(digests).await {
             Ok(p) => p,
             Err(e) => {
