@@ -4,6 +4,9 @@
 //! - two frontends and one scheduler share one PostgreSQL metadata database and one CAS
 //!   directory: a build through frontend A runs on the scheduler's workers, and after
 //!   `bazel clean` the rebuild through frontend B is all remote cache hits;
+//! - two servers share one S3 bucket (a real S3-compatible server) and one PostgreSQL
+//!   database but not their local tiers: after `bazel clean`, the rebuild through the
+//!   second is all remote cache hits with byte-identical outputs;
 //! - the scheduler is SIGKILLed in the middle of a build and restarted on the same
 //!   address: the same `bazel build` finishes with exit 0 and correct outputs, its
 //!   worker having reconnected by itself.
@@ -14,7 +17,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{free_addr, process_summary, BazelWorkspace, GantryServer, WorkerProcess};
-use gantry_testkit::PgServer;
+use gantry_testkit::{PgServer, S3Server, S3_KEY_ID, S3_SECRET_KEY};
 
 fn text(o: &std::process::Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
@@ -73,6 +76,75 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     b.stop();
     a.stop();
     scheduler.stop();
+}
+
+/// Every file under `dir` (relative path -> bytes).
+fn tree(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.is_file() {
+                out.insert(p.strip_prefix(dir).unwrap().display().to_string(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn two_servers_share_an_s3_bucket_and_postgres_not_their_tiers() {
+    let Some(pg) = PgServer::start() else { return };
+    let Some(s3) = S3Server::start() else { return };
+    let url = pg.create_database("gantry");
+    s3.create_bucket("gantry-cas");
+    let tmp = tempfile::tempdir().unwrap();
+    // Each server's tier lives under its own data dir ({data_dir}/cas-local).
+    let cfg = write_config(
+        tmp.path(),
+        "gantry.toml",
+        &format!(
+            "[metadata]\nurl = \"{url}\"\n\n[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nendpoint = \"{}\"\nprefix = \"cas/\"\n\
+             [cas.local]\nmax_size = \"1GiB\"\n\n[execution]\nworkers = 2\n\n[batch]\nrunners = 0\n",
+            s3.endpoint()
+        ),
+    );
+    let env = [("AWS_ACCESS_KEY_ID", S3_KEY_ID), ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)];
+    let a = GantryServer::start_env(&tmp.path().join("a"), &["--config", &cfg], &env);
+    let b = GantryServer::start_env(&tmp.path().join("b"), &["--config", &cfg], &env);
+
+    let ws = BazelWorkspace::new();
+    let via = |s: &GantryServer| vec![format!("--remote_executor=grpc://{}", s.grpc), "--remote_timeout=120".to_string(), "//...".to_string()];
+    let out = ws.bazel_with_strategy("build", &via(&a), "remote");
+    assert!(out.status.success(), "build through A failed:\n{}", text(&out));
+    let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
+    let remote = summary.iter().find(|(k, _)| k == "remote").map_or(0, |(_, n)| *n);
+    assert!(remote >= 6, "the genrules ran remotely: {summary:?}");
+    let first = tree(&ws.bin());
+    assert!(first.get("big.txt").is_some_and(|b| b.len() == 5_550_000), "{:?}", first.keys().collect::<Vec<_>>());
+    let objects = s3.list("gantry-cas");
+    assert!(objects.iter().filter(|k| k.starts_with("cas/sha256/")).count() >= remote as usize, "the outputs are in the bucket: {objects:?}");
+    // B's tier holds no blob yet: what it serves must come from the bucket.
+    let tier_blobs = |s: &str| {
+        let dir = tmp.path().join(s).join("cas-local/sha256");
+        if dir.exists() { tree(&dir).len() } else { 0 }
+    };
+    assert!(tier_blobs("a") >= remote as usize, "A kept its uploads in its own tier");
+    assert_eq!(tier_blobs("b"), 0);
+
+    assert!(ws.bazel("clean", &[]).status.success());
+    let out = ws.bazel_with_strategy("build", &via(&b), "remote");
+    assert!(out.status.success(), "rebuild through B failed:\n{}", text(&out));
+    let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
+    assert!(summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"), "every action a cache hit: {summary:?}");
+    assert!(summary.iter().any(|(k, n)| k == "remote cache hit" && *n >= remote), "{summary:?}");
+    assert!(tree(&ws.bin()) == first, "outputs through B are byte-identical to those built through A");
+    assert!(tier_blobs("b") > 0, "B filled its own tier from the bucket");
+    b.stop();
+    a.stop();
 }
 
 /// A chain of slow genrules; the first announces that it started by creating a file in

@@ -36,8 +36,18 @@ impl GantryServer {
         Self::spawn(None, listen, data_dir, extra)
     }
 
+    /// Like `start`, with extra environment (`AWS_ACCESS_KEY_ID`, ...).
+    pub fn start_env(data_dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> GantryServer {
+        Self::spawn_env(None, "127.0.0.1:0", data_dir, extra, env)
+    }
+
     fn spawn(cwd: Option<&Path>, listen: &str, data_dir: &Path, extra: &[&str]) -> GantryServer {
+        Self::spawn_env(cwd, listen, data_dir, extra, &[])
+    }
+
+    fn spawn_env(cwd: Option<&Path>, listen: &str, data_dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> GantryServer {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gantry"));
+        cmd.envs(env.iter().copied());
         if let Some(c) = cwd {
             cmd.current_dir(c);
         }
