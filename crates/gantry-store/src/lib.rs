@@ -53,3 +53,8 @@ pub use tiered_store::TieredStore;
 
 #[cfg(test)]
 mod store_suite;
+pub mod testing;
+
+/// For `blob_store_suite!` expanded in other crates.
+#[doc(hidden)]
+pub use gantry_core as gantry_core_reexport;

@@ -246,9 +246,19 @@ pub struct S3Server {
 impl S3Server {
     /// Starts a server, or returns `None` (see [`unavailable`]).
     pub fn start() -> Option<S3Server> {
+        Self::start_port(None)
+    }
+
+    /// Starts a server on `port`: the S3 service coming back where its clients expect
+    /// it, after `drop` killed it (empty: create the buckets again).
+    pub fn start_on(port: u16) -> Option<S3Server> {
+        Self::start_port(Some(port))
+    }
+
+    fn start_port(port: Option<u16>) -> Option<S3Server> {
         let mut last = String::new();
         for _ in 0..3 {
-            match Self::try_start() {
+            match Self::try_start(port) {
                 Ok(s) => return Some(s),
                 Err(e) => last = e,
             }
@@ -298,13 +308,16 @@ impl S3Server {
         }
     }
 
-    fn try_start() -> Result<S3Server, String> {
+    fn try_start(port: Option<u16>) -> Result<S3Server, String> {
         let mut cmd = Self::command()?;
         let dir = tempfile::Builder::new().prefix("gantry-s3-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("finding a free port: {e}"))?
-            .port();
+        let port = match port {
+            Some(p) => p,
+            None => std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("finding a free port: {e}"))?
+                .port(),
+        };
         let log_path = dir.path().join("s3.log");
         let log = std::fs::File::create(&log_path).map_err(|e| format!("creating the log: {e}"))?;
         cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
