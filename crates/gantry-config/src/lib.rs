@@ -551,6 +551,11 @@ pub struct S3StoreConfig {
     /// oldest are dropped first. Default 1000000.
     #[serde(default = "default_presence_entries")]
     pub presence_entries: usize,
+    /// How long a blob found missing is answered missing without asking S3 again. A
+    /// stale "missing" costs only an upload (never a wrong hit); a blob uploaded through
+    /// this server is present at once. "0s": always ask. Default "30s".
+    #[serde(default = "default_absence_ttl", with = "humantime_serde")]
+    pub absence_ttl: Duration,
     /// The local filesystem tier in front of the bucket. Absent: every read goes to S3.
     #[serde(default)]
     pub local: Option<LocalTierConfig>,
@@ -564,6 +569,10 @@ pub struct S3StoreConfig {
     /// answered present) stay downloadable at least. Default "6h".
     #[serde(default = "default_min_blob_lifetime", with = "humantime_serde")]
     pub min_blob_lifetime: Duration,
+}
+
+fn default_absence_ttl() -> Duration {
+    Duration::from_secs(30)
 }
 
 fn default_min_blob_lifetime() -> Duration {

@@ -80,6 +80,9 @@ pub struct S3Options {
     pub max_concurrent_requests: usize,
     pub presence_ttl: Duration,
     pub presence_entries: usize,
+    /// How long a blob a HEAD found missing is answered missing without asking again
+    /// (zero: always ask). A stale "missing" only costs an upload; see `AbsenceRecord`.
+    pub absence_ttl: Duration,
     pub credentials: S3Credentials,
     /// Tries of one request before its error reaches the client. Default 3.
     pub max_retries: usize,
@@ -102,6 +105,7 @@ impl S3Options {
             max_concurrent_requests: 64,
             presence_ttl: Duration::from_secs(600),
             presence_entries: 1_000_000,
+            absence_ttl: Duration::from_secs(30),
             credentials: S3Credentials::Environment,
             max_retries: 3,
             retry_timeout: Duration::from_secs(10),
@@ -118,6 +122,7 @@ impl S3Options {
             max_concurrent_requests: c.max_concurrent_requests,
             presence_ttl: c.presence_ttl,
             presence_entries: c.presence_entries,
+            absence_ttl: c.absence_ttl,
             expire_after: c.expire_after,
             min_blob_lifetime: c.min_blob_lifetime,
             ..S3Options::new(c.bucket.clone())
@@ -215,7 +220,7 @@ impl S3Store {
                 }
             }
         });
-        let presence = PresenceRecord::new(opts.presence_entries, opts.presence_ttl);
+        let presence = PresenceRecord::new(opts.presence_entries, opts.presence_ttl, opts.absence_ttl);
         Ok(S3Store {
             inner: Arc::new(Inner {
                 store: Arc::new(store),
@@ -312,11 +317,12 @@ impl Inner {
     async fn head(&self, d: &Digest) -> Result<bool> {
         self.requests.head.fetch_add(1, Ordering::Relaxed);
         let path = self.path(d);
+        let asked_at = Instant::now();
         let meta = match self.store.head(&path).await {
             Ok(meta) if meta.size == d.size => meta,
             Ok(_) => return Ok(false),
             Err(object_store::Error::NotFound { .. }) => {
-                self.presence.remove(d);
+                self.presence.mark_absent(*d, asked_at);
                 return Ok(false);
             }
             Err(e) => return Err(self.unavailable(format_args!("HEAD of blob {d}"), e)),
@@ -357,8 +363,12 @@ impl BlobStore for S3Store {
         let inner = &self.inner;
         let now = SystemTime::now();
         let mut present: Vec<bool> = digests.iter().map(|d| inner.presence.contains(d, now)).collect();
-        let unknown: Vec<(usize, Digest)> =
-            present.iter().enumerate().filter(|(_, p)| !**p).map(|(i, _)| (i, digests[i])).collect();
+        let unknown: Vec<(usize, Digest)> = present
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| !**p && !inner.presence.known_absent(&digests[*i]))
+            .map(|(i, _)| (i, digests[i]))
+            .collect();
         let found: Vec<(usize, Digest, bool)> = futures::stream::iter(unknown)
             .map(|(i, d)| async move { inner.head(&d).await.map(|p| (i, d, p)) })
             .buffer_unordered(inner.opts.max_concurrent_requests)
@@ -383,11 +393,12 @@ impl BlobStore for S3Store {
         }
         let range = (offset > 0 || len < digest.size).then_some(GetRange::Bounded(offset..offset + len));
         inner.requests.get.fetch_add(1, Ordering::Relaxed);
+        let asked_at = Instant::now();
         let res = match inner.store.get_opts(&inner.path(digest), GetOptions { range, ..Default::default() }).await {
             Ok(r) => r,
             Err(object_store::Error::NotFound { .. }) => {
                 // Gone behind our back (a lifecycle rule): stop answering it as present.
-                inner.presence.remove(digest);
+                inner.presence.mark_absent(*digest, asked_at);
                 return Err(Error::not_found(format!("blob {digest} not found in {}", inner.what)));
             }
             Err(e) => return Err(inner.unavailable(format_args!("GET of blob {digest}"), e)),
@@ -632,15 +643,27 @@ impl Drop for S3Writer {
 /// rule would leave the blob less than its promised lifetime (`good_until`), and the
 /// oldest go first past `capacity`, so a blob that left the bucket is believed present
 /// for at most `ttl`, and never past the time the lifecycle rule could remove it.
+///
+/// It also remembers, for `absence_ttl`, blobs a HEAD or GET found missing, so asking
+/// about them again soon costs no request. That is safe where a stale "present" is not:
+/// a blob another frontend uploaded meanwhile is only uploaded once more, and a blob
+/// written through this process leaves the absent side at once.
 struct PresenceRecord {
     map: Mutex<lru::LruCache<Digest, (Instant, Option<SystemTime>)>>,
     ttl: Duration,
+    absent: Mutex<lru::LruCache<Digest, Instant>>,
+    absence_ttl: Duration,
 }
 
 impl PresenceRecord {
-    fn new(capacity: usize, ttl: Duration) -> Self {
+    fn new(capacity: usize, ttl: Duration, absence_ttl: Duration) -> Self {
         let cap = NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN);
-        PresenceRecord { map: Mutex::new(lru::LruCache::new(cap)), ttl }
+        PresenceRecord {
+            map: Mutex::new(lru::LruCache::new(cap)),
+            ttl,
+            absent: Mutex::new(lru::LruCache::new(cap)),
+            absence_ttl,
+        }
     }
 
     fn contains(&self, d: &Digest, now: SystemTime) -> bool {
@@ -658,11 +681,39 @@ impl PresenceRecord {
         }
     }
 
-    fn remove(&self, d: &Digest) {
-        self.map.lock().expect("poisoned").pop(d);
+    /// Whether `d` was found missing within `absence_ttl`.
+    fn known_absent(&self, d: &Digest) -> bool {
+        if self.absence_ttl.is_zero() {
+            return false;
+        }
+        let mut absent = self.absent.lock().expect("poisoned");
+        match absent.peek(d) {
+            Some(at) if at.elapsed() < self.absence_ttl => true,
+            Some(_) => {
+                absent.pop(d);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// `d` was found missing by a request sent at `asked_at`. A confirmation newer than
+    /// the request (a write that finished while it was in flight) wins over it.
+    fn mark_absent(&self, d: Digest, asked_at: Instant) {
+        {
+            let mut map = self.map.lock().expect("poisoned");
+            if map.peek(&d).is_some_and(|(at, _)| *at > asked_at) {
+                return;
+            }
+            map.pop(&d);
+        }
+        if !self.absence_ttl.is_zero() {
+            self.absent.lock().expect("poisoned").put(d, Instant::now());
+        }
     }
 
     fn insert(&self, d: Digest, good_until: Option<SystemTime>) {
+        self.absent.lock().expect("poisoned").pop(&d);
         if !self.ttl.is_zero() {
             self.map.lock().expect("poisoned").put(d, (Instant::now(), good_until));
         }
@@ -745,24 +796,40 @@ mod tests {
     fn presence_record_expires_and_is_bounded() {
         let d = |i: u32| gantry_core::DigestFunction::Sha256.digest_of(&i.to_le_bytes());
         let now = SystemTime::now();
-        let r = PresenceRecord::new(2, Duration::from_secs(3600));
+        let r = PresenceRecord::new(2, Duration::from_secs(3600), Duration::ZERO);
         r.insert(d(1), None);
         r.insert(d(2), None);
         r.insert(d(3), None);
         assert_eq!([r.contains(&d(1), now), r.contains(&d(2), now), r.contains(&d(3), now)], [false, true, true]);
-        let r = PresenceRecord::new(10, Duration::from_millis(1));
+        let r = PresenceRecord::new(10, Duration::from_millis(1), Duration::ZERO);
         r.insert(d(1), None);
         std::thread::sleep(Duration::from_millis(5));
         assert!(!r.contains(&d(1), now), "an old confirmation is not trusted");
-        let off = PresenceRecord::new(10, Duration::ZERO);
+        let off = PresenceRecord::new(10, Duration::ZERO, Duration::ZERO);
         off.insert(d(1), None);
         assert!(!off.contains(&d(1), now));
         // A lifecycle rule ends the promise at good_until, whatever the ttl.
-        let r = PresenceRecord::new(10, Duration::from_secs(3600));
+        let r = PresenceRecord::new(10, Duration::from_secs(3600), Duration::ZERO);
         r.insert(d(1), Some(now + Duration::from_secs(60)));
         assert!(r.contains(&d(1), now + Duration::from_secs(59)));
         assert!(!r.contains(&d(1), now + Duration::from_secs(60)), "not past the time the rule leaves too little");
         assert!(!r.contains(&d(1), now), "and the expired entry is gone");
+        // Absences: remembered for absence_ttl, forgotten at once when the blob is written.
+        let r = PresenceRecord::new(10, Duration::from_secs(3600), Duration::from_millis(50));
+        let asked = Instant::now();
+        r.insert(d(1), None);
+        r.mark_absent(d(1), asked);
+        assert!(r.contains(&d(1), now), "a write that finished while the HEAD was in flight wins");
+        r.mark_absent(d(1), Instant::now());
+        assert!(!r.contains(&d(1), now) && r.known_absent(&d(1)), "found missing: no longer present");
+        r.insert(d(1), None);
+        assert!(r.contains(&d(1), now) && !r.known_absent(&d(1)), "written: present, not absent");
+        r.mark_absent(d(2), Instant::now());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!r.known_absent(&d(2)), "absences expire");
+        let off = PresenceRecord::new(10, Duration::from_secs(1), Duration::ZERO);
+        off.mark_absent(d(3), Instant::now());
+        assert!(!off.known_absent(&d(3)));
     }
 
     #[test]

@@ -242,6 +242,15 @@ async fn find_missing_asks_s3_only_about_blobs_not_known_present() {
     assert_eq!(present.iter().filter(|p| **p).count(), 300);
     assert!(present[300..].iter().all(|p| !p));
     assert_eq!(heads(&s3) - before, 50, "only the 50 unknown digests were asked about");
+    // Asked again soon, the missing ones cost no HEAD either (absence_ttl), and one
+    // uploaded meanwhile through this store is present at once.
+    let (m0, md0) = blob_n(1000, 10);
+    assert_eq!(md0, missing[0]);
+    a.put(&md0, m0).await.unwrap();
+    let again = a.find_present(&ds).await.unwrap();
+    assert_eq!(again.iter().filter(|p| **p).count(), 301);
+    assert!(again[300], "the blob just uploaded");
+    assert_eq!(heads(&s3) - before, 50, "no HEAD for blobs found missing moments ago");
 
     // Another machine (cold tier, empty record): one HEAD per digest, all in flight at
     // once; then the record answers.
@@ -258,7 +267,8 @@ async fn find_missing_asks_s3_only_about_blobs_not_known_present() {
 
     // Without the record (presence_ttl = 0) every lookup is a HEAD: the record is what
     // saves them, not something else.
-    let no_record = S3Store::open(S3Options { presence_ttl: Duration::ZERO, ..s3_options(server, &bucket) }).unwrap();
+    let no_record =
+        S3Store::open(S3Options { presence_ttl: Duration::ZERO, absence_ttl: Duration::ZERO, ..s3_options(server, &bucket) }).unwrap();
     no_record.find_present(&ds[..100]).await.unwrap();
     no_record.find_present(&ds[..100]).await.unwrap();
     assert_eq!(heads(&no_record), 200);
