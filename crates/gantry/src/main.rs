@@ -20,8 +20,18 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "gantry", version, about = "Remote cache and execution for Bazel and other REAPI clients")]
 struct Cli {
+    /// How log lines (on stderr) look: "text" (coloured only on a terminal) or "json"
+    /// (one object per line, for log collectors).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "GANTRY_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -62,13 +72,17 @@ fn main() -> anyhow::Result<()> {
     if argv.get(1).map(String::as_str) == Some(gantry_worker::meter::SUBCOMMAND) {
         gantry_worker::meter::meter_main(&argv[2..]);
     }
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,h2=warn".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        // Escape codes only where a terminal renders them, not in `gantry serve 2> log`.
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("gantry").build()?;
     let result = rt.block_on(async {
         match cli.command {

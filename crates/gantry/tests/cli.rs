@@ -56,3 +56,42 @@ fn flags_override_config_and_gantry_toml_is_picked_up() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// Starts `gantry serve` with stderr piped (not a terminal), stops it, returns stderr.
+fn serve_logs(extra: &[&str]) -> String {
+    use std::io::{BufRead, BufReader, Read};
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gantry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("d"))
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("gantry serving"), "{line}");
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(child.wait().unwrap().success(), "{err}");
+    err
+}
+
+/// Logs an operator can ship: no colour codes when stderr is not a terminal, and one
+/// JSON object per line with `--log-format json`.
+#[test]
+fn logs_are_plain_off_a_terminal_and_json_on_request() {
+    let text = serve_logs(&[]);
+    assert!(text.contains("metadata database ready"), "{text}");
+    assert!(!text.contains('\u{1b}'), "escape codes in piped logs: {text:?}");
+    let json = serve_logs(&["--log-format", "json"]);
+    let lines: Vec<&str> = json.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(lines.len() >= 2, "{json}");
+    for l in &lines {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{l}");
+    }
+    assert!(lines.iter().any(|l| l.contains("metadata database ready")));
+}
