@@ -67,6 +67,36 @@ impl ResourceName {
     }
 }
 
+/// `blobs/[{function}/]{hash}/{size}`: the blob's part of a resource name (SHA-256, the
+/// default function, is left implicit, as every client expects).
+pub fn blob_path(d: &Digest) -> String {
+    match d.function {
+        DigestFunction::Sha256 => format!("blobs/{}/{}", d.hash_hex(), d.size),
+        f => format!("blobs/{}/{}/{}", f.name(), d.hash_hex(), d.size),
+    }
+}
+
+fn instance_prefix(instance: &str) -> String {
+    if instance.is_empty() { String::new() } else { format!("{instance}/") }
+}
+
+/// The name to read a blob with: `[{instance}/]blobs/...`.
+pub fn read_name(instance: &str, d: &Digest) -> String {
+    format!("{}{}", instance_prefix(instance), blob_path(d))
+}
+
+/// The name to upload a blob with: `[{instance}/]uploads/{upload_id}/blobs/...`, where
+/// `upload_id` is new for each upload (a UUID).
+pub fn upload_name(instance: &str, upload_id: &str, d: &Digest) -> String {
+    format!("{}uploads/{upload_id}/{}", instance_prefix(instance), blob_path(d))
+}
+
+/// The subject of a PreconditionFailure MISSING violation for a blob, as REAPI defines
+/// it: `blobs/{hash}/{size}`.
+pub fn missing_subject(d: &Digest) -> String {
+    format!("blobs/{}/{}", d.hash_hex(), d.size)
+}
+
 fn shorten(s: &str) -> String {
     if s.len() <= 200 { s.to_string() } else { format!("{}...", &s[..s.char_indices().nth(197).map_or(s.len(), |c| c.0)]) }
 }
@@ -134,6 +164,22 @@ fn parse(name: &str) -> Result<ResourceName> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_gantry_writes_parse_back() {
+        for f in DigestFunction::ALL {
+            let d = f.digest_of(b"gantry");
+            for inst in ["", "main", "dev/alice"] {
+                let r = ResourceName::parse_read(&read_name(inst, &d)).unwrap();
+                assert_eq!((r.instance.as_str(), r.digest, r.upload_id), (inst, d, None));
+                let w = ResourceName::parse_write(&upload_name(inst, "2b9f6c1e-upload", &d)).unwrap();
+                assert_eq!((w.instance.as_str(), w.digest, w.upload_id.as_deref()), (inst, d, Some("2b9f6c1e-upload")));
+            }
+        }
+        let d = DigestFunction::Sha256.digest_of(b"x");
+        assert_eq!(missing_subject(&d), format!("blobs/{}/1", d.hash_hex()));
+        assert_eq!(read_name("", &d), missing_subject(&d));
+    }
 
     const H: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 

@@ -182,7 +182,7 @@ impl From<Status> for ExecError {
 pub fn rpc_status(e: &Error) -> gantry_core::google::rpc::Status {
     let mut st = e.to_rpc_status();
     if let Error::MissingBlobs { digests, .. } = e {
-        st.details.push(missing_details(digests.iter().map(|d| format!("blobs/{}/{}", d.hash_hex(), d.size))));
+        st.details.push(missing_details(digests.iter().map(gantry_core::resource::missing_subject)));
     }
     st
 }

@@ -38,16 +38,7 @@ impl GrpcStore {
         GrpcStore { channel, instance: instance.into() }
     }
 
-    fn prefix(&self) -> String {
-        if self.instance.is_empty() { String::new() } else { format!("{}/", self.instance) }
-    }
 
-    fn blob_path(d: &Digest) -> String {
-        match d.function {
-            DigestFunction::Sha256 => format!("blobs/{}/{}", d.hash_hex(), d.size),
-            f => format!("blobs/{}/{}/{}", f.name(), d.hash_hex(), d.size),
-        }
-    }
 }
 
 #[async_trait]
@@ -89,7 +80,7 @@ impl BlobStore for GrpcStore {
         let d = *digest;
         let stream = client
             .read(ReadRequest {
-                resource_name: format!("{}{}", self.prefix(), Self::blob_path(digest)),
+                resource_name: gantry_core::resource::read_name(&self.instance, digest),
                 read_offset: offset as i64,
                 read_limit: limit.unwrap_or(0) as i64,
             })
@@ -105,7 +96,7 @@ impl BlobStore for GrpcStore {
         let (tx, rx) = tokio::sync::mpsc::channel::<WriteRequest>(4);
         let mut client = ByteStreamClient::new(self.channel.clone());
         let call = tokio::spawn(async move { client.write(tokio_stream::wrappers::ReceiverStream::new(rx)).await });
-        let name = format!("{}uploads/{}/{}", self.prefix(), uuid::Uuid::new_v4(), Self::blob_path(digest));
+        let name = gantry_core::resource::upload_name(&self.instance, &uuid::Uuid::new_v4().to_string(), digest);
         Ok(Box::new(GrpcWriter { digest: *digest, name, offset: 0, tx: Some(tx), call }))
     }
 

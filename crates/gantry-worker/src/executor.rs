@@ -86,7 +86,7 @@ impl Executor {
                 metering: None,
                 message: format!("worker {}: {e}", self.worker_id),
                 missing_blobs: match &e {
-                    Error::MissingBlobs { digests, .. } => digests.iter().map(|d| format!("blobs/{}/{}", d.hash_hex(), d.size)).collect(),
+                    Error::MissingBlobs { digests, .. } => digests.iter().map(gantry_core::resource::missing_subject).collect(),
                     _ => vec![],
                 },
             },

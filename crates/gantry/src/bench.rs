@@ -333,13 +333,7 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     futures::stream::iter(blobs.iter().cloned())
         .map(|(d, data)| {
             let mut bs = ByteStreamClient::new(channel.clone());
-            let name = format!(
-                "{}uploads/{}/blobs/{}/{}",
-                if inst.is_empty() { String::new() } else { format!("{inst}/") },
-                uuid::Uuid::new_v4(),
-                d.hash_hex(),
-                d.size
-            );
+            let name = gantry_core::resource::upload_name(&inst, &uuid::Uuid::new_v4().to_string(), &d);
             async move {
                 let reqs: Vec<WriteRequest> = (0..data.len())
                     .step_by(chunk)
@@ -365,12 +359,7 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     futures::stream::iter(blobs.iter().map(|(d, _)| *d))
         .map(|d| {
             let mut bs = ByteStreamClient::new(channel.clone()).max_decoding_message_size(64 << 20);
-            let name = format!(
-                "{}blobs/{}/{}",
-                if inst.is_empty() { String::new() } else { format!("{inst}/") },
-                d.hash_hex(),
-                d.size
-            );
+            let name = gantry_core::resource::read_name(&inst, &d);
             async move {
                 let mut s = bs.read(ReadRequest { resource_name: name, read_offset: 0, read_limit: 0 }).await?.into_inner();
                 let mut n = 0u64;
