@@ -100,14 +100,39 @@ impl Error {
     }
 
     /// The `google.rpc.Status` form, for per-item results in batch RPCs.
+    /// The google.rpc.Status of this error, with its details: a PreconditionFailure with
+    /// one MISSING violation per blob for `MissingBlobs` (what REAPI clients read to
+    /// upload what is missing).
     pub fn to_rpc_status(&self) -> crate::google::rpc::Status {
-        crate::google::rpc::Status { code: self.code() as i32, message: self.to_string(), details: vec![] }
+        let mut details = vec![];
+        if let Error::MissingBlobs { digests, .. } = self {
+            details.push(missing_details(digests.iter().map(crate::resource::missing_subject)));
+        }
+        crate::google::rpc::Status { code: self.code() as i32, message: self.to_string(), details }
     }
 }
 
+/// A PreconditionFailure with one MISSING violation per subject, packed in an Any.
+pub fn missing_details(subjects: impl Iterator<Item = String>) -> crate::google::protobuf::Any {
+    use gantry_proto::rpc::{precondition_failure::Violation, PreconditionFailure};
+    let pf = PreconditionFailure {
+        violations: subjects.map(|s| Violation { r#type: "MISSING".into(), subject: s, description: String::new() }).collect(),
+    };
+    crate::google::protobuf::Any {
+        type_url: "type.googleapis.com/google.rpc.PreconditionFailure".into(),
+        value: prost::Message::encode_to_vec(&pf),
+    }
+}
+
+/// Every service's errors reach the client with their code, message and details (in
+/// grpc-status-details-bin), whichever call site returns them.
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
-        tonic::Status::new(e.code(), e.to_string())
+        let st = e.to_rpc_status();
+        if st.details.is_empty() {
+            return tonic::Status::new(e.code(), e.to_string());
+        }
+        tonic::Status::with_details(e.code(), e.to_string(), prost::Message::encode_to_vec(&st).into())
     }
 }
 
@@ -143,5 +168,23 @@ mod tests {
         assert!(e.to_string().starts_with("opening blob: "));
         let s: tonic::Status = e.into();
         assert_eq!(s.code(), tonic::Code::Internal);
+        assert!(s.details().is_empty());
+    }
+
+    /// Any call site that returns a `MissingBlobs` error gives the client the MISSING
+    /// violations it needs to upload what is missing.
+    #[test]
+    fn missing_blobs_reach_the_client_with_their_violations() {
+        use gantry_proto::rpc::PreconditionFailure;
+        use prost::Message;
+        let d = crate::DigestFunction::Sha256.digest_of(b"input");
+        let s: tonic::Status = Error::MissingBlobs { what: "inputs".into(), digests: vec![d] }.into();
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        let st = crate::google::rpc::Status::decode(s.details()).unwrap();
+        assert_eq!(st.code, tonic::Code::FailedPrecondition as i32);
+        assert_eq!(st.details[0].type_url, "type.googleapis.com/google.rpc.PreconditionFailure");
+        let pf = PreconditionFailure::decode(st.details[0].value.as_slice()).unwrap();
+        assert_eq!(pf.violations.len(), 1);
+        assert_eq!((pf.violations[0].r#type.as_str(), pf.violations[0].subject.clone()), ("MISSING", crate::resource::missing_subject(&d)));
     }
 }

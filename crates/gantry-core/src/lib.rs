@@ -1,5 +1,5 @@
 //! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
-//! hash functions behind them, the error type (which maps to gRPC codes), ByteStream resource
+//! hash functions behind them, the error type (which maps to gRPC codes and keeps its details), ByteStream resource
 //! names, the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`, `QueueStore`),
 //! and `client::connect`, the one way to open a channel to a gantry.
 //!

@@ -147,7 +147,8 @@ impl Execution for ExecutionService {
     async fn execute(&self, request: Request<reapi::ExecuteRequest>) -> Result<Response<OpStream>, Status> {
         self.execute_inner(request).await.map_err(|e| match e {
             ExecError::Status(s) => s,
-            ExecError::Gantry(e) => to_status(e),
+            // The Status keeps the error's details (MISSING violations for missing inputs).
+            ExecError::Gantry(e) => e.into(),
         })
     }
 
@@ -176,30 +177,6 @@ impl From<Status> for ExecError {
     fn from(s: Status) -> Self {
         ExecError::Status(s)
     }
-}
-
-/// The google.rpc.Status of an error, with MISSING violations for missing blobs.
-pub fn rpc_status(e: &Error) -> gantry_core::google::rpc::Status {
-    let mut st = e.to_rpc_status();
-    if let Error::MissingBlobs { digests, .. } = e {
-        st.details.push(missing_details(digests.iter().map(gantry_core::resource::missing_subject)));
-    }
-    st
-}
-
-/// A PreconditionFailure with one MISSING violation per subject, packed in an Any.
-pub fn missing_details(subjects: impl Iterator<Item = String>) -> Any {
-    use gantry_proto::rpc::{precondition_failure::Violation, PreconditionFailure};
-    let pf = PreconditionFailure {
-        violations: subjects.map(|s| Violation { r#type: "MISSING".into(), subject: s, description: String::new() }).collect(),
-    };
-    any("google.rpc.PreconditionFailure", &pf)
-}
-
-/// A tonic Status carrying the rpc Status (and its details) in grpc-status-details-bin.
-fn to_status(e: Error) -> Status {
-    let st = rpc_status(&e);
-    Status::with_details(e.code(), e.to_string(), st.encode_to_vec().into())
 }
 
 impl ExecutionService {

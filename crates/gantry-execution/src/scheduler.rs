@@ -735,7 +735,7 @@ impl Scheduler {
         let details = if f.missing_blobs.is_empty() {
             vec![]
         } else {
-            vec![crate::operations::missing_details(f.missing_blobs.iter().cloned())]
+            vec![gantry_core::error::missing_details(f.missing_blobs.iter().cloned())]
         };
         let response = ExecuteResponse {
             result,
