@@ -40,16 +40,23 @@ pub struct SchedulerConfig {
     pub timeout_grace: Duration,
 }
 
+impl From<&gantry_config::ExecutionConfig> for SchedulerConfig {
+    fn from(e: &gantry_config::ExecutionConfig) -> Self {
+        SchedulerConfig {
+            max_worker_losses: e.max_worker_losses,
+            heartbeat_timeout: e.heartbeat_timeout,
+            completed_retention: e.completed_retention,
+            default_timeout: e.default_timeout,
+            max_timeout: e.max_timeout,
+            timeout_grace: e.timeout_grace,
+        }
+    }
+}
+
+/// The defaults are `[execution]`'s, kept in one place: gantry-config.
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig {
-            max_worker_losses: 3,
-            heartbeat_timeout: Duration::from_secs(15),
-            completed_retention: Duration::from_secs(600),
-            default_timeout: Duration::from_secs(3600),
-            max_timeout: Duration::from_secs(3 * 3600),
-            timeout_grace: Duration::from_secs(600),
-        }
+        SchedulerConfig::from(&gantry_config::ExecutionConfig::default())
     }
 }
 

@@ -95,14 +95,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
         services.metrics.registry(),
     )?;
     let scheduler = Scheduler::new(
-        SchedulerConfig {
-            max_worker_losses: e.max_worker_losses,
-            heartbeat_timeout: e.heartbeat_timeout,
-            completed_retention: e.completed_retention,
-            default_timeout: e.default_timeout,
-            max_timeout: e.max_timeout,
-            timeout_grace: e.timeout_grace,
-        },
+        SchedulerConfig::from(e),
         ac,
         log,
         services.metrics.registry(),
