@@ -139,7 +139,9 @@ impl Services {
             self.limits.max_proto_size,
         ))
         .max_decoding_message_size(max_msg)
-        .max_encoding_message_size(max_msg)
+        // A batch response repeats each request entry's digest and adds a status (or the
+        // data, which the batch limit bounds), so it may outgrow the largest request.
+        .max_encoding_message_size(2 * max_msg)
         .accept_compressed(CompressionEncoding::Zstd)
         .send_compressed(CompressionEncoding::Zstd);
         let bs = ByteStreamServer::new(bytestream::ByteStreamService::new(

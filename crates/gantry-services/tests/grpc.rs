@@ -759,3 +759,21 @@ async fn abandoned_uploads_spill_past_the_memory_ceiling_and_still_resume() {
     assert_eq!(metric(&services.metrics.render(), "gantry_upload_buffered_bytes "), 0.0);
     drop(server);
 }
+
+/// A batch of many absent digests is answered entry by entry, within the response
+/// limit, instead of failing as a whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_read_of_fifty_thousand_absent_digests_answers_each() {
+    let h = harness().await;
+    let digests: Vec<reapi::Digest> =
+        (0..50_000u32).map(|i| DigestFunction::Sha256.digest_of(format!("absent {i}").as_bytes()).to_proto()).collect();
+    let resp = h
+        .cas_client()
+        .batch_read_blobs(reapi::BatchReadBlobsRequest { digests: digests.clone(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.responses.len(), 50_000);
+    assert!(resp.responses.iter().all(|r| r.status.as_ref().unwrap().code == Code::NotFound as i32));
+    assert_eq!(resp.responses[17].digest.as_ref(), Some(&digests[17]));
+}
