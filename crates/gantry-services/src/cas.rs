@@ -66,44 +66,61 @@ impl CasService {
 
 /// The directories of the tree under `root`, breadth first, from `skip` on, at most
 /// `take` of them. Subdirectories missing from the CAS are left out, as REAPI allows.
-async fn tree_page(cas: &dyn BlobStore, root: Digest, skip: usize, take: usize, max_proto: u64) -> Result<(Vec<reapi::Directory>, bool)> {
-    let mut queue = VecDeque::from([root]);
-    let mut seen = HashSet::from([root]);
-    let mut index = 0usize;
-    let mut page = Vec::new();
-    while let Some(d) = queue.pop_front() {
-        gantry_execution::operations::check_proto_size(&d, "directory", max_proto)?;
-        let bytes = match cas.get(&d).await {
-            Ok(b) => b,
-            Err(e) if e.is_not_found() && d != root => continue,
-            Err(e) if e.is_not_found() => {
-                return Err(Error::not_found(format!("root_digest: directory {d} is not in the CAS")));
-            }
-            Err(e) => return Err(e),
-        };
-        let dir = reapi::Directory::decode(bytes)
-            .map_err(|e| Error::invalid(format!("blob {d} in the tree is not a Directory: {e}")))?;
-        for (j, sub) in dir.directories.iter().enumerate() {
-            let sd = Digest::from_proto(d.function, sub.digest.as_ref(), &format!("directory {d}: directories[{j}]"))?;
-            if seen.insert(sd) {
-                queue.push_back(sd);
-            }
-        }
-        if index >= skip {
-            if page.len() == take {
-                return Ok((page, true));
-            }
-            page.push(dir);
-        }
-        index += 1;
-    }
-    Ok((page, false))
+/// A breadth-first walk of a Directory tree that hands out pages and resumes where the
+/// last page stopped, so streaming a whole tree reads each directory once.
+struct TreeWalk {
+    root: Digest,
+    queue: VecDeque<Digest>,
+    seen: HashSet<Digest>,
+    /// Directories passed so far, in BFS order: what a page token counts.
+    index: usize,
+    max_proto: u64,
 }
 
-enum TreeState {
-    Ready(Vec<reapi::Directory>, bool, usize),
-    Fetch(usize),
-    Done,
+impl TreeWalk {
+    fn new(root: Digest, max_proto: u64) -> Self {
+        TreeWalk { root, queue: VecDeque::from([root]), seen: HashSet::from([root]), index: 0, max_proto }
+    }
+
+    /// The next directory in BFS order; missing subdirectories are skipped (the root is
+    /// NOT_FOUND).
+    async fn next(&mut self, cas: &dyn BlobStore) -> Result<Option<reapi::Directory>> {
+        while let Some(d) = self.queue.pop_front() {
+            gantry_execution::operations::check_proto_size(&d, "directory", self.max_proto)?;
+            let bytes = match cas.get(&d).await {
+                Ok(b) => b,
+                Err(e) if e.is_not_found() && d != self.root => continue,
+                Err(e) if e.is_not_found() => {
+                    return Err(Error::not_found(format!("root_digest: directory {d} is not in the CAS")));
+                }
+                Err(e) => return Err(e),
+            };
+            let dir = reapi::Directory::decode(bytes)
+                .map_err(|e| Error::invalid(format!("blob {d} in the tree is not a Directory: {e}")))?;
+            for (j, sub) in dir.directories.iter().enumerate() {
+                let sd = Digest::from_proto(d.function, sub.digest.as_ref(), &format!("directory {d}: directories[{j}]"))?;
+                if self.seen.insert(sd) {
+                    self.queue.push_back(sd);
+                }
+            }
+            self.index += 1;
+            return Ok(Some(dir));
+        }
+        Ok(None)
+    }
+
+    /// Up to `take` directories, and whether more follow.
+    async fn page(&mut self, cas: &dyn BlobStore, take: usize) -> Result<(Vec<reapi::Directory>, bool)> {
+        let mut page = Vec::new();
+        while page.len() < take {
+            match self.next(cas).await? {
+                Some(dir) => page.push(dir),
+                None => return Ok((page, false)),
+            }
+        }
+        // More follow only if the walk has a directory left that exists.
+        Ok((page, !self.queue.is_empty()))
+    }
 }
 
 type TreeStream = futures::stream::BoxStream<'static, Result<reapi::GetTreeResponse, Status>>;
@@ -222,27 +239,32 @@ impl ContentAddressableStorage for CasService {
                 .parse()
                 .map_err(|_| Error::invalid(format!("page_token '{}' was not issued by this server", req.page_token)))?
         };
-        // Fetch the first page now so a missing root is an immediate NOT_FOUND.
-        let max_proto = self.max_proto_size;
-        let (first, more) = tree_page(self.cas.as_ref(), root, start, page_size, max_proto).await?;
+        // A token from an earlier call resumes by walking past what it already returned
+        // (a broken stream's retry); within one call the walk goes on from page to page.
         let cas = self.cas.clone();
-        let stream = futures::stream::try_unfold(TreeState::Ready(first, more, start), move |state| {
+        let mut walk = TreeWalk::new(root, self.max_proto_size);
+        while walk.index < start {
+            if walk.next(cas.as_ref()).await?.is_none() {
+                break;
+            }
+        }
+        // The first page now, so a missing root is an immediate NOT_FOUND.
+        let (first, more) = walk.page(cas.as_ref(), page_size).await?;
+        let stream = futures::stream::try_unfold(Some((first, more, walk)), move |state| {
             let cas = cas.clone();
             async move {
-                let (page, more, offset) = match state {
-                    TreeState::Done => return Ok::<_, Error>(None),
-                    TreeState::Ready(page, more, offset) => (page, more, offset),
-                    TreeState::Fetch(offset) => {
-                        let (page, more) = tree_page(cas.as_ref(), root, offset, page_size, max_proto).await?;
-                        (page, more, offset)
-                    }
-                };
-                let next = offset + page.len();
+                let Some((page, more, mut walk)) = state else { return Ok::<_, Error>(None) };
                 let resp = reapi::GetTreeResponse {
                     directories: page,
-                    next_page_token: if more { next.to_string() } else { String::new() },
+                    next_page_token: if more { walk.index.to_string() } else { String::new() },
                 };
-                Ok(Some((resp, if more { TreeState::Fetch(next) } else { TreeState::Done })))
+                if !more {
+                    return Ok(Some((resp, None)));
+                }
+                let (next, more) = walk.page(cas.as_ref(), page_size).await?;
+                // A last page can come out empty when the remaining directories are missing.
+                let resp = if next.is_empty() && !more { reapi::GetTreeResponse { next_page_token: String::new(), ..resp } } else { resp };
+                Ok(Some((resp, (!next.is_empty()).then_some((next, more, walk)))))
             }
         })
         .map_err(Status::from);
@@ -277,4 +299,61 @@ impl ContentAddressableStorage for CasService {
 /// The status of one missing blob in a batch response.
 fn not_found_status() -> gantry_core::google::rpc::Status {
     gantry_core::google::rpc::Status { code: tonic::Code::NotFound as i32, message: "not found".into(), details: vec![] }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts reads, to show how many times a walk fetches each directory.
+    struct Counting {
+        inner: gantry_store::MemoryStore,
+        reads: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl BlobStore for Counting {
+        async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
+            self.inner.find_present(digests).await
+        }
+        async fn read(&self, digest: &Digest, offset: u64, limit: Option<u64>) -> Result<gantry_core::BlobStream> {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            self.inner.read(digest, offset, limit).await
+        }
+        async fn begin_write(&self, digest: &Digest) -> Result<Box<dyn gantry_core::BlobWriter>> {
+            self.inner.begin_write(digest).await
+        }
+    }
+
+    /// Paging through a tree reads each directory once, however small the pages: the
+    /// walk resumes where the last page stopped instead of starting over at the root.
+    #[tokio::test]
+    async fn tree_pages_resume_the_walk() {
+        use prost::Message;
+        let cas = Counting { inner: gantry_store::MemoryStore::new(1 << 30), reads: AtomicUsize::new(0) };
+        // A chain of 60 directories, each holding the next.
+        let mut child: Option<Digest> = None;
+        for i in 0..60 {
+            let dir = reapi::Directory {
+                directories: child.iter().map(|d| reapi::DirectoryNode { name: format!("d{i}"), digest: Some(d.to_proto()) }).collect(),
+                ..Default::default()
+            };
+            let bytes = dir.encode_to_vec();
+            let d = DigestFunction::Sha256.digest_of(&bytes);
+            cas.put(&d, bytes.into()).await.unwrap();
+            child = Some(d);
+        }
+        let mut walk = TreeWalk::new(child.unwrap(), 4 << 20);
+        let mut total = 0;
+        loop {
+            let (page, more) = walk.page(&cas, 5).await.unwrap();
+            total += page.len();
+            if !more {
+                break;
+            }
+        }
+        assert_eq!(total, 60);
+        assert_eq!(cas.reads.load(Ordering::Relaxed), 60, "each directory read once");
+    }
 }
