@@ -106,9 +106,9 @@ pub struct MetricsService<S> {
     metrics: Arc<Metrics>,
 }
 
-impl<S, B, RB> tower::Service<http::Request<B>> for MetricsService<S>
+impl<S, B> tower::Service<http::Request<B>> for MetricsService<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Send,
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>> + Send,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -133,7 +133,12 @@ where
         let start = Instant::now();
         let fut = self.inner.call(req);
         Box::pin(async move {
-            let res = fut.await;
+            let mut res = fut.await;
+            if let Ok(r) = &mut res {
+                client_fault_status(r.headers_mut());
+            }
+            // The status may also come in the trailers, after the response headers.
+            let res = res.map(|r| r.map(|b| tonic::body::Body::new(FixTrailers(b))));
             // Errors before the body are sent "trailers-only", with grpc-status in the
             // headers; a successful call carries its status in the trailers.
             let code = match &res {
@@ -149,6 +154,98 @@ where
             metrics.requests.with_label_values(&[&method, code]).inc();
             res
         })
+    }
+}
+
+/// Puts in REAPI's terms the statuses the transport makes before a service sees the
+/// request (sent "trailers-only", in the headers): a body that is not the method's message
+/// is the client's INVALID_ARGUMENT, not the INTERNAL tonic reports, and a message over
+/// the size limit is RESOURCE_EXHAUSTED, as the gRPC status table says, naming what to do,
+/// not a bare OUT_OF_RANGE.
+fn client_fault_status(headers: &mut http::HeaderMap) {
+    let code = headers.get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<i32>().ok());
+    let message = percent_decode(headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or(b""));
+    let fixed = match code.map(tonic::Code::from_i32) {
+        Some(tonic::Code::Internal) if message.starts_with("failed to decode Protobuf message") => {
+            (tonic::Code::InvalidArgument, format!("the request is not a valid message of this method ({message})"))
+        }
+        Some(tonic::Code::OutOfRange) if message.contains("decoded message length too large") => (
+            tonic::Code::ResourceExhausted,
+            format!(
+                "{message}: keep batches under the max_batch_total_size_bytes that GetCapabilities reports, and send larger blobs with ByteStream"
+            ),
+        ),
+        _ => return,
+    };
+    let (code, message) = fixed;
+    headers.insert("grpc-status", http::HeaderValue::from(code as i32));
+    if let Ok(v) = http::HeaderValue::from_str(&percent_encode(&message)) {
+        headers.insert("grpc-message", v);
+    }
+}
+
+/// grpc-message is percent-encoded (gRPC's HTTP/2 mapping).
+fn percent_decode(raw: &[u8]) -> String {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (raw[i], raw.get(i + 1).copied().and_then(hex), raw.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Encodes what gRPC requires: bytes outside printable ASCII, and '%'.
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A response body whose trailers pass through `client_fault_status`.
+struct FixTrailers(tonic::body::Body);
+
+impl http_body::Body for FixTrailers {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        match Pin::new(&mut self.0).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_trailers() {
+                Ok(mut trailers) => {
+                    client_fault_status(&mut trailers);
+                    Poll::Ready(Some(Ok(http_body::Frame::trailers(trailers))))
+                }
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
     }
 }
 
@@ -171,5 +268,30 @@ fn code_name(c: i32) -> &'static str {
         tonic::Code::Unavailable => "UNAVAILABLE",
         tonic::Code::DataLoss => "DATA_LOSS",
         tonic::Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_message_percent_coding_round_trips() {
+        let raw = "failed to decode: 100% über";
+        assert_eq!(percent_encode(raw), "failed to decode: 100%25 %C3%BCber");
+        assert_eq!(percent_decode(percent_encode(raw).as_bytes()), raw);
+        assert_eq!(percent_decode(b"a%20b%zz%4"), "a b%zz%4", "malformed escapes pass through");
+    }
+
+    #[test]
+    fn only_transport_faults_are_rewritten() {
+        let mut h = http::HeaderMap::new();
+        h.insert("grpc-status", http::HeaderValue::from(13));
+        h.insert("grpc-message", http::HeaderValue::from_static("disk%20on%20fire"));
+        client_fault_status(&mut h);
+        assert_eq!(h["grpc-status"], "13", "a real internal error stays one");
+        h.insert("grpc-message", http::HeaderValue::from_static("failed%20to%20decode%20Protobuf%20message:%20x"));
+        client_fault_status(&mut h);
+        assert_eq!(h["grpc-status"], "3");
     }
 }

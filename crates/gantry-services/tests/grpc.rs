@@ -777,3 +777,74 @@ async fn batch_read_of_fifty_thousand_absent_digests_answers_each() {
     assert!(resp.responses.iter().all(|r| r.status.as_ref().unwrap().code == Code::NotFound as i32));
     assert_eq!(resp.responses[17].digest.as_ref(), Some(&digests[17]));
 }
+
+/// Sends raw bytes as the request message, whatever the method expects.
+#[derive(Clone, Default)]
+struct RawCodec;
+struct RawEncoder;
+struct RawDecoder;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawEncoder;
+    type Decoder = RawDecoder;
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+    fn decoder(&mut self) -> RawDecoder {
+        RawDecoder
+    }
+}
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawDecoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let v = bytes::Buf::chunk(src).to_vec();
+        bytes::Buf::advance(src, v.len());
+        Ok(Some(v))
+    }
+}
+
+async fn raw_call(ch: Channel, path: &'static str, body: Vec<u8>) -> Result<Vec<u8>, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(ch);
+    grpc.ready().await.unwrap();
+    grpc.unary(tonic::Request::new(body), http::uri::PathAndQuery::from_static(path), RawCodec).await.map(|r| r.into_inner())
+}
+
+/// A body that is not the method's message is the client's INVALID_ARGUMENT (tonic
+/// says INTERNAL), and one over the size limit is RESOURCE_EXHAUSTED saying what to do
+/// (tonic says OUT_OF_RANGE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_requests_get_the_clients_codes() {
+    let h = harness().await;
+    for path in [
+        "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs",
+        "/build.bazel.remote.execution.v2.ActionCache/UpdateActionResult",
+    ] {
+        let e = raw_call(h.channel.clone(), path, vec![0xff; 16]).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{path}: {e:?}");
+        assert!(e.message().contains("not a valid message"), "{e:?}");
+    }
+    let e = raw_call(
+        h.channel.clone(),
+        "/build.bazel.remote.execution.v2.ContentAddressableStorage/BatchUpdateBlobs",
+        vec![0u8; 6 << 20],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("max_batch_total_size_bytes"), "{e:?}");
+    // A well-formed call still works on the same connection.
+    h.upload(b"still fine").await;
+}
