@@ -1,6 +1,10 @@
 //! Prometheus metrics: per-RPC request counts and latencies (a tower layer around the
 //! gRPC server), payload bytes in and out, action cache hits and misses, and the CAS size
 //! (read from the store at scrape time, so it is never stale).
+//!
+//! The same layer puts the two statuses the transport makes before a service runs in the
+//! client's terms (`client_fault_status`): undecodable requests are INVALID_ARGUMENT, and
+//! oversized ones RESOURCE_EXHAUSTED.
 
 use std::future::Future;
 use std::pin::Pin;
