@@ -166,25 +166,33 @@ impl ByteStreamService {
     /// the least recently active; if that is not enough, this upload spills too.
     async fn relieve(&self, session: &Arc<Session>, up: &mut Upload) -> Result<()> {
         let share = (self.memory.limit / 4).max(1);
-        let owner_total = || {
-            let map = self.sessions.lock().expect("poisoned");
-            map.values().filter(|s| s.owner == session.owner).map(|s| s.buffered.load(Ordering::Acquire)).sum::<u64>()
-        };
         let total = || self.memory.total.load(Ordering::Acquire);
         let over_total = || total() > self.memory.limit;
-        // The owner's sum is counted only when everyone's together passes its share.
-        if total() <= share || (!over_total() && owner_total() <= share) {
+        // No client can hold more than a share while everyone together holds less.
+        if total() <= share {
             return Ok(());
         }
-        // Candidates: every other upload holding memory, the owner's own first. None of
-        // them is locked here; each is tried without waiting, and a busy one is skipped.
-        let others: Vec<(String, Arc<Session>)> = {
+        // One pass over the sessions: the owner's sum, and every other upload holding
+        // memory as a candidate. None is locked here; each is tried without waiting later,
+        // and a busy one is skipped.
+        let (mut owner_held, others) = {
             let map = self.sessions.lock().expect("poisoned");
-            map.iter()
-                .filter(|(_, s)| !Arc::ptr_eq(s, session) && s.buffered.load(Ordering::Acquire) > 0)
-                .map(|(n, s)| (n.clone(), s.clone()))
-                .collect()
+            let mut held = 0u64;
+            let mut others: Vec<(String, Arc<Session>)> = Vec::new();
+            for (n, s) in map.iter() {
+                let b = s.buffered.load(Ordering::Acquire);
+                if s.owner == session.owner {
+                    held += b;
+                }
+                if b > 0 && !Arc::ptr_eq(s, session) {
+                    others.push((n.clone(), s.clone()));
+                }
+            }
+            (held, others)
         };
+        if !over_total() && owner_held <= share {
+            return Ok(());
+        }
         let mut idle: Vec<(bool, Instant, String, Arc<Session>)> = Vec::new();
         for (name, s) in others {
             let last = s.upload.try_lock().map(|u| u.last_active).ok();
@@ -194,11 +202,11 @@ impl ByteStreamService {
         }
         idle.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
         for (foreign, _, name, s) in idle {
-            let needed = over_total() || (!foreign && owner_total() > share);
-            if !needed {
+            if !over_total() && (foreign || owner_held <= share) {
                 break;
             }
             let Ok(mut u) = s.upload.try_lock() else { continue };
+            let before = s.buffered.load(Ordering::Acquire);
             let dirty = u.dirty;
             let spilled = match u.writer.as_mut() {
                 Some(w) if !dirty => w.spill().await.is_ok() && w.buffered() == 0,
@@ -213,8 +221,12 @@ impl ByteStreamService {
                 self.remove_session(&name, &s);
                 self.memory.relieved.with_label_values(&["dropped"]).inc();
             }
+            // Spilled or dropped, its memory is no longer the owner's.
+            if !foreign {
+                owner_held -= before.min(owner_held);
+            }
         }
-        if over_total() || owner_total() > share {
+        if over_total() || owner_held > share {
             if let Some(w) = up.writer.as_mut() {
                 up.dirty = true;
                 w.spill().await?;

@@ -109,17 +109,16 @@ impl TreeWalk {
         Ok(None)
     }
 
-    /// Up to `take` directories, and whether more follow.
-    async fn page(&mut self, cas: &dyn BlobStore, take: usize) -> Result<(Vec<reapi::Directory>, bool)> {
+    /// The next `take` directories (fewer at the end of the tree).
+    async fn page(&mut self, cas: &dyn BlobStore, take: usize) -> Result<Vec<reapi::Directory>> {
         let mut page = Vec::new();
         while page.len() < take {
             match self.next(cas).await? {
                 Some(dir) => page.push(dir),
-                None => return Ok((page, false)),
+                None => break,
             }
         }
-        // More follow only if the walk has a directory left that exists.
-        Ok((page, !self.queue.is_empty()))
+        Ok(page)
     }
 }
 
@@ -249,22 +248,18 @@ impl ContentAddressableStorage for CasService {
             }
         }
         // The first page now, so a missing root is an immediate NOT_FOUND.
-        let (first, more) = walk.page(cas.as_ref(), page_size).await?;
-        let stream = futures::stream::try_unfold(Some((first, more, walk)), move |state| {
+        let first = walk.page(cas.as_ref(), page_size).await?;
+        let stream = futures::stream::try_unfold(Some((first, walk)), move |state| {
             let cas = cas.clone();
             async move {
-                let Some((page, more, mut walk)) = state else { return Ok::<_, Error>(None) };
-                let resp = reapi::GetTreeResponse {
-                    directories: page,
-                    next_page_token: if more { walk.index.to_string() } else { String::new() },
-                };
-                if !more {
-                    return Ok(Some((resp, None)));
-                }
-                let (next, more) = walk.page(cas.as_ref(), page_size).await?;
-                // A last page can come out empty when the remaining directories are missing.
-                let resp = if next.is_empty() && !more { reapi::GetTreeResponse { next_page_token: String::new(), ..resp } } else { resp };
-                Ok(Some((resp, (!next.is_empty()).then_some((next, more, walk)))))
+                let Some((page, mut walk)) = state else { return Ok::<_, Error>(None) };
+                // The next page is read ahead: only a page that has a successor gets a
+                // token (the rest of the tree may be missing directories only).
+                let position = walk.index;
+                let next = if page.len() < page_size { Vec::new() } else { walk.page(cas.as_ref(), page_size).await? };
+                let next_page_token = if next.is_empty() { String::new() } else { position.to_string() };
+                let resp = reapi::GetTreeResponse { directories: page, next_page_token };
+                Ok(Some((resp, (!next.is_empty()).then_some((next, walk)))))
             }
         })
         .map_err(Status::from);
@@ -347,11 +342,11 @@ mod tests {
         let mut walk = TreeWalk::new(child.unwrap(), 4 << 20);
         let mut total = 0;
         loop {
-            let (page, more) = walk.page(&cas, 5).await.unwrap();
-            total += page.len();
-            if !more {
+            let page = walk.page(&cas, 5).await.unwrap();
+            if page.is_empty() {
                 break;
             }
+            total += page.len();
         }
         assert_eq!(total, 60);
         assert_eq!(cas.reads.load(Ordering::Relaxed), 60, "each directory read once");

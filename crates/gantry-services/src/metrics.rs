@@ -167,13 +167,18 @@ where
 /// the size limit is RESOURCE_EXHAUSTED, as the gRPC status table says, naming what to do,
 /// not a bare OUT_OF_RANGE.
 fn client_fault_status(headers: &mut http::HeaderMap) {
-    let code = headers.get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<i32>().ok());
+    // Every response passes here: only a status the transport makes is looked at further.
+    let code = match headers.get("grpc-status").map(|v| v.as_bytes()) {
+        Some(b"13") => tonic::Code::Internal,
+        Some(b"11") => tonic::Code::OutOfRange,
+        _ => return,
+    };
     let message = percent_decode(headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or(b""));
-    let fixed = match code.map(tonic::Code::from_i32) {
-        Some(tonic::Code::Internal) if message.starts_with("failed to decode Protobuf message") => {
+    let (code, message) = match code {
+        tonic::Code::Internal if message.starts_with("failed to decode Protobuf message") => {
             (tonic::Code::InvalidArgument, format!("the request is not a valid message of this method ({message})"))
         }
-        Some(tonic::Code::OutOfRange) if message.contains("decoded message length too large") => (
+        tonic::Code::OutOfRange if message.contains("decoded message length too large") => (
             tonic::Code::ResourceExhausted,
             format!(
                 "{message}: keep batches under the max_batch_total_size_bytes that GetCapabilities reports, and send larger blobs with ByteStream"
@@ -181,7 +186,6 @@ fn client_fault_status(headers: &mut http::HeaderMap) {
         ),
         _ => return,
     };
-    let (code, message) = fixed;
     headers.insert("grpc-status", http::HeaderValue::from(code as i32));
     if let Ok(v) = http::HeaderValue::from_str(&percent_encode(&message)) {
         headers.insert("grpc-message", v);

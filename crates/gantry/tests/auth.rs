@@ -4,7 +4,10 @@
 
 mod common;
 
-use common::tls::{write, Ca};
+use common::output_text as text;
+
+use common::tls::Ca;
+use common::write_file as write;
 use common::{BazelWorkspace, GantryServer, WorkerProcess};
 use gantry_core::reapi::action_cache_client::ActionCacheClient;
 use gantry_core::reapi::capabilities_client::CapabilitiesClient;
@@ -188,9 +191,6 @@ async fn put(ch: &Channel, data: Vec<u8>, token: &str) -> reapi::Digest {
     d
 }
 
-fn text(o: &std::process::Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 #[test]
 fn bazel_over_tls_with_tokens_and_a_worker_with_its_credential() {

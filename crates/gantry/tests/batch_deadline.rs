@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::batch::{gantry, stream_builds, stream_builds_env};
-use common::tls::{write, Ca};
+use common::tls::Ca;
+use common::write_file as write;
 use common::{fixture_flags, toml_list, GantryServer};
 use serde_json::Value;
 

@@ -4,11 +4,10 @@
 
 mod common;
 
+use common::output_text as text;
+
 use common::{process_summary, BazelWorkspace, GantryServer};
 
-fn text(o: &std::process::Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 #[test]
 fn bazel_remote_execution_end_to_end() {

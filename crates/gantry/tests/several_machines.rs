@@ -13,21 +13,15 @@
 
 mod common;
 
+use common::output_text as text;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{free_addr, process_summary, BazelWorkspace, GantryServer, WorkerProcess};
 use gantry_testkit::{PgServer, S3Server, S3_KEY_ID, S3_SECRET_KEY};
 
-fn text(o: &std::process::Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
-fn write_config(dir: &Path, name: &str, body: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, body).unwrap();
-    p.display().to_string()
-}
 
 #[test]
 fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
@@ -37,9 +31,9 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     let cas = tmp.path().join("shared-cas");
     let common = format!("[metadata]\nurl = \"{url}\"\n\n[cas]\nkind = \"fs\"\npath = \"{}\"\n", cas.display());
 
-    let sched_cfg = write_config(tmp.path(), "scheduler.toml", &format!("{common}\n[execution]\nworkers = 2\n"));
+    let sched_cfg = common::write_file(tmp.path(), "scheduler.toml", &format!("{common}\n[execution]\nworkers = 2\n"));
     let scheduler = GantryServer::start(&tmp.path().join("s"), &["--config", &sched_cfg]);
-    let front_cfg = write_config(
+    let front_cfg = common::write_file(
         tmp.path(),
         "frontend.toml",
         &format!("{common}\n[execution]\nscheduler = \"grpc://{}\"\n", scheduler.grpc),
@@ -67,15 +61,20 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel_with_strategy("test", &via(&b), "remote");
     assert!(out.status.success(), "rebuild through frontend B failed:\n{}", text(&out));
-    let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
-    assert!(summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"), "every action a cache hit: {summary:?}");
-    assert!(summary.iter().any(|(k, n)| k == "remote cache hit" && *n >= remote), "{summary:?}");
+    assert_all_cache_hits(&out, remote);
     let big = std::fs::metadata(ws.bin().join("big.txt")).unwrap();
     assert!(big.len() > 4 << 20, "outputs downloaded through B");
 
     b.stop();
     a.stop();
     scheduler.stop();
+}
+
+/// Every action of a rebuild was a remote cache hit, at least `remote` of them.
+fn assert_all_cache_hits(out: &std::process::Output, remote: u64) {
+    let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
+    assert!(summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"), "every action a cache hit: {summary:?}");
+    assert!(summary.iter().any(|(k, n)| k == "remote cache hit" && *n >= remote), "{summary:?}");
 }
 
 /// Every file under `dir` (relative path -> bytes).
@@ -103,7 +102,7 @@ fn two_servers_share_an_s3_bucket_and_postgres_not_their_tiers() {
     s3.create_bucket("gantry-cas");
     let tmp = tempfile::tempdir().unwrap();
     // Each server's tier lives under its own data dir ({data_dir}/cas-local).
-    let cfg = write_config(
+    let cfg = common::write_file(
         tmp.path(),
         "gantry.toml",
         &format!(
@@ -138,9 +137,7 @@ fn two_servers_share_an_s3_bucket_and_postgres_not_their_tiers() {
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel_with_strategy("build", &via(&b), "remote");
     assert!(out.status.success(), "rebuild through B failed:\n{}", text(&out));
-    let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
-    assert!(summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"), "every action a cache hit: {summary:?}");
-    assert!(summary.iter().any(|(k, n)| k == "remote cache hit" && *n >= remote), "{summary:?}");
+    assert_all_cache_hits(&out, remote);
     assert!(tree(&ws.bin()) == first, "outputs through B are byte-identical to those built through A");
     assert!(tier_blobs("b") > 0, "B filled its own tier from the bucket");
     b.stop();
@@ -180,7 +177,7 @@ fn scheduler_sigkill_mid_build_is_invisible_to_bazel() {
     std::fs::create_dir_all(&markers).unwrap();
     let data = tmp.path().join("scheduler");
     // No in-process workers: the one worker is a separate process that must reconnect.
-    let cfg = write_config(tmp.path(), "scheduler.toml", "[execution]\nworkers = 0\n");
+    let cfg = common::write_file(tmp.path(), "scheduler.toml", "[execution]\nworkers = 0\n");
     let addr = free_addr();
     let scheduler = GantryServer::start_at(&addr, &data, &["--config", &cfg]);
     let _worker = WorkerProcess::start(&addr, &tmp.path().join("worker"), 2);

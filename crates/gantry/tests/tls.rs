@@ -8,20 +8,19 @@
 
 mod common;
 
-use std::path::Path;
+use common::output_text as text;
+
 use std::process::Command;
 
 use common::reapi::{command, Client, Node};
 use common::{GantryServer, WorkerProcess};
 use gantry_core::reapi::capabilities_client::CapabilitiesClient;
 use gantry_core::reapi::GetCapabilitiesRequest;
-use common::tls::{write, Ca};
+use common::tls::Ca;
+use common::write_file as write;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 
-fn text(o: &std::process::Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 async fn tls_channel(port: u16, ca: &str, client: Option<(&str, &str)>) -> Result<Channel, String> {
     let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");

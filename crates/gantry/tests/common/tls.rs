@@ -28,10 +28,3 @@ impl Ca {
         self.issuer.pem()
     }
 }
-
-/// Writes `text` to `dir/name` and returns the path.
-pub fn write(dir: &std::path::Path, name: &str, text: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.display().to_string()
-}
