@@ -257,6 +257,7 @@ impl FeatureSpec {
             }
         }
         let mut target_prefixes: [Vec<u64>; 3] = Default::default();
+        let mut target_prefix_cross: [Vec<usize>; 3] = Default::default();
         let mut tc: Vec<Vec<u32>> = vec![Vec::new(); self.target_count_boundaries.len()];
         let mut pc: Vec<Vec<u32>> = vec![Vec::new(); self.package_count_boundaries.len()];
         for (j, feats) in tc.iter_mut().enumerate() {
@@ -269,7 +270,7 @@ impl FeatureSpec {
                 feats.push(self.slot(mix(Family::PackageCount.tag(), j as u64), true));
             }
         }
-        for &c in &self.crosses {
+        for (ci, &c) in self.crosses.iter().enumerate() {
             let avals = values_of(c.0);
             if c.1.is_build_level() {
                 for &a in &avals {
@@ -280,6 +281,7 @@ impl FeatureSpec {
             } else if let Some(ti) = c.1.target_index() {
                 for &a in &avals {
                     target_prefixes[ti].push(mix(c.tag(), a));
+                    target_prefix_cross[ti].push(ci);
                 }
             } else {
                 let buckets = if c.1 == Family::TargetCount {
@@ -297,6 +299,7 @@ impl FeatureSpec {
         ContextPieces {
             build,
             target_prefixes,
+            target_prefix_cross,
             target_count: tc,
             package_count: pc,
         }
@@ -435,6 +438,8 @@ pub struct ContextPieces {
     /// Per target family: hashes `mix(cross_tag, build_value)`; a target
     /// value `v` then contributes slot `mix(prefix, v)` for each prefix.
     pub target_prefixes: [Vec<u64>; 3],
+    /// For each entry of `target_prefixes`, the index of its cross in the spec.
+    pub target_prefix_cross: [Vec<usize>; 3],
     /// Per target-count bucket: slots switched on when the bucket is.
     pub target_count: Vec<Vec<u32>>,
     pub package_count: Vec<Vec<u32>>,

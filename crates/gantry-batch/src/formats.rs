@@ -177,6 +177,7 @@ mod tests {
             reason: BatchSizeReason::MaxMemory,
             memory_estimate_bytes: Some(123),
             occupancy_estimate_esu: Some(4.5),
+            oom_probability: None,
             executor_types: ["x86".to_string()].into_iter().collect(),
         };
         let line = batch_to_json_line(&b).unwrap();

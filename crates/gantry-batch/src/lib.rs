@@ -17,6 +17,7 @@
 //! * [`features`]: feature families, hashing, crosses, count buckets.
 //! * [`model`]: training, [`Models`] save/load, [`MemoryEstimator`].
 //! * [`eval`]: error report of models against history.
+//! * [`margin`]: a model's held-out error distribution and the safety margin it implies.
 //! * [`history`]: history JSONL and RFC 3339 timestamps.
 //! * [`formats`]: `targets.txt`, context JSON, batch JSONL.
 //! * [`sim`]: synthetic monorepo workload, ground truth, scoring, bench.
@@ -28,6 +29,7 @@ pub mod features;
 pub mod formats;
 pub mod history;
 pub mod label;
+pub mod margin;
 pub mod model;
 pub mod planner;
 pub mod sim;

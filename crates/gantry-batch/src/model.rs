@@ -60,8 +60,34 @@ pub struct TrainConfig {
     pub cross_beam: usize,
     /// Fraction of each window held out for cross search and calibration.
     pub validation_fraction: f64,
-    /// Residual quantile used as the safety factor (see [`LinearModel::calibration`]).
+    /// The loss: `squared` (default) is plain least squares; `huber` caps
+    /// each example's pull at `huber_delta` times its label, so the few
+    /// builds whose labels are far off (a peak without a full GC, an
+    /// occupancy served from the action cache) cannot drag the fit. Measured
+    /// on the simulated workloads, the cap also slows SGD on the large builds
+    /// so much that they are under-fitted (see README), so it is not the
+    /// default: robustness to one-sided noise comes from the median
+    /// calibration and the one-sided error fit instead.
+    pub loss: Loss,
+    pub huber_delta: f64,
+    /// How the output is scaled after fitting: `median` (default) centres it
+    /// on held-out builds and leaves safety to the planner's calibrated
+    /// margin; `quantile` multiplies by the `calibration_quantile` of
+    /// actual/predicted, a fixed safety factor (the first version's way).
+    pub calibration: Calibration,
+    /// Residual quantile used as the safety factor when `calibration = quantile`.
     pub calibration_quantile: f64,
+    /// Learning-rate scale of the crosses between a build-level family and
+    /// a target (`ProductArea x Package`): below 1, the base features learn
+    /// the costs the contexts share and the crosses only what differs. At 1
+    /// (default) a cross that merely repeats its target takes half of its
+    /// weight, which a build mixing product areas then gets from the cross's
+    /// unseen prior instead. Measured: 0.1 did not help reliably (README).
+    pub cross_rate: f64,
+    /// A target, package or directory that no training build had gets the
+    /// mean weight of its family instead of nothing: new code is charged
+    /// like typical code, not as free.
+    pub unseen_prior: bool,
     /// Only validation builds whose prediction is at least this many bytes
     /// are used for memory calibration (small builds never OOM).
     pub calibration_min_memory_bytes: f64,
@@ -75,7 +101,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            hash_bits: 18,
+            hash_bits: 20,
             long_window_days: 17.0,
             short_window_days: 1.0,
             epochs: 10,
@@ -89,7 +115,12 @@ impl Default for TrainConfig {
             cross_min_improvement: 0.01,
             cross_beam: 10,
             validation_fraction: 0.1,
+            loss: Loss::Squared,
+            huber_delta: 0.1,
+            calibration: Calibration::Median,
             calibration_quantile: 0.95,
+            unseen_prior: true,
+            cross_rate: 1.0,
             calibration_min_memory_bytes: 2e9,
             calibration_min_occupancy_esu: 50.0,
             min_short_window_builds: 50,
@@ -99,6 +130,10 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    fn huber(&self) -> Option<f64> {
+        (self.loss == Loss::Huber).then_some(self.huber_delta)
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(BatchError::InvalidConfig(m.to_string()));
         if !(4..=26).contains(&self.hash_bits) {
@@ -122,7 +157,74 @@ impl TrainConfig {
         if self.max_crosses > 6 {
             return bad("max_crosses is at most 6");
         }
+        if !(self.huber_delta > 0.0) {
+            return bad("huber_delta must be > 0");
+        }
         Ok(())
+    }
+}
+
+/// Training loss (see [`TrainConfig::loss`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Loss {
+    Squared,
+    Huber,
+}
+
+/// Output scaling (see [`TrainConfig::calibration`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Calibration {
+    Quantile,
+    Median,
+}
+
+/// What a model charges for target-level values it never saw in training.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnseenPrior {
+    /// Per target family (label, package, prefix): the mean trained weight.
+    pub prior: [f64; 3],
+    /// Per cross of the spec: the mean trained weight of its target-level
+    /// slots (0 for build-level crosses). A build-level value crossed with a
+    /// target it never met (a package built under a new product area, or by
+    /// another command) would otherwise count for nothing.
+    pub cross_prior: Vec<f64>,
+    /// Bitset of the slots any training example had.
+    seen: Vec<u64>,
+}
+
+impl UnseenPrior {
+    #[inline]
+    pub fn is_seen(&self, slot: u32) -> bool {
+        self.seen.get(slot as usize / 64).is_some_and(|w| w >> (slot % 64) & 1 == 1)
+    }
+
+    fn seen_slots(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (i, &w) in self.seen.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                let b = w.trailing_zeros();
+                out.push(i as u32 * 64 + b);
+                w &= w - 1;
+            }
+        }
+        out
+    }
+
+    fn from_slots(slots: &[u32], prior: [f64; 3], cross_prior: Vec<f64>, total: usize) -> std::result::Result<Self, String> {
+        let mut seen = vec![0u64; total.div_ceil(64)];
+        for &s in slots {
+            if s as usize >= total {
+                return Err(format!("seen slot {s} outside the slot space"));
+            }
+            seen[s as usize / 64] |= 1 << (s % 64);
+        }
+        if prior.iter().chain(&cross_prior).any(|p| !(p.is_finite() && *p >= 0.0)) {
+            return Err("unseen priors must be finite and non-negative".into());
+        }
+        Ok(UnseenPrior { prior, cross_prior, seen })
     }
 }
 
@@ -147,6 +249,16 @@ pub struct LinearModel {
     /// additive model under-predicts for exactly that tool; a per-tool
     /// quantile corrects it while staying a positive constant per context.
     pub tool_calibration: BTreeMap<String, f64>,
+    /// Per-tool offsets added after the factor (`Calibration::Median`): the
+    /// output is `factor × raw + offset`, a line fitted to the tool's
+    /// held-out builds. A flag that multiplies every cost (coverage) makes an
+    /// additive model's error grow with the build; a constant factor centred
+    /// on typical builds then still under-reads the large ones the planner
+    /// cuts at the cutoff.
+    pub tool_offset: BTreeMap<String, f64>,
+    /// Held-out error of the calibrated output: the planner's margin.
+    pub error: Option<crate::margin::ErrorModel>,
+    pub unseen: Option<UnseenPrior>,
     pub window_days: f64,
     pub trained_examples: usize,
 }
@@ -161,6 +273,17 @@ struct PersistedModel {
     calibration: f64,
     #[serde(default)]
     tool_calibration: BTreeMap<String, f64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    tool_offset: BTreeMap<String, f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<crate::margin::ErrorModel>,
+    /// Priors for unseen label, package and prefix values, and the seen slots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    unseen_prior: Option<[f64; 3]>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    unseen_cross_prior: Vec<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    seen_slots: Vec<u32>,
     window_days: f64,
     trained_examples: usize,
     /// Non-zero weights only: `[slot, weight]`.
@@ -178,6 +301,11 @@ impl From<LinearModel> for PersistedModel {
             label_scale: m.label_scale,
             calibration: m.calibration,
             tool_calibration: m.tool_calibration,
+            tool_offset: m.tool_offset,
+            error: m.error,
+            unseen_prior: m.unseen.as_ref().map(|u| u.prior),
+            unseen_cross_prior: m.unseen.as_ref().map(|u| u.cross_prior.clone()).unwrap_or_default(),
+            seen_slots: m.unseen.as_ref().map(|u| u.seen_slots()).unwrap_or_default(),
             window_days: m.window_days,
             trained_examples: m.trained_examples,
             weights: m
@@ -224,6 +352,21 @@ impl TryFrom<PersistedModel> for LinearModel {
                 ));
             }
             m.tool_calibration = p.tool_calibration;
+            if p.tool_offset.values().any(|o| !o.is_finite()) {
+                return Err(BatchError::InvalidConfig("tool offsets must be finite".into()));
+            }
+            m.tool_offset = p.tool_offset;
+            if p.error.is_some_and(|e| !(e.sigma.is_finite() && e.sigma > 0.0)) {
+                return Err(BatchError::InvalidConfig("error sigma must be positive".into()));
+            }
+            m.error = p.error;
+            m.unseen = match p.unseen_prior {
+                Some(prior) => Some(
+                    UnseenPrior::from_slots(&p.seen_slots, prior, p.unseen_cross_prior, m.spec.slots())
+                        .map_err(BatchError::InvalidConfig)?,
+                ),
+                None => None,
+            };
             m.window_days = p.window_days;
             m.trained_examples = p.trained_examples;
             Ok(m)
@@ -272,6 +415,9 @@ impl LinearModel {
             label_scale,
             calibration,
             tool_calibration: BTreeMap::new(),
+            tool_offset: BTreeMap::new(),
+            error: None,
+            unseen: None,
             window_days: 0.0,
             trained_examples: 0,
         })
@@ -291,26 +437,27 @@ impl LinearModel {
         slots.iter().map(|&s| self.weights[s as usize]).sum()
     }
 
-    /// Safety factor for a context (per-tool if learned, else global).
-    pub fn calibration_for(&self, ctx: &BuildContext) -> f64 {
-        self.tool_calibration
-            .get(&ctx.tool_tag)
-            .copied()
-            .unwrap_or(self.calibration)
+    /// Factor and offset for a context (per-tool if learned, else global
+    /// factor and no offset).
+    pub fn calibration_for(&self, ctx: &BuildContext) -> (f64, f64) {
+        match self.tool_calibration.get(&ctx.tool_tag) {
+            Some(&f) => (f, self.tool_offset.get(&ctx.tool_tag).copied().unwrap_or(0.0)),
+            None => (self.calibration, 0.0),
+        }
     }
 
     /// Turn a raw linear score (bias included) into the model's unit, given
-    /// the context's safety factor. Clamping at zero and a positive factor
-    /// keep it monotone.
+    /// the context's factor and offset. Clamping at zero and a positive
+    /// factor keep it monotone.
     #[inline]
-    pub fn output(&self, raw: f64, factor: f64) -> Result<f64> {
+    pub fn output(&self, raw: f64, (factor, offset): (f64, f64)) -> Result<f64> {
         if !raw.is_finite() {
             return Err(BatchError::Estimate(format!(
                 "{:?} model produced a non-finite score",
                 self.kind
             )));
         }
-        Ok(raw.max(0.0) * self.label_scale * factor)
+        Ok((raw.max(0.0) * self.label_scale * factor + offset).max(0.0))
     }
 
     /// Predict for a build (set semantics over the labels).
@@ -318,14 +465,59 @@ impl LinearModel {
         with_target_values(labels, |btv| self.predict_values(ctx, btv))
     }
 
+    /// The weight of target family `ti`'s base feature in `slot`: the
+    /// family's prior when no training build had the slot.
+    #[inline]
+    pub fn target_weight(&self, ti: usize, slot: u32) -> f64 {
+        match &self.unseen {
+            Some(u) if !u.is_seen(slot) => u.prior[ti],
+            _ => self.weights[slot as usize],
+        }
+    }
+
+    /// The weight of cross `ci`'s target-level feature in `slot`: the
+    /// cross's prior when no training build had the slot.
+    #[inline]
+    pub fn cross_weight(&self, ci: usize, slot: u32) -> f64 {
+        match &self.unseen {
+            Some(u) if !u.is_seen(slot) => u.cross_prior.get(ci).copied().unwrap_or(0.0),
+            _ => self.weights[slot as usize],
+        }
+    }
+
     /// Predict from pre-extracted target values.
     pub fn predict_values(&self, ctx: &BuildContext, btv: &BuildTargetValues) -> Result<f64> {
         let pieces = self.spec.context_pieces(ctx);
         let slots = self.spec.build_slots(&pieces, btv);
-        self.output(
-            self.bias + self.sum_slots(&slots),
-            self.calibration_for(ctx),
-        )
+        // An unseen slot's weight is 0 (training never touched it), so adding
+        // the prior is the same as `target_weight`.
+        let mut priors = 0.0;
+        if let Some(u) = &self.unseen {
+            for (ti, fam) in crate::features::Family::TARGET.iter().enumerate() {
+                if self.spec.has(*fam) {
+                    for &v in &btv.values[ti] {
+                        let slot = self.spec.slot(crate::features::mix(fam.tag(), v), true);
+                        if !u.is_seen(slot) {
+                            priors += u.prior[ti];
+                        }
+                    }
+                }
+                for (&p, &ci) in pieces.target_prefixes[ti].iter().zip(&pieces.target_prefix_cross[ti]) {
+                    for &v in &btv.values[ti] {
+                        if !u.is_seen(self.spec.slot(crate::features::mix(p, v), true)) {
+                            priors += u.cross_prior.get(ci).copied().unwrap_or(0.0);
+                        }
+                    }
+                }
+            }
+        }
+        self.output(self.bias + self.sum_slots(&slots) + priors, self.calibration_for(ctx))
+    }
+
+    /// The factor by which an estimate must stay under a hard limit so the
+    /// chance of exceeding it is at most `rate`; 1 without an error model.
+    pub fn margin(&self, rate: f64) -> f64 {
+        self.error.map_or(1.0, |e| e.margin(rate))
     }
 }
 
@@ -496,6 +688,8 @@ mod erased {
 
 /// A history record reduced to what features need.
 struct Prepared {
+    /// Seconds since the epoch.
+    time: i64,
     ctx: BuildContext,
     btv: BuildTargetValues,
     memory: f64,
@@ -520,6 +714,7 @@ fn prepare(records: &[&BuildRecord], valid_fraction: f64) -> (Vec<Prepared>, usi
             continue;
         };
         out.push(Prepared {
+            time: r.time.0,
             ctx: r.context(),
             btv: BuildTargetValues::from_labels(parsed.iter()),
             memory: r.peak_memory_bytes as f64,
@@ -560,6 +755,24 @@ fn materialise(
         .collect()
 }
 
+/// The slots of crosses between a build-level and a target-level family
+/// that `data` has, as a bitset.
+fn target_cross_slots(spec: &FeatureSpec, data: &[(&Prepared, f64)]) -> Vec<u64> {
+    let mut set = vec![0u64; spec.slots().div_ceil(64)];
+    for (p, _) in data {
+        let pieces = spec.context_pieces(&p.ctx);
+        for ti in 0..3 {
+            for &pre in &pieces.target_prefixes[ti] {
+                for &v in &p.btv.values[ti] {
+                    let s = spec.slot(crate::features::mix(pre, v), true);
+                    set[s as usize / 64] |= 1 << (s % 64);
+                }
+            }
+        }
+    }
+    set
+}
+
 /// Normalised SGD on MSE with an L1 proximal step; target-related slots
 /// (upper half) are projected onto w >= 0 after every step, so the final
 /// weights satisfy the monotonicity constraint exactly.
@@ -570,8 +783,14 @@ fn fit(
     lr: f64,
     l1: f64,
     seed: u64,
+    huber: Option<f64>,
+    slow: Option<(&[u64], f64)>,
 ) -> (f64, Vec<f64>) {
     let mut w = vec![0.0f64; spec.slots()];
+    let rate_of = |s: u32| match slow {
+        Some((set, r)) if set[s as usize / 64] >> (s % 64) & 1 == 1 => r,
+        _ => 1.0,
+    };
     let nonneg = spec.nonneg_start() as u32;
     let mut bias = if examples.is_empty() {
         0.0
@@ -591,13 +810,17 @@ fn fit(
                 // Predicting above a lower bound is not an error.
                 err = 0.0;
             }
+            if let Some(d) = huber {
+                let cap = d * ex.y.abs().max(1e-3);
+                err = err.clamp(-cap, cap);
+            }
             // NLMS: the step is divided by the squared norm of x (bias = 1).
             let step = lr_e / (1.0 + ex.slots.len() as f64);
             let delta = step * err;
             bias -= delta;
             let thr = step * l1;
             for &s in &ex.slots {
-                let v = w[s as usize] - delta;
+                let v = w[s as usize] - delta * rate_of(s);
                 w[s as usize] = if s >= nonneg {
                     (v - thr).max(0.0)
                 } else if v > thr {
@@ -681,14 +904,8 @@ fn search_crosses(
         s.crosses = crosses.to_vec();
         let tx = materialise(&s, &tr, scale, censor);
         let vx = materialise(&s, &va, scale, censor);
-        let (b, w) = fit(
-            &s,
-            &tx,
-            cfg.cross_search_epochs,
-            cfg.learning_rate,
-            cfg.l1,
-            cfg.seed,
-        );
+        let slow = target_cross_slots(&s, &tr);
+        let (b, w) = fit(&s, &tx, cfg.cross_search_epochs, cfg.learning_rate, cfg.l1, cfg.seed, cfg.huber(), Some((&slow, cfg.cross_rate)));
         mse(b, &w, &vx)
     };
     let mut chosen: Vec<Cross> = Vec::new();
@@ -719,41 +936,180 @@ fn search_crosses(
     chosen
 }
 
-/// The `q` quantile of actual/predicted over validation builds whose
-/// (uncalibrated) prediction is at least `min_pred`, floored at 1; globally
-/// and per tool tag (tools with fewer than 20 such builds use the global).
+/// Output scaling learned on held-out builds whose (uncalibrated)
+/// prediction is at least `min_pred`: a global factor, per-tool factors
+/// (tools with fewer than 20 such builds use the global), and with
+/// `Calibration::Median` the error distribution left after centring.
+///
+/// * `Quantile`: the `q` quantile of actual/predicted, floored at 1, a fixed
+///   safety factor;
+/// * `Median`: the median of actual/predicted (which the few far-off labels
+///   barely move), so the output is centred; safety comes from the margin.
+///
+/// In `Median` mode the factors also follow drift: when the builds since
+/// `recent_since` (the short window; training builds too, since one day of
+/// 17 barely moves the fit) are enough to tell, every factor is multiplied
+/// by their median ratio over the held-out builds'. A Bazel release
+/// that needs 12% more heap moves the last day's residuals at once, while
+/// weights fitted on 17 days barely move.
 fn calibrate(
     model: &LinearModel,
+    data: &[(&Prepared, f64)],
     valid: &[(&Prepared, f64)],
-    q: f64,
+    cfg: &TrainConfig,
     min_pred: f64,
-) -> (f64, BTreeMap<String, f64>) {
-    let mut all: Vec<f64> = Vec::new();
-    let mut by_tool: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for (p, y) in valid {
-        let Ok(pred) = model.predict_values(&p.ctx, &p.btv) else {
-            continue;
-        };
-        if pred >= min_pred && pred > 0.0 {
-            all.push(y / pred);
-            by_tool
-                .entry(p.ctx.tool_tag.clone())
-                .or_default()
-                .push(y / pred);
-        }
-    }
+    recent_since: i64,
+) -> (f64, BTreeMap<String, f64>, BTreeMap<String, f64>, Option<crate::margin::ErrorModel>) {
+    let ratio = |p: &Prepared, y: f64| -> Option<f64> {
+        let pred = model.predict_values(&p.ctx, &p.btv).ok()?;
+        (pred >= min_pred && pred > 0.0 && y > 0.0).then(|| y / pred)
+    };
+    let all: Vec<(f64, &str, f64)> =
+        valid.iter().filter_map(|(p, y)| ratio(p, *y).map(|r| (r, p.ctx.tool_tag.as_str(), *y / r))).collect();
+    let recent: Vec<f64> = data.iter().filter(|(p, _)| p.time >= recent_since).filter_map(|(p, y)| ratio(p, *y)).collect();
+    let median_mode = cfg.calibration == Calibration::Median;
     let quantile = |mut v: Vec<f64>| -> Option<f64> {
         if v.len() < 20 {
             return None;
         }
         v.sort_by(f64::total_cmp);
-        Some(v[((v.len() - 1) as f64 * q).round() as usize].max(1.0))
+        if median_mode {
+            Some(v[(v.len() - 1) / 2].clamp(0.5, 2.0))
+        } else {
+            Some(v[((v.len() - 1) as f64 * cfg.calibration_quantile).round() as usize].max(1.0))
+        }
     };
-    let tools = by_tool
+    let mut by_tool: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (r, t, _) in &all {
+        by_tool.entry(t.to_string()).or_default().push(*r);
+    }
+    let mut global = quantile(all.iter().map(|x| x.0).collect()).unwrap_or(1.0);
+    let mut tools: BTreeMap<String, f64> = by_tool.into_iter().filter_map(|(t, v)| quantile(v).map(|c| (t, c))).collect();
+    // Median mode: each tool's line through its held-out (prediction, label)
+    // pairs, slope by Theil-Sen (the median of pairwise slopes, which the few
+    // far-off labels barely move), offset the median residual.
+    let mut offsets: BTreeMap<String, f64> = BTreeMap::new();
+    if median_mode {
+        for (tool, f) in tools.iter_mut() {
+            let pts: Vec<(f64, f64)> = all.iter().filter(|x| x.1 == tool).map(|x| (x.2, x.0 * x.2)).collect();
+            if let Some((slope, off)) = theil_sen(&pts) {
+                *f = slope;
+                offsets.insert(tool.clone(), off);
+            }
+        }
+    }
+    let (base_global, base_tools, base_offsets) = (global, tools.clone(), offsets.clone());
+    if median_mode {
+        if let Some(r) = quantile(recent) {
+            let drift = r / global;
+            global *= drift;
+            for c in tools.values_mut() {
+                *c *= drift;
+            }
+            for o in offsets.values_mut() {
+                *o *= drift;
+            }
+        }
+    }
+    let error = if median_mode {
+        let side = match model.kind {
+            ModelKind::MemoryBytes => crate::margin::TrustedSide::Lower,
+            ModelKind::OccupancyEsu => crate::margin::TrustedSide::Upper,
+        };
+        // Drift is a shift of the centre, not error: measure the spread
+        // around each tool's own centre before the drift correction.
+        let logs: Vec<f64> = all
+            .iter()
+            .filter_map(|&(r, t, pred)| {
+                let centre = match base_tools.get(t) {
+                    Some(f) => f * pred + base_offsets.get(t).copied().unwrap_or(0.0),
+                    None => base_global * pred,
+                };
+                (centre > 0.0).then(|| (r * pred / centre).ln())
+            })
+            .collect();
+        crate::margin::ErrorModel::fit(&logs, side)
+    } else {
+        None
+    };
+    (global, tools, offsets, error)
+}
+
+/// Theil-Sen line through `pts` (x, y): slope the median of pairwise slopes
+/// (clamped to [0.5, 2] so the model stays monotone and sane), offset the
+/// median of `y - slope x`. `None` under 20 points.
+fn theil_sen(pts: &[(f64, f64)]) -> Option<(f64, f64)> {
+    if pts.len() < 20 {
+        return None;
+    }
+    // At most ~200 points: 20,000 pairs.
+    let step = pts.len().div_ceil(200);
+    let p: Vec<(f64, f64)> = pts.iter().step_by(step).copied().collect();
+    let mut slopes = Vec::with_capacity(p.len() * p.len() / 2);
+    for i in 0..p.len() {
+        for j in i + 1..p.len() {
+            let dx = p[j].0 - p[i].0;
+            if dx.abs() > 1e-9 * p[i].0.abs().max(1.0) {
+                slopes.push((p[j].1 - p[i].1) / dx);
+            }
+        }
+    }
+    if slopes.is_empty() {
+        return None;
+    }
+    slopes.sort_by(f64::total_cmp);
+    let slope = slopes[slopes.len() / 2].clamp(0.5, 2.0);
+    let mut res: Vec<f64> = pts.iter().map(|(x, y)| y - slope * x).collect();
+    res.sort_by(f64::total_cmp);
+    Some((slope, res[res.len() / 2]))
+}
+
+/// The mean trained weight of each target family's base features over the
+/// values the training builds had, and the set of slots they had.
+fn unseen_prior(spec: &FeatureSpec, train: &[(&Prepared, f64)], examples: &[Example], weights: &[f64]) -> UnseenPrior {
+    let mut seen = vec![0u64; spec.slots().div_ceil(64)];
+    for ex in examples {
+        for &s in &ex.slots {
+            seen[s as usize / 64] |= 1 << (s % 64);
+        }
+    }
+    let mut prior = [0.0; 3];
+    for (ti, fam) in crate::features::Family::TARGET.iter().enumerate() {
+        if !spec.has(*fam) {
+            continue;
+        }
+        let mut slots: Vec<u32> = train
+            .iter()
+            .flat_map(|(p, _)| p.btv.values[ti].iter().map(|&v| spec.slot(crate::features::mix(fam.tag(), v), true)))
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        if !slots.is_empty() {
+            prior[ti] = slots.iter().map(|&s| weights[s as usize]).sum::<f64>() / slots.len() as f64;
+        }
+    }
+    let mut cross_slots: Vec<Vec<u32>> = vec![Vec::new(); spec.crosses.len()];
+    for (p, _) in train {
+        let pieces = spec.context_pieces(&p.ctx);
+        for ti in 0..3 {
+            for (&pre, &ci) in pieces.target_prefixes[ti].iter().zip(&pieces.target_prefix_cross[ti]) {
+                cross_slots[ci].extend(p.btv.values[ti].iter().map(|&v| spec.slot(crate::features::mix(pre, v), true)));
+            }
+        }
+    }
+    let cross_prior = cross_slots
         .into_iter()
-        .filter_map(|(t, v)| quantile(v).map(|c| (t, c)))
+        .map(|mut s| {
+            s.sort_unstable();
+            s.dedup();
+            if s.is_empty() {
+                0.0
+            } else {
+                s.iter().map(|&x| weights[x as usize]).sum::<f64>() / s.len() as f64
+            }
+        })
         .collect();
-    (quantile(all).unwrap_or(1.0), tools)
+    UnseenPrior { prior, cross_prior, seen }
 }
 
 /// Train one model on `data` (label already chosen), with a fixed spec or,
@@ -764,6 +1120,7 @@ fn train_one(
     data: &[(&Prepared, f64)],
     spec: Option<&FeatureSpec>,
     window_days: f64,
+    recent_since: i64,
 ) -> Result<LinearModel> {
     let train: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| !p.valid).copied().collect();
     let valid: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| p.valid).copied().collect();
@@ -791,8 +1148,11 @@ fn train_one(
         }
     };
     let ex = materialise(&spec, &train, scale, censor);
-    let (bias, weights) = fit(&spec, &ex, cfg.epochs, cfg.learning_rate, cfg.l1, cfg.seed);
+    let slow = target_cross_slots(&spec, &train);
+    let (bias, weights) = fit(&spec, &ex, cfg.epochs, cfg.learning_rate, cfg.l1, cfg.seed, cfg.huber(), Some((&slow, cfg.cross_rate)));
+    let unseen = cfg.unseen_prior.then(|| unseen_prior(&spec, &train, &ex, &weights));
     let mut model = LinearModel::from_parts(kind, spec, bias, weights, scale, 1.0)?;
+    model.unseen = unseen;
     model.window_days = window_days;
     model.trained_examples = ex.len();
     let min_pred = match kind {
@@ -800,9 +1160,11 @@ fn train_one(
         ModelKind::OccupancyEsu => cfg.calibration_min_occupancy_esu,
     };
     // Calibrate the uncalibrated model (factor 1 everywhere).
-    let (global, tools) = calibrate(&model, &valid, cfg.calibration_quantile, min_pred);
+    let (global, tools, offsets, error) = calibrate(&model, data, &valid, cfg, min_pred, recent_since);
     model.calibration = global;
     model.tool_calibration = tools;
+    model.tool_offset = offsets;
+    model.error = error;
     Ok(model)
 }
 
@@ -826,15 +1188,9 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
     }
     let (prepared, skipped) = prepare(&long, config.validation_fraction);
     let mem: Vec<(&Prepared, f64)> = prepared.iter().map(|p| (p, p.memory)).collect();
-    let long_model = train_one(
-        config,
-        ModelKind::MemoryBytes,
-        &mem,
-        None,
-        config.long_window_days,
-    )?;
-
     let short_start = now.0 - (config.short_window_days * 86_400.0).round() as i64;
+    let long_model = train_one(config, ModelKind::MemoryBytes, &mem, None, config.long_window_days, short_start)?;
+
     let short_records: Vec<&BuildRecord> = long
         .iter()
         .copied()
@@ -849,14 +1205,22 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
             &sm,
             Some(&long_model.spec),
             config.short_window_days,
+            short_start,
         )?;
         // A day of data rarely has enough large held-out builds to calibrate
         // on its own; never be less cautious than the long model.
-        m.calibration = m.calibration.max(long_model.calibration);
-        for (tool, &c) in &long_model.tool_calibration {
-            let e = m.tool_calibration.entry(tool.clone()).or_insert(c);
-            *e = e.max(c);
+        if config.calibration == Calibration::Quantile {
+            m.calibration = m.calibration.max(long_model.calibration);
+            for (tool, &c) in &long_model.tool_calibration {
+                let e = m.tool_calibration.entry(tool.clone()).or_insert(c);
+                *e = e.max(c);
+            }
         }
+        // Nor less sure: a day's few held-out builds under-read the tails.
+        m.error = match (m.error, long_model.error) {
+            (Some(a), Some(b)) => Some(if a.margin(0.001) >= b.margin(0.001) { a } else { b }),
+            (a, b) => a.or(b),
+        };
         Some(m)
     } else {
         None
@@ -875,6 +1239,7 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
             &occ,
             None,
             config.long_window_days,
+            short_start,
         )?)
     };
     Ok(Models {

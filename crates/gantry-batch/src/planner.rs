@@ -26,6 +26,7 @@ use crate::error::{BatchError, Result};
 use crate::executor::Grouper;
 use crate::features::{Family, TargetValues};
 use crate::label::{parse_label, parse_label_trusted, Label};
+use crate::margin::ErrorModel;
 use crate::model::{LinearModel, Models};
 use crate::types::{Batch, BatchSizeReason, BuildContext, ExecutorSet, PlannerConfig, Target};
 use std::collections::VecDeque;
@@ -53,6 +54,12 @@ pub trait GroupEstimator {
     fn pop_front(&mut self, n: usize);
     fn memory_bytes(&mut self, len: usize) -> Result<f64>;
     fn occupancy_esu(&mut self, len: usize) -> Result<f64>;
+    /// The held-out error of the memory and occupancy estimates, if known:
+    /// the planner keeps the chance of exceeding the hard limits under the
+    /// configured rates with them (see [`crate::margin`]).
+    fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
+        (None, None)
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -64,24 +71,26 @@ struct Scorer<'m> {
     model: &'m LinearModel,
     /// bias + all build-only slots.
     build_raw: f64,
-    /// Per target family: slot hashes to mix with a value (base + crosses).
-    prefixes: [Vec<u64>; 3],
+    /// Per target family: whether its base feature is on.
+    base: [bool; 3],
+    /// Per target family: slot hashes of its crosses, to mix with a value,
+    /// and each one's cross index (for its unseen prior).
+    prefixes: [Vec<(u64, usize)>; 3],
     tc_cum: Vec<f64>,
     pc_cum: Vec<f64>,
-    /// The context's calibration factor.
-    factor: f64,
+    /// The context's calibration factor and offset.
+    factor: (f64, f64),
 }
 
 impl<'m> Scorer<'m> {
     fn new(model: &'m LinearModel, ctx: &BuildContext) -> Self {
         let spec = &model.spec;
         let pieces = spec.context_pieces(ctx);
-        let mut prefixes: [Vec<u64>; 3] = Default::default();
+        let mut prefixes: [Vec<(u64, usize)>; 3] = Default::default();
+        let mut base = [false; 3];
         for (ti, fam) in Family::TARGET.iter().enumerate() {
-            if spec.has(*fam) {
-                prefixes[ti].push(fam.tag());
-            }
-            prefixes[ti].extend_from_slice(&pieces.target_prefixes[ti]);
+            base[ti] = spec.has(*fam);
+            prefixes[ti].extend(pieces.target_prefixes[ti].iter().copied().zip(pieces.target_prefix_cross[ti].iter().copied()));
         }
         let cum = |buckets: &[Vec<u32>]| -> Vec<f64> {
             let mut out = Vec::with_capacity(buckets.len() + 1);
@@ -96,6 +105,7 @@ impl<'m> Scorer<'m> {
         Scorer {
             model,
             build_raw: model.bias + model.sum_slots(&pieces.build),
+            base,
             prefixes,
             tc_cum: cum(&pieces.target_count),
             pc_cum: cum(&pieces.package_count),
@@ -108,14 +118,17 @@ impl<'m> Scorer<'m> {
     fn value_weight(&self, ti: usize, v: u64) -> f64 {
         let spec = &self.model.spec;
         // Base features are hashed as mix(family_tag, v), crosses as
-        // mix(mix(cross_tag, a), v): both are mix(prefix, v).
-        self.prefixes[ti]
+        // mix(mix(cross_tag, a), v). An unseen base value gets its family's
+        // prior (`LinearModel::target_weight`).
+        let base = if self.base[ti] {
+            self.model.target_weight(ti, spec.slot(crate::features::mix(Family::TARGET[ti].tag(), v), true))
+        } else {
+            0.0
+        };
+        base + self.prefixes[ti]
             .iter()
-            .map(|&p| {
-                self.model
-                    .weight(spec.slot(crate::features::mix(p, v), true))
-            })
-            .sum()
+            .map(|&(p, ci)| self.model.cross_weight(ci, spec.slot(crate::features::mix(p, v), true)))
+            .sum::<f64>()
     }
 
     /// (full, new) contributions of a target given its predecessor.
@@ -265,6 +278,17 @@ impl GroupEstimator for ModelGroup<'_> {
     fn occupancy_esu(&mut self, len: usize) -> Result<f64> {
         self.window(2, len)
     }
+
+    fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
+        // The memory estimate is the larger of the two windows' models; the
+        // wider error of the two keeps the margin honest for either.
+        let wider = |a: Option<ErrorModel>, b: Option<ErrorModel>| match (a, b) {
+            (Some(a), Some(b)) => Some(if a.margin(0.001) >= b.margin(0.001) { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        let err = |i: usize| self.scorers[i].as_ref().and_then(|s| s.model.error);
+        (wider(err(0), err(1)), err(2))
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -300,18 +324,33 @@ struct GroupCutter<G> {
     occupancy_cutoff: f64,
     max_targets: usize,
     fallback: usize,
+    /// The Bazel heap and the memory model's error, for each batch's OOM chance.
+    memory_limit: f64,
+    memory_error: Option<ErrorModel>,
 }
 
 impl<G: GroupEstimator> GroupCutter<G> {
     fn new(est: G, executor_types: ExecutorSet, ctx: &BuildContext, cfg: &PlannerConfig) -> Self {
+        // The calibrated margin: a batch stops at the cutoff, or earlier where
+        // the model's own error makes exceeding the hard limit likelier than
+        // the target rate.
+        let (mem_err, occ_err) = est.errors();
+        let memory_limit = cfg.bazel_memory_bytes as f64;
+        let memory_cutoff = (cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64)
+            .min(mem_err.map_or(f64::INFINITY, |e| memory_limit / e.margin(cfg.target_oom_rate)));
+        let occupancy_cutoff = cfg
+            .occupancy_cutoff_esu
+            .min(occ_err.map_or(f64::INFINITY, |e| cfg.occupancy_limit_esu / e.margin(cfg.target_de_rate)));
         GroupCutter {
             labels: VecDeque::new(),
             est,
             executor_types,
-            memory_cutoff: cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64,
-            occupancy_cutoff: cfg.occupancy_cutoff_esu,
+            memory_cutoff,
+            occupancy_cutoff,
             max_targets: cfg.max_targets_per_batch,
             fallback: cfg.fallback_batch_size,
+            memory_limit,
+            memory_error: mem_err,
         }
     }
 
@@ -343,11 +382,16 @@ impl<G: GroupEstimator> GroupCutter<G> {
     ) -> Batch {
         let targets: Vec<String> = self.labels.drain(..len).collect();
         self.est.pop_front(len);
+        let oom_probability = match (mem, self.memory_error) {
+            (Some(m), Some(e)) if m > 0.0 => Some(e.exceed_probability((self.memory_limit / m).ln())),
+            _ => None,
+        };
         Batch {
             targets,
             reason,
             memory_estimate_bytes: mem.map(|m| m.round() as u64),
             occupancy_estimate_esu: occ,
+            oom_probability,
             executor_types: self.executor_types.clone(),
         }
     }

@@ -51,6 +51,20 @@ pub struct SimConfig {
     pub builds_per_day: usize,
     /// Memory multiplier of the Bazel regression in the last day.
     pub regression: f64,
+    /// Multiplier of every target's own memory: a heavier repository (bigger
+    /// targets, fewer per build) with the same structure.
+    pub target_memory_scale: f64,
+    /// Fraction of packages that are new: none of their targets appear in the
+    /// history, all of them may appear in the evaluation streams (the shift
+    /// between training and scoring data).
+    pub new_package_fraction: f64,
+    /// One-sided label noise: this fraction of successful builds never ran a
+    /// full GC and report a peak up to `label_noise_max` times the real one.
+    pub label_noise_fraction: f64,
+    pub label_noise_max: f64,
+    /// Size range of the large evaluation streams (postsubmit, coverage,
+    /// release): unions of subtrees until the drawn size is reached.
+    pub large_stream_targets: (usize, usize),
     /// Evaluation: number of small request streams (presubmit/human/flaky).
     pub eval_small_streams: usize,
     /// Evaluation: number of large streams (postsubmit/coverage/release).
@@ -70,6 +84,11 @@ impl Default for SimConfig {
             history_days: 17,
             builds_per_day: 700,
             regression: 1.12,
+            target_memory_scale: 1.0,
+            new_package_fraction: 0.05,
+            label_noise_fraction: 0.03,
+            label_noise_max: 1.8,
+            large_stream_targets: (4000, 15000),
             eval_small_streams: 3000,
             eval_large_streams: 150,
             // 2020-02-19T00:00:00Z, the end of the design's experiment.
@@ -81,6 +100,13 @@ impl Default for SimConfig {
 }
 
 impl SimConfig {
+    /// The workload of [`compare`]: 17 days of history, then 36 held-out
+    /// postsubmit, coverage and release streams of 4,000 to 15,000 targets
+    /// from a repository of about 42,000 targets.
+    pub fn large_streams() -> Self {
+        SimConfig { packages: 6000, eval_small_streams: 0, eval_large_streams: 36, ..SimConfig::default() }
+    }
+
     /// A configuration small enough for unit tests (a few seconds).
     pub fn small() -> Self {
         SimConfig {
@@ -140,6 +166,10 @@ pub struct GroundTruth {
     dir_targets: Vec<Vec<u32>>,
     /// Depth (1 = top level) of each directory.
     dir_depth: Vec<u32>,
+    /// The top-level directory each directory is under (itself at depth 1).
+    dir_top: Vec<u32>,
+    /// Packages that the history never saw (see `SimConfig::new_package_fraction`).
+    pkg_new: Vec<bool>,
     regression: f64,
 }
 
@@ -212,6 +242,15 @@ impl GroundTruth {
             }
         }
         let ndirs = dir_names.len();
+        let dir_top: Vec<u32> = (0..ndirs as u32)
+            .map(|mut d| {
+                while let Some(p) = dir_parent[d as usize] {
+                    d = p;
+                }
+                d
+            })
+            .collect();
+        let pkg_new: Vec<bool> = pkgs.iter().map(|_| rng.random::<f64>() < cfg.new_package_fraction).collect();
         let dir_mem: Vec<f64> = (0..ndirs)
             .map(|d| {
                 let depth = dir_depth[d] as f64;
@@ -246,7 +285,8 @@ impl GroundTruth {
                     pareto(rng, 120e6, 1.3, 1.5e9)
                 } else {
                     lognormal(rng, 3.5e6, 0.9)
-                } * w;
+                } * w
+                    * cfg.target_memory_scale;
                 let esu = if rng.random::<f64>() < 0.02 {
                     pareto(rng, 4.0, 1.2, 80.0)
                 } else {
@@ -279,6 +319,8 @@ impl GroundTruth {
             dir_mem,
             dir_targets,
             dir_depth,
+            dir_top,
+            pkg_new,
             regression: cfg.regression,
         }
     }
@@ -333,12 +375,13 @@ impl GroundTruth {
                 }
             }
         }
-        let (mem_mult, esu_mult) = context_effects(ctx);
+        let (mem_mult, esu_mult, flag_base) = context_effects(ctx);
         let base = if ctx.command == Command::Test {
             0.75e9
         } else {
             0.5e9
-        };
+        } + flag_base
+            + user_base(&ctx.user);
         // Sub-additive beyond sharing: large analysis graphs compact better.
         let analysed = GB as f64 * (s / GB as f64).powf(0.93);
         let reg = if regressed { self.regression } else { 1.0 };
@@ -349,8 +392,20 @@ impl GroundTruth {
     }
 }
 
-/// Multipliers of memory and occupancy implied by the context.
-fn context_effects(ctx: &BuildContext) -> (f64, f64) {
+/// A user's own fixed memory (their bazelrc, their IDE's aspects): up to
+/// 0.4 GB, a hidden function of the name that only the User feature can learn.
+fn user_base(user: &str) -> f64 {
+    if user.ends_with("-bot") {
+        0.0
+    } else {
+        0.4e9 * (crate::features::fnv1a(user.as_bytes()) % 1000) as f64 / 1000.0
+    }
+}
+
+/// Multipliers of memory and occupancy implied by the context, and the
+/// memory its flags add to the base.
+fn context_effects(ctx: &BuildContext) -> (f64, f64, f64) {
+    let mut base = 0.0;
     let mut mem = 1.0;
     let mut esu = if ctx.command == Command::Test {
         1.0
@@ -360,10 +415,14 @@ fn context_effects(ctx: &BuildContext) -> (f64, f64) {
     for f in &ctx.flags {
         match f.as_str() {
             "--collect_code_coverage" => {
+                base += 0.4e9;
                 mem *= 1.3;
                 esu *= 1.4;
             }
-            "--keep_going" => mem *= 1.05,
+            "--keep_going" => {
+                base += 0.1e9;
+                mem *= 1.05;
+            }
             "--compilation_mode=opt" => {
                 mem *= 1.1;
                 esu *= 1.5;
@@ -382,7 +441,7 @@ fn context_effects(ctx: &BuildContext) -> (f64, f64) {
             }
         }
     }
-    (mem, esu)
+    (mem, esu, base)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -399,6 +458,7 @@ struct World {
     truth: GroundTruth,
     /// (user, home top dir) of human users.
     humans: Vec<(String, u32)>,
+    large_stream_targets: (usize, usize),
 }
 
 impl World {
@@ -475,14 +535,10 @@ impl World {
     /// preferring the given depth range.
     fn pick_dir(&self, rng: &mut ChaCha8Rng, top: u32, min_depth: u32, max_depth: u32) -> u32 {
         let t = &self.truth;
-        let top_prefix = format!("{}/", t.labels_dir_name(top));
         let cands: Vec<u32> = (0..t.dir_depth.len() as u32)
             .filter(|&d| {
                 let dd = t.dir_depth[d as usize];
-                dd >= min_depth
-                    && dd <= max_depth
-                    && !t.dir_targets[d as usize].is_empty()
-                    && (d == top || t.dir_name(d).starts_with(&top_prefix))
+                dd >= min_depth && dd <= max_depth && !t.dir_targets[d as usize].is_empty() && t.dir_top[d as usize] == top
             })
             .collect();
         *cands.choose(rng).unwrap_or(&top)
@@ -514,9 +570,24 @@ impl World {
             }
             Tool::Postsubmit | Tool::Coverage | Tool::Release => {
                 if stream {
-                    // A whole subtree, in arbitrary order.
-                    let dir = self.pick_dir(rng, top, 1, 2);
-                    let mut v = t.dir_targets[dir as usize].clone();
+                    // What a day of changes affects: whole subtrees, starting in `top`,
+                    // until the drawn size is reached; in arbitrary order.
+                    let (lo, hi) = self.large_stream_targets;
+                    let cap = (t.target_count() * 3 / 5).max(1);
+                    let n = rng.random_range(lo.min(hi)..=hi.max(lo)).clamp(1, cap);
+                    let mut taken = vec![false; t.target_count()];
+                    let mut v = Vec::with_capacity(n);
+                    let mut from = top;
+                    while v.len() < n {
+                        let dir = self.pick_dir(rng, from, 1, 3);
+                        for &id in &t.dir_targets[dir as usize] {
+                            if !std::mem::replace(&mut taken[id as usize], true) {
+                                v.push(id);
+                            }
+                        }
+                        from = rng.random_range(0..self.top_count() as u32);
+                    }
+                    v.truncate(n);
                     v.shuffle(rng);
                     v
                 } else {
@@ -581,7 +652,7 @@ fn build_world(cfg: &SimConfig, rng: &mut ChaCha8Rng) -> World {
     let humans = (0..60)
         .map(|i| (format!("user{i}"), rng.random_range(0..tops)))
         .collect();
-    World { truth, humans }
+    World { truth, humans, large_stream_targets: cfg.large_stream_targets }
 }
 
 /// Generate `history_days` of history ending at `cfg.now`.
@@ -609,14 +680,15 @@ fn generate_history(world: &World, cfg: &SimConfig, rng: &mut ChaCha8Rng) -> Vec
             Tool::Release
         };
         let (ctx, top) = world.context(tool, rng);
-        let ids = world.targets_for(tool, top, rng, false);
+        let mut ids = world.targets_for(tool, top, rng, false);
+        ids.retain(|&id| !t.pkg_new[t.target_pkg[id as usize] as usize]);
         let u = t.truth_marked(&ctx, ids.iter().copied(), regressed, &mut marks);
         let alloc = cfg.planner.bazel_memory_bytes as f64;
         // Measurement: post-GC peak is noisy; builds that never ran a full
         // GC report the (larger) raw peak heap.
         let mut mem = u.memory_bytes * lognormal(rng, 1.0, 0.05);
-        if rng.random::<f64>() < 0.03 {
-            mem *= rng.random_range(1.2..1.8);
+        if rng.random::<f64>() < cfg.label_noise_fraction {
+            mem *= rng.random_range(1.0..cfg.label_noise_max.max(1.0 + 1e-9));
         }
         let oom = u.memory_bytes > alloc;
         if oom || mem > alloc {
@@ -729,6 +801,9 @@ pub struct PlanScore {
     pub targets: usize,
     pub oom: usize,
     pub de: usize,
+    /// Sum of the planned builds' OOM probabilities: the OOMs the memory
+    /// model expected (0 without an error model).
+    pub predicted_oom: f64,
     /// Builds per reason: (reason, builds, OOM, DE).
     pub by_reason: Vec<(BatchSizeReason, usize, usize, usize)>,
 }
@@ -832,6 +907,7 @@ pub fn score<E: Estimator>(
             let oom = u.memory_bytes > planner.bazel_memory_bytes as f64;
             let de = u.occupancy_esu > planner.occupancy_limit_esu;
             s.builds += 1;
+            s.predicted_oom += b.oom_probability.unwrap_or(0.0);
             s.targets += b.targets.len();
             s.oom += oom as usize;
             s.de += de as usize;
@@ -1113,4 +1189,107 @@ pub fn bench(cfg: &BenchConfig) -> Result<BenchReport> {
         plan_seconds,
         reasons,
     })
+}
+
+// ---------------------------------------------------------------------------
+// Model comparison across seeds
+// ---------------------------------------------------------------------------
+
+/// A learner configuration compared by [`compare`].
+pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
+    use crate::model::{Calibration, Loss};
+    let v2 = TrainConfig::default();
+    vec![
+        // The first version: least squares, a q95 safety factor, no priors.
+        (
+            "v1-q95",
+            TrainConfig { hash_bits: 18, loss: Loss::Squared, calibration: Calibration::Quantile, unseen_prior: false, ..v2.clone() },
+        ),
+        ("v2", v2.clone()),
+        ("v2-no-prior", TrainConfig { unseen_prior: false, ..v2.clone() }),
+        ("v2-huber", TrainConfig { loss: Loss::Huber, ..v2.clone() }),
+        ("v2-slow-cross", TrainConfig { cross_rate: 0.1, ..v2 }),
+    ]
+}
+
+/// One row of [`compare`]: a planner on one seed's held-out streams.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareRow {
+    pub seed: u64,
+    pub planner: String,
+    pub score: PlanScore,
+    pub density_vs_oracle: f64,
+}
+
+/// For each seed: generate a workload (history, then large streams with new
+/// packages and a last-day regression), train every learner of
+/// [`model_variants`] on the history, and score every learner, fixed batch
+/// sizes and the oracle on the streams. `progress` hears each row.
+pub fn compare(base: &SimConfig, seeds: &[u64], fixed_sizes: &[usize], mut progress: impl FnMut(&CompareRow)) -> Result<Vec<CompareRow>> {
+    let mut rows = Vec::new();
+    for &seed in seeds {
+        let cfg = SimConfig { seed, ..base.clone() };
+        let (truth, history, streams) = generate(&cfg);
+        let oracle = score("oracle", &truth, &streams, &cfg.planner, &Oracle { truth: &truth, regressed: true }, true)?;
+        let mut push = |planner: &str, s: PlanScore| {
+            let row = CompareRow { seed, planner: planner.to_string(), density_vs_oracle: s.density() / oracle.density(), score: s };
+            progress(&row);
+            rows.push(row);
+        };
+        push("oracle", oracle.clone());
+        for (name, tc) in model_variants() {
+            let models = train(&history, &tc, cfg.now)?;
+            push(name, score(name, &truth, &streams, &cfg.planner, &models, true)?);
+        }
+        for &size in fixed_sizes {
+            let p = PlannerConfig { fallback_batch_size: size, ..cfg.planner.clone() };
+            let name = format!("fixed-{size}");
+            push(&name, score(&name, &truth, &streams, &p, &Models::default(), true)?);
+        }
+    }
+    Ok(rows)
+}
+
+/// The table of [`compare`]'s rows: per planner, each seed, then the pooled
+/// rates over all seeds.
+pub fn compare_table(rows: &[CompareRow]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "| planner | seed | builds | OOM | OOM rate | predicted OOM | DE | DE rate | targets/build | vs oracle |");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+    let mut names: Vec<&str> = Vec::new();
+    for r in rows {
+        if !names.contains(&r.planner.as_str()) {
+            names.push(&r.planner);
+        }
+    }
+    for name in names {
+        let mine: Vec<&CompareRow> = rows.iter().filter(|r| r.planner == name).collect();
+        for r in &mine {
+            let s = &r.score;
+            let _ = writeln!(
+                out,
+                "| {name} | {} | {} | {} | {:.3}% | {:.1} | {} | {:.3}% | {:.1} | {:.3} |",
+                r.seed,
+                s.builds,
+                s.oom,
+                100.0 * s.oom_rate(),
+                s.predicted_oom,
+                s.de,
+                100.0 * s.de_rate(),
+                s.density(),
+                r.density_vs_oracle
+            );
+        }
+        let (b, o, d): (usize, usize, usize) = mine.iter().fold((0, 0, 0), |a, r| (a.0 + r.score.builds, a.1 + r.score.oom, a.2 + r.score.de));
+        let mean_vs = mine.iter().map(|r| r.density_vs_oracle).sum::<f64>() / mine.len().max(1) as f64;
+        let worst = mine.iter().map(|r| r.density_vs_oracle).fold(f64::INFINITY, f64::min);
+        let _ = writeln!(
+            out,
+            "| **{name}** | all | {b} | {o} | **{:.3}%** | | {d} | **{:.3}%** | | **{mean_vs:.3}** (worst {worst:.3}) |",
+            100.0 * o as f64 / b.max(1) as f64,
+            100.0 * d as f64 / b.max(1) as f64
+        );
+    }
+    out
 }

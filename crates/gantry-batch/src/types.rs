@@ -212,6 +212,10 @@ pub struct Batch {
     pub memory_estimate_bytes: Option<u64>,
     /// Occupancy estimate in ESU; `None` when not estimated.
     pub occupancy_estimate_esu: Option<f64>,
+    /// The memory model's chance that this build exceeds the Bazel heap,
+    /// from its held-out error; `None` without an error model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_probability: Option<f64>,
     pub executor_types: ExecutorSet,
 }
 
@@ -294,6 +298,11 @@ pub struct PlannerConfig {
     /// Concurrent-executor limit; exceeding it risks a Type I deadline.
     pub occupancy_limit_esu: f64,
     pub executors: ExecutorConfig,
+    /// Cut so that the memory model's chance of exceeding
+    /// `bazel_memory_bytes` stays under this, as well as under the cutoff.
+    pub target_oom_rate: f64,
+    /// Same for occupancy against `occupancy_limit_esu` (a deadline risk).
+    pub target_de_rate: f64,
     /// Streaming planner: targets buffered per executor group before the
     /// buffer is sorted and cut (see `planner::StreamingPlanner`).
     pub stream_sort_window: usize,
@@ -309,6 +318,8 @@ impl Default for PlannerConfig {
             occupancy_cutoff_esu: 500.0,
             occupancy_limit_esu: 600.0,
             executors: ExecutorConfig::default(),
+            target_oom_rate: 0.001,
+            target_de_rate: 0.0005,
             stream_sort_window: 100_000,
         }
     }
@@ -340,6 +351,11 @@ impl PlannerConfig {
                 "occupancy cutoff {} must be in (0, limit {}]",
                 self.occupancy_cutoff_esu, self.occupancy_limit_esu
             ));
+        }
+        for (name, v) in [("target_oom_rate", self.target_oom_rate), ("target_de_rate", self.target_de_rate)] {
+            if !(v > 0.0 && v < 0.5) {
+                return bad(format!("{name} ({v}) must be in (0, 0.5)"));
+            }
         }
         if self.stream_sort_window < self.max_targets_per_batch {
             return bad(format!(

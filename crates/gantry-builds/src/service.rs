@@ -589,6 +589,7 @@ impl Inner {
                                 reason: BatchSizeReason::MemoryEstimateError,
                                 memory_estimate_bytes: None,
                                 occupancy_estimate_esu: None,
+                                oom_probability: None,
                                 executor_types: doc.executor_types.iter().cloned().collect(),
                             }]
                         }
@@ -609,6 +610,7 @@ impl Inner {
                     reason: doc.reason,
                     memory_estimate_bytes: doc.memory_estimate_bytes,
                     occupancy_estimate_esu: doc.occupancy_estimate_esu,
+                    oom_probability: None,
                     executor_types: doc.executor_types.iter().cloned().collect(),
                 };
                 vec![new_doc(

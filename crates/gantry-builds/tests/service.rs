@@ -93,6 +93,7 @@ fn batch(labels: &[&str]) -> Batch {
         reason: BatchSizeReason::MemoryEstimateError,
         memory_estimate_bytes: None,
         occupancy_estimate_esu: None,
+        oom_probability: None,
         executor_types: Default::default(),
     }
 }

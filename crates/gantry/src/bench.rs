@@ -156,6 +156,19 @@ pub struct BatchBenchArgs {
     /// A small simulation (seconds instead of tens of seconds).
     #[arg(long)]
     small: bool,
+    /// Compare every learner, fixed batch sizes and the oracle on large held-out
+    /// streams (new packages, a last-day memory regression), one workload per seed.
+    #[arg(long)]
+    compare: bool,
+    /// Seeds of --compare, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5")]
+    seeds: Vec<u64>,
+    /// Fixed batch sizes of --compare.
+    #[arg(long, value_delimiter = ',', default_value = "300,200")]
+    fixed: Vec<usize>,
+    /// --compare: multiply every target's memory (a heavier repository).
+    #[arg(long, default_value_t = 1.0)]
+    target_memory_scale: f64,
 }
 
 #[derive(clap::Args)]
@@ -475,6 +488,23 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
     use gantry_batch::sim::{bench, simulate, BenchConfig, SimConfig};
     let mut sim = if args.small { SimConfig::small() } else { SimConfig::default() };
     sim.seed = args.seed;
+    if args.compare {
+        let base = gantry_batch::sim::SimConfig { target_memory_scale: args.target_memory_scale, ..gantry_batch::sim::SimConfig::large_streams() };
+        anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
+        let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, |r| {
+            eprintln!(
+                "  seed {}: {:<14} {:>5} builds, OOM {:.3}%, DE {:.3}%, density {:.3} of the oracle",
+                r.seed,
+                r.planner,
+                r.score.builds,
+                100.0 * r.score.oom_rate(),
+                100.0 * r.score.de_rate(),
+                r.density_vs_oracle
+            );
+        })?;
+        print!("{}", gantry_batch::sim::compare_table(&rows));
+        return Ok(());
+    }
     if args.simulate {
         eprintln!("simulating 17 days of history, training, planning fresh streams (seed {})...", args.seed);
         let start = Instant::now();
