@@ -960,9 +960,11 @@ fn calibrate(
     min_pred: f64,
     recent_since: i64,
 ) -> (f64, BTreeMap<String, f64>, BTreeMap<String, f64>, Option<crate::margin::ErrorModel>) {
+    // An OOM build's label is only a lower bound (the heap it died in): not a
+    // measurement of actual / predicted.
     let ratio = |p: &Prepared, y: f64| -> Option<f64> {
         let pred = model.predict_values(&p.ctx, &p.btv).ok()?;
-        (pred >= min_pred && pred > 0.0 && y > 0.0).then(|| y / pred)
+        (pred >= min_pred && pred > 0.0 && y > 0.0 && !p.oom_censored).then(|| y / pred)
     };
     let all: Vec<(f64, &str, f64)> =
         valid.iter().filter_map(|(p, y)| ratio(p, *y).map(|r| (r, p.ctx.tool_tag.as_str(), *y / r))).collect();
