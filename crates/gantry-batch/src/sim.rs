@@ -1209,7 +1209,8 @@ pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
         ("v2-no-prior", TrainConfig { unseen_prior: false, ..v2.clone() }),
         ("v2-huber", TrainConfig { loss: Loss::Huber, ..v2.clone() }),
         ("v2-slow-cross", TrainConfig { cross_rate: 0.1, ..v2.clone() }),
-        ("v2-no-cross", TrainConfig { max_crosses: 0, ..v2 }),
+        ("v2-no-cross", TrainConfig { max_crosses: 0, ..v2.clone() }),
+        ("v2-no-short", TrainConfig { min_short_window_builds: usize::MAX, ..v2 }),
     ]
 }
 
