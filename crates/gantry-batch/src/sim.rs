@@ -804,6 +804,9 @@ pub struct PlanScore {
     /// Sum of the planned builds' OOM probabilities: the OOMs the memory
     /// model expected (0 without an error model).
     pub predicted_oom: f64,
+    /// Per stream, in order: (builds, OOM, predicted OOM).
+    #[serde(default)]
+    pub streams: Vec<(usize, usize, f64)>,
     /// Builds per reason: (reason, builds, OOM, DE).
     pub by_reason: Vec<(BatchSizeReason, usize, usize, usize)>,
 }
@@ -901,12 +904,16 @@ pub fn score<E: Estimator>(
     let mut marks = truth.marks();
     for (ctx, targets) in streams {
         let batches = plan(ctx, targets.clone(), planner, estimator)?;
+        let mut this = (0, 0, 0.0);
         for b in &batches {
             let ids = b.targets.iter().map(|l| truth.id_of(l).expect("own label"));
             let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
             let oom = u.memory_bytes > planner.bazel_memory_bytes as f64;
             let de = u.occupancy_esu > planner.occupancy_limit_esu;
             s.builds += 1;
+            this.0 += 1;
+            this.1 += oom as usize;
+            this.2 += b.oom_probability.unwrap_or(0.0);
             s.predicted_oom += b.oom_probability.unwrap_or(0.0);
             s.targets += b.targets.len();
             s.oom += oom as usize;
@@ -920,6 +927,7 @@ pub fn score<E: Estimator>(
             r.2 += oom as usize;
             r.3 += de as usize;
         }
+        s.streams.push(this);
     }
     s.by_reason.retain(|r| r.1 > 0);
     Ok(s)
@@ -1250,6 +1258,19 @@ pub fn compare(base: &SimConfig, seeds: &[u64], fixed_sizes: &[usize], mut progr
         }
     }
     Ok(rows)
+}
+
+/// Per stream of each seed: `planner`'s builds, and its predicted and
+/// observed OOM rates.
+pub fn per_stream_table(rows: &[CompareRow], planner: &str) -> String {
+    use std::fmt::Write;
+    let mut out = format!("| {planner}: seed | stream | builds | predicted OOM rate | observed OOM rate |\n|---|---|---|---|---|\n");
+    for r in rows.iter().filter(|r| r.planner == planner) {
+        for (i, (b, o, p)) in r.score.streams.iter().enumerate() {
+            let _ = writeln!(out, "| {} | {} | {b} | {:.3}% | {:.3}% |", r.seed, i + 1, 100.0 * p / (*b).max(1) as f64, 100.0 * *o as f64 / (*b).max(1) as f64);
+        }
+    }
+    out
 }
 
 /// The table of [`compare`]'s rows: per planner, each seed, then the pooled

@@ -166,6 +166,10 @@ pub struct BatchBenchArgs {
     /// Fixed batch sizes of --compare.
     #[arg(long, value_delimiter = ',', default_value = "300,200")]
     fixed: Vec<usize>,
+    /// --compare: also print each stream's predicted and observed OOM rate for
+    /// this learner (e.g. v2).
+    #[arg(long)]
+    per_stream: Option<String>,
     /// --compare: multiply every target's memory (a heavier repository).
     #[arg(long, default_value_t = 1.0)]
     target_memory_scale: f64,
@@ -503,6 +507,9 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
             );
         })?;
         print!("{}", gantry_batch::sim::compare_table(&rows));
+        if let Some(p) = &args.per_stream {
+            print!("\n{}", gantry_batch::sim::per_stream_table(&rows, p));
+        }
         return Ok(());
     }
     if args.simulate {
