@@ -247,11 +247,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let _retention = config.execution.scheduler.is_none().then(|| {
         gantry_store::Retention::new(db.clone(), config.retention.clone()).spawn(services.metrics.registry())
     });
+    // Handlers first: a SIGTERM right after the line below must drain, not kill.
+    let stop = shutdown_signal();
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
     println!("gantry serving grpc={} http={}", server.grpc_addr, server.http_addr);
     server
         .run_until(async {
-            shutdown_signal().await;
+            stop.await;
             // Worker sessions and operation streams would hold the drain open: end them
             // with UNAVAILABLE so workers and Bazel reconnect (to this server restarted).
             if let Some(s) = &services.scheduler {
@@ -417,11 +419,18 @@ fn which(program: &std::path::Path) -> Option<PathBuf> {
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| std::path::Path::new(d).join(program)).find(|p| p.is_file())
 }
 
-pub async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now, and resolves on the first signal. Now,
+/// not when first polled: a signal that arrives between a caller's "serving" line and
+/// its first await would otherwise meet the default handler, which kills the process
+/// without draining (seen in CI under load).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("installing SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-        _ = term.recv() => tracing::info!("SIGTERM received"),
+    let mut int = signal(SignalKind::interrupt()).expect("installing SIGINT handler");
+    async move {
+        tokio::select! {
+            _ = int.recv() => tracing::info!("SIGINT received"),
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+        }
     }
 }
