@@ -104,6 +104,16 @@ impl ErrorModel {
         }
     }
 
+    /// The wider of two optional error models (judged at the default 0.1%
+    /// OOM rate), or whichever exists: when an estimate is the max of two
+    /// models, the margin must be honest for either.
+    pub fn wider(a: Option<ErrorModel>, b: Option<ErrorModel>) -> Option<ErrorModel> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(if a.margin(0.001) >= b.margin(0.001) { a } else { b }),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// The factor `m` such that P(actual > estimate × m) = `rate`.
     pub fn margin(&self, rate: f64) -> f64 {
         let rate = rate.clamp(1e-9, 0.5);

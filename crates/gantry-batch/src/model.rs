@@ -1219,10 +1219,7 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
             }
         }
         // Nor less sure: a day's few held-out builds under-read the tails.
-        m.error = match (m.error, long_model.error) {
-            (Some(a), Some(b)) => Some(if a.margin(0.001) >= b.margin(0.001) { a } else { b }),
-            (a, b) => a.or(b),
-        };
+        m.error = crate::margin::ErrorModel::wider(m.error, long_model.error);
         Some(m)
     } else {
         None

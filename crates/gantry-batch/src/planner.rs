@@ -280,14 +280,9 @@ impl GroupEstimator for ModelGroup<'_> {
     }
 
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
-        // The memory estimate is the larger of the two windows' models; the
-        // wider error of the two keeps the margin honest for either.
-        let wider = |a: Option<ErrorModel>, b: Option<ErrorModel>| match (a, b) {
-            (Some(a), Some(b)) => Some(if a.margin(0.001) >= b.margin(0.001) { a } else { b }),
-            (a, b) => a.or(b),
-        };
+        // The memory estimate is the larger of the two windows' models.
         let err = |i: usize| self.scorers[i].as_ref().and_then(|s| s.model.error);
-        (wider(err(0), err(1)), err(2))
+        (ErrorModel::wider(err(0), err(1)), err(2))
     }
 }
 
