@@ -13,7 +13,8 @@ pub enum BuildOutcome {
     BuildFailed,
     /// Everything built; some tests failed.
     TestsFailed,
-    /// Bazel ran out of heap (exit 33, or the JVM died of OutOfMemoryError).
+    /// Bazel ran out of heap: exit 33, the JVM died of OutOfMemoryError, or the runner
+    /// stopped a server stuck out of memory ([`OomSignal`] says which).
     Oom,
     /// Still running at its deadline; stopped by the runner.
     DeadlineExceeded,
@@ -47,6 +48,33 @@ impl BuildOutcome {
     }
 }
 
+/// What told the runner a build ran out of memory (the record's `oom_signal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OomSignal {
+    /// Bazel exited 33 (its own OOM exit, e.g. from the eager OOM threshold), or its
+    /// BEP said OOM_ERROR.
+    #[serde(rename = "exit_33")]
+    Exit33,
+    /// java.lang.OutOfMemoryError in the server's `jvm.out` or Bazel's output: Bazel
+    /// exited otherwise (its server died and the client said 37), or the runner stopped
+    /// a server that went on running, without progress, after the error.
+    #[serde(rename = "oom_error_in_log")]
+    OomErrorInLog,
+    /// The runner found the server in a GC death spiral and stopped it (see [`crate::stuck`]).
+    #[serde(rename = "gc_spiral")]
+    GcSpiral,
+}
+
+impl OomSignal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OomSignal::Exit33 => "exit_33",
+            OomSignal::OomErrorInLog => "oom_error_in_log",
+            OomSignal::GcSpiral => "gc_spiral",
+        }
+    }
+}
+
 /// What the runner saw of one Bazel run.
 #[derive(Debug, Clone, Default)]
 pub struct RunFacts {
@@ -54,6 +82,9 @@ pub struct RunFacts {
     pub exit_code: Option<i32>,
     /// The runner stopped the build at its deadline.
     pub deadline_hit: bool,
+    /// The runner stopped the build because its server was stuck out of memory, and
+    /// what told it so ([`OomSignal::GcSpiral`] or [`OomSignal::OomErrorInLog`]).
+    pub stopped_stuck: Option<OomSignal>,
     /// Bazel could not be started at all (binary missing, workspace unusable).
     pub start_error: bool,
     /// The JVM reported java.lang.OutOfMemoryError (in its log or Bazel's output).
@@ -67,9 +98,32 @@ const EXIT_TESTS_FAILED: i32 = 3;
 const EXIT_NO_TESTS_FOUND: i32 = 4;
 const EXIT_OOM: i32 = 33;
 
+/// Why the build counts as out of memory, if it does: the build is OOM exactly when
+/// this is Some.
+pub fn oom_signal(f: &RunFacts) -> Option<OomSignal> {
+    // A stop decides first: whatever Bazel said while being stopped is an effect of the
+    // stop. The runner stops a build for one reason, so a stuck server and the deadline
+    // never meet; if they did, the server (found stuck before the deadline) would be it.
+    if let Some(signal) = f.stopped_stuck {
+        return Some(signal);
+    }
+    if f.deadline_hit || f.start_error {
+        return None;
+    }
+    let code = f.exit_code.or(f.bep.exit_code);
+    if code == Some(EXIT_OOM) || f.bep.exit_code_name.as_deref() == Some("OOM_ERROR") {
+        Some(OomSignal::Exit33)
+    } else if f.oom_in_log {
+        Some(OomSignal::OomErrorInLog)
+    } else {
+        None
+    }
+}
+
 pub fn classify(f: &RunFacts) -> BuildOutcome {
-    // The deadline decides first: whatever Bazel said while being stopped is an
-    // effect of the stop.
+    if oom_signal(f).is_some() {
+        return BuildOutcome::Oom;
+    }
     if f.deadline_hit {
         return BuildOutcome::DeadlineExceeded;
     }
@@ -77,9 +131,6 @@ pub fn classify(f: &RunFacts) -> BuildOutcome {
         return BuildOutcome::InfraError;
     }
     let code = f.exit_code.or(f.bep.exit_code);
-    if code == Some(EXIT_OOM) || f.bep.exit_code_name.as_deref() == Some("OOM_ERROR") || f.oom_in_log {
-        return BuildOutcome::Oom;
-    }
     match code {
         Some(0) => BuildOutcome::Success,
         // `bazel test` over targets that are not tests built them all: a success.
@@ -119,7 +170,41 @@ mod tests {
         for code in [None, Some(0), Some(8), Some(33), Some(1)] {
             let f = RunFacts { exit_code: code, deadline_hit: true, oom_in_log: true, ..Default::default() };
             assert_eq!(classify(&f), BuildOutcome::DeadlineExceeded);
+            assert_eq!(oom_signal(&f), None);
         }
+    }
+
+    #[test]
+    fn a_server_stopped_stuck_is_oom_whatever_the_stop_caused() {
+        for code in [None, Some(0), Some(8), Some(33), Some(37)] {
+            for signal in [OomSignal::GcSpiral, OomSignal::OomErrorInLog] {
+                let f = RunFacts { exit_code: code, stopped_stuck: Some(signal), deadline_hit: true, ..Default::default() };
+                assert_eq!(classify(&f), BuildOutcome::Oom, "exit {code:?}");
+                assert_eq!(oom_signal(&f), Some(signal));
+            }
+        }
+    }
+
+    #[test]
+    fn the_signal_names_what_said_oom() {
+        assert_eq!(oom_signal(&facts(Some(33))), Some(OomSignal::Exit33));
+        let mut f = facts(Some(37));
+        f.bep.exit_code_name = Some("OOM_ERROR".into());
+        assert_eq!(oom_signal(&f), Some(OomSignal::Exit33));
+        let f = RunFacts { exit_code: Some(37), oom_in_log: true, ..Default::default() };
+        assert_eq!(oom_signal(&f), Some(OomSignal::OomErrorInLog));
+        for code in [None, Some(0), Some(1), Some(3), Some(37)] {
+            assert_eq!(oom_signal(&facts(code)), None, "exit {code:?}");
+        }
+        let names: Vec<String> = [OomSignal::Exit33, OomSignal::OomErrorInLog, OomSignal::GcSpiral]
+            .iter()
+            .map(|s| {
+                let json = serde_json::to_string(s).unwrap();
+                assert_eq!(json, format!("\"{}\"", s.as_str()), "stored as shown");
+                json
+            })
+            .collect();
+        assert_eq!(names, ["\"exit_33\"", "\"oom_error_in_log\"", "\"gc_spiral\""]);
     }
 
     #[test]

@@ -1,14 +1,18 @@
 //! One Bazel runner: a directory with its own output base, reused between builds the way
 //! a build worker keeps a warm server, and the code that runs one build in it with a
-//! deadline and watches the server's memory while it runs.
+//! deadline and watches the server's memory while it runs, stopping it early when the
+//! server is stuck out of memory ([`stuck`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use gantry_core::task::spawn_named;
+
 use crate::bep::{self, BepSummary};
-use crate::classify::{classify, BuildOutcome, RunFacts};
+use crate::classify::{classify, oom_signal, BuildOutcome, OomSignal, RunFacts};
 use crate::procfs;
+use crate::stuck::{self, SpiralRule};
 
 /// Runner settings from `[batch]`.
 #[derive(Debug, Clone)]
@@ -20,6 +24,10 @@ pub struct RunnerSettings {
     pub heap_bytes: u64,
     pub deadline: Duration,
     pub kill_grace: Duration,
+    /// `[batch] gc_spiral_window`: a build whose server spends this long stuck out of
+    /// memory (in a GC spiral, or after an OutOfMemoryError) is stopped as OOM (see
+    /// [`stuck`]). Zero: never, and no GC log.
+    pub gc_spiral_window: Duration,
     /// `--remote_executor` given to Bazel.
     pub remote_executor: String,
     /// What Bazel presents to a server with `[auth]` or TLS.
@@ -94,6 +102,8 @@ pub struct RunSpec {
 #[derive(Debug, Clone)]
 pub struct RunReport {
     pub outcome: BuildOutcome,
+    /// What said OOM; Some exactly when the outcome is OOM.
+    pub oom_signal: Option<OomSignal>,
     pub exit_code: Option<i32>,
     pub bep: BepSummary,
     /// Peak resident memory of the Bazel server JVM during the build.
@@ -106,7 +116,7 @@ pub struct RunReport {
 impl RunReport {
     /// A build that never got to run Bazel (unusable workspace, Bazel missing...).
     pub fn infra_error(message: String, wall_seconds: f64) -> RunReport {
-        RunReport { outcome: BuildOutcome::InfraError, exit_code: None, bep: BepSummary::default(), server_vm_hwm: None, wall_seconds, message }
+        RunReport { outcome: BuildOutcome::InfraError, oom_signal: None, exit_code: None, bep: BepSummary::default(), server_vm_hwm: None, wall_seconds, message }
     }
 }
 
@@ -176,10 +186,18 @@ impl Runner {
         a.push(format!("--host_jvm_args=-Xmx{}k", (s.heap_bytes / 1024).max(4096)));
         // A heap dump of a dying server is hundreds of MB per OOM build and minutes of I/O.
         a.push("--host_jvm_args=-XX:-HeapDumpOnOutOfMemoryError".into());
+        if !s.gc_spiral_window.is_zero() {
+            a.extend(stuck::jvm_args(&self.gc_log()));
+        }
         if s.credentials.token_file.is_some() {
             a.push(format!("--bazelrc={}", self.token_rc().display()));
         }
         a
+    }
+
+    /// The server's GC log (see [`stuck::jvm_args`]), tailed while a build runs.
+    pub fn gc_log(&self) -> PathBuf {
+        self.dir.join("gc.log")
     }
 
     /// The private bazelrc that carries the bearer token (see [`BazelCredentials`]).
@@ -244,6 +262,9 @@ impl Runner {
             .stderr(Stdio::from(log2))
             .process_group(0)
             .kill_on_drop(true);
+        // What the GC log and jvm.out hold now belongs to earlier builds (a warm server).
+        let tails = (!self.settings.gc_spiral_window.is_zero())
+            .then(|| (stuck::Tail::at_end(&self.gc_log()), stuck::Tail::at_end(&ob.join("server/jvm.out"))));
         // A warm server's peak RSS so far belongs to earlier builds.
         if let Some(pid) = procfs::server_pid(&ob) {
             procfs::reset_hwm(pid);
@@ -261,54 +282,37 @@ impl Runner {
         };
         let deadline = tokio::time::sleep(self.settings.deadline);
         tokio::pin!(deadline);
+        // The watcher reports a stuck server once; it is aborted when this build ends.
+        let (stuck_tx, mut stuck_rx) = tokio::sync::mpsc::channel(1);
+        let watcher = tails.map(|(gc_log, jvm_out)| {
+            let bep_file = bep_file.clone();
+            let (heap, rule) = (self.settings.heap_bytes, SpiralRule::with_window(self.settings.gc_spiral_window));
+            spawn_named("oom-watch", async move {
+                let stuck = stuck::watch(gc_log, jvm_out, &bep_file, heap, rule, started).await;
+                let _ = stuck_tx.send(stuck).await;
+            })
+        });
+        let mut stuck_note = None;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let status = loop {
             tokio::select! {
                 s = child.wait() => break s,
                 _ = tick.tick() => sample(&mut hwm),
-                _ = &mut deadline, if !facts.deadline_hit => {
+                _ = &mut deadline => {
                     facts.deadline_hit = true;
                     tracing::warn!(runner = self.index, invocation = %spec.invocation_id, "build reached its deadline; stopping Bazel");
-                    if let Some(pid) = procfs::server_pid(&ob) {
-                        procfs::signal(pid, libc::SIGTERM);
-                    }
-                    if let Some(pgid) = guard.pgid {
-                        procfs::signal_group(pgid, libc::SIGINT);
-                    }
-                    // The client may exit at once on SIGINT while the server lives on
-                    // (a JVM thrashing in GC ignores SIGTERM), and a server still
-                    // starting has no pid file yet: wait for both to be gone, then
-                    // SIGKILL whatever is left at the end of the grace.
-                    let grace = tokio::time::sleep(self.settings.kill_grace);
-                    tokio::pin!(grace);
-                    let mut poll = tokio::time::interval(Duration::from_millis(100));
-                    let mut exited = None;
-                    while exited.is_none() || procfs::server_pid(&ob).is_some() {
-                        tokio::select! {
-                            s = child.wait(), if exited.is_none() => exited = Some(s),
-                            _ = poll.tick() => {}
-                            _ = &mut grace => break,
-                        }
-                    }
-                    if let Some(pid) = procfs::server_pid(&ob) {
-                        procfs::signal(pid, libc::SIGKILL);
-                        // SIGKILL is delivered asynchronously: the next build must not
-                        // find this server still there.
-                        let t = Instant::now();
-                        while procfs::alive(pid) && t.elapsed() < Duration::from_secs(2) {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                    }
-                    if let Some(s) = exited {
-                        break s;
-                    }
-                    if let Some(pgid) = guard.pgid {
-                        procfs::signal_group(pgid, libc::SIGKILL);
-                    }
-                    break child.wait().await;
+                    break self.stop(&mut child, guard.pgid, &ob).await;
+                }
+                Some(stuck) = stuck_rx.recv() => {
+                    facts.stopped_stuck = Some(stuck.signal());
+                    let note = stuck.describe(self.settings.heap_bytes, self.settings.gc_spiral_window);
+                    tracing::warn!(runner = self.index, invocation = %spec.invocation_id, "{note}; stopping Bazel");
+                    stuck_note = Some(note);
+                    break self.stop(&mut child, guard.pgid, &ob).await;
                 }
             }
         };
+        drop(watcher);
         sample(&mut hwm);
         guard.armed = false;
         facts.exit_code = status.ok().and_then(|s| s.code());
@@ -326,18 +330,63 @@ impl Runner {
         let message = match outcome {
             BuildOutcome::Success => String::new(),
             BuildOutcome::DeadlineExceeded => format!("stopped at the {:?} deadline", self.settings.deadline),
+            BuildOutcome::Oom if stuck_note.is_some() => stuck_note.unwrap_or_default(),
             _ => error_line(&log_tail).unwrap_or_else(|| {
                 format!("bazel exited with {:?} ({})", facts.exit_code, facts.bep.exit_code_name.as_deref().unwrap_or("no BEP"))
             }),
         };
         RunReport {
             outcome,
+            oom_signal: oom_signal(&facts),
             exit_code: facts.exit_code,
             bep: facts.bep,
             server_vm_hwm: hwm,
             wall_seconds: started.elapsed().as_secs_f64(),
             message,
         }
+    }
+
+    /// Stops a build the runner gave up on (deadline, stuck server): SIGTERM to the server
+    /// and SIGINT to the client, `kill_grace` for both to go, then SIGKILL to what is
+    /// left. Returns the client's exit status.
+    async fn stop(&self, child: &mut tokio::process::Child, pgid: Option<i32>, ob: &Path) -> std::io::Result<std::process::ExitStatus> {
+        if let Some(pid) = procfs::server_pid(ob) {
+            procfs::signal(pid, libc::SIGTERM);
+        }
+        if let Some(pgid) = pgid {
+            procfs::signal_group(pgid, libc::SIGINT);
+        }
+        // The client may exit at once on SIGINT while the server lives on (a JVM
+        // thrashing in GC ignores SIGTERM), and a server still starting has no pid file
+        // yet: wait for both to be gone, then SIGKILL whatever is left at the end of the
+        // grace.
+        let grace = tokio::time::sleep(self.settings.kill_grace);
+        tokio::pin!(grace);
+        let mut poll = tokio::time::interval(Duration::from_millis(100));
+        let mut exited = None;
+        while exited.is_none() || procfs::server_pid(ob).is_some() {
+            tokio::select! {
+                s = child.wait(), if exited.is_none() => exited = Some(s),
+                _ = poll.tick() => {}
+                _ = &mut grace => break,
+            }
+        }
+        if let Some(pid) = procfs::server_pid(ob) {
+            procfs::signal(pid, libc::SIGKILL);
+            // SIGKILL is delivered asynchronously: the next build must not find this
+            // server still there.
+            let t = Instant::now();
+            while procfs::alive(pid) && t.elapsed() < Duration::from_secs(2) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        if let Some(s) = exited {
+            return s;
+        }
+        if let Some(pgid) = pgid {
+            procfs::signal_group(pgid, libc::SIGKILL);
+        }
+        child.wait().await
     }
 
     /// Stops this runner's Bazel server (at service shutdown).
@@ -366,9 +415,6 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    /// A stand-in for Bazel whose client exits at once on SIGINT and whose server (in a
-    /// session of its own, like Bazel's daemon) ignores SIGTERM, as a JVM thrashing in GC
-    /// does: the deadline must still leave no server behind.
     /// The token reaches Bazel through a private bazelrc, re-read before every build,
     /// and never appears on the command line; TLS files go as Bazel's own flags.
     #[tokio::test]
@@ -394,6 +440,7 @@ mod tests {
             heap_bytes: 64 << 20,
             deadline: Duration::from_secs(20),
             kill_grace: Duration::from_secs(1),
+            gc_spiral_window: Duration::from_secs(30),
             remote_executor: "grpcs://localhost:1".into(),
             credentials: BazelCredentials {
                 token_file: Some(token_file.clone()),
@@ -431,6 +478,17 @@ mod tests {
         assert_eq!(r.outcome, BuildOutcome::InfraError, "{r:?}");
     }
 
+    /// Whether a stand-in's server was still alive after the build; kills it if so.
+    fn kill_stand_in_server(runner: &Runner) -> bool {
+        let pid: i32 = std::fs::read_to_string(runner.output_base().join("server/server.pid.txt")).unwrap().trim().parse().unwrap();
+        let alive = procfs::alive(pid);
+        procfs::signal(pid, libc::SIGKILL);
+        alive
+    }
+
+    /// A stand-in for Bazel whose client exits at once on SIGINT and whose server (in a
+    /// session of its own, like Bazel's daemon) ignores SIGTERM, as a JVM thrashing in GC
+    /// does: the deadline must still leave no server behind.
     #[tokio::test]
     async fn deadline_kills_a_server_that_ignores_sigterm_after_its_client_exited() {
         let d = tempfile::tempdir().unwrap();
@@ -457,6 +515,7 @@ mod tests {
             heap_bytes: 64 << 20,
             deadline: Duration::from_millis(800),
             kill_grace: Duration::from_secs(2),
+            gc_spiral_window: Duration::from_secs(30),
             remote_executor: "grpc://127.0.0.1:1".into(),
             credentials: BazelCredentials::default(),
         };
@@ -469,12 +528,109 @@ mod tests {
             invocation_id: "00000000-0000-0000-0000-000000000000".into(),
         };
         let report = runner.run(&spec).await;
-        let pid: i32 = std::fs::read_to_string(runner.output_base().join("server/server.pid.txt")).unwrap().trim().parse().unwrap();
-        let survived = procfs::alive(pid);
-        procfs::signal(pid, libc::SIGKILL);
+        let survived = kill_stand_in_server(&runner);
         assert_eq!(report.outcome, BuildOutcome::DeadlineExceeded, "{report:?}");
         assert_eq!(report.exit_code, Some(8), "the client exited on SIGINT: {report:?}");
         assert!(!survived, "the server that ignored SIGTERM outlived the build's deadline and grace");
         assert!(report.wall_seconds < 5.0, "{report:?}");
+    }
+
+    /// A stand-in for Bazel with a server (its own session, deaf to SIGTERM like a JVM in
+    /// GC) that writes the GC log it is given with `-Xlog`: for `//:stuck`, a full GC
+    /// leaving 60 of 64 MiB every 100 ms, 80 ms each, and no BEP event, forever; for
+    /// `//:busy`, the same GCs for 4 s while the build writes a BEP event every 300 ms,
+    /// then success; for `//:oom`, no GC at all but an OutOfMemoryError in `jvm.out`, and
+    /// no end.
+    const GC_BAZEL: &str = r#"#!/bin/sh
+for a in "$@"; do
+  case "$a" in
+    --output_base=*) ob="${a#--output_base=}" ;;
+    --build_event_json_file=*) bep="${a#--build_event_json_file=}" ;;
+    --host_jvm_args=-Xlog:gc:file=*) gc="${a#*file=\"}"; gc="${gc%%\"*}" ;;
+  esac
+  target="$a"
+done
+mkdir -p "$ob/server"
+if [ "$target" = "//:oom" ]; then
+  setsid sh -c 'trap "" TERM; echo "Exception: java.lang.OutOfMemoryError thrown from the UncaughtExceptionHandler in thread \"skyframe-evaluator 1\"" >> "$0"; exec sleep 60' "$ob/server/jvm.out" </dev/null >/dev/null 2>&1 &
+else
+  setsid sh -c 'trap "" TERM; while :; do echo "[9.9s] GC(7) Pause Full (G1 Compaction Pause) 61M->60M(64M) 80.000ms" >> "$0"; sleep 0.1; done' "$gc" </dev/null >/dev/null 2>&1 &
+fi
+echo $! > "$ob/server/server.pid.txt"
+trap 'exit 8' INT
+if [ "$target" = "//:busy" ]; then
+  for i in 1 2 3 4 5 6 7 8 9 10 11 12 13; do echo '{"id":{"progress":{}}}' >> "$bep"; sleep 0.3; done
+  kill -9 "$(cat "$ob/server/server.pid.txt")"
+  echo '{"id":{"buildFinished":{}},"finished":{"exitCode":{"name":"SUCCESS"}}}' >> "$bep"
+  exit 0
+fi
+sleep 60 &
+wait
+"#;
+
+    fn gc_runner(d: &Path) -> Runner {
+        let bazel = d.join("gc-bazel");
+        std::fs::write(&bazel, GC_BAZEL).unwrap();
+        std::fs::set_permissions(&bazel, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let settings = RunnerSettings {
+            bazel,
+            startup_flags: vec![],
+            extra_flags: vec![],
+            heap_bytes: 64 << 20,
+            deadline: Duration::from_secs(60),
+            kill_grace: Duration::from_secs(1),
+            gc_spiral_window: Duration::from_secs(2),
+            remote_executor: "grpc://127.0.0.1:1".into(),
+            credentials: BazelCredentials::default(),
+        };
+        Runner::new(0, &d.join("runners"), std::sync::Arc::new(settings)).unwrap()
+    }
+
+    fn gc_spec(d: &Path, target: &str) -> RunSpec {
+        let ws = d.join("ws");
+        std::fs::create_dir_all(&ws).unwrap();
+        RunSpec {
+            workspace: ws,
+            command: "build".into(),
+            flags: vec![],
+            targets: vec![target.into()],
+            invocation_id: "00000000-0000-0000-0000-000000000000".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_server_stuck_in_gc_is_stopped_long_before_the_deadline_as_oom() {
+        let d = tempfile::tempdir().unwrap();
+        let runner = gc_runner(d.path());
+        let report = runner.run(&gc_spec(d.path(), "//:stuck")).await;
+        let survived = kill_stand_in_server(&runner);
+        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Oom, Some(OomSignal::GcSpiral)), "{report:?}");
+        assert!(!survived, "the stuck server outlived the stop");
+        // The window (2 s) of full GCs and no progress, the grace (1 s), and polling.
+        assert!(report.wall_seconds > 2.0 && report.wall_seconds < 8.0, "{report:?}");
+        assert!(report.message.contains("stuck in garbage collection") && report.message.contains("of its 64 MiB heap"), "{report:?}");
+    }
+
+    #[tokio::test]
+    async fn a_server_idle_after_an_out_of_memory_error_is_stopped_as_oom() {
+        let d = tempfile::tempdir().unwrap();
+        let runner = gc_runner(d.path());
+        let report = runner.run(&gc_spec(d.path(), "//:oom")).await;
+        let survived = kill_stand_in_server(&runner);
+        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Oom, Some(OomSignal::OomErrorInLog)), "{report:?}");
+        assert!(!survived, "the stuck server outlived the stop");
+        assert!(report.wall_seconds > 2.0 && report.wall_seconds < 8.0, "{report:?}");
+        assert!(report.message.contains("OutOfMemoryError in its jvm.out"), "{report:?}");
+    }
+
+    #[tokio::test]
+    async fn a_build_that_progresses_through_heavy_gc_is_left_alone() {
+        let d = tempfile::tempdir().unwrap();
+        let runner = gc_runner(d.path());
+        let report = runner.run(&gc_spec(d.path(), "//:busy")).await;
+        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Success, None), "{report:?}");
+        assert!(report.wall_seconds > 3.5, "ran to its end: {report:?}");
+        // The same GCs with the BEP quiet: what made the difference is the progress.
+        assert!(std::fs::read_to_string(runner.gc_log()).unwrap().lines().count() > 20);
     }
 }

@@ -18,7 +18,7 @@ use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BuildQuery, BuildRow, BuildStore, ExecutionLog};
 use serde::{Deserialize, Serialize};
 
-use crate::classify::BuildOutcome;
+use crate::classify::{BuildOutcome, OomSignal};
 use crate::error::BuildsError;
 use crate::runner::{RunReport, RunSpec, Runner, RunnerSettings};
 
@@ -70,9 +70,18 @@ pub struct BuildDoc {
     pub reason_note: String,
     pub memory_estimate_bytes: Option<u64>,
     pub occupancy_estimate_esu: Option<f64>,
+    /// The planner's chance that this build runs out of memory. Records written before
+    /// it existed read as None.
+    #[serde(default)]
+    pub oom_probability: Option<f64>,
     pub executor_types: Vec<String>,
     pub state: BuildState,
     pub outcome: Option<BuildOutcome>,
+    /// What said the build ran out of memory (exit 33, OutOfMemoryError in a log, or the
+    /// runner finding the server stuck in GC); set exactly when the outcome is OOM.
+    /// Records written before it existed read as None.
+    #[serde(default)]
+    pub oom_signal: Option<OomSignal>,
     pub exit_code: Option<i32>,
     pub message: String,
     pub invocation_id: Option<String>,
@@ -393,9 +402,11 @@ fn new_doc(
         reason_note,
         memory_estimate_bytes: batch.memory_estimate_bytes,
         occupancy_estimate_esu: batch.occupancy_estimate_esu,
+        oom_probability: batch.oom_probability,
         executor_types: batch.executor_types.iter().cloned().collect(),
         state: BuildState::Queued,
         outcome: None,
+        oom_signal: None,
         exit_code: None,
         message: String::new(),
         invocation_id: None,
@@ -536,6 +547,7 @@ impl Inner {
         doc.execution_wall_seconds = Some(exec_wall);
         doc.occupancy_esu = Some(esu / exec_wall);
         doc.outcome = Some(report.outcome);
+        doc.oom_signal = report.oom_signal;
         doc.exit_code = report.exit_code;
         doc.message = report.message.clone();
         doc.wall_seconds = Some(report.wall_seconds);
@@ -560,6 +572,7 @@ impl Inner {
         tracing::info!(
             build = %doc.id,
             outcome = report.outcome.as_str(),
+            oom_signal = report.oom_signal.map(OomSignal::as_str),
             wall_s = format!("{:.1}", report.wall_seconds),
             used_heap = ?doc.used_heap_post_build,
             retries = doc.retries.len(),
@@ -610,7 +623,7 @@ impl Inner {
                     reason: doc.reason,
                     memory_estimate_bytes: doc.memory_estimate_bytes,
                     occupancy_estimate_esu: doc.occupancy_estimate_esu,
-                    oom_probability: None,
+                    oom_probability: doc.oom_probability,
                     executor_types: doc.executor_types.iter().cloned().collect(),
                 };
                 vec![new_doc(

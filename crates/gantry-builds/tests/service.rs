@@ -69,6 +69,7 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
             heap_bytes: 64 << 20,
             deadline,
             kill_grace: Duration::from_millis(500),
+            gc_spiral_window: Duration::from_secs(30),
             remote_executor: "grpc://127.0.0.1:1".into(),
             credentials: Default::default(),
         },
@@ -118,7 +119,8 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
     let s = service(dir.path(), Duration::from_secs(30), 3).await;
     s.stream_started("s");
     let labels = ["//a:1", "//a:2", "//a:3", "//a:4", "//a:5"];
-    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &batch(&labels), String::new()).await.unwrap();
+    let planned = Batch { oom_probability: Some(0.25), ..batch(&labels) };
+    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &planned, String::new()).await.unwrap();
     s.submit("s-1".into(), "s", &ctx(&ws), vec![target("//b:oom")], &batch(&["//b:oom"]), String::new()).await.unwrap();
     s.stream_finished("s");
     let builds = wait_stream(&s, "s").await;
@@ -127,6 +129,10 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
     // 5 targets: OOM -> halves of 2 and 3; the 3 OOM again -> 1 and 2; all fit then.
     let root = by_id("s-0");
     assert_eq!(root.outcome, Some(BuildOutcome::Oom));
+    // The planner's probability is recorded with the build (and read back from the
+    // store); a half is planned again and carries its own.
+    assert_eq!(root.oom_probability, Some(0.25));
+    assert_eq!(by_id("s-1").oom_probability, None);
     assert_eq!(root.retries, ["s-0.1", "s-0.2"]);
     assert_eq!(by_id("s-0.1").labels(), ["//a:1", "//a:2"]);
     assert_eq!(by_id("s-0.1").outcome, Some(BuildOutcome::Success));

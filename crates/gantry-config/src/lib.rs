@@ -210,8 +210,8 @@ pub struct WorkerTokenConfig {
 pub const PERMISSIONS: [&str; 7] = ["read", "write_cas", "write_ac", "execute", "batch", "queue", "admin"];
 
 /// `[queue]`: the submit queue. Builds run Bazel with the `[batch]` settings `bazel`,
-/// `startup_flags`, `extra_flags`, `bazel_memory`, `kill_grace` and `remote_executor`
-/// (by default this server's executor), in output bases of their own.
+/// `startup_flags`, `extra_flags`, `bazel_memory`, `kill_grace`, `gc_spiral_window` and
+/// `remote_executor` (by default this server's executor), in output bases of their own.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
@@ -691,6 +691,14 @@ pub struct BatchConfig {
     pub occupancy_cutoff_esu: f64,
     /// Executor occupancy (ESU) past which a build misses its deadline. Default 600.
     pub occupancy_limit_esu: f64,
+    /// The out-of-memory rate the planner aims for. A batch ends at its memory cutoff,
+    /// or sooner where the memory model's calibrated error (measured on held-out
+    /// history at training) puts its chance of passing `bazel_memory` at this rate.
+    /// Lower: safer and smaller builds. In (0, 0.5). Default 0.001.
+    pub target_oom_rate: f64,
+    /// The same for passing `occupancy_limit_esu` (a missed deadline), with the
+    /// occupancy model's error. In (0, 0.5). Default 0.0005.
+    pub target_de_rate: f64,
     /// Extra tag -> executor type mappings, added to `requires-gpu` -> gpu and
     /// `requires-mac` -> mac.
     pub tag_executor_types: std::collections::BTreeMap<String, String>,
@@ -720,6 +728,17 @@ pub struct BatchConfig {
     /// SIGKILL (a JVM thrashing in GC ignores SIGTERM). Default "10s".
     #[serde(with = "humantime_serde")]
     pub kill_grace: Duration,
+    /// A build whose Bazel server spent this long stuck out of memory is stopped (as at
+    /// the deadline) and recorded OOM, so it is split rather than rerun. Stuck in GC
+    /// (`oom_signal` "gc_spiral"): at least 3 full GCs in the window, each leaving 80% of
+    /// `bazel_memory` in use, half of the window spent in GC pauses, and no new build
+    /// event; or still running a whole window after an OutOfMemoryError in its `jvm.out`
+    /// with no new build event ("oom_error_in_log"). The server writes a GC log for this
+    /// (`-Xlog:gc`, JDK 9+, `gc.log` in the runner's directory). Make it long enough to
+    /// hold 3 full GCs of your heap. "0s": no GC log, no detection (a stuck build runs to
+    /// its deadline). Default "30s".
+    #[serde(with = "humantime_serde")]
+    pub gc_spiral_window: Duration,
     /// Runners' output bases and git worktrees. Default `{data_dir}/runners`.
     pub runner_dir: Option<PathBuf>,
     /// `--remote_executor` given to Bazel. Default: this server's gRPC address,
@@ -777,6 +796,8 @@ impl Default for BatchConfig {
             memory_cutoff_low: ByteSize::gb(10),
             occupancy_cutoff_esu: 500.0,
             occupancy_limit_esu: 600.0,
+            target_oom_rate: 0.001,
+            target_de_rate: 0.0005,
             tag_executor_types: Default::default(),
             rule_kind_executor_types: Default::default(),
             stream_sort_window: 100_000,
@@ -786,6 +807,7 @@ impl Default for BatchConfig {
             extra_flags: Vec::new(),
             deadline: Duration::from_secs(30 * 60),
             kill_grace: Duration::from_secs(10),
+            gc_spiral_window: Duration::from_secs(30),
             runner_dir: None,
             remote_executor: None,
             token_file: None,

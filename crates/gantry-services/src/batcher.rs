@@ -93,6 +93,8 @@ pub fn planner_config(cfg: &gantry_config::BatchConfig) -> PlannerConfig {
         },
         occupancy_cutoff_esu: cfg.occupancy_cutoff_esu,
         occupancy_limit_esu: cfg.occupancy_limit_esu,
+        target_oom_rate: cfg.target_oom_rate,
+        target_de_rate: cfg.target_de_rate,
         stream_sort_window: cfg.stream_sort_window,
         ..PlannerConfig::default()
     };
@@ -170,6 +172,7 @@ fn build_to_proto(stream_id: &str, seq: u64, b: Batch) -> pb::EnqueueTargetsResp
             reason: reason_to_proto(b.reason) as i32,
             memory_estimate_bytes: b.memory_estimate_bytes,
             occupancy_estimate_esu: b.occupancy_estimate_esu,
+            oom_probability: b.oom_probability,
             executor_types: b.executor_types.into_iter().collect(),
         }),
     }
@@ -445,6 +448,7 @@ pub fn status_to_proto(d: &BuildDoc) -> pb::BuildStatus {
         reason_note: d.reason_note.clone(),
         memory_estimate_bytes: d.memory_estimate_bytes,
         occupancy_estimate_esu: d.occupancy_estimate_esu,
+        oom_probability: d.oom_probability,
         executor_types: d.executor_types.clone(),
         used_heap_post_build_bytes: d.used_heap_post_build,
         peak_post_gc_heap_bytes: d.peak_post_gc_heap,
@@ -459,5 +463,6 @@ pub fn status_to_proto(d: &BuildDoc) -> pb::BuildStatus {
         created_unix_ms: d.created_unix_ms,
         started_unix_ms: d.started_unix_ms,
         finished_unix_ms: d.finished_unix_ms,
+        oom_signal: d.oom_signal.map_or("", |s| s.as_str()).to_string(),
     }
 }

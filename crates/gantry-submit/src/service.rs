@@ -1391,6 +1391,7 @@ mod tests {
             heap_bytes: 256 << 20,
             deadline: Duration::from_secs(20),
             kill_grace: Duration::from_secs(1),
+            gc_spiral_window: Duration::from_secs(30),
             remote_executor: "grpc://127.0.0.1:1".into(),
             credentials: Default::default(),
         };
@@ -1408,6 +1409,7 @@ mod tests {
         }
         let failed = RunReport {
             outcome: gantry_builds::BuildOutcome::TestsFailed,
+            oom_signal: None,
             exit_code: Some(3),
             bep: Default::default(),
             server_vm_hwm: None,

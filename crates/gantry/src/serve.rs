@@ -357,6 +357,7 @@ fn runner_settings(config: &Config, deadline: std::time::Duration, grpc_addr: So
         heap_bytes: b.bazel_memory.as_u64(),
         deadline,
         kill_grace: b.kill_grace,
+        gc_spiral_window: b.gc_spiral_window,
         remote_executor,
         credentials: gantry_builds::runner::BazelCredentials {
             token_file: b.token_file.clone(),
