@@ -86,6 +86,14 @@ pub struct AuthBenchArgs {
     /// Rounds; the configurations alternate and each reports its median round.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
+    /// CPUs the servers run on, e.g. "1" or "2,3" (all three servers share them). With
+    /// --client-cpus, keeps the load generator off the server's cores, as a client on
+    /// another machine would be. Default: any CPU.
+    #[arg(long, value_delimiter = ',')]
+    server_cpus: Vec<usize>,
+    /// CPUs the clients (this process) run on, e.g. "0". Default: any CPU.
+    #[arg(long, value_delimiter = ',')]
+    client_cpus: Vec<usize>,
 }
 
 #[derive(clap::Args)]
@@ -671,55 +679,135 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
     Ok(ExecResult { throughput, hit_p50_ms: pct(0.5), hit_p99_ms: pct(0.99) })
 }
 
-/// One configuration of `bench auth`: its server, and channels that reach it.
+/// One configuration of `bench auth`: a `gantry serve` process of its own (so its CPU time
+/// is its own), and channels that reach it.
 struct AuthTarget {
     name: &'static str,
-    _server: (gantry_services::RunningServer, tempfile::TempDir),
+    server: tokio::process::Child,
+    _dir: tempfile::TempDir,
     channels: Vec<tonic::transport::Channel>,
     token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+/// A loopback port nobody listens on right now (the server binds it a moment later).
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The affinity mask of `cpus`, refusing CPUs this machine does not have.
+fn cpu_set(cpus: &[usize], flag: &str) -> anyhow::Result<libc::cpu_set_t> {
+    let online = num_cpus_configured();
+    // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        anyhow::ensure!(c < online && c < libc::CPU_SETSIZE as usize, "{flag} {c}: this machine has CPUs 0..{}", online - 1);
+        // SAFETY: c is below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    Ok(set)
+}
+
+/// CPUs configured on this machine (available_parallelism counts only those this
+/// process may use).
+fn num_cpus_configured() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize
+}
+
+/// Moves every thread of this process onto `set` (threads made later inherit it from
+/// the thread that makes them).
+fn pin_this_process(set: &libc::cpu_set_t) -> anyhow::Result<()> {
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let tid: libc::pid_t = task?.file_name().to_string_lossy().parse()?;
+        // SAFETY: set is a valid cpu_set_t of the size given.
+        if unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), set) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("sched_setaffinity (--client-cpus)");
+        }
+    }
+    Ok(())
+}
+
+/// User plus system CPU time of process `pid` so far, from /proc.
+fn process_cpu(pid: u32) -> anyhow::Result<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = stat.rsplit_once(')').context("/proc stat without a command name")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()? + fields.get(12).context("no stime")?.parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(std::time::Duration::from_secs_f64(ticks as f64 / per_second))
 }
 
 async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool, with_token: bool) -> anyhow::Result<AuthTarget> {
     use tonic::transport::{Certificate, ClientTlsConfig};
     let dir = tempfile::tempdir()?;
-    let mut config = gantry_config::Config::default();
-    config.server.data_dir = dir.path().to_owned();
-    config.execution.workers = Some(gantry_config::Workers::Count(0));
+    let (port, http_port) = (free_port()?, free_port()?);
+    let mut text = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nhttp_listen = \"127.0.0.1:{http_port}\"\ndata_dir = {:?}\n",
+        dir.path().join("data")
+    );
+    if secure {
+        let abs = |p: &std::path::Path| std::path::absolute(p).with_context(|| p.display().to_string());
+        text += &format!("[server.tls]\ncert = {:?}\nkey = {:?}\n", abs(&args.tls_cert)?, abs(&args.tls_key)?);
+    }
+    text += "[execution]\nworkers = 0\n[batch]\nrunners = 0\n";
     let token = with_token.then(|| uuid::Uuid::new_v4().simple().to_string());
     if let Some(t) = &token {
-        let text = format!(
+        text += &format!(
             "[auth]\n[[auth.tokens]]\nname = \"bench\"\nsha256 = \"{}\"\ngrants = [\"all\"]\n[auth.grants.all]\ninstances = [\"*\"]\npermissions = [\"read\", \"write_cas\", \"write_ac\"]\n",
             gantry_services::auth::token_sha256(t)
         );
-        config.auth = gantry_config::Config::parse(&text, "bench".as_ref())?.auth;
     }
-    let db = gantry_store::open_metadata(&config).await?;
-    let services = crate::serve::build_services(&config, &db).await?;
-    let tls = if secure {
-        Some(gantry_services::tls::Tls::load(gantry_services::tls::TlsFiles {
-            cert: args.tls_cert.clone(),
-            key: args.tls_key.clone(),
-            client_ca: None,
-            client_certificates_optional: false,
-        })?)
-    } else {
-        None
-    };
-    let server = gantry_services::RunningServer::start_tls(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?, tls.as_ref()).await?;
-    let port = server.grpc_addr.port();
-    let mut channels = Vec::new();
-    for _ in 0..args.clients {
-        let ep = if secure {
+    let config = dir.path().join("gantry.toml");
+    std::fs::write(&config, text)?;
+    let log = std::fs::File::create(dir.path().join("serve.log"))?;
+    let mut command = tokio::process::Command::new(std::env::current_exe()?);
+    command.arg("serve").arg("--config").arg(&config).env("RUST_LOG", "warn").stdout(std::process::Stdio::null()).stderr(log).kill_on_drop(true);
+    if !args.server_cpus.is_empty() {
+        let set = cpu_set(&args.server_cpus, "--server-cpus")?;
+        // SAFETY: between fork and exec only sched_setaffinity runs, which is a plain
+        // system call (async-signal-safe), on a mask copied into the closure.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let server = command.spawn().context("starting gantry serve")?;
+    let endpoint = || -> anyhow::Result<tonic::transport::Endpoint> {
+        Ok(if secure {
             let ca = std::fs::read(&args.tls_ca).with_context(|| format!("--tls-ca {}", args.tls_ca.display()))?;
             tonic::transport::Endpoint::from_shared(format!("https://localhost:{port}"))?
                 .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?
         } else {
             tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
-        };
-        channels.push(ep.tcp_nodelay(true).connect().await?);
+        }
+        .tcp_nodelay(true))
+    };
+    let started = Instant::now();
+    let first = loop {
+        match endpoint()?.connect().await {
+            Ok(c) => break c,
+            Err(e) if started.elapsed() < std::time::Duration::from_secs(30) => {
+                tracing::debug!(error = %e, "waiting for the bench server");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => {
+                let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
+                bail!("the {name} server did not come up on port {port} in 30 s: {e}\n{log}");
+            }
+        }
+    };
+    let mut channels = vec![first];
+    while channels.len() < args.clients {
+        channels.push(endpoint()?.connect().await?);
     }
     let token = token.map(|t| format!("Bearer {t}").parse().expect("a uuid is ascii"));
-    Ok(AuthTarget { name, _server: (server, dir), channels, token })
+    Ok(AuthTarget { name, server, _dir: dir, channels, token })
 }
 
 /// `msg` with the bearer token, if the configuration has one. The header value is made
@@ -732,45 +820,61 @@ fn authed<T>(msg: T, header: &Option<tonic::metadata::MetadataValue<tonic::metad
     r
 }
 
-/// Calls per second of one round: every client runs `calls` cache-hit GetActionResult,
-/// then `calls` FindMissingBlobs of 100 digests (all present).
-async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, blobs: &[Digest]) -> anyhow::Result<(f64, f64)> {
+/// One phase of a round: calls per second, and the server's CPU microseconds per call.
+#[derive(Clone, Copy, Default)]
+struct PhaseResult {
+    per_second: f64,
+    server_cpu_us: f64,
+}
+
+/// One round: every client runs `calls` cache-hit GetActionResult, then `calls`
+/// FindMissingBlobs of 100 digests (all present).
+async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, blobs: &[Digest]) -> anyhow::Result<[PhaseResult; 2]> {
     use gantry_core::reapi::action_cache_client::ActionCacheClient;
-    let with = |msg| authed(msg, &t.token);
-    let with_find = |msg| authed(msg, &t.token);
-    let start = Instant::now();
+    let pid = t.server.id().context("the bench server exited")?;
+    let total = (t.channels.len() * calls) as f64;
+    let measure = |start: Instant, cpu0: std::time::Duration| -> anyhow::Result<PhaseResult> {
+        let elapsed = start.elapsed().as_secs_f64();
+        let cpu = process_cpu(pid)?.saturating_sub(cpu0).as_secs_f64();
+        Ok(PhaseResult { per_second: total / elapsed, server_cpu_us: cpu * 1e6 / total })
+    };
+    let (start, cpu0) = (Instant::now(), process_cpu(pid)?);
     futures::future::try_join_all(t.channels.iter().map(|ch| {
         let mut c = ActionCacheClient::new(ch.clone());
         async move {
             for _ in 0..calls {
-                c.get_action_result(with(reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() })).await?;
+                let req = reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() };
+                c.get_action_result(authed(req, &t.token)).await?;
             }
             anyhow::Ok(())
         }
     }))
     .await?;
-    let gets = (t.channels.len() * calls) as f64 / start.elapsed().as_secs_f64();
+    let gets = measure(start, cpu0)?;
     let digests: Vec<_> = blobs.iter().map(|d| d.to_proto()).collect();
-    let start = Instant::now();
+    let (start, cpu0) = (Instant::now(), process_cpu(pid)?);
     futures::future::try_join_all(t.channels.iter().map(|ch| {
         let mut c = ContentAddressableStorageClient::new(ch.clone());
         let digests = digests.clone();
         async move {
             for _ in 0..calls {
-                let r = c.find_missing_blobs(with_find(reapi::FindMissingBlobsRequest { blob_digests: digests.clone(), ..Default::default() })).await?;
+                let req = reapi::FindMissingBlobsRequest { blob_digests: digests.clone(), ..Default::default() };
+                let r = c.find_missing_blobs(authed(req, &t.token)).await?;
                 anyhow::ensure!(r.into_inner().missing_blob_digests.is_empty(), "blobs went missing");
             }
             anyhow::Ok(())
         }
     }))
     .await?;
-    let finds = (t.channels.len() * calls) as f64 / start.elapsed().as_secs_f64();
-    Ok((gets, finds))
+    Ok([gets, measure(start, cpu0)?])
 }
 
 async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     use gantry_core::reapi::action_cache_client::ActionCacheClient;
     anyhow::ensure!(args.clients > 0 && args.calls > 0 && args.rounds > 0, "--clients, --calls and --rounds must be at least 1");
+    if !args.client_cpus.is_empty() {
+        pin_this_process(&cpu_set(&args.client_cpus, "--client-cpus")?)?;
+    }
     let targets = [
         auth_target("plaintext, no [auth]", &args, false, false).await?,
         auth_target("plaintext + bearer token", &args, false, true).await?,
@@ -801,26 +905,41 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
             ))
             .await?;
     }
-    let mut results: Vec<(Vec<f64>, Vec<f64>)> = vec![(vec![], vec![]); targets.len()];
+    // results[configuration][phase] over the rounds.
+    let mut results: Vec<[Vec<PhaseResult>; 2]> = vec![[vec![], vec![]]; targets.len()];
     for round in 0..args.rounds {
         for (i, t) in targets.iter().enumerate() {
             eprintln!("  round {}/{}: {}", round + 1, args.rounds, t.name);
-            let (g, f) = auth_round(t, args.calls, &action, &blobs).await?;
-            results[i].0.push(g);
-            results[i].1.push(f);
+            for (phase, r) in auth_round(t, args.calls, &action, &blobs).await?.into_iter().enumerate() {
+                results[i][phase].push(r);
+            }
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
-        v[v.len() / 2]
+    let median = |v: &[PhaseResult], f: fn(&PhaseResult) -> f64| {
+        let mut x: Vec<f64> = v.iter().map(f).collect();
+        x.sort_by(|a, b| a.partial_cmp(b).expect("finite"));
+        x[x.len() / 2]
     };
-    let medians: Vec<(f64, f64)> = results.iter_mut().map(|(g, f)| (median(g), median(f))).collect();
-    println!("| configuration | GetActionResult (hit)/s | vs plaintext | FindMissingBlobs (100 digests)/s | vs plaintext |");
-    println!("|---|---|---|---|---|");
-    for (t, (g, f)) in targets.iter().zip(&medians) {
-        println!("| {} | {g:.0} | {:.3}x | {f:.0} | {:.3}x |", t.name, g / medians[0].0, f / medians[0].1);
+    let rate = |c: usize, p: usize| median(&results[c][p], |r| r.per_second);
+    let cpu = |c: usize, p: usize| median(&results[c][p], |r| r.server_cpu_us);
+    println!("| configuration | GetActionResult (hit)/s | vs plaintext | server CPU µs/call | vs plaintext | FindMissingBlobs (100 digests)/s | vs plaintext | server CPU µs/call | vs plaintext |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (c, t) in targets.iter().enumerate() {
+        let mut row = format!("| {} ", t.name);
+        for p in 0..2 {
+            row += &format!("| {:.0} | {:.3}x | {:.1} | {:.3}x ", rate(c, p), rate(c, p) / rate(0, p), cpu(c, p), cpu(c, p) / cpu(0, p));
+        }
+        println!("{row}|");
     }
-    println!("({} clients on their own connections, {} calls each per round, median of {} alternating rounds)", args.clients, args.calls, args.rounds);
+    let cpus = |v: &[usize]| if v.is_empty() { "any CPU".to_string() } else { format!("CPUs {v:?}") };
+    println!(
+        "({} clients on their own connections, {} calls each per round, median of {} alternating rounds; each server a `gantry serve` process of its own on {}, its CPU read from /proc; clients on {})",
+        args.clients,
+        args.calls,
+        args.rounds,
+        cpus(&args.server_cpus),
+        cpus(&args.client_cpus)
+    );
     Ok(())
 }
 
