@@ -273,12 +273,7 @@ impl MemoryCutoffs {
 
 impl Default for MemoryCutoffs {
     fn default() -> Self {
-        // Lower for HIGH: a human is waiting, an OOM retry is costly.
-        MemoryCutoffs {
-            high: 7 * GB,
-            medium: 9 * GB,
-            low: 10 * GB,
-        }
+        PlannerConfig::default().memory_cutoff_bytes
     }
 }
 
@@ -308,24 +303,37 @@ pub struct PlannerConfig {
     pub stream_sort_window: usize,
 }
 
+/// The defaults are `[batch]`'s (gantry-config keeps every default in one place).
 impl Default for PlannerConfig {
     fn default() -> Self {
-        PlannerConfig {
-            max_targets_per_batch: 900,
-            fallback_batch_size: 300,
-            bazel_memory_bytes: 13 * GB,
-            memory_cutoff_bytes: MemoryCutoffs::default(),
-            occupancy_cutoff_esu: 500.0,
-            occupancy_limit_esu: 600.0,
-            executors: ExecutorConfig::default(),
-            target_oom_rate: 0.001,
-            target_de_rate: 0.0005,
-            stream_sort_window: 100_000,
-        }
+        PlannerConfig::from_config(&gantry_config::BatchConfig::default())
     }
 }
 
 impl PlannerConfig {
+    /// The planner settings of `[batch]` in gantry.toml.
+    pub fn from_config(cfg: &gantry_config::BatchConfig) -> PlannerConfig {
+        let mut executors = ExecutorConfig::default();
+        executors.tag_types.extend(cfg.tag_executor_types.clone());
+        executors.rule_kind_types.extend(cfg.rule_kind_executor_types.clone());
+        PlannerConfig {
+            max_targets_per_batch: cfg.max_targets_per_batch,
+            fallback_batch_size: cfg.fallback_batch_size,
+            bazel_memory_bytes: cfg.bazel_memory.as_u64(),
+            memory_cutoff_bytes: MemoryCutoffs {
+                high: cfg.memory_cutoff_high.as_u64(),
+                medium: cfg.memory_cutoff_medium.as_u64(),
+                low: cfg.memory_cutoff_low.as_u64(),
+            },
+            occupancy_cutoff_esu: cfg.occupancy_cutoff_esu,
+            occupancy_limit_esu: cfg.occupancy_limit_esu,
+            executors,
+            target_oom_rate: cfg.target_oom_rate,
+            target_de_rate: cfg.target_de_rate,
+            stream_sort_window: cfg.stream_sort_window,
+        }
+    }
+
     /// Reject configurations the planner cannot honour.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(BatchError::InvalidConfig(m));
@@ -370,6 +378,23 @@ impl PlannerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_batch_setting_reaches_the_planner() {
+        let text = "[batch]\nmax_targets_per_batch = 50\nfallback_batch_size = 7\nbazel_memory = \"2GB\"\n\
+                    memory_cutoff_high = \"1GB\"\nmemory_cutoff_medium = \"1.5GB\"\nmemory_cutoff_low = \"1.8GB\"\n\
+                    occupancy_cutoff_esu = 40.0\noccupancy_limit_esu = 45.0\ntarget_oom_rate = 0.01\ntarget_de_rate = 0.02\n\
+                    stream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
+        let cfg = gantry_config::Config::parse(text, "t.toml".as_ref()).unwrap().batch;
+        let c = PlannerConfig::from_config(&cfg);
+        assert_eq!((c.max_targets_per_batch, c.fallback_batch_size, c.bazel_memory_bytes, c.stream_sort_window), (50, 7, 2 * GB, 60));
+        assert_eq!(c.memory_cutoff_bytes, MemoryCutoffs { high: GB, medium: 1_500_000_000, low: 1_800_000_000 });
+        assert_eq!((c.occupancy_cutoff_esu, c.occupancy_limit_esu, c.target_oom_rate, c.target_de_rate), (40.0, 45.0, 0.01, 0.02));
+        // Added to the built-in mappings, not in place of them.
+        assert_eq!(c.executors.tag_types.get("requires-tpu").map(String::as_str), Some("tpu"));
+        assert_eq!(c.executors.tag_types.get("requires-gpu").map(String::as_str), Some("gpu"));
+        c.validate().unwrap();
+    }
 
     #[test]
     fn defaults_match_design() {

@@ -80,29 +80,6 @@ impl BatcherService {
     }
 }
 
-/// The planner settings from `[batch]` in gantry.toml.
-pub fn planner_config(cfg: &gantry_config::BatchConfig) -> PlannerConfig {
-    let mut p = PlannerConfig {
-        max_targets_per_batch: cfg.max_targets_per_batch,
-        fallback_batch_size: cfg.fallback_batch_size,
-        bazel_memory_bytes: cfg.bazel_memory.as_u64(),
-        memory_cutoff_bytes: gantry_batch::MemoryCutoffs {
-            high: cfg.memory_cutoff_high.as_u64(),
-            medium: cfg.memory_cutoff_medium.as_u64(),
-            low: cfg.memory_cutoff_low.as_u64(),
-        },
-        occupancy_cutoff_esu: cfg.occupancy_cutoff_esu,
-        occupancy_limit_esu: cfg.occupancy_limit_esu,
-        target_oom_rate: cfg.target_oom_rate,
-        target_de_rate: cfg.target_de_rate,
-        stream_sort_window: cfg.stream_sort_window,
-        ..PlannerConfig::default()
-    };
-    p.executors.tag_types.extend(cfg.tag_executor_types.clone());
-    p.executors.rule_kind_types.extend(cfg.rule_kind_executor_types.clone());
-    p
-}
-
 fn invalid(msg: impl Into<String>) -> Status {
     Status::invalid_argument(msg.into())
 }

@@ -123,7 +123,7 @@ fn plan(args: PlanArgs) -> anyhow::Result<()> {
         Some(p) => gantry_config::Config::load(p)?.batch,
         None => gantry_config::BatchConfig::default(),
     };
-    let mut planner = StreamingPlanner::new(ctx, gantry_services::batcher::planner_config(&batch_cfg), &models)?;
+    let mut planner = StreamingPlanner::new(ctx, gantry_batch::PlannerConfig::from_config(&batch_cfg), &models)?;
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
     let mut emit = |batches: Vec<gantry_batch::Batch>| -> anyhow::Result<()> {

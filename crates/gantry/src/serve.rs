@@ -15,7 +15,7 @@ use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
 use gantry_store::{FsStore, MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
 use gantry_worker::Executor;
-use gantry_services::batcher::{planner_config, BatcherService};
+use gantry_services::batcher::BatcherService;
 use gantry_services::{Limits, RunningServer, Services};
 
 #[derive(clap::Args, Debug)]
@@ -61,7 +61,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
     let ac = gantry_store::build_action_cache(config, db, cas.clone()).await.context("setting up the action cache")?;
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
-    let mut batcher = BatcherService::new(planner_config(&config.batch), load_models(config)?).context("[batch]")?;
+    let mut batcher = BatcherService::new(gantry_batch::PlannerConfig::from_config(&config.batch), load_models(config)?).context("[batch]")?;
     if runs_batch_builds(config) {
         batcher = batcher.expect_builds();
     }
