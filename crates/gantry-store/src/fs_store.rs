@@ -262,6 +262,22 @@ impl Inner {
             .map_err(|e| e.context(format_args!("blob {digest}")))
     }
 
+    /// The disk is full before the store's budget is (other files share it, or
+    /// `max_size` is larger than the disk): removes least recently used blobs worth at
+    /// least `bytes`, so that the next write fits. Returns the bytes freed.
+    fn make_room(&self, bytes: u64) -> u64 {
+        let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
+        let mut freed = 0;
+        for (old, ()) in evicted {
+            match fs::remove_file(blob_path(&self.root, &old)) {
+                Ok(()) => freed += old.size,
+                Err(e) => tracing::warn!(blob = %old, error = %e, "could not remove evicted blob"),
+            }
+        }
+        tracing::warn!(cas = %self.root.display(), freed, "disk full: evicted least recently used blobs");
+        freed
+    }
+
     /// Takes a blob that another process wrote into this directory into the index, if
     /// its file is there with the right size. The lock is taken only after the stat.
     fn adopt(&self, digest: &Digest) -> bool {
@@ -287,6 +303,23 @@ impl Inner {
         let mut index = self.index.lock().expect("poisoned");
         if !blob_path(&self.root, digest).exists() {
             index.remove(digest);
+        }
+    }
+}
+
+/// ENOSPC or EDQUOT, from any step of a write.
+fn is_disk_full(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded))
+}
+
+impl Inner {
+    /// A full disk is RESOURCE_EXHAUSTED naming this store (the I/O error alone names
+    /// only a temp file); other errors pass unchanged.
+    fn disk_full(&self, e: Error) -> Error {
+        if is_disk_full(&e) {
+            Error::ResourceExhausted(format!("CAS {}: the disk is full ({e}); least recently used blobs were evicted to make room, retry", self.root.display()))
+        } else {
+            e
         }
     }
 }
@@ -438,6 +471,11 @@ impl TempFile {
         Ok(TempFile { path, file: Some(file) })
     }
 
+    fn with(mut self, data: &[u8]) -> Result<TempFile> {
+        self.write_all(data)?;
+        Ok(self)
+    }
+
     fn write_all(&mut self, data: &[u8]) -> Result<()> {
         self.file.as_mut().expect("open").write_all(data).context(format_args!("writing {}", self.path.display()))
     }
@@ -472,6 +510,7 @@ impl FsWriter {
     async fn to_file(&mut self, chunk: Bytes) -> Result<()> {
         let state = std::mem::replace(&mut self.state, WriteState::Busy);
         let dir = self.inner.tmp.clone();
+        let inner = self.inner.clone();
         self.state = blocking(move || {
             let mut tmp = match state {
                 WriteState::Buffered(buf) => {
@@ -487,7 +526,15 @@ impl FsWriter {
             }
             Ok(WriteState::Spilled(tmp))
         })
-        .await?;
+        .await
+        .map_err(|e| {
+            // What was written of a streamed upload is gone with its temp file; make
+            // room so the client's retry fits.
+            if is_disk_full(&e) {
+                inner.make_room(self.digest.size.max(1 << 20));
+            }
+            self.inner.disk_full(e)
+        })?;
         Ok(())
     }
 
@@ -500,21 +547,30 @@ impl FsWriter {
             )));
         }
         let state = std::mem::replace(&mut self.state, WriteState::Busy);
-        let inner = self.inner.clone();
+        let (inner, digest) = (self.inner.clone(), self.digest);
         let tmp = blocking(move || {
-            let tmp = match state {
-                WriteState::Buffered(buf) => {
-                    let mut t = TempFile::create(&inner.tmp)?;
-                    t.write_all(&buf)?;
-                    t
-                }
-                WriteState::Spilled(t) => t,
-                WriteState::Busy => return Err(Error::internal("writer used after a failed write")),
+            let synced = |t: TempFile| -> Result<TempFile> {
+                t.file.as_ref().expect("open").sync_all().context(format_args!("fsync {}", t.path.display()))?;
+                Ok(t)
             };
-            tmp.file.as_ref().expect("open").sync_all().context(format_args!("fsync {}", tmp.path.display()))?;
-            Ok(tmp)
+            match state {
+                WriteState::Buffered(buf) => {
+                    let attempt = || synced(TempFile::create(&inner.tmp)?.with(&buf)?);
+                    match attempt() {
+                        // The bytes are still here: make room and try once more.
+                        Err(e) if is_disk_full(&e) => {
+                            inner.make_room(digest.size.max(1 << 20));
+                            attempt()
+                        }
+                        other => other,
+                    }
+                }
+                WriteState::Spilled(t) => synced(t),
+                WriteState::Busy => Err(Error::internal("writer used after a failed write")),
+            }
         })
-        .await?;
+        .await
+        .map_err(|e| self.inner.disk_full(e))?;
         Ok(Staged { inner: self.inner.clone(), digest: self.digest, tmp })
     }
 }
@@ -557,6 +613,90 @@ impl BlobWriter for FsWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The store on a 4 MiB tmpfs whose `max_size` (64 MiB) the disk cannot hold: the
+    /// disk fills first. Runs only inside a mount namespace of its own, where this test
+    /// process is root (see `a_full_disk_is_resource_exhausted_and_recovers`).
+    #[tokio::test]
+    #[ignore = "run by a_full_disk_is_resource_exhausted_and_recovers in a namespace"]
+    async fn full_disk_inside_a_namespace() {
+        use futures::TryStreamExt;
+        let Ok(root) = std::env::var("GANTRY_TEST_TMPFS") else { panic!("run by a_full_disk_is_resource_exhausted_and_recovers") };
+        let root = PathBuf::from(root);
+        let st = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"]).arg(&root).status().unwrap();
+        assert!(st.success(), "mount tmpfs");
+        let store = FsStore::open(root.join("cas"), 64 << 20).await.unwrap();
+        let blob = |i: u32, size: usize| {
+            let data = Bytes::from((0..size).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect::<Vec<u8>>());
+            (DigestFunction::Sha256.digest_of(&data), data)
+        };
+        let put = |d: Digest, data: Bytes, chunk: usize| {
+            let store = &store;
+            async move {
+                let mut w = store.begin_write(&d).await?;
+                for c in data.chunks(chunk) {
+                    w.write(Bytes::copy_from_slice(c)).await?;
+                }
+                w.commit().await
+            }
+        };
+        let get = |d: Digest| {
+            let store = &store;
+            async move {
+                let chunks: Vec<Bytes> = store.read(&d, 0, None).await?.try_collect().await?;
+                Ok::<_, Error>(chunks.concat())
+            }
+        };
+        let tmp_files = || fs::read_dir(root.join("cas/tmp")).unwrap().count();
+        // 3 MiB of blobs fit.
+        let small: Vec<_> = (0..6).map(|i| blob(i, 512 << 10)).collect();
+        for (d, data) in &small {
+            put(*d, data.clone(), 64 << 10).await.unwrap();
+        }
+        // A streamed 2 MiB upload runs out of disk part way: RESOURCE_EXHAUSTED naming the
+        // store, no temp file left, and room made from the oldest blobs.
+        let (big_d, big) = blob(100, 2 << 20);
+        let e = put(big_d, big.clone(), 256 << 10).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+        assert!(e.to_string().contains(&format!("CAS {}", root.join("cas").display())), "{e}");
+        assert_eq!(tmp_files(), 0, "a partial upload was left behind");
+        // Reads go on: the newest blobs are still there, byte for byte.
+        assert_eq!(get(small[5].0).await.unwrap(), small[5].1.to_vec());
+        assert!(get(small[0].0).await.unwrap_err().is_not_found(), "the oldest blob made the room");
+        // The client's retry fits, and so does a stream of buffered writes twice the
+        // disk's size: each that finds the disk full makes room and tries again.
+        put(big_d, big.clone(), 256 << 10).await.unwrap();
+        assert_eq!(get(big_d).await.unwrap(), big.to_vec());
+        let more: Vec<_> = (10..26).map(|i| blob(i, 512 << 10)).collect();
+        for (d, data) in &more {
+            put(*d, data.clone(), 512 << 10).await.unwrap();
+        }
+        for (d, data) in &more[more.len() - 4..] {
+            assert_eq!(get(*d).await.unwrap(), data.to_vec());
+        }
+        assert_eq!(tmp_files(), 0);
+    }
+
+    /// Disk full, for real: the test above in a user and mount namespace (`unshare -Urm`),
+    /// where it may mount a small tmpfs. No privileges needed beyond user namespaces;
+    /// under CI=true a machine without them fails rather than skips.
+    #[test]
+    fn a_full_disk_is_resource_exhausted_and_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new("unshare")
+            .args(["--user", "--map-root-user", "--mount", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "fs_store::tests::full_disk_inside_a_namespace", "--ignored", "--nocapture"])
+            .env("GANTRY_TEST_TMPFS", dir.path())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() && text.contains("unshare failed") && std::env::var("CI").as_deref() != Ok("true") {
+            eprintln!("skipped: no user namespaces here ({text})");
+            return;
+        }
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    }
 
     #[tokio::test]
     async fn crash_between_write_and_rename_leaves_nothing_visible() {

@@ -65,6 +65,19 @@ impl<V> LruIndex<V> {
         evicted
     }
 
+    /// Removes least recently used entries until at least `bytes` are freed or the
+    /// index is empty (a disk that filled up before the store's budget did).
+    pub fn evict_bytes(&mut self, bytes: u64) -> Vec<(Digest, V)> {
+        let (mut freed, mut evicted) = (0, Vec::new());
+        while freed < bytes {
+            let Some((k, (sz, v))) = self.map.pop_lru() else { break };
+            self.used -= sz;
+            freed += sz;
+            evicted.push((k, v));
+        }
+        evicted
+    }
+
     pub fn remove(&mut self, d: &Digest) -> Option<V> {
         self.map.pop(d).map(|(sz, v)| {
             self.used -= sz;
