@@ -598,29 +598,28 @@ wait
         }
     }
 
-    #[tokio::test]
-    async fn a_server_stuck_in_gc_is_stopped_long_before_the_deadline_as_oom() {
+    /// Runs `target` on the stand-in and checks that the runner stopped its stuck server
+    /// as OOM with `signal`: after the window (2 s) of no progress, the grace (1 s) and
+    /// polling, long before the 60 s deadline, with a message that `says` why.
+    async fn assert_stopped_stuck(target: &str, signal: OomSignal, says: &str) {
         let d = tempfile::tempdir().unwrap();
         let runner = gc_runner(d.path());
-        let report = runner.run(&gc_spec(d.path(), "//:stuck")).await;
+        let report = runner.run(&gc_spec(d.path(), target)).await;
         let survived = kill_stand_in_server(&runner);
-        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Oom, Some(OomSignal::GcSpiral)), "{report:?}");
+        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Oom, Some(signal)), "{report:?}");
         assert!(!survived, "the stuck server outlived the stop");
-        // The window (2 s) of full GCs and no progress, the grace (1 s), and polling.
         assert!(report.wall_seconds > 2.0 && report.wall_seconds < 8.0, "{report:?}");
-        assert!(report.message.contains("stuck in garbage collection") && report.message.contains("of its 64 MiB heap"), "{report:?}");
+        assert!(report.message.contains(says), "{report:?}");
+    }
+
+    #[tokio::test]
+    async fn a_server_stuck_in_gc_is_stopped_long_before_the_deadline_as_oom() {
+        assert_stopped_stuck("//:stuck", OomSignal::GcSpiral, "of its 64 MiB heap in use").await;
     }
 
     #[tokio::test]
     async fn a_server_idle_after_an_out_of_memory_error_is_stopped_as_oom() {
-        let d = tempfile::tempdir().unwrap();
-        let runner = gc_runner(d.path());
-        let report = runner.run(&gc_spec(d.path(), "//:oom")).await;
-        let survived = kill_stand_in_server(&runner);
-        assert_eq!((report.outcome, report.oom_signal), (BuildOutcome::Oom, Some(OomSignal::OomErrorInLog)), "{report:?}");
-        assert!(!survived, "the stuck server outlived the stop");
-        assert!(report.wall_seconds > 2.0 && report.wall_seconds < 8.0, "{report:?}");
-        assert!(report.message.contains("OutOfMemoryError in its jvm.out"), "{report:?}");
+        assert_stopped_stuck("//:oom", OomSignal::OomErrorInLog, "OutOfMemoryError in its jvm.out").await;
     }
 
     #[tokio::test]
