@@ -327,14 +327,14 @@ impl Runner {
             || log_tail.contains("RetainedHeapLimiter")
             || (jvm_fresh && tail(&jvm_out, 64 * 1024).contains("java.lang.OutOfMemoryError"));
         let outcome = classify(&facts);
-        let message = match outcome {
+        // A server stopped as stuck is OOM (classify), and the note says why.
+        let message = stuck_note.unwrap_or_else(|| match outcome {
             BuildOutcome::Success => String::new(),
             BuildOutcome::DeadlineExceeded => format!("stopped at the {:?} deadline", self.settings.deadline),
-            BuildOutcome::Oom if stuck_note.is_some() => stuck_note.unwrap_or_default(),
             _ => error_line(&log_tail).unwrap_or_else(|| {
                 format!("bazel exited with {:?} ({})", facts.exit_code, facts.bep.exit_code_name.as_deref().unwrap_or("no BEP"))
             }),
-        };
+        });
         RunReport {
             outcome,
             oom_signal: oom_signal(&facts),

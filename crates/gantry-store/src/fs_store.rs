@@ -40,6 +40,8 @@ use crate::lru_index::LruIndex;
 
 /// Writes up to this size are buffered in memory and written in one go at commit.
 const SPILL_THRESHOLD: usize = 1 << 20;
+/// A full disk evicts at least this much, however small the blob that found it full.
+const MIN_ROOM: u64 = 1 << 20;
 /// Reads are streamed in chunks of this size.
 const READ_CHUNK: u64 = 1 << 20;
 
@@ -278,6 +280,17 @@ impl Inner {
         freed
     }
 
+    /// What a failed write of a `size`-byte blob tells its client. A full disk makes
+    /// room for the client's retry and becomes RESOURCE_EXHAUSTED naming this store (the
+    /// I/O error alone names only a temp file); other errors pass unchanged.
+    fn write_failed(&self, e: Error, size: u64) -> Error {
+        if !is_disk_full(&e) {
+            return e;
+        }
+        self.make_room(size.max(MIN_ROOM));
+        Error::ResourceExhausted(format!("CAS {}: the disk is full ({e}); least recently used blobs were evicted to make room, retry", self.root.display()))
+    }
+
     /// Takes a blob that another process wrote into this directory into the index, if
     /// its file is there with the right size. The lock is taken only after the stat.
     fn adopt(&self, digest: &Digest) -> bool {
@@ -310,18 +323,6 @@ impl Inner {
 /// ENOSPC or EDQUOT, from any step of a write.
 fn is_disk_full(e: &Error) -> bool {
     matches!(e, Error::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded))
-}
-
-impl Inner {
-    /// A full disk is RESOURCE_EXHAUSTED naming this store (the I/O error alone names
-    /// only a temp file); other errors pass unchanged.
-    fn disk_full(&self, e: Error) -> Error {
-        if is_disk_full(&e) {
-            Error::ResourceExhausted(format!("CAS {}: the disk is full ({e}); least recently used blobs were evicted to make room, retry", self.root.display()))
-        } else {
-            e
-        }
-    }
 }
 
 fn blob_path(root: &Path, d: &Digest) -> PathBuf {
@@ -510,7 +511,6 @@ impl FsWriter {
     async fn to_file(&mut self, chunk: Bytes) -> Result<()> {
         let state = std::mem::replace(&mut self.state, WriteState::Busy);
         let dir = self.inner.tmp.clone();
-        let inner = self.inner.clone();
         self.state = blocking(move || {
             let mut tmp = match state {
                 WriteState::Buffered(buf) => {
@@ -527,14 +527,8 @@ impl FsWriter {
             Ok(WriteState::Spilled(tmp))
         })
         .await
-        .map_err(|e| {
-            // What was written of a streamed upload is gone with its temp file; make
-            // room so the client's retry fits.
-            if is_disk_full(&e) {
-                inner.make_room(self.digest.size.max(1 << 20));
-            }
-            self.inner.disk_full(e)
-        })?;
+        // What was written of a streamed upload is gone with its temp file.
+        .map_err(|e| self.inner.write_failed(e, self.digest.size))?;
         Ok(())
     }
 
@@ -559,7 +553,7 @@ impl FsWriter {
                     match attempt() {
                         // The bytes are still here: make room and try once more.
                         Err(e) if is_disk_full(&e) => {
-                            inner.make_room(digest.size.max(1 << 20));
+                            inner.make_room(digest.size.max(MIN_ROOM));
                             attempt()
                         }
                         other => other,
@@ -570,7 +564,7 @@ impl FsWriter {
             }
         })
         .await
-        .map_err(|e| self.inner.disk_full(e))?;
+        .map_err(|e| self.inner.write_failed(e, self.digest.size))?;
         Ok(Staged { inner: self.inner.clone(), digest: self.digest, tmp })
     }
 }
