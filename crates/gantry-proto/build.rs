@@ -2,7 +2,12 @@
 //! needs a system `protoc`, then generates prost messages and tonic services.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["gantry/batch/v1/batch.proto", "gantry/worker/v1/worker.proto", "gantry/queue/v1/queue.proto", "google/rpc/error_details.proto"];
+    let protos = [
+        "gantry/batch/v1/batch.proto",
+        "gantry/worker/v1/worker.proto",
+        "gantry/queue/v1/queue.proto",
+        "google/rpc/error_details.proto",
+    ];
     let fds = protox::compile(protos, ["proto"])?;
     tonic_prost_build::configure().compile_fds(fds)?;
     println!("cargo:rerun-if-changed=proto");

@@ -59,10 +59,7 @@ pub enum BatchError {
 
 impl BatchError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        BatchError::Io {
-            path: path.into(),
-            source,
-        }
+        BatchError::Io { path: path.into(), source }
     }
 }
 

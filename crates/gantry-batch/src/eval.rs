@@ -30,14 +30,7 @@ impl Acc {
         self.sq += e * e;
     }
     fn stat(self) -> ErrStat {
-        ErrStat {
-            count: self.n,
-            rmse: if self.n == 0 {
-                0.0
-            } else {
-                (self.sq / self.n as f64).sqrt()
-            },
-        }
+        ErrStat { count: self.n, rmse: if self.n == 0 { 0.0 } else { (self.sq / self.n as f64).sqrt() } }
     }
 }
 
@@ -94,11 +87,7 @@ impl ErrorBreakdown {
                 .filter(|(_, b)| b.0.n > 0)
                 .map(|(i, b)| BinStat {
                     lo: i as f64 * width,
-                    hi: if i + 1 == nbins {
-                        f64::INFINITY
-                    } else {
-                        (i + 1) as f64 * width
-                    },
+                    hi: if i + 1 == nbins { f64::INFINITY } else { (i + 1) as f64 * width },
                     all: b.0.stat(),
                     over: b.1.stat(),
                     under: b.2.stat(),
@@ -138,9 +127,7 @@ pub fn eval(models: &Models, history: &[BuildRecord]) -> Result<EvalReport> {
         let mut ok = true;
         if let Some(m) = &models.memory {
             match m.predict_values(&ctx, &btv) {
-                Ok(est) => {
-                    mem_pairs.push((r.peak_memory_bytes as f64 / GB as f64, est / GB as f64))
-                }
+                Ok(est) => mem_pairs.push((r.peak_memory_bytes as f64 / GB as f64, est / GB as f64)),
                 Err(_) => ok = false,
             }
         }
@@ -157,14 +144,8 @@ pub fn eval(models: &Models, history: &[BuildRecord]) -> Result<EvalReport> {
     Ok(EvalReport {
         builds: history.len(),
         skipped,
-        memory: models
-            .memory
-            .as_ref()
-            .map(|_| ErrorBreakdown::from_pairs("GB", &mem_pairs, 1.0, 13.0)),
-        occupancy: models
-            .occupancy
-            .as_ref()
-            .map(|_| ErrorBreakdown::from_pairs("ESU", &occ_pairs, 50.0, 600.0)),
+        memory: models.memory.as_ref().map(|_| ErrorBreakdown::from_pairs("GB", &mem_pairs, 1.0, 13.0)),
+        occupancy: models.occupancy.as_ref().map(|_| ErrorBreakdown::from_pairs("ESU", &occ_pairs, 50.0, 600.0)),
     })
 }
 
@@ -189,11 +170,7 @@ impl fmt::Display for ErrorBreakdown {
             )
         };
         for b in &self.bins {
-            let name = if b.hi.is_infinite() {
-                format!(">= {}", b.lo)
-            } else {
-                format!("[{}, {})", b.lo, b.hi)
-            };
+            let name = if b.hi.is_infinite() { format!(">= {}", b.lo) } else { format!("[{}, {})", b.lo, b.hi) };
             row(f, name, b.all, b.over, b.under)?;
         }
         row(f, "all".to_string(), self.all, self.over, self.under)
@@ -202,11 +179,7 @@ impl fmt::Display for ErrorBreakdown {
 
 impl fmt::Display for EvalReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "evaluated {} builds ({} skipped)",
-            self.builds, self.skipped
-        )?;
+        writeln!(f, "evaluated {} builds ({} skipped)", self.builds, self.skipped)?;
         if let Some(m) = &self.memory {
             writeln!(f, "\nmemory model (max of long/short window)")?;
             write!(f, "{m}")?;

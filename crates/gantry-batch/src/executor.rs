@@ -21,14 +21,8 @@ pub fn executor_types(target: &Target, cfg: &ExecutorConfig) -> ExecutorSet {
             tagged = true;
         }
     }
-    if !tagged {
-        if let Some(types) = target
-            .rule_kind
-            .as_deref()
-            .and_then(|k| cfg.rule_kind_types.get(k))
-        {
-            set.extend(types.iter().cloned());
-        }
+    if !tagged && let Some(types) = target.rule_kind.as_deref().and_then(|k| cfg.rule_kind_types.get(k)) {
+        set.extend(types.iter().cloned());
     }
     set
 }
@@ -44,11 +38,7 @@ pub struct Grouper {
 
 impl Grouper {
     pub fn new(cfg: &ExecutorConfig) -> Self {
-        let mut g = Grouper {
-            cfg: cfg.clone(),
-            sets: Vec::new(),
-            ids: HashMap::new(),
-        };
+        let mut g = Grouper { cfg: cfg.clone(), sets: Vec::new(), ids: HashMap::new() };
         // Group 0 is always the implicit set.
         g.intern(cfg.implicit.clone());
         g
@@ -67,15 +57,8 @@ impl Grouper {
     /// Group id of a target.
     pub fn group_of(&mut self, target: &Target) -> usize {
         let cfg = &self.cfg;
-        let tag_hit = target
-            .tags
-            .iter()
-            .any(|t| cfg.tag_types.contains_key(t.as_str()));
-        let kind_hit = !tag_hit
-            && target
-                .rule_kind
-                .as_deref()
-                .is_some_and(|k| cfg.rule_kind_types.contains_key(k));
+        let tag_hit = target.tags.iter().any(|t| cfg.tag_types.contains_key(t.as_str()));
+        let kind_hit = !tag_hit && target.rule_kind.as_deref().is_some_and(|k| cfg.rule_kind_types.contains_key(k));
         if !tag_hit && !kind_hit {
             return 0;
         }
@@ -95,10 +78,7 @@ impl Grouper {
 
 /// Split targets into executor-set groups, in first-seen group order.
 /// Order inside a group is the input order (sorting is the planner's job).
-pub fn group_targets(
-    targets: Vec<Target>,
-    cfg: &ExecutorConfig,
-) -> Vec<(ExecutorSet, Vec<Target>)> {
+pub fn group_targets(targets: Vec<Target>, cfg: &ExecutorConfig) -> Vec<(ExecutorSet, Vec<Target>)> {
     let mut grouper = Grouper::new(cfg);
     let mut groups: Vec<Vec<Target>> = vec![Vec::new()];
     for t in targets {
@@ -108,12 +88,7 @@ pub fn group_targets(
         }
         groups[id].push(t);
     }
-    groups
-        .into_iter()
-        .enumerate()
-        .filter(|(_, g)| !g.is_empty())
-        .map(|(id, g)| (grouper.set(id).clone(), g))
-        .collect()
+    groups.into_iter().enumerate().filter(|(_, g)| !g.is_empty()).map(|(id, g)| (grouper.set(id).clone(), g)).collect()
 }
 
 #[cfg(test)]
@@ -136,24 +111,12 @@ mod tests {
     fn tags_then_rule_kind_then_default() {
         let cfg = ExecutorConfig::default();
         assert_eq!(executor_types(&t("//a:b", None, &[]), &cfg), set(&["x86"]));
-        assert_eq!(
-            executor_types(&t("//a:b", None, &["requires-gpu"]), &cfg),
-            set(&["gpu", "x86"])
-        );
-        assert_eq!(
-            executor_types(&t("//a:b", Some("ios_ui_test"), &[]), &cfg),
-            set(&["mac", "x86"])
-        );
+        assert_eq!(executor_types(&t("//a:b", None, &["requires-gpu"]), &cfg), set(&["gpu", "x86"]));
+        assert_eq!(executor_types(&t("//a:b", Some("ios_ui_test"), &[]), &cfg), set(&["mac", "x86"]));
         // A matching tag suppresses the rule-kind lookup.
-        assert_eq!(
-            executor_types(&t("//a:b", Some("ios_ui_test"), &["requires-gpu"]), &cfg),
-            set(&["gpu", "x86"])
-        );
+        assert_eq!(executor_types(&t("//a:b", Some("ios_ui_test"), &["requires-gpu"]), &cfg), set(&["gpu", "x86"]));
         // Unrelated tags and kinds fall through to the default.
-        assert_eq!(
-            executor_types(&t("//a:b", Some("cc_test"), &["manual"]), &cfg),
-            set(&["x86"])
-        );
+        assert_eq!(executor_types(&t("//a:b", Some("cc_test"), &["manual"]), &cfg), set(&["x86"]));
     }
 
     #[test]
@@ -161,10 +124,7 @@ mod tests {
         let mut cfg = ExecutorConfig::default();
         cfg.tag_types.insert("requires-tpu".into(), "tpu".into());
         cfg.implicit.clear();
-        assert_eq!(
-            executor_types(&t("//a:b", None, &["requires-tpu", "requires-gpu"]), &cfg),
-            set(&["gpu", "tpu"])
-        );
+        assert_eq!(executor_types(&t("//a:b", None, &["requires-tpu", "requires-gpu"]), &cfg), set(&["gpu", "tpu"]));
         assert_eq!(executor_types(&t("//a:b", None, &[]), &cfg), set(&[]));
     }
 
@@ -181,17 +141,9 @@ mod tests {
         let groups = group_targets(targets, &cfg);
         assert_eq!(groups.len(), 3);
         let find = |s: &ExecutorSet| groups.iter().find(|(k, _)| k == s).unwrap();
-        let x86: Vec<_> = find(&set(&["x86"]))
-            .1
-            .iter()
-            .map(|t| t.label.as_str())
-            .collect();
+        let x86: Vec<_> = find(&set(&["x86"])).1.iter().map(|t| t.label.as_str()).collect();
         assert_eq!(x86, vec!["//a:1", "//a:4"]);
-        let gpu: Vec<_> = find(&set(&["gpu", "x86"]))
-            .1
-            .iter()
-            .map(|t| t.label.as_str())
-            .collect();
+        let gpu: Vec<_> = find(&set(&["gpu", "x86"])).1.iter().map(|t| t.label.as_str()).collect();
         assert_eq!(gpu, vec!["//a:2", "//a:5"]);
         assert_eq!(find(&set(&["mac", "x86"])).1.len(), 1);
     }

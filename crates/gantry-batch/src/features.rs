@@ -66,14 +66,8 @@ pub enum Family {
 }
 
 impl Family {
-    pub const BUILD: [Family; 6] = [
-        Family::Priority,
-        Family::Command,
-        Family::User,
-        Family::ProductArea,
-        Family::ToolTag,
-        Family::Flag,
-    ];
+    pub const BUILD: [Family; 6] =
+        [Family::Priority, Family::Command, Family::User, Family::ProductArea, Family::ToolTag, Family::Flag];
     pub const TARGET: [Family; 3] = [Family::Label, Family::Package, Family::Prefix];
     pub const COUNT: [Family; 2] = [Family::TargetCount, Family::PackageCount];
     pub const ALL: [Family; 11] = [
@@ -160,12 +154,7 @@ impl Cross {
             for &b in &Family::BUILD[i + 1..] {
                 out.push(Cross(a, b));
             }
-            for b in [
-                Family::Package,
-                Family::Prefix,
-                Family::TargetCount,
-                Family::PackageCount,
-            ] {
+            for b in [Family::Package, Family::Prefix, Family::TargetCount, Family::PackageCount] {
                 out.push(Cross(a, b));
             }
         }
@@ -233,10 +222,8 @@ impl FeatureSpec {
             return Vec::new();
         }
         counts.sort_unstable();
-        let mut out: Vec<u32> = (1..=buckets)
-            .map(|k| counts[(k * (counts.len() - 1)) / (buckets + 1)])
-            .filter(|&b| b > 1)
-            .collect();
+        let mut out: Vec<u32> =
+            (1..=buckets).map(|k| counts[(k * (counts.len() - 1)) / (buckets + 1)]).filter(|&b| b > 1).collect();
         out.dedup();
         out
     }
@@ -244,12 +231,7 @@ impl FeatureSpec {
     /// Per-context pieces for incremental scoring.
     pub fn context_pieces(&self, ctx: &BuildContext) -> ContextPieces {
         let vals = build_values(ctx);
-        let values_of = |f: Family| -> Vec<u64> {
-            vals.iter()
-                .filter(|(g, _)| *g == f)
-                .map(|&(_, v)| v)
-                .collect()
-        };
+        let values_of = |f: Family| -> Vec<u64> { vals.iter().filter(|(g, _)| *g == f).map(|&(_, v)| v).collect() };
         let mut build = Vec::new();
         for &(f, v) in &vals {
             if self.has(f) {
@@ -284,11 +266,7 @@ impl FeatureSpec {
                     target_prefix_cross[ti].push(ci);
                 }
             } else {
-                let buckets = if c.1 == Family::TargetCount {
-                    &mut tc
-                } else {
-                    &mut pc
-                };
+                let buckets = if c.1 == Family::TargetCount { &mut tc } else { &mut pc };
                 for &a in &avals {
                     for (j, feats) in buckets.iter_mut().enumerate() {
                         feats.push(self.slot(mix(mix(c.tag(), a), j as u64), true));
@@ -296,13 +274,7 @@ impl FeatureSpec {
                 }
             }
         }
-        ContextPieces {
-            build,
-            target_prefixes,
-            target_prefix_cross,
-            target_count: tc,
-            package_count: pc,
-        }
+        ContextPieces { build, target_prefixes, target_prefix_cross, target_count: tc, package_count: pc }
     }
 
     /// All slots of a build under set semantics: distinct labels, packages
@@ -342,11 +314,7 @@ pub fn build_values(ctx: &BuildContext) -> Vec<(Family, u64)> {
     let mut flags: Vec<&String> = ctx.flags.iter().collect();
     flags.sort();
     flags.dedup();
-    v.extend(
-        flags
-            .into_iter()
-            .map(|f| (Family::Flag, fnv1a(f.as_bytes()))),
-    );
+    v.extend(flags.into_iter().map(|f| (Family::Flag, fnv1a(f.as_bytes()))));
     v
 }
 
@@ -449,15 +417,11 @@ impl ContextPieces {
     /// Slots of the active (cumulative) count buckets.
     pub fn count_slots(&self, spec: &FeatureSpec, targets: usize, packages: usize) -> Vec<u32> {
         let mut out = Vec::new();
-        let nt = spec
-            .target_count_boundaries
-            .partition_point(|&b| (b as usize) <= targets);
+        let nt = spec.target_count_boundaries.partition_point(|&b| (b as usize) <= targets);
         for feats in &self.target_count[..nt] {
             out.extend_from_slice(feats);
         }
-        let np = spec
-            .package_count_boundaries
-            .partition_point(|&b| (b as usize) <= packages);
+        let np = spec.package_count_boundaries.partition_point(|&b| (b as usize) <= packages);
         for feats in &self.package_count[..np] {
             out.extend_from_slice(feats);
         }
@@ -522,14 +486,7 @@ mod tests {
 
     #[test]
     fn single_pass_hashes_match_naive() {
-        for raw in [
-            "//a/b/c:t",
-            "//:x",
-            "//a",
-            "@r//p/q:n/m",
-            "@@x+//a/bb/ccc",
-            "//a:b/c/d",
-        ] {
+        for raw in ["//a/b/c:t", "//:x", "//a", "@r//p/q:n/m", "@@x+//a/bb/ccc", "//a:b/c/d"] {
             let l = parse_label(raw).unwrap();
             let tv = TargetValues::of(&l);
             assert_eq!(tv.label, fnv1a(l.canonical().as_bytes()), "{raw}");
@@ -586,10 +543,7 @@ mod tests {
 
     #[test]
     fn crosses_are_normalised_and_restricted() {
-        assert_eq!(
-            Cross::new(Family::Package, Family::User),
-            Some(Cross(Family::User, Family::Package))
-        );
+        assert_eq!(Cross::new(Family::Package, Family::User), Some(Cross(Family::User, Family::Package)));
         assert_eq!(Cross::new(Family::Label, Family::Package), None);
         assert_eq!(Cross::new(Family::User, Family::User), None);
         let c = Cross::candidates();

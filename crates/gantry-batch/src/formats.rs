@@ -9,10 +9,7 @@ use std::io::{BufRead, Write};
 /// Parse one `targets.txt` line: `LABEL [RULE_KIND [TAG,TAG,...]]`.
 /// Returns `Ok(None)` for blank lines and `#` comments.
 pub fn parse_target_line(line: &str, line_no: usize) -> Result<Option<Target>> {
-    let err = |reason: String| BatchError::TargetsLine {
-        line: line_no,
-        reason,
-    };
+    let err = |reason: String| BatchError::TargetsLine { line: line_no, reason };
     let trimmed = line.trim();
     if trimmed.is_empty() || trimmed.starts_with('#') {
         return Ok(None);
@@ -21,44 +18,32 @@ pub fn parse_target_line(line: &str, line_no: usize) -> Result<Option<Target>> {
     let label = fields.next().expect("non-empty line has a field");
     parse_label(label).map_err(|e| err(e.to_string()))?;
     let rule_kind = fields.next().map(str::to_string);
-    if let Some(k) = &rule_kind {
-        if !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(err(format!("rule kind `{k}` must be [A-Za-z0-9_]+")));
-        }
+    if let Some(k) = &rule_kind
+        && !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return Err(err(format!("rule kind `{k}` must be [A-Za-z0-9_]+")));
     }
     let tags = match fields.next() {
         None => Vec::new(),
         Some(list) => {
             let tags: Vec<String> = list.split(',').map(str::to_string).collect();
             if let Some(pos) = tags.iter().position(String::is_empty) {
-                return Err(err(format!(
-                    "empty tag at position {} in `{list}`",
-                    pos + 1
-                )));
+                return Err(err(format!("empty tag at position {} in `{list}`", pos + 1)));
             }
             tags
         }
     };
     if let Some(extra) = fields.next() {
-        return Err(err(format!(
-            "unexpected fourth field `{extra}`; tags are one comma-separated field"
-        )));
+        return Err(err(format!("unexpected fourth field `{extra}`; tags are one comma-separated field")));
     }
-    Ok(Some(Target {
-        label: label.to_string(),
-        rule_kind,
-        tags,
-    }))
+    Ok(Some(Target { label: label.to_string(), rule_kind, tags }))
 }
 
 /// Read a whole `targets.txt`.
 pub fn read_targets(reader: impl BufRead) -> Result<Vec<Target>> {
     let mut out = Vec::new();
     for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| BatchError::TargetsLine {
-            line: i + 1,
-            reason: e.to_string(),
-        })?;
+        let line = line.map_err(|e| BatchError::TargetsLine { line: i + 1, reason: e.to_string() })?;
         if let Some(t) = parse_target_line(&line, i + 1)? {
             out.push(t);
         }
@@ -73,8 +58,7 @@ pub fn parse_targets(text: &str) -> Result<Vec<Target>> {
 
 /// Parse and validate a build-context JSON document.
 pub fn parse_context(json: &str) -> Result<BuildContext> {
-    let ctx: BuildContext =
-        serde_json::from_str(json).map_err(|e| BatchError::InvalidContext(e.to_string()))?;
+    let ctx: BuildContext = serde_json::from_str(json).map_err(|e| BatchError::InvalidContext(e.to_string()))?;
     ctx.validate()?;
     Ok(ctx)
 }
@@ -88,8 +72,7 @@ pub fn batch_to_json_line(batch: &Batch) -> Result<String> {
 pub fn write_batches(mut w: impl Write, batches: &[Batch]) -> Result<()> {
     for b in batches {
         serde_json::to_writer(&mut w, b)?;
-        w.write_all(b"\n")
-            .map_err(|e| BatchError::io("<batch writer>", e))?;
+        w.write_all(b"\n").map_err(|e| BatchError::io("<batch writer>", e))?;
     }
     Ok(())
 }
@@ -103,8 +86,7 @@ pub fn read_batches(reader: impl BufRead) -> Result<Vec<Batch>> {
             continue;
         }
         out.push(
-            serde_json::from_str(&line)
-                .map_err(|e| BatchError::InvalidConfig(format!("batch line {}: {e}", i + 1)))?,
+            serde_json::from_str(&line).map_err(|e| BatchError::InvalidConfig(format!("batch line {}: {e}", i + 1)))?,
         );
     }
     Ok(out)
@@ -156,17 +138,13 @@ mod tests {
         assert_eq!(ctx.command, Command::Test);
         assert_eq!(ctx.priority, Priority::High);
         assert_eq!(ctx.flags, vec!["--jobs=100"]);
-        let lower = parse_context(
-            r#"{"git_repo":"r","revision":"abc","command":"build","priority":"low"}"#,
-        )
-        .unwrap();
+        let lower = parse_context(r#"{"git_repo":"r","revision":"abc","command":"build","priority":"low"}"#).unwrap();
         assert_eq!(lower.priority, Priority::Low);
         let e = parse_context(r#"{"command":"build","priority":"LOW"}"#).unwrap_err();
         assert!(e.to_string().contains("required"), "{e}");
         let e = parse_context(r#"{"workspace":"w","command":"run","priority":"LOW"}"#).unwrap_err();
         assert!(e.to_string().contains("run"), "{e}");
-        let e = parse_context(r#"{"workspace":"w","command":"build","priority":"LOW","bogus":1}"#)
-            .unwrap_err();
+        let e = parse_context(r#"{"workspace":"w","command":"build","priority":"LOW","bogus":1}"#).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
     }
 

@@ -46,10 +46,7 @@ impl Timestamp {
     /// (windows are days long). `t`/`z`/space separators are accepted as
     /// RFC 3339 allows.
     pub fn parse_rfc3339(s: &str) -> Result<Timestamp> {
-        let err = |reason: &str| BatchError::InvalidTimestamp {
-            value: s.to_string(),
-            reason: reason.to_string(),
-        };
+        let err = |reason: &str| BatchError::InvalidTimestamp { value: s.to_string(), reason: reason.to_string() };
         let b = s.as_bytes();
         if b.len() < 20 {
             return Err(err("too short; expected YYYY-MM-DDTHH:MM:SSZ"));
@@ -71,29 +68,12 @@ impl Timestamp {
             return Err(err("time must be HH:MM:SS"));
         }
         let (y, mo, d) = (num(0..4, "year")?, num(5..7, "month")?, num(8..10, "day")?);
-        let (h, mi, se) = (
-            num(11..13, "hour")?,
-            num(14..16, "minute")?,
-            num(17..19, "second")?,
-        );
+        let (h, mi, se) = (num(11..13, "hour")?, num(14..16, "minute")?, num(17..19, "second")?);
         if !(1..=12).contains(&mo) {
             return Err(err("month out of range"));
         }
         let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-        let mdays = [
-            31,
-            if leap { 29 } else { 28 },
-            31,
-            30,
-            31,
-            30,
-            31,
-            31,
-            30,
-            31,
-            30,
-            31,
-        ];
+        let mdays = [31, if leap { 29 } else { 28 }, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
         if d < 1 || d > mdays[(mo - 1) as usize] {
             return Err(err("day out of range for month"));
         }
@@ -113,10 +93,7 @@ impl Timestamp {
         }
         let offset = match &s[i..] {
             "Z" | "z" => 0,
-            tz if tz.len() == 6
-                && (tz.starts_with('+') || tz.starts_with('-'))
-                && &tz[3..4] == ":" =>
-            {
+            tz if tz.len() == 6 && (tz.starts_with('+') || tz.starts_with('-')) && &tz[3..4] == ":" => {
                 let oh = num(i + 1..i + 3, "offset hour")?;
                 let om = num(i + 4..i + 6, "offset minute")?;
                 if oh > 23 || om > 59 {
@@ -137,12 +114,7 @@ impl Timestamp {
         let days = self.0.div_euclid(SECONDS_PER_DAY);
         let rem = self.0.rem_euclid(SECONDS_PER_DAY);
         let (y, m, d) = civil_from_days(days);
-        format!(
-            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-            rem / 3600,
-            (rem / 60) % 60,
-            rem % 60
-        )
+        format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, (rem / 60) % 60, rem % 60)
     }
 }
 
@@ -230,23 +202,14 @@ impl BuildRecord {
 pub fn read_history(reader: impl BufRead) -> Result<Vec<BuildRecord>> {
     let mut out = Vec::new();
     for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(|e| BatchError::HistoryLine {
-            line: i + 1,
-            reason: e.to_string(),
-        })?;
+        let line = line.map_err(|e| BatchError::HistoryLine { line: i + 1, reason: e.to_string() })?;
         if line.trim().is_empty() {
             continue;
         }
         let rec: BuildRecord =
-            serde_json::from_str(&line).map_err(|e| BatchError::HistoryLine {
-                line: i + 1,
-                reason: e.to_string(),
-            })?;
+            serde_json::from_str(&line).map_err(|e| BatchError::HistoryLine { line: i + 1, reason: e.to_string() })?;
         if rec.targets.is_empty() {
-            return Err(BatchError::HistoryLine {
-                line: i + 1,
-                reason: "build has no targets".into(),
-            });
+            return Err(BatchError::HistoryLine { line: i + 1, reason: "build has no targets".into() });
         }
         out.push(rec);
     }
@@ -262,8 +225,7 @@ pub fn parse_history(text: &str) -> Result<Vec<BuildRecord>> {
 pub fn write_history(mut w: impl Write, records: &[BuildRecord]) -> Result<()> {
     for r in records {
         serde_json::to_writer(&mut w, r)?;
-        w.write_all(b"\n")
-            .map_err(|e| BatchError::io("<history writer>", e))?;
+        w.write_all(b"\n").map_err(|e| BatchError::io("<history writer>", e))?;
     }
     Ok(())
 }
@@ -273,10 +235,7 @@ pub fn write_history(mut w: impl Write, records: &[BuildRecord]) -> Result<()> {
 /// so that replaying history is reproducible).
 pub fn window(records: &[BuildRecord], now: Timestamp, days: f64) -> Vec<&BuildRecord> {
     let start = now.0 - (days * SECONDS_PER_DAY as f64).round() as i64;
-    records
-        .iter()
-        .filter(|r| r.time.0 >= start && r.time.0 < now.0)
-        .collect()
+    records.iter().filter(|r| r.time.0 >= start && r.time.0 < now.0).collect()
 }
 
 #[cfg(test)]

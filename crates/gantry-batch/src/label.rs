@@ -23,10 +23,7 @@ pub struct Label<'a> {
 }
 
 fn invalid(label: &str, reason: impl Into<String>) -> BatchError {
-    BatchError::InvalidLabel {
-        label: label.to_string(),
-        reason: reason.into(),
-    }
+    BatchError::InvalidLabel { label: label.to_string(), reason: reason.into() }
 }
 
 /// Characters Bazel accepts in package path segments (a conservative subset:
@@ -58,9 +55,7 @@ fn check_segments(label: &str, what: &str, path: &str, allow_slash: bool) -> Res
     // Fast path: every byte allowed and no `.`-only or empty segment.
     let bytes = path.as_bytes();
     if !bytes.is_empty()
-        && bytes
-            .iter()
-            .all(|&b| b == b'/' || PACKAGE_CHARS[b as usize])
+        && bytes.iter().all(|&b| b == b'/' || PACKAGE_CHARS[b as usize])
         && !path.contains("//")
         && !path.contains('.')
         && bytes[0] != b'/'
@@ -70,28 +65,16 @@ fn check_segments(label: &str, what: &str, path: &str, allow_slash: bool) -> Res
     }
     for (i, seg) in path.split('/').enumerate() {
         if seg.is_empty() {
-            return Err(invalid(
-                label,
-                format!("{what} has an empty path segment (segment {})", i + 1),
-            ));
+            return Err(invalid(label, format!("{what} has an empty path segment (segment {})", i + 1)));
         }
         if seg == "..." {
-            return Err(invalid(
-                label,
-                "`...` is a target pattern, not a label; expand patterns before batching",
-            ));
+            return Err(invalid(label, "`...` is a target pattern, not a label; expand patterns before batching"));
         }
         if seg == "." || seg == ".." {
-            return Err(invalid(
-                label,
-                format!("{what} contains a relative segment `{seg}`"),
-            ));
+            return Err(invalid(label, format!("{what} contains a relative segment `{seg}`")));
         }
         if let Some(c) = seg.chars().find(|&c| !is_package_char(c)) {
-            return Err(invalid(
-                label,
-                format!("{what} contains forbidden character {c:?}"),
-            ));
+            return Err(invalid(label, format!("{what} contains forbidden character {c:?}")));
         }
     }
     Ok(())
@@ -106,15 +89,13 @@ pub fn parse_label(raw: &str) -> Result<Label<'_>> {
     if raw.is_empty() {
         return Err(invalid(raw, "label is empty"));
     }
-    if raw.bytes().any(|b| b.is_ascii_whitespace() || b >= 0x80) {
-        if let Some(c) = raw.chars().find(|c| c.is_whitespace()) {
-            return Err(invalid(raw, format!("label contains whitespace {c:?}")));
-        }
+    if raw.bytes().any(|b| b.is_ascii_whitespace() || b >= 0x80)
+        && let Some(c) = raw.chars().find(|c| c.is_whitespace())
+    {
+        return Err(invalid(raw, format!("label contains whitespace {c:?}")));
     }
     let slashes = if let Some(rest) = raw.strip_prefix('@') {
-        let repo_len = rest
-            .find("//")
-            .ok_or_else(|| invalid(raw, "missing `//` after the repository name"))?;
+        let repo_len = rest.find("//").ok_or_else(|| invalid(raw, "missing `//` after the repository name"))?;
         let repo = &rest[..repo_len];
         let bare = repo.strip_prefix('@').unwrap_or(repo);
         if bare.is_empty() {
@@ -123,23 +104,14 @@ pub fn parse_label(raw: &str) -> Result<Label<'_>> {
         if !bare.starts_with(|c: char| c.is_ascii_alphabetic()) {
             return Err(invalid(raw, "repository name must start with a letter"));
         }
-        if let Some(c) = bare
-            .chars()
-            .find(|&c| !(c.is_ascii_alphanumeric() || "-_.+~".contains(c)))
-        {
-            return Err(invalid(
-                raw,
-                format!("repository name contains forbidden character {c:?}"),
-            ));
+        if let Some(c) = bare.chars().find(|&c| !(c.is_ascii_alphanumeric() || "-_.+~".contains(c))) {
+            return Err(invalid(raw, format!("repository name contains forbidden character {c:?}")));
         }
         1 + repo_len
     } else if raw.starts_with("//") {
         0
     } else if raw.starts_with(':') {
-        return Err(invalid(
-            raw,
-            "relative label (`:name`); batching needs absolute labels starting with `//`",
-        ));
+        return Err(invalid(raw, "relative label (`:name`); batching needs absolute labels starting with `//`"));
     } else {
         return Err(invalid(raw, "label must start with `//` or `@repo//`"));
     };
@@ -154,10 +126,7 @@ pub fn parse_label(raw: &str) -> Result<Label<'_>> {
         }
         None => {
             if after.is_empty() {
-                return Err(invalid(
-                    raw,
-                    "root package shorthand `//` has no target name; write `//:name`",
-                ));
+                return Err(invalid(raw, "root package shorthand `//` has no target name; write `//:name`"));
             }
             let name = after.rsplit('/').next().unwrap_or(after);
             (after, name, true)
@@ -181,32 +150,18 @@ pub fn parse_label(raw: &str) -> Result<Label<'_>> {
         }
         check_segments(raw, "target name", name, true)?;
     }
-    Ok(Label {
-        raw,
-        slashes,
-        package_end: slashes + 2 + path.len(),
-        name,
-        shorthand,
-    })
+    Ok(Label { raw, slashes, package_end: slashes + 2 + path.len(), name, shorthand })
 }
 
 /// Decompose a label already accepted by [`parse_label`] without
 /// re-validating it (the planner parses every label twice otherwise).
 pub(crate) fn parse_label_trusted(raw: &str) -> Label<'_> {
-    let slashes = if raw.starts_with('@') {
-        raw.find("//").unwrap_or(0)
-    } else {
-        0
-    };
+    let slashes = if raw.starts_with('@') { raw.find("//").unwrap_or(0) } else { 0 };
     let after = &raw[slashes + 2..];
     match after.find(':') {
-        Some(colon) => Label {
-            raw,
-            slashes,
-            package_end: slashes + 2 + colon,
-            name: &after[colon + 1..],
-            shorthand: false,
-        },
+        Some(colon) => {
+            Label { raw, slashes, package_end: slashes + 2 + colon, name: &after[colon + 1..], shorthand: false }
+        }
         None => Label {
             raw,
             slashes,
@@ -271,11 +226,7 @@ impl<'a> Label<'a> {
         let raw = self.raw;
         let start = self.slashes + 2;
         let path = &raw[start..self.package_end];
-        path.match_indices('/')
-            .map(move |(i, _)| &raw[..start + i])
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
+        path.match_indices('/').map(move |(i, _)| &raw[..start + i]).collect::<Vec<_>>().into_iter().rev()
     }
 
     /// The full prefix-split list from the design: the label, its package,
@@ -339,11 +290,7 @@ mod tests {
     #[test]
     fn prefix_splits_match_design() {
         let l = parse_label("//a/b/c:t").unwrap();
-        let splits: Vec<String> = l
-            .prefix_splits()
-            .into_iter()
-            .map(|c| c.into_owned())
-            .collect();
+        let splits: Vec<String> = l.prefix_splits().into_iter().map(|c| c.into_owned()).collect();
         assert_eq!(splits, vec!["//a/b/c:t", "//a/b/c", "//a/b", "//a"]);
         let anc: Vec<&str> = l.ancestors().collect();
         assert_eq!(anc, vec!["//a/b", "//a"]);

@@ -44,6 +44,6 @@ pub use label::{parse_label, validate_label, Label};
 pub use model::{train, LinearModel, MemoryEstimator, ModelKind, Models, TrainConfig};
 pub use planner::{plan, Estimator, GroupEstimator, StreamingPlanner};
 pub use types::{
-    Batch, BatchSizeReason, BuildContext, Command, ExecutorConfig, ExecutorSet, MemoryCutoffs,
-    PlannerConfig, Priority, Target, GB,
+    Batch, BatchSizeReason, BuildContext, Command, ExecutorConfig, ExecutorSet, MemoryCutoffs, PlannerConfig, Priority,
+    Target, GB,
 };

@@ -132,7 +132,8 @@ pub fn normal_sf(z: f64) -> f64 {
     }
     let x = z / std::f64::consts::SQRT_2;
     let t = 1.0 / (1.0 + 0.327_591_1 * x);
-    let poly = t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let poly =
+        t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
     0.5 * poly * (-x * x).exp()
 }
 
@@ -162,12 +163,14 @@ pub fn normal_quantile(p: f64) -> f64 {
         4.374_664_141_464_968,
         2.938_163_982_698_783,
     ];
-    const D: [f64; 4] = [7.784_695_709_041_462e-3, 3.224_671_290_700_398e-1, 2.445_134_137_142_996, 3.754_408_661_907_416];
+    const D: [f64; 4] =
+        [7.784_695_709_041_462e-3, 3.224_671_290_700_398e-1, 2.445_134_137_142_996, 3.754_408_661_907_416];
     let p = p.clamp(1e-300, 1.0 - 1e-16);
     let lo = 0.024_25;
     if p < lo {
         let q = (-2.0 * p.ln()).sqrt();
-        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5]) / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
     } else if p <= 1.0 - lo {
         let q = p - 0.5;
         let r = q * q;
@@ -194,7 +197,12 @@ mod tests {
     fn normal_functions_agree_with_tables() {
         for (z, sf) in [(0.0, 0.5), (1.0, 0.158_655_25), (1.959_964, 0.025), (3.090_232, 0.001), (3.719_016, 0.0001)] {
             assert!((normal_sf(z) - sf).abs() < 2e-7 + sf * 1e-3, "sf({z}) = {}", normal_sf(z));
-            assert!((normal_quantile(1.0 - sf) - z).abs() < 1e-5, "quantile({}) = {}", 1.0 - sf, normal_quantile(1.0 - sf));
+            assert!(
+                (normal_quantile(1.0 - sf) - z).abs() < 1e-5,
+                "quantile({}) = {}",
+                1.0 - sf,
+                normal_quantile(1.0 - sf)
+            );
         }
         assert!((normal_sf(-1.0) - (1.0 - 0.158_655_25)).abs() < 1e-6);
     }
@@ -238,7 +246,11 @@ mod tests {
         let got = m.margin(0.001);
         assert!(m.tail.is_some(), "{m:?}");
         assert!((got.ln() / true_margin.ln() - 1.0).abs() < 0.12, "{got} vs {true_margin}");
-        assert!((m.exceed_probability(true_margin.ln()) / 0.001 - 1.0).abs() < 0.5, "{}", m.exceed_probability(true_margin.ln()));
+        assert!(
+            (m.exceed_probability(true_margin.ln()) / 0.001 - 1.0).abs() < 0.5,
+            "{}",
+            m.exceed_probability(true_margin.ln())
+        );
     }
 
     #[test]

@@ -157,7 +157,7 @@ impl TrainConfig {
         if self.max_crosses > 6 {
             return bad("max_crosses is at most 6");
         }
-        if !(self.huber_delta > 0.0) {
+        if self.huber_delta.is_nan() || self.huber_delta <= 0.0 {
             return bad("huber_delta must be > 0");
         }
         Ok(())
@@ -213,7 +213,12 @@ impl UnseenPrior {
         out
     }
 
-    fn from_slots(slots: &[u32], prior: [f64; 3], cross_prior: Vec<f64>, total: usize) -> std::result::Result<Self, String> {
+    fn from_slots(
+        slots: &[u32],
+        prior: [f64; 3],
+        cross_prior: Vec<f64>,
+        total: usize,
+    ) -> std::result::Result<Self, String> {
         let mut seen = vec![0u64; total.div_ceil(64)];
         for &s in slots {
             if s as usize >= total {
@@ -308,13 +313,7 @@ impl From<LinearModel> for PersistedModel {
             seen_slots: m.unseen.as_ref().map(|u| u.seen_slots()).unwrap_or_default(),
             window_days: m.window_days,
             trained_examples: m.trained_examples,
-            weights: m
-                .weights
-                .iter()
-                .enumerate()
-                .filter(|(_, w)| **w != 0.0)
-                .map(|(i, &w)| (i as u32, w))
-                .collect(),
+            weights: m.weights.iter().enumerate().filter(|(_, w)| **w != 0.0).map(|(i, &w)| (i as u32, w)).collect(),
             spec: m.spec,
         }
     }
@@ -337,41 +336,32 @@ impl TryFrom<PersistedModel> for LinearModel {
             }
             weights[s] = w;
         }
-        LinearModel::from_parts(
-            p.kind,
-            p.spec,
-            p.bias,
-            weights,
-            p.label_scale,
-            p.calibration,
-        )
-        .and_then(|mut m| {
-            if p.tool_calibration.values().any(|&c| c.is_nan() || c <= 0.0) {
-                return Err(BatchError::InvalidConfig(
-                    "tool calibration must be positive".into(),
-                ));
-            }
-            m.tool_calibration = p.tool_calibration;
-            if p.tool_offset.values().any(|o| !o.is_finite()) {
-                return Err(BatchError::InvalidConfig("tool offsets must be finite".into()));
-            }
-            m.tool_offset = p.tool_offset;
-            if p.error.is_some_and(|e| !(e.sigma.is_finite() && e.sigma > 0.0)) {
-                return Err(BatchError::InvalidConfig("error sigma must be positive".into()));
-            }
-            m.error = p.error;
-            m.unseen = match p.unseen_prior {
-                Some(prior) => Some(
-                    UnseenPrior::from_slots(&p.seen_slots, prior, p.unseen_cross_prior, m.spec.slots())
-                        .map_err(BatchError::InvalidConfig)?,
-                ),
-                None => None,
-            };
-            m.window_days = p.window_days;
-            m.trained_examples = p.trained_examples;
-            Ok(m)
-        })
-        .map_err(|e| e.to_string())
+        LinearModel::from_parts(p.kind, p.spec, p.bias, weights, p.label_scale, p.calibration)
+            .and_then(|mut m| {
+                if p.tool_calibration.values().any(|&c| c.is_nan() || c <= 0.0) {
+                    return Err(BatchError::InvalidConfig("tool calibration must be positive".into()));
+                }
+                m.tool_calibration = p.tool_calibration;
+                if p.tool_offset.values().any(|o| !o.is_finite()) {
+                    return Err(BatchError::InvalidConfig("tool offsets must be finite".into()));
+                }
+                m.tool_offset = p.tool_offset;
+                if p.error.is_some_and(|e| !(e.sigma.is_finite() && e.sigma > 0.0)) {
+                    return Err(BatchError::InvalidConfig("error sigma must be positive".into()));
+                }
+                m.error = p.error;
+                m.unseen = match p.unseen_prior {
+                    Some(prior) => Some(
+                        UnseenPrior::from_slots(&p.seen_slots, prior, p.unseen_cross_prior, m.spec.slots())
+                            .map_err(BatchError::InvalidConfig)?,
+                    ),
+                    None => None,
+                };
+                m.window_days = p.window_days;
+                m.trained_examples = p.trained_examples;
+                Ok(m)
+            })
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -388,11 +378,7 @@ impl LinearModel {
         calibration: f64,
     ) -> Result<Self> {
         if weights.len() != spec.slots() {
-            return Err(BatchError::InvalidConfig(format!(
-                "expected {} weights, got {}",
-                spec.slots(),
-                weights.len()
-            )));
+            return Err(BatchError::InvalidConfig(format!("expected {} weights, got {}", spec.slots(), weights.len())));
         }
         if let Some(i) = weights[spec.nonneg_start()..].iter().position(|&w| w < 0.0) {
             return Err(BatchError::InvalidConfig(format!(
@@ -403,9 +389,7 @@ impl LinearModel {
         if label_scale.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
             || calibration.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
         {
-            return Err(BatchError::InvalidConfig(
-                "label_scale and calibration must be positive".into(),
-            ));
+            return Err(BatchError::InvalidConfig("label_scale and calibration must be positive".into()));
         }
         Ok(LinearModel {
             kind,
@@ -452,10 +436,7 @@ impl LinearModel {
     #[inline]
     pub fn output(&self, raw: f64, (factor, offset): (f64, f64)) -> Result<f64> {
         if !raw.is_finite() {
-            return Err(BatchError::Estimate(format!(
-                "{:?} model produced a non-finite score",
-                self.kind
-            )));
+            return Err(BatchError::Estimate(format!("{:?} model produced a non-finite score", self.kind)));
         }
         Ok((raw.max(0.0) * self.label_scale * factor + offset).max(0.0))
     }
@@ -629,14 +610,9 @@ impl Models {
                 Err(e) => Err(BatchError::io(dir.join(name), e)),
             }
         };
-        let bad = |reason: String| BatchError::ModelDir {
-            dir: dir.to_path_buf(),
-            reason,
-        };
+        let bad = |reason: String| BatchError::ModelDir { dir: dir.to_path_buf(), reason };
         let manifest: Manifest = match read(MANIFEST_FILE)? {
-            Some(s) => {
-                serde_json::from_str(&s).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?
-            }
+            Some(s) => serde_json::from_str(&s).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?,
             None => return Err(bad(format!("missing {MANIFEST_FILE}"))),
         };
         if manifest.format != MODEL_FORMAT {
@@ -646,8 +622,7 @@ impl Models {
             match read(name)? {
                 None => Ok(None),
                 Some(s) => {
-                    let m: LinearModel =
-                        serde_json::from_str(&s).map_err(|e| bad(format!("{name}: {e}")))?;
+                    let m: LinearModel = serde_json::from_str(&s).map_err(|e| bad(format!("{name}: {e}")))?;
                     if m.kind != kind {
                         return Err(bad(format!("{name} holds a {:?} model", m.kind)));
                     }
@@ -658,9 +633,7 @@ impl Models {
         let long = model(MEMORY_LONG_FILE, ModelKind::MemoryBytes)?;
         let short = model(MEMORY_SHORT_FILE, ModelKind::MemoryBytes)?;
         if long.is_none() && short.is_some() {
-            return Err(bad(format!(
-                "{MEMORY_SHORT_FILE} without {MEMORY_LONG_FILE}"
-            )));
+            return Err(bad(format!("{MEMORY_SHORT_FILE} without {MEMORY_LONG_FILE}")));
         }
         Ok(Models {
             memory: long.map(|long| MemoryEstimator { long, short }),
@@ -736,21 +709,12 @@ struct Example {
     censored: bool,
 }
 
-fn materialise(
-    spec: &FeatureSpec,
-    data: &[(&Prepared, f64)],
-    scale: f64,
-    censor: bool,
-) -> Vec<Example> {
+fn materialise(spec: &FeatureSpec, data: &[(&Prepared, f64)], scale: f64, censor: bool) -> Vec<Example> {
     data.iter()
         .map(|(p, y)| {
             let censored = &(censor && p.oom_censored);
             let pieces = spec.context_pieces(&p.ctx);
-            Example {
-                slots: spec.build_slots(&pieces, &p.btv),
-                y: y / scale,
-                censored: *censored,
-            }
+            Example { slots: spec.build_slots(&pieces, &p.btv), y: y / scale, censored: *censored }
         })
         .collect()
 }
@@ -776,27 +740,13 @@ fn target_cross_slots(spec: &FeatureSpec, data: &[(&Prepared, f64)]) -> Vec<u64>
 /// Normalised SGD on MSE with an L1 proximal step; target-related slots
 /// (upper half) are projected onto w >= 0 after every step, so the final
 /// weights satisfy the monotonicity constraint exactly.
-fn fit(
-    spec: &FeatureSpec,
-    examples: &[Example],
-    epochs: usize,
-    lr: f64,
-    l1: f64,
-    seed: u64,
-    huber: Option<f64>,
-    slow: Option<(&[u64], f64)>,
-) -> (f64, Vec<f64>) {
+fn fit(spec: &FeatureSpec, examples: &[Example], cfg: &TrainConfig, epochs: usize, slow: &[u64]) -> (f64, Vec<f64>) {
     let mut w = vec![0.0f64; spec.slots()];
-    let rate_of = |s: u32| match slow {
-        Some((set, r)) if set[s as usize / 64] >> (s % 64) & 1 == 1 => r,
-        _ => 1.0,
-    };
+    let (lr, l1, seed, huber) = (cfg.learning_rate, cfg.l1, cfg.seed, cfg.huber());
+    let rate_of = |s: u32| if slow[s as usize / 64] >> (s % 64) & 1 == 1 { cfg.cross_rate } else { 1.0 };
     let nonneg = spec.nonneg_start() as u32;
-    let mut bias = if examples.is_empty() {
-        0.0
-    } else {
-        examples.iter().map(|e| e.y).sum::<f64>() / examples.len() as f64
-    };
+    let mut bias =
+        if examples.is_empty() { 0.0 } else { examples.iter().map(|e| e.y).sum::<f64>() / examples.len() as f64 };
     let mut order: Vec<usize> = (0..examples.len()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     for epoch in 0..epochs {
@@ -857,14 +807,8 @@ fn mse(bias: f64, w: &[f64], examples: &[Example]) -> f64 {
 /// Learn count boundaries from a window.
 fn base_spec(cfg: &TrainConfig, data: &[(&Prepared, f64)]) -> FeatureSpec {
     let mut spec = FeatureSpec::new(cfg.hash_bits);
-    let mut tc: Vec<u32> = data
-        .iter()
-        .map(|(p, _)| p.btv.target_count as u32)
-        .collect();
-    let mut pc: Vec<u32> = data
-        .iter()
-        .map(|(p, _)| p.btv.package_count as u32)
-        .collect();
+    let mut tc: Vec<u32> = data.iter().map(|(p, _)| p.btv.target_count as u32).collect();
+    let mut pc: Vec<u32> = data.iter().map(|(p, _)| p.btv.package_count as u32).collect();
     spec.target_count_boundaries = FeatureSpec::learn_boundaries(&mut tc, cfg.count_buckets);
     spec.package_count_boundaries = FeatureSpec::learn_boundaries(&mut pc, cfg.count_buckets);
     spec
@@ -887,25 +831,18 @@ fn search_crosses(
     }
     let sub = |d: &[(&Prepared, f64)], n: usize| -> Vec<usize> {
         let step = (d.len() as f64 / n as f64).max(1.0);
-        (0..n.min(d.len()))
-            .map(|k| (k as f64 * step) as usize)
-            .collect()
+        (0..n.min(d.len())).map(|k| (k as f64 * step) as usize).collect()
     };
-    let tr: Vec<(&Prepared, f64)> = sub(train, cfg.cross_search_max_examples)
-        .into_iter()
-        .map(|i| train[i])
-        .collect();
-    let va: Vec<(&Prepared, f64)> = sub(valid, cfg.cross_search_max_examples / 4 + 1)
-        .into_iter()
-        .map(|i| valid[i])
-        .collect();
+    let tr: Vec<(&Prepared, f64)> = sub(train, cfg.cross_search_max_examples).into_iter().map(|i| train[i]).collect();
+    let va: Vec<(&Prepared, f64)> =
+        sub(valid, cfg.cross_search_max_examples / 4 + 1).into_iter().map(|i| valid[i]).collect();
     let score = |crosses: &[Cross]| -> f64 {
         let mut s = spec.clone();
         s.crosses = crosses.to_vec();
         let tx = materialise(&s, &tr, scale, censor);
         let vx = materialise(&s, &va, scale, censor);
         let slow = target_cross_slots(&s, &tr);
-        let (b, w) = fit(&s, &tx, cfg.cross_search_epochs, cfg.learning_rate, cfg.l1, cfg.seed, cfg.huber(), Some((&slow, cfg.cross_rate)));
+        let (b, w) = fit(&s, &tx, cfg, cfg.cross_search_epochs, &slow);
         mse(b, &w, &vx)
     };
     let mut chosen: Vec<Cross> = Vec::new();
@@ -968,7 +905,8 @@ fn calibrate(
     };
     let all: Vec<(f64, &str, f64)> =
         valid.iter().filter_map(|(p, y)| ratio(p, *y).map(|r| (r, p.ctx.tool_tag.as_str(), *y / r))).collect();
-    let recent: Vec<f64> = data.iter().filter(|(p, _)| p.time >= recent_since).filter_map(|(p, y)| ratio(p, *y)).collect();
+    let recent: Vec<f64> =
+        data.iter().filter(|(p, _)| p.time >= recent_since).filter_map(|(p, y)| ratio(p, *y)).collect();
     let median_mode = cfg.calibration == Calibration::Median;
     let quantile = |mut v: Vec<f64>| -> Option<f64> {
         if v.len() < 20 {
@@ -986,7 +924,8 @@ fn calibrate(
         by_tool.entry(t.to_string()).or_default().push(*r);
     }
     let mut global = quantile(all.iter().map(|x| x.0).collect()).unwrap_or(1.0);
-    let mut tools: BTreeMap<String, f64> = by_tool.into_iter().filter_map(|(t, v)| quantile(v).map(|c| (t, c))).collect();
+    let mut tools: BTreeMap<String, f64> =
+        by_tool.into_iter().filter_map(|(t, v)| quantile(v).map(|c| (t, c))).collect();
     // Median mode: each tool's line through its held-out (prediction, label)
     // pairs, slope by Theil-Sen (the median of pairwise slopes, which the few
     // far-off labels barely move), offset the median residual.
@@ -1001,16 +940,14 @@ fn calibrate(
         }
     }
     let (base_global, base_tools, base_offsets) = (global, tools.clone(), offsets.clone());
-    if median_mode {
-        if let Some(r) = quantile(recent) {
-            let drift = r / global;
-            global *= drift;
-            for c in tools.values_mut() {
-                *c *= drift;
-            }
-            for o in offsets.values_mut() {
-                *o *= drift;
-            }
+    if median_mode && let Some(r) = quantile(recent) {
+        let drift = r / global;
+        global *= drift;
+        for c in tools.values_mut() {
+            *c *= drift;
+        }
+        for o in offsets.values_mut() {
+            *o *= drift;
         }
     }
     let error = if median_mode {
@@ -1127,15 +1064,9 @@ fn train_one(
     let train: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| !p.valid).copied().collect();
     let valid: Vec<(&Prepared, f64)> = data.iter().filter(|(p, _)| p.valid).copied().collect();
     // With very little data, train on everything rather than nothing.
-    let train = if train.is_empty() {
-        data.to_vec()
-    } else {
-        train
-    };
+    let train = if train.is_empty() { data.to_vec() } else { train };
     if train.is_empty() {
-        return Err(BatchError::Training(format!(
-            "no {kind:?} examples in the window"
-        )));
+        return Err(BatchError::Training(format!("no {kind:?} examples in the window")));
     }
     let scale = train.iter().map(|x| x.1).sum::<f64>() / train.len() as f64;
     let scale = if scale > 0.0 { scale } else { 1.0 };
@@ -1151,7 +1082,7 @@ fn train_one(
     };
     let ex = materialise(&spec, &train, scale, censor);
     let slow = target_cross_slots(&spec, &train);
-    let (bias, weights) = fit(&spec, &ex, cfg.epochs, cfg.learning_rate, cfg.l1, cfg.seed, cfg.huber(), Some((&slow, cfg.cross_rate)));
+    let (bias, weights) = fit(&spec, &ex, cfg, cfg.epochs, &slow);
     let unseen = cfg.unseen_prior.then(|| unseen_prior(&spec, &train, &ex, &weights));
     let mut model = LinearModel::from_parts(kind, spec, bias, weights, scale, 1.0)?;
     model.unseen = unseen;
@@ -1193,11 +1124,7 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
     let short_start = now.0 - (config.short_window_days * 86_400.0).round() as i64;
     let long_model = train_one(config, ModelKind::MemoryBytes, &mem, None, config.long_window_days, short_start)?;
 
-    let short_records: Vec<&BuildRecord> = long
-        .iter()
-        .copied()
-        .filter(|r| r.time.0 >= short_start)
-        .collect();
+    let short_records: Vec<&BuildRecord> = long.iter().copied().filter(|r| r.time.0 >= short_start).collect();
     let short_model = if short_records.len() >= config.min_short_window_builds {
         let (sp, _) = prepare(&short_records, config.validation_fraction);
         let sm: Vec<(&Prepared, f64)> = sp.iter().map(|p| (p, p.memory)).collect();
@@ -1225,21 +1152,11 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
         None
     };
 
-    let occ: Vec<(&Prepared, f64)> = prepared
-        .iter()
-        .filter_map(|p| p.occupancy.map(|o| (p, o)))
-        .collect();
+    let occ: Vec<(&Prepared, f64)> = prepared.iter().filter_map(|p| p.occupancy.map(|o| (p, o))).collect();
     let occupancy = if occ.is_empty() {
         None
     } else {
-        Some(train_one(
-            config,
-            ModelKind::OccupancyEsu,
-            &occ,
-            None,
-            config.long_window_days,
-            short_start,
-        )?)
+        Some(train_one(config, ModelKind::OccupancyEsu, &occ, None, config.long_window_days, short_start)?)
     };
     Ok(Models {
         manifest: Manifest {
@@ -1248,15 +1165,9 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
             train_config: Some(config.clone()),
             skipped_records: skipped,
             memory_crosses: long_model.spec.crosses.clone(),
-            occupancy_crosses: occupancy
-                .as_ref()
-                .map(|o| o.spec.crosses.clone())
-                .unwrap_or_default(),
+            occupancy_crosses: occupancy.as_ref().map(|o| o.spec.crosses.clone()).unwrap_or_default(),
         },
-        memory: Some(MemoryEstimator {
-            long: long_model,
-            short: short_model,
-        }),
+        memory: Some(MemoryEstimator { long: long_model, short: short_model }),
         occupancy,
     })
 }

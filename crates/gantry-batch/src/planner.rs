@@ -90,7 +90,8 @@ impl<'m> Scorer<'m> {
         let mut base = [false; 3];
         for (ti, fam) in Family::TARGET.iter().enumerate() {
             base[ti] = spec.has(*fam);
-            prefixes[ti].extend(pieces.target_prefixes[ti].iter().copied().zip(pieces.target_prefix_cross[ti].iter().copied()));
+            prefixes[ti]
+                .extend(pieces.target_prefixes[ti].iter().copied().zip(pieces.target_prefix_cross[ti].iter().copied()));
         }
         let cum = |buckets: &[Vec<u32>]| -> Vec<f64> {
             let mut out = Vec::with_capacity(buckets.len() + 1);
@@ -160,16 +161,9 @@ impl<'m> Scorer<'m> {
 
     fn finish(&self, target_sum: f64, targets: usize, packages: usize) -> Result<f64> {
         let spec = &self.model.spec;
-        let nt = spec
-            .target_count_boundaries
-            .partition_point(|&b| (b as usize) <= targets);
-        let np = spec
-            .package_count_boundaries
-            .partition_point(|&b| (b as usize) <= packages);
-        self.model.output(
-            self.build_raw + target_sum + self.tc_cum[nt] + self.pc_cum[np],
-            self.factor,
-        )
+        let nt = spec.target_count_boundaries.partition_point(|&b| (b as usize) <= targets);
+        let np = spec.package_count_boundaries.partition_point(|&b| (b as usize) <= packages);
+        self.model.output(self.build_raw + target_sum + self.tc_cum[nt] + self.pc_cum[np], self.factor)
     }
 }
 
@@ -200,8 +194,7 @@ impl Estimator for Models {
         ModelGroup {
             scorers: [
                 mem.map(|m| Scorer::new(&m.long, ctx)),
-                mem.and_then(|m| m.short.as_ref())
-                    .map(|s| Scorer::new(s, ctx)),
+                mem.and_then(|m| m.short.as_ref()).map(|s| Scorer::new(s, ctx)),
                 self.occupancy.as_ref().map(|o| Scorer::new(o, ctx)),
             ],
             terms: VecDeque::new(),
@@ -215,14 +208,9 @@ impl Estimator for Models {
 
 impl ModelGroup<'_> {
     fn window(&self, m: usize, len: usize) -> Result<f64> {
-        let scorer = self.scorers[m]
-            .as_ref()
-            .ok_or_else(|| BatchError::Estimate("model not loaded".into()))?;
+        let scorer = self.scorers[m].as_ref().ok_or_else(|| BatchError::Estimate("model not loaded".into()))?;
         if len == 0 || len > self.terms.len() {
-            return Err(BatchError::Estimate(format!(
-                "prefix length {len} outside queue of {}",
-                self.terms.len()
-            )));
+            return Err(BatchError::Estimate(format!("prefix length {len} outside queue of {}", self.terms.len())));
         }
         let first = &self.terms[0];
         let last = &self.terms[len - 1];
@@ -243,18 +231,10 @@ impl GroupEstimator for ModelGroup<'_> {
                 self.cum_new[m] += n;
             }
         }
-        if self
-            .prev
-            .as_ref()
-            .is_none_or(|p| p.package != self.cur.package)
-        {
+        if self.prev.as_ref().is_none_or(|p| p.package != self.cur.package) {
             self.cum_packages += 1;
         }
-        self.terms.push_back(Terms {
-            full,
-            cum_new: self.cum_new,
-            cum_packages: self.cum_packages,
-        });
+        self.terms.push_back(Terms { full, cum_new: self.cum_new, cum_packages: self.cum_packages });
         // Swap buffers instead of cloning the ancestor vector.
         match &mut self.prev {
             Some(p) => std::mem::swap(p, &mut self.cur),
@@ -293,11 +273,7 @@ impl GroupEstimator for ModelGroup<'_> {
 /// Largest `k` in `1..hi` with `f(k) < cutoff`, given `f(hi) >= cutoff` and
 /// `f` non-decreasing; 1 if even `f(1)` is over. On an estimate error,
 /// returns the smallest length known to be over the cutoff so far.
-fn longest_under(
-    hi: usize,
-    cutoff: f64,
-    mut f: impl FnMut(usize) -> Result<f64>,
-) -> std::result::Result<usize, usize> {
+fn longest_under(hi: usize, cutoff: f64, mut f: impl FnMut(usize) -> Result<f64>) -> std::result::Result<usize, usize> {
     let (mut lo, mut hi) = (0usize, hi);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
@@ -368,13 +344,7 @@ impl<G: GroupEstimator> GroupCutter<G> {
         self.labels.len() > self.max_targets
     }
 
-    fn emit(
-        &mut self,
-        len: usize,
-        reason: BatchSizeReason,
-        mem: Option<f64>,
-        occ: Option<f64>,
-    ) -> Batch {
+    fn emit(&mut self, len: usize, reason: BatchSizeReason, mem: Option<f64>, occ: Option<f64>) -> Batch {
         let targets: Vec<String> = self.labels.drain(..len).collect();
         self.est.pop_front(len);
         let oom_probability = match (mem, self.memory_error) {
@@ -411,9 +381,7 @@ impl<G: GroupEstimator> GroupCutter<G> {
                 let est = &mut self.est;
                 match longest_under(n, cutoff, |k| est.memory_bytes(k)) {
                     Ok(k) => (k, true),
-                    Err(hi) => {
-                        return self.emit(self.fallback.min(hi), MemoryEstimateError, None, None)
-                    }
+                    Err(hi) => return self.emit(self.fallback.min(hi), MemoryEstimateError, None, None),
                 }
             }
         };
@@ -476,10 +444,7 @@ pub(crate) fn sort_labels(labels: Vec<String>) -> Vec<String> {
         let n = (bytes.len() - off).min(24);
         b[..n].copy_from_slice(&bytes[off..off + n]);
         let (hi, lo) = b.split_at(16);
-        (
-            u128::from_be_bytes(hi.try_into().expect("16 bytes")),
-            u64::from_be_bytes(lo.try_into().expect("8 bytes")),
-        )
+        (u128::from_be_bytes(hi.try_into().expect("16 bytes")), u64::from_be_bytes(lo.try_into().expect("8 bytes")))
     };
     let mut main: Vec<(u128, u64, u32)> = Vec::with_capacity(labels.len());
     let mut other: Vec<(u128, u64, u32)> = Vec::new();
@@ -492,17 +457,12 @@ pub(crate) fn sort_labels(labels: Vec<String>) -> Vec<String> {
         }
     }
     let cmp = |x: &(u128, u64, u32), y: &(u128, u64, u32)| {
-        (x.0, x.1)
-            .cmp(&(y.0, y.1))
-            .then_with(|| labels[x.2 as usize].cmp(&labels[y.2 as usize]))
+        (x.0, x.1).cmp(&(y.0, y.1)).then_with(|| labels[x.2 as usize].cmp(&labels[y.2 as usize]))
     };
     main.sort_unstable_by(cmp);
     other.sort_unstable_by(cmp);
     let mut labels = labels;
-    main.into_iter()
-        .chain(other)
-        .map(|(_, _, i)| std::mem::take(&mut labels[i as usize]))
-        .collect()
+    main.into_iter().chain(other).map(|(_, _, i)| std::mem::take(&mut labels[i as usize])).collect()
 }
 
 /// Validate a label and return its canonical spelling (`//a/b` -> `//a/b:b`),
@@ -547,8 +507,7 @@ pub fn plan<E: Estimator>(
     for id in order {
         let mut labels = sort_labels(std::mem::take(&mut groups[id]));
         labels.dedup();
-        let mut cutter =
-            GroupCutter::new(estimator.group(ctx), grouper.set(id).clone(), ctx, config);
+        let mut cutter = GroupCutter::new(estimator.group(ctx), grouper.set(id).clone(), ctx, config);
         for l in labels {
             cutter.push(l);
             while cutter.ready() {
@@ -625,10 +584,8 @@ impl<'e, E: Estimator + 'e> StreamingPlanner<'e, E> {
         if self.groups[id].is_none() {
             let est = self.estimator.group(&self.ctx);
             let set = self.grouper.set(id).clone();
-            self.groups[id] = Some(StreamGroup {
-                pending: Vec::new(),
-                cutter: GroupCutter::new(est, set, &self.ctx, &self.config),
-            });
+            self.groups[id] =
+                Some(StreamGroup { pending: Vec::new(), cutter: GroupCutter::new(est, set, &self.ctx, &self.config) });
             self.order.push(id);
         }
         self.pushed += 1;
@@ -668,11 +625,7 @@ impl<'e, E: Estimator + 'e> StreamingPlanner<'e, E> {
 
     /// Targets buffered and not yet in a batch (the memory bound).
     pub fn buffered(&self) -> usize {
-        self.groups
-            .iter()
-            .flatten()
-            .map(|g| g.pending.len() + g.cutter.len())
-            .sum()
+        self.groups.iter().flatten().map(|g| g.pending.len() + g.cutter.len()).sum()
     }
 
     /// Flush every group and return all batches not yet taken.
@@ -707,10 +660,8 @@ mod tests {
 
     fn models(mem_gb: Option<f64>, occ: Option<f64>) -> Models {
         Models {
-            memory: mem_gb.map(|g| MemoryEstimator {
-                long: per_label_model(ModelKind::MemoryBytes, g * GB as f64),
-                short: None,
-            }),
+            memory: mem_gb
+                .map(|g| MemoryEstimator { long: per_label_model(ModelKind::MemoryBytes, g * GB as f64), short: None }),
             occupancy: occ.map(|o| per_label_model(ModelKind::OccupancyEsu, o)),
             ..Models::default()
         }
@@ -721,9 +672,7 @@ mod tests {
     }
 
     fn targets(n: usize) -> Vec<Target> {
-        (0..n)
-            .map(|i| Target::new(format!("//p{}:t{:04}", i % 3, i)))
-            .collect()
+        (0..n).map(|i| Target::new(format!("//p{}:t{:04}", i % 3, i))).collect()
     }
 
     fn reasons(b: &[Batch]) -> Vec<(usize, BatchSizeReason)> {
@@ -746,9 +695,7 @@ mod tests {
             "//:r",
         ];
         // Enough copies with variations to take the keyed path (>= 64).
-        let v: Vec<String> = (0..40)
-            .flat_map(|i| raw.iter().map(move |s| format!("{s}{}", i % 7)))
-            .collect();
+        let v: Vec<String> = (0..40).flat_map(|i| raw.iter().map(move |s| format!("{s}{}", i % 7))).collect();
         let mut expected = v.clone();
         expected.sort();
         assert_eq!(sort_labels(v), expected);
@@ -756,26 +703,16 @@ mod tests {
 
     #[test]
     fn only_one_target() {
-        let b = plan(
-            &ctx(Priority::High),
-            targets(1),
-            &PlannerConfig::default(),
-            &models(Some(100.0), Some(1e6)),
-        )
-        .unwrap();
+        let b =
+            plan(&ctx(Priority::High), targets(1), &PlannerConfig::default(), &models(Some(100.0), Some(1e6))).unwrap();
         assert_eq!(reasons(&b), vec![(1, OnlyOneTarget)]);
         assert_eq!(b[0].memory_estimate_bytes, None);
     }
 
     #[test]
     fn all_remaining_then_estimates_recorded() {
-        let b = plan(
-            &ctx(Priority::High),
-            targets(5),
-            &PlannerConfig::default(),
-            &models(Some(1.0), Some(10.0)),
-        )
-        .unwrap();
+        let b =
+            plan(&ctx(Priority::High), targets(5), &PlannerConfig::default(), &models(Some(1.0), Some(10.0))).unwrap();
         assert_eq!(reasons(&b), vec![(5, AllRemainingTargets)]);
         assert_eq!(b[0].memory_estimate_bytes, Some(5 * GB));
         assert_eq!(b[0].occupancy_estimate_esu, Some(50.0));
@@ -784,141 +721,51 @@ mod tests {
     #[test]
     fn max_memory_uses_priority_cutoff() {
         // 1 GB per target; HIGH cutoff 7 GB -> 6 per batch (7 is not under 7).
-        let b = plan(
-            &ctx(Priority::High),
-            targets(20),
-            &PlannerConfig::default(),
-            &models(Some(1.0), Some(0.0)),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&b),
-            vec![
-                (6, MaxMemory),
-                (6, MaxMemory),
-                (6, MaxMemory),
-                (2, AllRemainingTargets)
-            ]
-        );
+        let b =
+            plan(&ctx(Priority::High), targets(20), &PlannerConfig::default(), &models(Some(1.0), Some(0.0))).unwrap();
+        assert_eq!(reasons(&b), vec![(6, MaxMemory), (6, MaxMemory), (6, MaxMemory), (2, AllRemainingTargets)]);
         assert_eq!(b[0].memory_estimate_bytes, Some(6 * GB));
-        let low = plan(
-            &ctx(Priority::Low),
-            targets(20),
-            &PlannerConfig::default(),
-            &models(Some(1.0), Some(0.0)),
-        )
-        .unwrap();
+        let low =
+            plan(&ctx(Priority::Low), targets(20), &PlannerConfig::default(), &models(Some(1.0), Some(0.0))).unwrap();
         assert_eq!(low[0].targets.len(), 9);
         // A single target over the cutoff still forms a batch.
-        let huge = plan(
-            &ctx(Priority::High),
-            targets(3),
-            &PlannerConfig::default(),
-            &models(Some(50.0), Some(0.0)),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&huge),
-            vec![(1, MaxMemory), (1, MaxMemory), (1, OnlyOneTarget)]
-        );
+        let huge =
+            plan(&ctx(Priority::High), targets(3), &PlannerConfig::default(), &models(Some(50.0), Some(0.0))).unwrap();
+        assert_eq!(reasons(&huge), vec![(1, MaxMemory), (1, MaxMemory), (1, OnlyOneTarget)]);
     }
 
     #[test]
     fn max_targets_vs_all_remaining() {
-        let cfg = PlannerConfig {
-            max_targets_per_batch: 4,
-            ..PlannerConfig::default()
-        };
-        let b = plan(
-            &ctx(Priority::Medium),
-            targets(10),
-            &cfg,
-            &models(Some(0.001), Some(0.1)),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&b),
-            vec![(4, MaxTargets), (4, MaxTargets), (2, AllRemainingTargets)]
-        );
+        let cfg = PlannerConfig { max_targets_per_batch: 4, ..PlannerConfig::default() };
+        let b = plan(&ctx(Priority::Medium), targets(10), &cfg, &models(Some(0.001), Some(0.1))).unwrap();
+        assert_eq!(reasons(&b), vec![(4, MaxTargets), (4, MaxTargets), (2, AllRemainingTargets)]);
         // Exactly max_targets left: the end of input, not the limit, stopped it.
-        let b = plan(
-            &ctx(Priority::Medium),
-            targets(8),
-            &cfg,
-            &models(Some(0.001), Some(0.1)),
-        )
-        .unwrap();
+        let b = plan(&ctx(Priority::Medium), targets(8), &cfg, &models(Some(0.001), Some(0.1))).unwrap();
         assert_eq!(reasons(&b), vec![(4, MaxTargets), (4, AllRemainingTargets)]);
     }
 
     #[test]
     fn max_occupancy_searches_within_memory_prefix() {
         // 100 ESU per target, cutoff 500 -> 4 per batch.
-        let b = plan(
-            &ctx(Priority::Low),
-            targets(10),
-            &PlannerConfig::default(),
-            &models(Some(0.01), Some(100.0)),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&b),
-            vec![
-                (4, MaxOccupancy),
-                (4, MaxOccupancy),
-                (2, AllRemainingTargets)
-            ]
-        );
+        let b = plan(&ctx(Priority::Low), targets(10), &PlannerConfig::default(), &models(Some(0.01), Some(100.0)))
+            .unwrap();
+        assert_eq!(reasons(&b), vec![(4, MaxOccupancy), (4, MaxOccupancy), (2, AllRemainingTargets)]);
         assert_eq!(b[0].occupancy_estimate_esu, Some(400.0));
         // Memory cuts to 6 first (HIGH), occupancy then cuts 6 -> 4.
-        let b = plan(
-            &ctx(Priority::High),
-            targets(12),
-            &PlannerConfig::default(),
-            &models(Some(1.0), Some(100.0)),
-        )
-        .unwrap();
+        let b = plan(&ctx(Priority::High), targets(12), &PlannerConfig::default(), &models(Some(1.0), Some(100.0)))
+            .unwrap();
         assert_eq!(b[0].reason, MaxOccupancy);
         assert_eq!(b[0].targets.len(), 4);
     }
 
     #[test]
     fn estimate_errors_fall_back() {
-        let cfg = PlannerConfig {
-            fallback_batch_size: 3,
-            ..PlannerConfig::default()
-        };
-        let b = plan(
-            &ctx(Priority::High),
-            targets(7),
-            &cfg,
-            &models(None, Some(1.0)),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&b),
-            vec![
-                (3, MemoryEstimateError),
-                (3, MemoryEstimateError),
-                (1, OnlyOneTarget)
-            ]
-        );
+        let cfg = PlannerConfig { fallback_batch_size: 3, ..PlannerConfig::default() };
+        let b = plan(&ctx(Priority::High), targets(7), &cfg, &models(None, Some(1.0))).unwrap();
+        assert_eq!(reasons(&b), vec![(3, MemoryEstimateError), (3, MemoryEstimateError), (1, OnlyOneTarget)]);
         assert_eq!(b[0].memory_estimate_bytes, None);
-        let b = plan(
-            &ctx(Priority::High),
-            targets(7),
-            &cfg,
-            &models(Some(0.1), None),
-        )
-        .unwrap();
-        assert_eq!(
-            reasons(&b),
-            vec![
-                (3, OccupancyEstimateError),
-                (3, OccupancyEstimateError),
-                (1, OnlyOneTarget)
-            ]
-        );
+        let b = plan(&ctx(Priority::High), targets(7), &cfg, &models(Some(0.1), None)).unwrap();
+        assert_eq!(reasons(&b), vec![(3, OccupancyEstimateError), (3, OccupancyEstimateError), (1, OnlyOneTarget)]);
         // Memory was still estimated for the fallback batch.
         assert_eq!(b[0].memory_estimate_bytes, Some(300_000_000));
         assert_eq!(b[0].occupancy_estimate_esu, None);
@@ -935,20 +782,14 @@ mod tests {
         w[slot] = f64::NAN;
         *long = LinearModel::from_parts(ModelKind::MemoryBytes, spec, 0.0, w, 1.0, 1.0).unwrap();
         let ts: Vec<Target> = (0..10).map(|i| Target::new(format!("//p:t{i}"))).collect();
-        let cfg = PlannerConfig {
-            fallback_batch_size: 300,
-            ..PlannerConfig::default()
-        };
+        let cfg = PlannerConfig { fallback_batch_size: 300, ..PlannerConfig::default() };
         let b = plan(&ctx(Priority::High), ts, &cfg, &m).unwrap();
         // Window of 10 fails outright -> fallback min(300, 10) = 10.
         assert_eq!(reasons(&b), vec![(10, MemoryEstimateError)]);
         // With 1 GB per target and 8 targets: est(8) fails (contains t5);
         // the search learns nothing below, so the bound is still 8.
         let ts: Vec<Target> = (0..8).map(|i| Target::new(format!("//p:t{i}"))).collect();
-        let cfg = PlannerConfig {
-            fallback_batch_size: 2,
-            ..PlannerConfig::default()
-        };
+        let cfg = PlannerConfig { fallback_batch_size: 2, ..PlannerConfig::default() };
         let b = plan(&ctx(Priority::High), ts, &cfg, &m).unwrap();
         assert_eq!(b[0].reason, MemoryEstimateError);
         assert_eq!(b[0].targets.len(), 2);
@@ -963,41 +804,16 @@ mod tests {
             Target::new("//m:x"),
             Target::new("//z:b"),
         ];
-        ts.push(Target {
-            label: "//g:gpu_test".into(),
-            rule_kind: None,
-            tags: vec!["requires-gpu".into()],
-        });
-        ts.push(Target {
-            label: "//c:ios".into(),
-            rule_kind: Some("ios_ui_test".into()),
-            tags: vec![],
-        });
-        let b = plan(
-            &ctx(Priority::High),
-            ts,
-            &PlannerConfig::default(),
-            &models(Some(0.1), Some(1.0)),
-        )
-        .unwrap();
+        ts.push(Target { label: "//g:gpu_test".into(), rule_kind: None, tags: vec!["requires-gpu".into()] });
+        ts.push(Target { label: "//c:ios".into(), rule_kind: Some("ios_ui_test".into()), tags: vec![] });
+        let b = plan(&ctx(Priority::High), ts, &PlannerConfig::default(), &models(Some(0.1), Some(1.0))).unwrap();
         assert_eq!(b.len(), 3);
         assert_eq!(b[0].targets, vec!["//a/b:b", "//m:x", "//z:b"]);
         assert_eq!(b[0].executor_types.iter().collect::<Vec<_>>(), vec!["x86"]);
         assert_eq!(b[1].targets, vec!["//g:gpu_test"]);
-        assert_eq!(
-            b[1].executor_types.iter().collect::<Vec<_>>(),
-            vec!["gpu", "x86"]
-        );
-        assert_eq!(
-            b[2].executor_types.iter().collect::<Vec<_>>(),
-            vec!["mac", "x86"]
-        );
-        let e = plan(
-            &ctx(Priority::High),
-            vec![Target::new("//a:")],
-            &PlannerConfig::default(),
-            &models(None, None),
-        );
+        assert_eq!(b[1].executor_types.iter().collect::<Vec<_>>(), vec!["gpu", "x86"]);
+        assert_eq!(b[2].executor_types.iter().collect::<Vec<_>>(), vec!["mac", "x86"]);
+        let e = plan(&ctx(Priority::High), vec![Target::new("//a:")], &PlannerConfig::default(), &models(None, None));
         assert!(matches!(e, Err(BatchError::InvalidLabel { .. })));
     }
 
@@ -1021,20 +837,13 @@ mod tests {
                 (x % 1000) as f64 / 1000.0
             })
             .collect();
-        let model =
-            LinearModel::from_parts(ModelKind::MemoryBytes, spec, 0.5, w, 1.0, 1.0).unwrap();
+        let model = LinearModel::from_parts(ModelKind::MemoryBytes, spec, 0.5, w, 1.0, 1.0).unwrap();
         let mut c = ctx(Priority::Medium);
         c.user = "u".into();
         c.tool_tag = "t".into();
         let check = |labels: &[&str], exact: bool| {
             let parsed: Vec<Label<'_>> = labels.iter().map(|l| parse_label(l).unwrap()).collect();
-            let m = Models {
-                memory: Some(MemoryEstimator {
-                    long: model.clone(),
-                    short: None,
-                }),
-                ..Models::default()
-            };
+            let m = Models { memory: Some(MemoryEstimator { long: model.clone(), short: None }), ..Models::default() };
             let mut g = m.group(&c);
             for p in &parsed {
                 g.push(p);
@@ -1044,10 +853,7 @@ mod tests {
                 let inc = g.memory_bytes(len).unwrap();
                 let set = model.predict(&c, &labels[..len]).unwrap();
                 if exact {
-                    assert!(
-                        (inc - set).abs() < 1e-9 * set.max(1.0),
-                        "len {len}: {inc} vs {set}"
-                    );
+                    assert!((inc - set).abs() < 1e-9 * set.max(1.0), "len {len}: {inc} vs {set}");
                 } else {
                     assert!(inc >= set - 1e-9, "len {len}: {inc} < {set}");
                 }
@@ -1055,17 +861,7 @@ mod tests {
                 last = inc;
             }
         };
-        check(
-            &[
-                "//a/b/c:1",
-                "//a/b/c:2",
-                "//a/b/d:1",
-                "//a/b:x",
-                "//a/e:y",
-                "//f:z",
-            ],
-            true,
-        );
+        check(&["//a/b/c:1", "//a/b/c:2", "//a/b/d:1", "//a/b:x", "//a/e:y", "//f:z"], true);
         // `//a/b` reappears after `//a/b1`: counted twice, never less.
         check(&["//a/b/c:1", "//a/b1:x", "//a/b:z", "//a/b:zz"], false);
     }
@@ -1086,11 +882,7 @@ mod tests {
         assert_eq!(sp.finish(), whole);
 
         // Small window: bounded buffer, every target exactly once.
-        let cfg = PlannerConfig {
-            max_targets_per_batch: 50,
-            stream_sort_window: 300,
-            ..PlannerConfig::default()
-        };
+        let cfg = PlannerConfig { max_targets_per_batch: 50, stream_sort_window: 300, ..PlannerConfig::default() };
         let mut sp = StreamingPlanner::new(c, cfg, &m).unwrap();
         let mut out = Vec::new();
         for t in ts {
@@ -1098,10 +890,7 @@ mod tests {
             assert!(sp.buffered() <= 300 + 50);
             out.extend(sp.take_ready());
         }
-        assert!(
-            !out.is_empty(),
-            "batches are emitted before the stream ends"
-        );
+        assert!(!out.is_empty(), "batches are emitted before the stream ends");
         out.extend(sp.finish());
         let mut all: Vec<String> = out.iter().flat_map(|b| b.targets.clone()).collect();
         assert_eq!(all.len(), 2000);

@@ -26,9 +26,7 @@ use crate::history::{BuildRecord, Outcome, Timestamp, SECONDS_PER_DAY};
 use crate::label::Label;
 use crate::model::{train, Models, TrainConfig};
 use crate::planner::{plan, Estimator, GroupEstimator, StreamingPlanner};
-use crate::types::{
-    Batch, BatchSizeReason, BuildContext, Command, PlannerConfig, Priority, Target, GB,
-};
+use crate::types::{Batch, BatchSizeReason, BuildContext, Command, PlannerConfig, Priority, Target, GB};
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -144,8 +142,8 @@ fn pareto(rng: &mut ChaCha8Rng, xm: f64, alpha: f64, cap: f64) -> f64 {
 }
 
 const WORDS: [&str; 16] = [
-    "core", "util", "net", "storage", "ui", "ads", "search", "maps", "infra", "ml", "base", "api",
-    "proto", "server", "client", "tools",
+    "core", "util", "net", "storage", "ui", "ads", "search", "maps", "infra", "ml", "base", "api", "proto", "server",
+    "client", "tools",
 ];
 
 /// The synthetic monorepo and its hidden costs.
@@ -196,11 +194,7 @@ impl GroundTruth {
         let mut dir_weight = Vec::new();
         for i in 0..cfg.top_dirs {
             let w = WORDS[i % WORDS.len()];
-            let name = if i < WORDS.len() {
-                w.to_string()
-            } else {
-                format!("{w}{}", i / WORDS.len())
-            };
+            let name = if i < WORDS.len() { w.to_string() } else { format!("{w}{}", i / WORDS.len()) };
             dir_names.push(format!("//{name}"));
             dir_depth.push(1);
             dir_parent.push(None);
@@ -220,11 +214,7 @@ impl GroundTruth {
             let word = WORDS[rng.random_range(0..WORDS.len())];
             let suffix: u32 = rng.random_range(0..30);
             // `core` and `core2` style siblings interleave in sort order.
-            let name = if suffix < 10 {
-                word.to_string()
-            } else {
-                format!("{word}{}", suffix % 12)
-            };
+            let name = if suffix < 10 { word.to_string() } else { format!("{word}{}", suffix % 12) };
             let path = format!("{}/{}", dir_names[parent as usize], name);
             if dir_names.contains(&path) {
                 continue;
@@ -287,11 +277,8 @@ impl GroundTruth {
                     lognormal(rng, 3.5e6, 0.9)
                 } * w
                     * cfg.target_memory_scale;
-                let esu = if rng.random::<f64>() < 0.02 {
-                    pareto(rng, 4.0, 1.2, 80.0)
-                } else {
-                    lognormal(rng, 0.12, 1.1)
-                };
+                let esu =
+                    if rng.random::<f64>() < 0.02 { pareto(rng, 4.0, 1.2, 80.0) } else { lognormal(rng, 0.12, 1.1) };
                 raw.push((label, pi as u32, mem, esu));
             }
         }
@@ -334,11 +321,7 @@ impl GroundTruth {
     }
 
     fn marks(&self) -> Marks {
-        Marks {
-            stamp: 0,
-            pkg: vec![0; self.pkg_mem.len()],
-            dir: vec![0; self.dir_mem.len()],
-        }
+        Marks { stamp: 0, pkg: vec![0; self.pkg_mem.len()], dir: vec![0; self.dir_mem.len()] }
     }
 
     /// The hidden truth for a build of `ids` (duplicates allowed) under
@@ -376,19 +359,11 @@ impl GroundTruth {
             }
         }
         let (mem_mult, esu_mult, flag_base) = context_effects(ctx);
-        let base = if ctx.command == Command::Test {
-            0.75e9
-        } else {
-            0.5e9
-        } + flag_base
-            + user_base(&ctx.user);
+        let base = if ctx.command == Command::Test { 0.75e9 } else { 0.5e9 } + flag_base + user_base(&ctx.user);
         // Sub-additive beyond sharing: large analysis graphs compact better.
         let analysed = GB as f64 * (s / GB as f64).powf(0.93);
         let reg = if regressed { self.regression } else { 1.0 };
-        Usage {
-            memory_bytes: mem_mult * reg * (base + analysed),
-            occupancy_esu: esu_mult * e,
-        }
+        Usage { memory_bytes: mem_mult * reg * (base + analysed), occupancy_esu: esu_mult * e }
     }
 }
 
@@ -407,11 +382,7 @@ fn user_base(user: &str) -> f64 {
 fn context_effects(ctx: &BuildContext) -> (f64, f64, f64) {
     let mut base = 0.0;
     let mut mem = 1.0;
-    let mut esu = if ctx.command == Command::Test {
-        1.0
-    } else {
-        0.3
-    };
+    let mut esu = if ctx.command == Command::Test { 1.0 } else { 0.3 };
     for f in &ctx.flags {
         match f.as_str() {
             "--collect_code_coverage" => {
@@ -432,10 +403,7 @@ fn context_effects(ctx: &BuildContext) -> (f64, f64, f64) {
                 esu *= 1.6;
             }
             _ => {
-                if let Some(n) = f
-                    .strip_prefix("--runs_per_test=")
-                    .and_then(|n| n.parse::<f64>().ok())
-                {
+                if let Some(n) = f.strip_prefix("--runs_per_test=").and_then(|n| n.parse::<f64>().ok()) {
                     esu *= n.max(1.0).powf(0.9);
                 }
             }
@@ -464,21 +432,10 @@ struct World {
 impl World {
     fn context(&self, tool: Tool, rng: &mut ChaCha8Rng) -> (BuildContext, u32) {
         let (user, home) = self.humans.choose(rng).expect("humans").clone();
-        let (cmd, prio, user, tag, flags): (Command, Priority, String, &str, Vec<&str>) = match tool
-        {
-            Tool::Presubmit => (
-                Command::Test,
-                Priority::High,
-                user,
-                "presubmit",
-                vec!["--keep_going"],
-            ),
+        let (cmd, prio, user, tag, flags): (Command, Priority, String, &str, Vec<&str>) = match tool {
+            Tool::Presubmit => (Command::Test, Priority::High, user, "presubmit", vec!["--keep_going"]),
             Tool::Human => {
-                let cmd = if rng.random_bool(0.5) {
-                    Command::Build
-                } else {
-                    Command::Test
-                };
+                let cmd = if rng.random_bool(0.5) { Command::Build } else { Command::Test };
                 let mut flags = vec!["--jobs=200"];
                 // A few users always build with sanitizers.
                 if home % 4 == 0 && user.ends_with('1') {
@@ -486,13 +443,9 @@ impl World {
                 }
                 (cmd, Priority::High, user, "human", flags)
             }
-            Tool::Postsubmit => (
-                Command::Test,
-                Priority::Medium,
-                "tap-bot".into(),
-                "postsubmit",
-                vec!["--keep_going", "--jobs=600"],
-            ),
+            Tool::Postsubmit => {
+                (Command::Test, Priority::Medium, "tap-bot".into(), "postsubmit", vec!["--keep_going", "--jobs=600"])
+            }
             Tool::Coverage => (
                 Command::Test,
                 Priority::Low,
@@ -500,20 +453,12 @@ impl World {
                 "coverage",
                 vec!["--collect_code_coverage", "--keep_going"],
             ),
-            Tool::Flaky => (
-                Command::Test,
-                Priority::Low,
-                "flake-bot".into(),
-                "flaky_detector",
-                vec!["--runs_per_test=5"],
-            ),
-            Tool::Release => (
-                Command::Build,
-                Priority::Medium,
-                "release-bot".into(),
-                "release",
-                vec!["--compilation_mode=opt"],
-            ),
+            Tool::Flaky => {
+                (Command::Test, Priority::Low, "flake-bot".into(), "flaky_detector", vec!["--runs_per_test=5"])
+            }
+            Tool::Release => {
+                (Command::Build, Priority::Medium, "release-bot".into(), "release", vec!["--compilation_mode=opt"])
+            }
         };
         let top = match tool {
             Tool::Presubmit | Tool::Human => home,
@@ -538,7 +483,10 @@ impl World {
         let cands: Vec<u32> = (0..t.dir_depth.len() as u32)
             .filter(|&d| {
                 let dd = t.dir_depth[d as usize];
-                dd >= min_depth && dd <= max_depth && !t.dir_targets[d as usize].is_empty() && t.dir_top[d as usize] == top
+                dd >= min_depth
+                    && dd <= max_depth
+                    && !t.dir_targets[d as usize].is_empty()
+                    && t.dir_top[d as usize] == top
             })
             .collect();
         *cands.choose(rng).unwrap_or(&top)
@@ -649,9 +597,7 @@ fn pick_tool(rng: &mut ChaCha8Rng, small: bool) -> Tool {
 fn build_world(cfg: &SimConfig, rng: &mut ChaCha8Rng) -> World {
     let truth = GroundTruth::generate(cfg, rng);
     let tops = cfg.top_dirs as u32;
-    let humans = (0..60)
-        .map(|i| (format!("user{i}"), rng.random_range(0..tops)))
-        .collect();
+    let humans = (0..60).map(|i| (format!("user{i}"), rng.random_range(0..tops))).collect();
     World { truth, humans, large_stream_targets: cfg.large_stream_targets }
 }
 
@@ -717,10 +663,7 @@ fn generate_history(world: &World, cfg: &SimConfig, rng: &mut ChaCha8Rng) -> Vec
             product_area: ctx.product_area,
             tool_tag: ctx.tool_tag,
             flags: ctx.flags,
-            targets: ids
-                .iter()
-                .map(|&id| t.labels[id as usize].clone())
-                .collect(),
+            targets: ids.iter().map(|&id| t.labels[id as usize].clone()).collect(),
             peak_memory_bytes: mem.round() as u64,
             executor_service_seconds: occ * wall,
             wall_seconds: wall,
@@ -769,17 +712,13 @@ impl Estimator for Oracle<'_> {
 impl OracleGroup<'_> {
     fn usage(&mut self, len: usize) -> Usage {
         let ids = self.ids.iter().take(len).copied();
-        self.truth
-            .truth_marked(&self.ctx, ids, self.regressed, &mut self.marks)
+        self.truth.truth_marked(&self.ctx, ids, self.regressed, &mut self.marks)
     }
 }
 
 impl GroupEstimator for OracleGroup<'_> {
     fn push(&mut self, label: &Label<'_>) {
-        let id = self
-            .truth
-            .id_of(&label.canonical())
-            .expect("oracle only plans labels of its own repository");
+        let id = self.truth.id_of(&label.canonical()).expect("oracle only plans labels of its own repository");
         self.ids.push_back(id);
     }
     fn pop_front(&mut self, n: usize) {
@@ -878,10 +817,7 @@ pub fn generate(cfg: &SimConfig) -> (GroundTruth, Vec<BuildRecord>, Vec<Stream>)
         let tool = pick_tool(&mut rng, small);
         let (ctx, top) = world.context(tool, &mut rng);
         let ids = world.targets_for(tool, top, &mut rng, true);
-        let targets = ids
-            .iter()
-            .map(|&id| Target::new(world.truth.labels[id as usize].clone()))
-            .collect();
+        let targets = ids.iter().map(|&id| Target::new(world.truth.labels[id as usize].clone())).collect();
         streams.push((ctx, targets));
     }
     (world.truth, history, streams)
@@ -918,11 +854,7 @@ pub fn score<E: Estimator>(
             s.targets += b.targets.len();
             s.oom += oom as usize;
             s.de += de as usize;
-            let r = s
-                .by_reason
-                .iter_mut()
-                .find(|x| x.0 == b.reason)
-                .expect("all reasons");
+            let r = s.by_reason.iter_mut().find(|x| x.0 == b.reason).expect("all reasons");
             r.1 += 1;
             r.2 += oom as usize;
             r.3 += de as usize;
@@ -942,23 +874,11 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRun> {
     let train_seconds = t0.elapsed().as_secs_f64();
     // Fresh streams run "now", i.e. with the last-day regression in effect.
     let m = score("models", &truth, &streams, &cfg.planner, &models, true)?;
-    let oracle = Oracle {
-        truth: &truth,
-        regressed: true,
-    };
+    let oracle = Oracle { truth: &truth, regressed: true };
     let o = score("oracle", &truth, &streams, &cfg.planner, &oracle, true)?;
-    let f = score(
-        "fixed",
-        &truth,
-        &streams,
-        &cfg.planner,
-        &Models::default(),
-        true,
-    )?;
+    let f = score("fixed", &truth, &streams, &cfg.planner, &Models::default(), true)?;
     let density_vs_oracle = m.density() / o.density();
-    let goal_met = m.oom_rate() < GOAL_OOM_RATE
-        && m.de_rate() < GOAL_DE_RATE
-        && density_vs_oracle >= GOAL_DENSITY;
+    let goal_met = m.oom_rate() < GOAL_OOM_RATE && m.de_rate() < GOAL_DE_RATE && density_vs_oracle >= GOAL_DENSITY;
     let mem = models.memory.as_ref();
     let report = SimReport {
         repo_targets: truth.target_count(),
@@ -968,36 +888,16 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRun> {
         eval_streams: streams.len(),
         eval_targets: streams.iter().map(|s| s.1.len()).sum(),
         memory_calibration: mem.map(|m| m.long.calibration).unwrap_or(1.0),
-        occupancy_calibration: models
-            .occupancy
-            .as_ref()
-            .map(|o| o.calibration)
-            .unwrap_or(1.0),
-        memory_crosses: models
-            .manifest
-            .memory_crosses
-            .iter()
-            .map(|c| c.to_string())
-            .collect(),
-        occupancy_crosses: models
-            .manifest
-            .occupancy_crosses
-            .iter()
-            .map(|c| c.to_string())
-            .collect(),
+        occupancy_calibration: models.occupancy.as_ref().map(|o| o.calibration).unwrap_or(1.0),
+        memory_crosses: models.manifest.memory_crosses.iter().map(|c| c.to_string()).collect(),
+        occupancy_crosses: models.manifest.occupancy_crosses.iter().map(|c| c.to_string()).collect(),
         models: m,
         oracle: o,
         fixed: f,
         density_vs_oracle,
         goal_met,
     };
-    Ok(SimRun {
-        truth,
-        history,
-        models,
-        streams,
-        report,
-    })
+    Ok(SimRun { truth, history, models, streams, report })
 }
 
 impl fmt::Display for SimReport {
@@ -1013,16 +913,8 @@ impl fmt::Display for SimReport {
             self.memory_calibration, self.occupancy_calibration
         )?;
         writeln!(f, "memory crosses: [{}]", self.memory_crosses.join(", "))?;
-        writeln!(
-            f,
-            "occupancy crosses: [{}]",
-            self.occupancy_crosses.join(", ")
-        )?;
-        writeln!(
-            f,
-            "evaluation: {} streams, {} targets\n",
-            self.eval_streams, self.eval_targets
-        )?;
+        writeln!(f, "occupancy crosses: [{}]", self.occupancy_crosses.join(", "))?;
+        writeln!(f, "evaluation: {} streams, {} targets\n", self.eval_streams, self.eval_targets)?;
         writeln!(
             f,
             "{:<8} {:>8} {:>6} {:>9} {:>5} {:>9} {:>12} {:>10}",
@@ -1052,11 +944,7 @@ impl fmt::Display for SimReport {
             if self.goal_met { "MET" } else { "NOT MET" }
         )?;
         writeln!(f, "\nmodel batches by reason:")?;
-        writeln!(
-            f,
-            "{:<26} {:>8} {:>6} {:>6}",
-            "reason", "builds", "OOM", "DE"
-        )?;
+        writeln!(f, "{:<26} {:>8} {:>6} {:>6}", "reason", "builds", "OOM", "DE")?;
         for (r, b, o, d) in &self.models.by_reason {
             writeln!(f, "{:<26} {:>8} {:>6} {:>6}", r.as_str(), b, o, d)?;
         }
@@ -1086,11 +974,7 @@ impl Default for BenchConfig {
         BenchConfig {
             targets: 10_000_000,
             streaming: true,
-            sim: SimConfig {
-                eval_small_streams: 0,
-                eval_large_streams: 0,
-                ..SimConfig::default()
-            },
+            sim: SimConfig { eval_small_streams: 0, eval_large_streams: 0, ..SimConfig::default() },
             seed: 11,
         }
     }
@@ -1118,11 +1002,7 @@ impl fmt::Display for BenchReport {
             self.targets,
             self.batches,
             self.plan_seconds,
-            if self.streaming {
-                "streaming"
-            } else {
-                "in-memory"
-            },
+            if self.streaming { "streaming" } else { "in-memory" },
             self.setup_seconds
         )?;
         for (r, n) in &self.reasons {
@@ -1177,9 +1057,8 @@ pub fn bench(cfg: &BenchConfig) -> Result<BenchReport> {
         tally(sp.finish());
         (setup, t1.elapsed().as_secs_f64())
     } else {
-        let targets: Vec<Target> = (0..cfg.targets as u64)
-            .map(|i| Target::new(bench_label(i, cfg.seed, &tops)))
-            .collect();
+        let targets: Vec<Target> =
+            (0..cfg.targets as u64).map(|i| Target::new(bench_label(i, cfg.seed, &tops))).collect();
         let setup = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let out = plan(&ctx, targets, &cfg.sim.planner, &models)?;
@@ -1211,7 +1090,13 @@ pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
         // The first version: least squares, a q95 safety factor, no priors.
         (
             "v1-q95",
-            TrainConfig { hash_bits: 18, loss: Loss::Squared, calibration: Calibration::Quantile, unseen_prior: false, ..v2.clone() },
+            TrainConfig {
+                hash_bits: 18,
+                loss: Loss::Squared,
+                calibration: Calibration::Quantile,
+                unseen_prior: false,
+                ..v2.clone()
+            },
         ),
         ("v2", v2.clone()),
         ("v2-no-prior", TrainConfig { unseen_prior: false, ..v2.clone() }),
@@ -1235,14 +1120,24 @@ pub struct CompareRow {
 /// packages and a last-day regression), train every learner of
 /// [`model_variants`] on the history, and score every learner, fixed batch
 /// sizes and the oracle on the streams. `progress` hears each row.
-pub fn compare(base: &SimConfig, seeds: &[u64], fixed_sizes: &[usize], mut progress: impl FnMut(&CompareRow)) -> Result<Vec<CompareRow>> {
+pub fn compare(
+    base: &SimConfig,
+    seeds: &[u64],
+    fixed_sizes: &[usize],
+    mut progress: impl FnMut(&CompareRow),
+) -> Result<Vec<CompareRow>> {
     let mut rows = Vec::new();
     for &seed in seeds {
         let cfg = SimConfig { seed, ..base.clone() };
         let (truth, history, streams) = generate(&cfg);
         let oracle = score("oracle", &truth, &streams, &cfg.planner, &Oracle { truth: &truth, regressed: true }, true)?;
         let mut push = |planner: &str, s: PlanScore| {
-            let row = CompareRow { seed, planner: planner.to_string(), density_vs_oracle: s.density() / oracle.density(), score: s };
+            let row = CompareRow {
+                seed,
+                planner: planner.to_string(),
+                density_vs_oracle: s.density() / oracle.density(),
+                score: s,
+            };
             progress(&row);
             rows.push(row);
         };
@@ -1264,10 +1159,19 @@ pub fn compare(base: &SimConfig, seeds: &[u64], fixed_sizes: &[usize], mut progr
 /// observed OOM rates.
 pub fn per_stream_table(rows: &[CompareRow], planner: &str) -> String {
     use std::fmt::Write;
-    let mut out = format!("| {planner}: seed | stream | builds | predicted OOM rate | observed OOM rate |\n|---|---|---|---|---|\n");
+    let mut out = format!(
+        "| {planner}: seed | stream | builds | predicted OOM rate | observed OOM rate |\n|---|---|---|---|---|\n"
+    );
     for r in rows.iter().filter(|r| r.planner == planner) {
         for (i, (b, o, p)) in r.score.streams.iter().enumerate() {
-            let _ = writeln!(out, "| {} | {} | {b} | {:.3}% | {:.3}% |", r.seed, i + 1, 100.0 * p / (*b).max(1) as f64, 100.0 * *o as f64 / (*b).max(1) as f64);
+            let _ = writeln!(
+                out,
+                "| {} | {} | {b} | {:.3}% | {:.3}% |",
+                r.seed,
+                i + 1,
+                100.0 * p / (*b).max(1) as f64,
+                100.0 * *o as f64 / (*b).max(1) as f64
+            );
         }
     }
     out
@@ -1278,7 +1182,10 @@ pub fn per_stream_table(rows: &[CompareRow], planner: &str) -> String {
 pub fn compare_table(rows: &[CompareRow]) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    let _ = writeln!(out, "| planner | seed | builds | OOM | OOM rate | predicted OOM | DE | DE rate | targets/build | vs oracle |");
+    let _ = writeln!(
+        out,
+        "| planner | seed | builds | OOM | OOM rate | predicted OOM | DE | DE rate | targets/build | vs oracle |"
+    );
     let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
     let mut names: Vec<&str> = Vec::new();
     for r in rows {
@@ -1304,7 +1211,8 @@ pub fn compare_table(rows: &[CompareRow]) -> String {
                 r.density_vs_oracle
             );
         }
-        let (b, o, d): (usize, usize, usize) = mine.iter().fold((0, 0, 0), |a, r| (a.0 + r.score.builds, a.1 + r.score.oom, a.2 + r.score.de));
+        let (b, o, d): (usize, usize, usize) =
+            mine.iter().fold((0, 0, 0), |a, r| (a.0 + r.score.builds, a.1 + r.score.oom, a.2 + r.score.de));
         let mean_vs = mine.iter().map(|r| r.density_vs_oracle).sum::<f64>() / mine.len().max(1) as f64;
         let worst = mine.iter().map(|r| r.density_vs_oracle).fold(f64::INFINITY, f64::min);
         let _ = writeln!(

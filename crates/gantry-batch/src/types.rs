@@ -103,14 +103,10 @@ impl BuildContext {
                 ))
             }
             (false, true, false) => {
-                return Err(BatchError::InvalidContext(
-                    "`git_repo` given without `revision`".into(),
-                ))
+                return Err(BatchError::InvalidContext("`git_repo` given without `revision`".into()))
             }
             (false, false, true) => {
-                return Err(BatchError::InvalidContext(
-                    "`revision` given without `git_repo`".into(),
-                ))
+                return Err(BatchError::InvalidContext("`revision` given without `git_repo`".into()))
             }
             (false, false, false) => {
                 return Err(BatchError::InvalidContext(
@@ -119,9 +115,7 @@ impl BuildContext {
             }
         }
         if let Some(f) = self.flags.iter().find(|f| !f.starts_with("--")) {
-            return Err(BatchError::InvalidContext(format!(
-                "flag `{f}` does not start with `--`"
-            )));
+            return Err(BatchError::InvalidContext(format!("flag `{f}` does not start with `--`")));
         }
         Ok(())
     }
@@ -140,11 +134,7 @@ pub struct Target {
 impl Target {
     /// A target with only a label (executor types default to `{x86}`).
     pub fn new(label: impl Into<String>) -> Self {
-        Target {
-            label: label.into(),
-            rule_kind: None,
-            tags: Vec::new(),
-        }
+        Target { label: label.into(), rule_kind: None, tags: Vec::new() }
     }
 }
 
@@ -245,11 +235,7 @@ impl Default for ExecutorConfig {
         rule_kind_types.insert("ios_ui_test".to_string(), vec!["mac".to_string()]);
         rule_kind_types.insert("ios_unit_test".to_string(), vec!["mac".to_string()]);
         rule_kind_types.insert("macos_unit_test".to_string(), vec!["mac".to_string()]);
-        ExecutorConfig {
-            implicit: ["x86".to_string()].into_iter().collect(),
-            tag_types,
-            rule_kind_types,
-        }
+        ExecutorConfig { implicit: ["x86".to_string()].into_iter().collect(), tag_types, rule_kind_types }
     }
 }
 
@@ -352,9 +338,7 @@ impl PlannerConfig {
                 ));
             }
         }
-        if !(self.occupancy_cutoff_esu > 0.0
-            && self.occupancy_cutoff_esu <= self.occupancy_limit_esu)
-        {
+        if !(self.occupancy_cutoff_esu > 0.0 && self.occupancy_cutoff_esu <= self.occupancy_limit_esu) {
             return bad(format!(
                 "occupancy cutoff {} must be in (0, limit {}]",
                 self.occupancy_cutoff_esu, self.occupancy_limit_esu
@@ -387,9 +371,15 @@ mod tests {
                     stream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
         let cfg = gantry_config::Config::parse(text, "t.toml".as_ref()).unwrap().batch;
         let c = PlannerConfig::from_config(&cfg);
-        assert_eq!((c.max_targets_per_batch, c.fallback_batch_size, c.bazel_memory_bytes, c.stream_sort_window), (50, 7, 2 * GB, 60));
+        assert_eq!(
+            (c.max_targets_per_batch, c.fallback_batch_size, c.bazel_memory_bytes, c.stream_sort_window),
+            (50, 7, 2 * GB, 60)
+        );
         assert_eq!(c.memory_cutoff_bytes, MemoryCutoffs { high: GB, medium: 1_500_000_000, low: 1_800_000_000 });
-        assert_eq!((c.occupancy_cutoff_esu, c.occupancy_limit_esu, c.target_oom_rate, c.target_de_rate), (40.0, 45.0, 0.01, 0.02));
+        assert_eq!(
+            (c.occupancy_cutoff_esu, c.occupancy_limit_esu, c.target_oom_rate, c.target_de_rate),
+            (40.0, 45.0, 0.01, 0.02)
+        );
         // Added to the built-in mappings, not in place of them.
         assert_eq!(c.executors.tag_types.get("requires-tpu").map(String::as_str), Some("tpu"));
         assert_eq!(c.executors.tag_types.get("requires-gpu").map(String::as_str), Some("gpu"));
@@ -415,33 +405,12 @@ mod tests {
         let mut c = PlannerConfig::default();
         c.memory_cutoff_bytes.low = 14 * GB;
         assert!(c.validate().unwrap_err().to_string().contains("low"));
-        let c = PlannerConfig {
-            occupancy_cutoff_esu: 700.0,
-            ..PlannerConfig::default()
-        };
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("occupancy cutoff"));
-        let c = PlannerConfig {
-            max_targets_per_batch: 0,
-            ..PlannerConfig::default()
-        };
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("max_targets_per_batch"));
-        let c = PlannerConfig {
-            stream_sort_window: 10,
-            ..PlannerConfig::default()
-        };
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("stream_sort_window"));
+        let c = PlannerConfig { occupancy_cutoff_esu: 700.0, ..PlannerConfig::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("occupancy cutoff"));
+        let c = PlannerConfig { max_targets_per_batch: 0, ..PlannerConfig::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("max_targets_per_batch"));
+        let c = PlannerConfig { stream_sort_window: 10, ..PlannerConfig::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("stream_sort_window"));
     }
 
     #[test]
@@ -451,11 +420,7 @@ mod tests {
         ctx.git_repo = Some("r".into());
         assert!(ctx.validate().unwrap_err().to_string().contains("not both"));
         ctx.workspace = None;
-        assert!(ctx
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("without `revision`"));
+        assert!(ctx.validate().unwrap_err().to_string().contains("without `revision`"));
         ctx.revision = Some("abc".into());
         ctx.validate().unwrap();
         ctx.flags = vec!["jobs=3".into()];

@@ -96,7 +96,13 @@ fn history(repo: &Repo, rng: &mut ChaCha8Rng, n: usize, noisy: f64) -> Vec<Build
 }
 
 fn config() -> TrainConfig {
-    TrainConfig { hash_bits: 16, max_crosses: 0, epochs: 30, calibration_min_memory_bytes: 0.0, ..TrainConfig::default() }
+    TrainConfig {
+        hash_bits: 16,
+        max_crosses: 0,
+        epochs: 30,
+        calibration_min_memory_bytes: 0.0,
+        ..TrainConfig::default()
+    }
 }
 
 fn ctx() -> BuildContext {
@@ -140,7 +146,12 @@ fn recovers_shared_package_and_prefix_costs() {
     let six = mem.long.predict(&ctx(), &all.iter().map(|s| s.as_str()).collect::<Vec<_>>()).unwrap();
     let true_step = repo.cost(&all) - repo.cost(&all[..1]);
     let pkg_cost = repo.packages[7].1;
-    eprintln!("five more targets of {pkg}: {:.0} MB (truly {:.0} MB; the package costs {:.0} MB)", (six - one) / MB, true_step / MB, pkg_cost / MB);
+    eprintln!(
+        "five more targets of {pkg}: {:.0} MB (truly {:.0} MB; the package costs {:.0} MB)",
+        (six - one) / MB,
+        true_step / MB,
+        pkg_cost / MB
+    );
     assert!(six - one < true_step + 0.25 * pkg_cost, "the package's cost is charged per target");
 
     // A second package under the same top directory adds its package cost, not the top's again.
@@ -148,7 +159,12 @@ fn recovers_shared_package_and_prefix_costs() {
     let two = mem.long.predict(&ctx(), &[&format!("{pkg}:t0"), &format!("{other}:t0")]).unwrap();
     let step = two - one;
     eprintln!("a second package: {:.0} MB (truly {:.0} MB)", step / MB, (other_cost + 2.0 * MB) / MB);
-    assert!((step - other_cost - 2.0 * MB).abs() < 0.35 * other_cost, "second package: {:.0} MB, truly {:.0} MB", step / MB, (other_cost + 2.0 * MB) / MB);
+    assert!(
+        (step - other_cost - 2.0 * MB).abs() < 0.35 * other_cost,
+        "second package: {:.0} MB, truly {:.0} MB",
+        step / MB,
+        (other_cost + 2.0 * MB) / MB
+    );
 }
 
 #[test]

@@ -5,7 +5,9 @@
 
 use gantry_batch::label::Label;
 use gantry_batch::margin::{ErrorModel, TrustedSide};
-use gantry_batch::{plan, BuildContext, Command, Estimator, GroupEstimator, MemoryCutoffs, PlannerConfig, Priority, Target, GB};
+use gantry_batch::{
+    plan, BuildContext, Command, Estimator, GroupEstimator, MemoryCutoffs, PlannerConfig, Priority, Target, GB,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::VecDeque;
@@ -28,7 +30,7 @@ struct KnownGroup {
 
 impl Estimator for Known {
     type Group<'a> = KnownGroup;
-    fn group<'a>(&'a self, _: &BuildContext) -> KnownGroup {
+    fn group(&self, _: &BuildContext) -> KnownGroup {
         KnownGroup { costs: VecDeque::new(), error: self.0 }
     }
 }
@@ -74,7 +76,8 @@ fn observed_rate(target_rate: f64, seed: u64) -> (f64, f64, usize) {
         target_oom_rate: target_rate,
         ..PlannerConfig::default()
     };
-    let targets: Vec<Target> = (0..400_000u32).map(|i| Target::new(format!("//p{}:t{i:06}_{}", i / 50, rng.random_range(100..300)))).collect();
+    let targets: Vec<Target> =
+        (0..400_000u32).map(|i| Target::new(format!("//p{}:t{i:06}_{}", i / 50, rng.random_range(100..300)))).collect();
     let ctx = BuildContext::new_workspace("w", Command::Build, Priority::Low);
     let batches = plan(&ctx, targets, &cfg, &Known(error)).unwrap();
     let (mut ooms, mut predicted) = (0usize, 0.0);
@@ -95,7 +98,10 @@ fn the_observed_oom_rate_lands_within_a_factor_of_two_of_the_target() {
     for (rate, seed) in [(0.01, 1), (0.01, 2), (0.005, 3)] {
         let (observed, predicted, n) = observed_rate(rate, seed);
         eprintln!("target {rate}: observed {observed:.4}, predicted {predicted:.4} over {n} batches");
-        assert!(observed <= 2.0 * rate && observed >= rate / 2.0, "target {rate}, observed {observed} over {n} batches");
+        assert!(
+            observed <= 2.0 * rate && observed >= rate / 2.0,
+            "target {rate}, observed {observed} over {n} batches"
+        );
         assert!(predicted <= rate * 1.0001, "every batch is cut at or under the target: {predicted}");
         assert!(predicted >= rate / 2.0, "batches are cut near the target, not far under: {predicted}");
     }

@@ -6,8 +6,7 @@ use gantry_batch::history::{BuildRecord, Timestamp};
 use gantry_batch::model::{MANIFEST_FILE, MEMORY_LONG_FILE, MEMORY_SHORT_FILE, OCCUPANCY_FILE};
 use gantry_batch::sim::{generate, GroundTruth, SimConfig};
 use gantry_batch::{
-    eval, plan, train, BatchError, BuildContext, Command, Models, PlannerConfig, Priority, Target,
-    TrainConfig,
+    eval, plan, train, BatchError, BuildContext, Command, Models, PlannerConfig, Priority, Target, TrainConfig,
 };
 use proptest::prelude::*;
 use std::sync::OnceLock;
@@ -43,12 +42,7 @@ fn fixture() -> &'static Fixture {
         let cfg = tiny_cfg();
         let (truth, history, _) = generate(&cfg);
         let models = train(&history, &cfg.train, cfg.now).expect("train");
-        Fixture {
-            cfg,
-            truth,
-            history,
-            models,
-        }
+        Fixture { cfg, truth, history, models }
     })
 }
 
@@ -64,10 +58,7 @@ fn ctx(tool: &str, prio: Priority) -> BuildContext {
 fn training_is_deterministic_for_a_seed() {
     let f = fixture();
     let again = train(&f.history, &f.cfg.train, f.cfg.now).unwrap();
-    assert!(
-        again == f.models,
-        "same seed, same history -> identical models"
-    );
+    assert!(again == f.models, "same seed, same history -> identical models");
     let mut other = f.cfg.train.clone();
     other.seed ^= 1;
     let different = train(&f.history, &other, f.cfg.now).unwrap();
@@ -80,17 +71,10 @@ fn training_is_deterministic_for_a_seed() {
 fn target_weights_are_non_negative() {
     let f = fixture();
     let m = f.models.memory.as_ref().unwrap();
-    for model in [
-        &m.long,
-        m.short.as_ref().unwrap(),
-        f.models.occupancy.as_ref().unwrap(),
-    ] {
+    for model in [&m.long, m.short.as_ref().unwrap(), f.models.occupancy.as_ref().unwrap()] {
         let start = model.spec.nonneg_start();
         assert!(model.weights()[start..].iter().all(|&w| w >= 0.0));
-        assert!(
-            model.weights()[start..].iter().any(|&w| w > 0.0),
-            "model learned something"
-        );
+        assert!(model.weights()[start..].iter().any(|&w| w > 0.0), "model learned something");
         assert!(model.calibration > 0.0);
     }
 }
@@ -101,17 +85,9 @@ fn windows_are_relative_to_now() {
     let m = f.models.memory.as_ref().unwrap();
     let per_day = f.cfg.builds_per_day;
     // The long model saw (about) the 17-day training split, the short one a day.
-    assert!(
-        m.long.trained_examples > 10 * per_day,
-        "{}",
-        m.long.trained_examples
-    );
+    assert!(m.long.trained_examples > 10 * per_day, "{}", m.long.trained_examples);
     let short = m.short.as_ref().expect("enough builds in the last day");
-    assert!(
-        short.trained_examples < 2 * per_day,
-        "{}",
-        short.trained_examples
-    );
+    assert!(short.trained_examples < 2 * per_day, "{}", short.trained_examples);
     assert_eq!(short.window_days, 1.0);
     // Moving `now` 30 days ahead leaves nothing in the window.
     let later = Timestamp(f.cfg.now.0 + 30 * 86_400);
@@ -146,13 +122,7 @@ fn short_window_catches_a_last_day_regression() {
     let m = models.memory.as_ref().unwrap();
     let short = m.short.as_ref().unwrap();
     let c = ctx("postsubmit", Priority::Medium);
-    let labels: Vec<&str> = f
-        .truth
-        .labels
-        .iter()
-        .take(400)
-        .map(String::as_str)
-        .collect();
+    let labels: Vec<&str> = f.truth.labels.iter().take(400).map(String::as_str).collect();
     let l = m.long.predict(&c, &labels).unwrap();
     let s = short.predict(&c, &labels).unwrap();
     assert!(s > 1.3 * l, "short {s} vs long {l}");
@@ -165,12 +135,7 @@ fn save_load_roundtrip_and_errors() {
     let dir = std::env::temp_dir().join(format!("gantry-batch-models-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     f.models.save(&dir).unwrap();
-    for name in [
-        MANIFEST_FILE,
-        MEMORY_LONG_FILE,
-        MEMORY_SHORT_FILE,
-        OCCUPANCY_FILE,
-    ] {
+    for name in [MANIFEST_FILE, MEMORY_LONG_FILE, MEMORY_SHORT_FILE, OCCUPANCY_FILE] {
         assert!(dir.join(name).exists(), "{name}");
     }
     let back = Models::load(&dir).unwrap();
@@ -197,17 +162,11 @@ fn eval_reports_bins_and_over_under() {
     let report = eval(&f.models, &f.history).unwrap();
     let mem = report.memory.as_ref().unwrap();
     assert_eq!(mem.all.count, f.history.len());
-    assert_eq!(
-        mem.bins.iter().map(|b| b.all.count).sum::<usize>(),
-        mem.all.count
-    );
+    assert_eq!(mem.bins.iter().map(|b| b.all.count).sum::<usize>(), mem.all.count);
     assert!(mem.over.count > 0 && mem.under.count > 0);
     assert!(mem.all.rmse > 0.0 && mem.all.rmse.is_finite());
     let text = report.to_string();
-    assert!(
-        text.contains("memory model") && text.contains("occupancy model"),
-        "{text}"
-    );
+    assert!(text.contains("memory model") && text.contains("occupancy model"), "{text}");
     // No models -> no sections.
     let empty = eval(&Models::default(), &f.history).unwrap();
     assert!(empty.memory.is_none() && empty.occupancy.is_none());
@@ -217,12 +176,7 @@ fn eval_reports_bins_and_over_under() {
 fn planner_estimates_never_below_model_prediction() {
     let f = fixture();
     let c = ctx("postsubmit", Priority::Medium);
-    let targets: Vec<Target> = f
-        .truth
-        .labels
-        .iter()
-        .map(|l| Target::new(l.clone()))
-        .collect();
+    let targets: Vec<Target> = f.truth.labels.iter().map(|l| Target::new(l.clone())).collect();
     let batches = plan(&c, targets, &PlannerConfig::default(), &f.models).unwrap();
     assert!(batches.len() > 1);
     let mem = f.models.memory.as_ref().unwrap();

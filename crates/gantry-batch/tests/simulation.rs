@@ -30,16 +30,8 @@ fn models_beat_a_fixed_batch_size() {
     let run = simulate(&cfg).unwrap();
     let r = &run.report;
     println!("{r}");
-    assert!(
-        r.fixed.oom > 0,
-        "the workload must be able to OOM a naive batcher"
-    );
-    assert!(
-        r.models.oom < r.fixed.oom,
-        "models {} vs fixed {}",
-        r.models.oom,
-        r.fixed.oom
-    );
+    assert!(r.fixed.oom > 0, "the workload must be able to OOM a naive batcher");
+    assert!(r.models.oom < r.fixed.oom, "models {} vs fixed {}", r.models.oom, r.fixed.oom);
     assert!(r.density_vs_oracle > 0.8, "density {}", r.density_vs_oracle);
     assert_eq!(r.models.targets, r.oracle.targets);
 }

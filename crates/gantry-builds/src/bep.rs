@@ -38,11 +38,11 @@ pub fn parse(text: &str) -> BepSummary {
     for line in text.lines() {
         let Ok(ev) = serde_json::from_str::<Value>(line) else { break };
         s.events += 1;
-        if let Some(f) = ev.get("finished") {
-            if let Some(code) = f.get("exitCode") {
-                s.exit_code_name = code.get("name").and_then(Value::as_str).map(str::to_string);
-                s.exit_code = Some(code.get("code").and_then(Value::as_i64).unwrap_or(0) as i32);
-            }
+        if let Some(f) = ev.get("finished")
+            && let Some(code) = f.get("exitCode")
+        {
+            s.exit_code_name = code.get("name").and_then(Value::as_str).map(str::to_string);
+            s.exit_code = Some(code.get("code").and_then(Value::as_i64).unwrap_or(0) as i32);
         }
         if let Some(mem) = ev.get("buildMetrics").and_then(|m| m.get("memoryMetrics")) {
             s.used_heap_post_build = mem.get("usedHeapSizePostBuild").and_then(as_u64).filter(|&v| v > 0);
@@ -77,13 +77,20 @@ mod tests {
     #[test]
     fn reads_exit_memory_and_tests_and_stops_at_a_torn_line() {
         let text = concat!(
-            r#"{"id":{"started":{}},"started":{"uuid":"x"}}"#, "\n",
-            r#"{"id":{"targetCompleted":{"label":"//a:b"}},"completed":{"success":true}}"#, "\n",
-            r#"{"id":{"targetCompleted":{"label":"//a:c"}},"completed":{}}"#, "\n",
-            r#"{"id":{"testSummary":{"label":"//a:t"}},"testSummary":{"overallStatus":"FAILED"}}"#, "\n",
-            r#"{"id":{"testSummary":{"label":"//a:u"}},"testSummary":{"overallStatus":"PASSED"}}"#, "\n",
-            r#"{"id":{"buildFinished":{}},"finished":{"overallSuccess":false,"exitCode":{"name":"TESTS_FAILED","code":3}}}"#, "\n",
-            r#"{"id":{"buildMetrics":{}},"buildMetrics":{"memoryMetrics":{"usedHeapSizePostBuild":"31690800","peakPostGcHeapSize":"0"}}}"#, "\n",
+            r#"{"id":{"started":{}},"started":{"uuid":"x"}}"#,
+            "\n",
+            r#"{"id":{"targetCompleted":{"label":"//a:b"}},"completed":{"success":true}}"#,
+            "\n",
+            r#"{"id":{"targetCompleted":{"label":"//a:c"}},"completed":{}}"#,
+            "\n",
+            r#"{"id":{"testSummary":{"label":"//a:t"}},"testSummary":{"overallStatus":"FAILED"}}"#,
+            "\n",
+            r#"{"id":{"testSummary":{"label":"//a:u"}},"testSummary":{"overallStatus":"PASSED"}}"#,
+            "\n",
+            r#"{"id":{"buildFinished":{}},"finished":{"overallSuccess":false,"exitCode":{"name":"TESTS_FAILED","code":3}}}"#,
+            "\n",
+            r#"{"id":{"buildMetrics":{}},"buildMetrics":{"memoryMetrics":{"usedHeapSizePostBuild":"31690800","peakPostGcHeapSize":"0"}}}"#,
+            "\n",
             r#"{"id":{"buildToolLogs":{}},"buildTo"#,
         );
         let s = parse(text);
@@ -98,7 +105,8 @@ mod tests {
     #[test]
     fn success_has_code_zero_without_a_code_field() {
         // proto3 JSON omits zero values: SUCCESS carries no "code".
-        let s = parse(r#"{"id":{"buildFinished":{}},"finished":{"overallSuccess":true,"exitCode":{"name":"SUCCESS"}}}"#);
+        let s =
+            parse(r#"{"id":{"buildFinished":{}},"finished":{"overallSuccess":true,"exitCode":{"name":"SUCCESS"}}}"#);
         assert_eq!(s.exit_code, Some(0));
         assert_eq!(read(Path::new("/nonexistent/bep.json")), BepSummary::default());
     }

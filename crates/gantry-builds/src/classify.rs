@@ -178,7 +178,8 @@ mod tests {
     fn a_server_stopped_stuck_is_oom_whatever_the_stop_caused() {
         for code in [None, Some(0), Some(8), Some(33), Some(37)] {
             for signal in [OomSignal::GcSpiral, OomSignal::OomErrorInLog] {
-                let f = RunFacts { exit_code: code, stopped_stuck: Some(signal), deadline_hit: true, ..Default::default() };
+                let f =
+                    RunFacts { exit_code: code, stopped_stuck: Some(signal), deadline_hit: true, ..Default::default() };
                 assert_eq!(classify(&f), BuildOutcome::Oom, "exit {code:?}");
                 assert_eq!(oom_signal(&f), Some(signal));
             }

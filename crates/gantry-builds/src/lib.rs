@@ -21,4 +21,7 @@ pub mod workspace;
 
 pub use classify::{classify, oom_signal, BuildOutcome, OomSignal};
 pub use error::BuildsError;
-pub use service::{read_history, BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings, SharedModels, TrainSummary};
+pub use service::{
+    read_history, BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings, SharedModels,
+    TrainSummary,
+};

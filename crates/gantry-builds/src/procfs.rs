@@ -16,7 +16,10 @@ pub fn server_pid(output_base: &Path) -> Option<i32> {
 pub fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         // The state is the first field after the parenthesised command name.
-        Ok(stat) => stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()).is_some_and(|s| s != "Z" && s != "X"),
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|s| s != "Z" && s != "X"),
         Err(_) => false,
     }
 }

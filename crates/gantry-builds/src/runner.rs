@@ -54,11 +54,13 @@ pub struct BazelCredentials {
 fn write_token_rc(token_file: &Path, rc: &Path) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let token = std::fs::read_to_string(token_file).map_err(|e| format!("reading the token file {}: {e}", token_file.display()))?;
+    let token = std::fs::read_to_string(token_file)
+        .map_err(|e| format!("reading the token file {}: {e}", token_file.display()))?;
     let token = token.trim();
     // Bazel tokenizes rc lines like a shell: the value is quoted, so it may not hold
     // quotes or backslashes (no bearer token does).
-    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '\\')) {
+    if token.is_empty() || token.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '\\'))
+    {
         return Err(format!("the token file {} must hold one token on one line", token_file.display()));
     }
     let tmp = rc.with_extension("tmp");
@@ -69,7 +71,8 @@ fn write_token_rc(token_file: &Path, rc: &Path) -> Result<(), String> {
         .mode(0o600)
         .open(&tmp)
         .map_err(|e| format!("creating {}: {e}", tmp.display()))?;
-    writeln!(f, "build \"--remote_header=Authorization=Bearer {token}\"").map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    writeln!(f, "build \"--remote_header=Authorization=Bearer {token}\"")
+        .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, rc).map_err(|e| format!("renaming {}: {e}", tmp.display()))
 }
 
@@ -116,7 +119,15 @@ pub struct RunReport {
 impl RunReport {
     /// A build that never got to run Bazel (unusable workspace, Bazel missing...).
     pub fn infra_error(message: String, wall_seconds: f64) -> RunReport {
-        RunReport { outcome: BuildOutcome::InfraError, oom_signal: None, exit_code: None, bep: BepSummary::default(), server_vm_hwm: None, wall_seconds, message }
+        RunReport {
+            outcome: BuildOutcome::InfraError,
+            oom_signal: None,
+            exit_code: None,
+            bep: BepSummary::default(),
+            server_vm_hwm: None,
+            wall_seconds,
+            message,
+        }
     }
 }
 
@@ -158,7 +169,12 @@ fn tail(path: &Path, max: usize) -> String {
 fn error_line(log: &str) -> Option<String> {
     log.lines()
         .rev()
-        .find(|l| l.starts_with("ERROR:") || l.contains("FAILED:") || l.contains("OutOfMemoryError") || l.contains("Server terminated"))
+        .find(|l| {
+            l.starts_with("ERROR:")
+                || l.contains("FAILED:")
+                || l.contains("OutOfMemoryError")
+                || l.contains("Server terminated")
+        })
         .map(|l| l.chars().take(300).collect())
 }
 
@@ -241,10 +257,10 @@ impl Runner {
         let ob = self.output_base();
         let mut facts = RunFacts::default();
         let fail_start = |message: String| RunReport::infra_error(message, started.elapsed().as_secs_f64());
-        if let Some(t) = &self.settings.credentials.token_file {
-            if let Err(e) = write_token_rc(t, &self.token_rc()) {
-                return fail_start(e);
-            }
+        if let Some(t) = &self.settings.credentials.token_file
+            && let Err(e) = write_token_rc(t, &self.token_rc())
+        {
+            return fail_start(e);
         }
         let log = match std::fs::File::create(&log_file) {
             Ok(f) => f,
@@ -332,7 +348,11 @@ impl Runner {
             BuildOutcome::Success => String::new(),
             BuildOutcome::DeadlineExceeded => format!("stopped at the {:?} deadline", self.settings.deadline),
             _ => error_line(&log_tail).unwrap_or_else(|| {
-                format!("bazel exited with {:?} ({})", facts.exit_code, facts.bep.exit_code_name.as_deref().unwrap_or("no BEP"))
+                format!(
+                    "bazel exited with {:?} ({})",
+                    facts.exit_code,
+                    facts.bep.exit_code_name.as_deref().unwrap_or("no BEP")
+                )
             }),
         });
         RunReport {
@@ -349,7 +369,12 @@ impl Runner {
     /// Stops a build the runner gave up on (deadline, stuck server): SIGTERM to the server
     /// and SIGINT to the client, `kill_grace` for both to go, then SIGKILL to what is
     /// left. Returns the client's exit status.
-    async fn stop(&self, child: &mut tokio::process::Child, pgid: Option<i32>, ob: &Path) -> std::io::Result<std::process::ExitStatus> {
+    async fn stop(
+        &self,
+        child: &mut tokio::process::Child,
+        pgid: Option<i32>,
+        ob: &Path,
+    ) -> std::io::Result<std::process::ExitStatus> {
         if let Some(pid) = procfs::server_pid(ob) {
             procfs::signal(pid, libc::SIGTERM);
         }
@@ -459,7 +484,8 @@ mod tests {
         };
         let args = runner.args(&spec, Path::new("/tmp/bep.json"));
         assert!(!args.iter().any(|a| a.contains("secret")), "{args:?}");
-        for f in ["--tls_certificate=/etc/ca.pem", "--tls_client_certificate=/etc/c.pem", "--tls_client_key=/etc/c.key"] {
+        for f in ["--tls_certificate=/etc/ca.pem", "--tls_client_certificate=/etc/c.pem", "--tls_client_key=/etc/c.key"]
+        {
             assert!(args.iter().any(|a| a == f), "{f} in {args:?}");
         }
         runner.run(&spec).await;
@@ -480,7 +506,11 @@ mod tests {
 
     /// Whether a stand-in's server was still alive after the build; kills it if so.
     fn kill_stand_in_server(runner: &Runner) -> bool {
-        let pid: i32 = std::fs::read_to_string(runner.output_base().join("server/server.pid.txt")).unwrap().trim().parse().unwrap();
+        let pid: i32 = std::fs::read_to_string(runner.output_base().join("server/server.pid.txt"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         let alive = procfs::alive(pid);
         procfs::signal(pid, libc::SIGKILL);
         alive

@@ -13,7 +13,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use gantry_batch::{Batch, BatchSizeReason, BuildContext, BuildRecord, Models, PlannerConfig, StreamingPlanner, Target, Timestamp, TrainConfig};
+use gantry_batch::{
+    Batch, BatchSizeReason, BuildContext, BuildRecord, Models, PlannerConfig, StreamingPlanner, Target, Timestamp,
+    TrainConfig,
+};
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BuildQuery, BuildRow, BuildStore, ExecutionLog};
 use serde::{Deserialize, Serialize};
@@ -152,12 +155,14 @@ impl BuildDoc {
             state: self.state.as_str().to_string(),
             created_unix_ms: self.created_unix_ms,
             finished_unix_ms: self.finished_unix_ms,
-            document: serde_json::to_string(self).map_err(|e| BuildsError::Internal(format!("encoding build {}: {e}", self.id)))?,
+            document: serde_json::to_string(self)
+                .map_err(|e| BuildsError::Internal(format!("encoding build {}: {e}", self.id)))?,
         })
     }
 
     pub fn from_row(row: &BuildRow) -> Result<BuildDoc, BuildsError> {
-        serde_json::from_str(&row.document).map_err(|e| BuildsError::Internal(format!("build {}: undecodable record: {e}", row.id)))
+        serde_json::from_str(&row.document)
+            .map_err(|e| BuildsError::Internal(format!("build {}: undecodable record: {e}", row.id)))
     }
 }
 
@@ -260,7 +265,8 @@ impl BuildService {
             training: tokio::sync::Mutex::new(()),
             runners,
         });
-        let unfinished = inner.store.list(&BuildQuery { unfinished_only: true, oldest_first: true, ..Default::default() }).await?;
+        let unfinished =
+            inner.store.list(&BuildQuery { unfinished_only: true, oldest_first: true, ..Default::default() }).await?;
         for row in &unfinished {
             let mut doc = BuildDoc::from_row(row)?;
             if doc.state == BuildState::Running {
@@ -337,7 +343,9 @@ impl BuildService {
     /// included, reached an outcome.
     pub async fn stream_complete(&self, stream_id: &str) -> Result<(bool, Vec<BuildDoc>), BuildsError> {
         let planning = self.inner.state.lock().expect("poisoned").planning.contains(stream_id);
-        let builds = self.list(&BuildQuery { stream_id: Some(stream_id.into()), oldest_first: true, ..Default::default() }).await?;
+        let builds = self
+            .list(&BuildQuery { stream_id: Some(stream_id.into()), oldest_first: true, ..Default::default() })
+            .await?;
         if !planning && builds.is_empty() {
             return Err(BuildsError::NotFound(format!("stream {stream_id}: no builds")));
         }
@@ -537,7 +545,10 @@ impl Inner {
         let span = if actions.is_empty() {
             None
         } else {
-            let start = actions.iter().map(|a| a.completed_unix_ms as f64 / 1000.0 - a.wall_seconds - a.queued_seconds).fold(f64::MAX, f64::min);
+            let start = actions
+                .iter()
+                .map(|a| a.completed_unix_ms as f64 / 1000.0 - a.wall_seconds - a.queued_seconds)
+                .fold(f64::MAX, f64::min);
             let end = actions.iter().map(|a| a.completed_unix_ms as f64 / 1000.0).fold(f64::MIN, f64::max);
             Some((end - start).max(0.001))
         };
@@ -611,7 +622,16 @@ impl Inner {
                         let by_label: HashMap<&str, &Target> = half.iter().map(|t| (t.label.as_str(), t)).collect();
                         let targets = b.targets.iter().map(|l| by_label[l.as_str()].clone()).collect();
                         let id = format!("{}.{}", doc.id, out.len() + 1);
-                        out.push(new_doc(id, &doc.stream_id, Some(doc.id.clone()), Some(RetryKind::OomSplit), &doc.context, targets, &b, format!("half of OOM build {}", doc.id)));
+                        out.push(new_doc(
+                            id,
+                            &doc.stream_id,
+                            Some(doc.id.clone()),
+                            Some(RetryKind::OomSplit),
+                            &doc.context,
+                            targets,
+                            &b,
+                            format!("half of OOM build {}", doc.id),
+                        ));
                     }
                 }
                 out
@@ -642,7 +662,13 @@ impl Inner {
     }
 
     async fn history(&self) -> Result<Vec<BuildRecord>, BuildsError> {
-        read_history(&*self.store, self.settings.memory_label, self.settings.runner.heap_bytes, self.settings.long_window).await
+        read_history(
+            &*self.store,
+            self.settings.memory_label,
+            self.settings.runner.heap_bytes,
+            self.settings.long_window,
+        )
+        .await
     }
 
     async fn train(&self) -> Result<TrainSummary, BuildsError> {
@@ -683,7 +709,12 @@ impl Inner {
         // New streams and retries plan with the new models from now on; running streams
         // keep the models they started with.
         *self.models.write().expect("poisoned") = Arc::new(models);
-        tracing::info!(builds = n, oom_builds, seconds = format!("{:.2}", summary.seconds), "batching models retrained and swapped in");
+        tracing::info!(
+            builds = n,
+            oom_builds,
+            seconds = format!("{:.2}", summary.seconds),
+            "batching models retrained and swapped in"
+        );
         Ok(summary)
     }
 
@@ -721,7 +752,9 @@ pub async fn read_history(
     long_window: Duration,
 ) -> Result<Vec<BuildRecord>, BuildsError> {
     let since = now_ms() - long_window.as_millis() as i64;
-    let rows = store.list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() }).await?;
+    let rows = store
+        .list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() })
+        .await?;
     let mut out = Vec::new();
     for row in &rows {
         if let Some(r) = BuildDoc::from_row(row)?.history_record(label, heap_bytes) {
@@ -732,7 +765,12 @@ pub async fn read_history(
 }
 
 /// Plans `targets` (one executor group) again with the current models.
-fn plan_again(ctx: &BuildContext, config: &PlannerConfig, models: &Models, targets: &[Target]) -> Result<Vec<Batch>, gantry_batch::BatchError> {
+fn plan_again(
+    ctx: &BuildContext,
+    config: &PlannerConfig,
+    models: &Models,
+    targets: &[Target],
+) -> Result<Vec<Batch>, gantry_batch::BatchError> {
     let mut p = StreamingPlanner::new(ctx.clone(), config.clone(), models)?;
     for t in targets {
         p.push(t.clone())?;

@@ -124,7 +124,12 @@ pub fn is_oom_error(line: &str) -> bool {
 /// is stuck at `now`: a whole `window` has passed since both the error and the build's
 /// last progress. (Bazel that survives its OOM exits 33 within seconds.) Returns when
 /// it got stuck.
-pub fn detect_after_oom_error(window: Duration, oom_error_at: Option<Duration>, last_progress: Duration, now: Duration) -> Option<Duration> {
+pub fn detect_after_oom_error(
+    window: Duration,
+    oom_error_at: Option<Duration>,
+    last_progress: Duration,
+    now: Duration,
+) -> Option<Duration> {
     let since = oom_error_at?.max(last_progress);
     (!window.is_zero() && now.checked_sub(since)? >= window).then_some(since)
 }
@@ -191,7 +196,13 @@ impl Spiral {
 /// Whether the build is in a GC death spiral at `now`. `events` are the pauses read so
 /// far in the order read (those after `now` are ignored), `last_progress` is when the
 /// BEP file last grew (or the build started), all counted from the build's start.
-pub fn detect(rule: &SpiralRule, events: &[GcEvent], heap_bytes: u64, last_progress: Duration, now: Duration) -> Option<Spiral> {
+pub fn detect(
+    rule: &SpiralRule,
+    events: &[GcEvent],
+    heap_bytes: u64,
+    last_progress: Duration,
+    now: Duration,
+) -> Option<Spiral> {
     if rule.window.is_zero() || heap_bytes == 0 {
         return None;
     }
@@ -233,7 +244,14 @@ pub fn detect(rule: &SpiralRule, events: &[GcEvent], heap_bytes: u64, last_progr
 /// then (the runner aborts it when the build ends). Reads the GC log, the server's
 /// `jvm.out` and the BEP file's size four times a second; keeps the pauses of the last
 /// few windows, enough to date the start of a spiral.
-pub async fn watch(mut gc_log: Tail, mut jvm_out: Tail, bep_file: &Path, heap_bytes: u64, rule: SpiralRule, started: std::time::Instant) -> Stuck {
+pub async fn watch(
+    mut gc_log: Tail,
+    mut jvm_out: Tail,
+    bep_file: &Path,
+    heap_bytes: u64,
+    rule: SpiralRule,
+    started: std::time::Instant,
+) -> Stuck {
     let keep = rule.window * 4;
     let mut events: std::collections::VecDeque<GcEvent> = std::collections::VecDeque::new();
     let (mut bep_len, mut last_progress, mut oom_error_at) = (0u64, Duration::ZERO, None);
@@ -285,7 +303,12 @@ impl Tail {
     pub fn at_end(path: &Path) -> Tail {
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::metadata(path).ok();
-        Tail { path: path.to_path_buf(), inode: meta.as_ref().map(|m| m.ino()), offset: meta.map_or(0, |m| m.len()), partial: Vec::new() }
+        Tail {
+            path: path.to_path_buf(),
+            inode: meta.as_ref().map(|m| m.ino()),
+            offset: meta.map_or(0, |m| m.len()),
+            partial: Vec::new(),
+        }
     }
 
     /// The whole lines added since the last call. Errors (no file yet) are no lines.
@@ -362,8 +385,20 @@ mod tests {
 
     #[test]
     fn parses_the_pauses_hotspot_writes_and_nothing_else() {
-        let p = parse_line("[656.429s][info][gc             ] GC(16019) Pause Full (G1 Compaction Pause) 21M->20M(24M) 72.009ms").unwrap();
-        assert_eq!(p, GcPause { full: true, before_bytes: 21 * MIB, after_bytes: 20 * MIB, capacity_bytes: 24 * MIB, pause: Duration::from_micros(72_009) });
+        let p = parse_line(
+            "[656.429s][info][gc             ] GC(16019) Pause Full (G1 Compaction Pause) 21M->20M(24M) 72.009ms",
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            GcPause {
+                full: true,
+                before_bytes: 21 * MIB,
+                after_bytes: 20 * MIB,
+                capacity_bytes: 24 * MIB,
+                pause: Duration::from_micros(72_009)
+            }
+        );
         let p = parse_line("[0.320s] GC(0) Pause Young (Normal) (G1 Evacuation Pause) 12M->5M(32M) 6.872ms").unwrap();
         assert!(!p.full && p.after_bytes == 5 * MIB && p.capacity_bytes == 32 * MIB);
         assert!(parse_line("[6.436s] GC(247) Pause Full (System.gc()) 20M->20M(24M) 27.101ms").unwrap().full);
@@ -398,7 +433,10 @@ mod tests {
         // Stuck from the later of the last progress and the start of the full GCs.
         assert_eq!((s.stuck_since, s.detected_at), (Duration::from_secs(25), Duration::from_secs(45)));
         let message = Stuck::GcSpiral(s).describe(24 * MIB, rule().window);
-        assert!(message.contains("since 25.0s into the build") && message.contains("at least 21 of its 24 MiB"), "{message}");
+        assert!(
+            message.contains("since 25.0s into the build") && message.contains("at least 21 of its 24 MiB"),
+            "{message}"
+        );
         // Progress stopped before the server filled up: stuck from its first full GC.
         let late = stuck(30, 60);
         let s = detect(&rule(), &late, 24 * MIB, Duration::from_secs(10), Duration::from_secs(55)).expect("a spiral");
@@ -476,7 +514,7 @@ mod tests {
         let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
         write!(f, "one\ntw").unwrap();
         assert_eq!(t.read_lines(), ["one"]);
-        write!(f, "o\n").unwrap();
+        writeln!(f, "o").unwrap();
         assert_eq!(t.read_lines(), ["two"]);
         write!(f, "{}\nthree\n", "x".repeat(3 * MAX_LINE)).unwrap();
         assert_eq!(t.read_lines(), ["three"]);

@@ -13,12 +13,7 @@ fn is_workspace(dir: &Path) -> bool {
 
 /// Runs git in `dir`; stdout trimmed, or an error with git's stderr.
 pub fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .map_err(|e| format!("running git: {e}"))?;
+    let out = Command::new("git").arg("-C").arg(dir).args(args).output().map_err(|e| format!("running git: {e}"))?;
     if !out.status.success() {
         return Err(format!("git {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
     }
@@ -31,17 +26,20 @@ pub fn prepare(ctx: &BuildContext, runner_dir: &Path) -> Result<PathBuf, String>
     if let Some(ws) = &ctx.workspace {
         let dir = PathBuf::from(ws);
         if !is_workspace(&dir) {
-            return Err(format!("context.execution.workspace {ws}: no WORKSPACE, WORKSPACE.bazel or MODULE.bazel there"));
+            return Err(format!(
+                "context.execution.workspace {ws}: no WORKSPACE, WORKSPACE.bazel or MODULE.bazel there"
+            ));
         }
         return Ok(dir);
     }
     let (Some(repo), Some(rev)) = (&ctx.git_repo, &ctx.revision) else {
         return Err("context.execution: neither a workspace nor a git repository and revision".into());
     };
-    let tree = checkout(Path::new(repo), rev, runner_dir)
-        .map_err(|e| format!("context.execution.git: {e}"))?;
+    let tree = checkout(Path::new(repo), rev, runner_dir).map_err(|e| format!("context.execution.git: {e}"))?;
     if !is_workspace(&tree) {
-        return Err(format!("context.execution.git: {rev} has no WORKSPACE, WORKSPACE.bazel or MODULE.bazel at its root"));
+        return Err(format!(
+            "context.execution.git: {rev} has no WORKSPACE, WORKSPACE.bazel or MODULE.bazel at its root"
+        ));
     }
     Ok(tree)
 }

@@ -85,7 +85,9 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
     let store = Arc::new(gantry_store::SqlBuildStore::new(db.clone()));
     let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
     let planner = PlannerConfig { fallback_batch_size: 4, ..Default::default() };
-    BuildService::start(settings, store, log, planner, Arc::new(RwLock::new(Arc::new(Models::default())))).await.unwrap()
+    BuildService::start(settings, store, log, planner, Arc::new(RwLock::new(Arc::new(Models::default()))))
+        .await
+        .unwrap()
 }
 
 fn batch(labels: &[&str]) -> Batch {
@@ -120,7 +122,9 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
     s.stream_started("s");
     let labels = ["//a:1", "//a:2", "//a:3", "//a:4", "//a:5"];
     let planned = Batch { oom_probability: Some(0.25), ..batch(&labels) };
-    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &planned, String::new()).await.unwrap();
+    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &planned, String::new())
+        .await
+        .unwrap();
     s.submit("s-1".into(), "s", &ctx(&ws), vec![target("//b:oom")], &batch(&["//b:oom"]), String::new()).await.unwrap();
     s.stream_finished("s");
     let builds = wait_stream(&s, "s").await;
@@ -138,7 +142,10 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
     assert_eq!(by_id("s-0.1").outcome, Some(BuildOutcome::Success));
     assert_eq!(by_id("s-0.1").used_heap_post_build, Some(2000));
     let second = by_id("s-0.2");
-    assert_eq!((second.outcome, second.retry_kind, second.parent_id.as_deref()), (Some(BuildOutcome::Oom), Some(RetryKind::OomSplit), Some("s-0")));
+    assert_eq!(
+        (second.outcome, second.retry_kind, second.parent_id.as_deref()),
+        (Some(BuildOutcome::Oom), Some(RetryKind::OomSplit), Some("s-0"))
+    );
     assert_eq!(second.retries, ["s-0.2.1", "s-0.2.2"]);
     assert_eq!(by_id("s-0.2.1").labels(), ["//a:3"]);
     assert_eq!(by_id("s-0.2.2").labels(), ["//a:4", "//a:5"]);
@@ -168,7 +175,9 @@ async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history(
     std::fs::write(ws.join("WORKSPACE"), "").unwrap();
     let s = service(dir.path(), Duration::from_millis(700), 50).await;
     let started = std::time::Instant::now();
-    s.submit("d-0".into(), "d", &ctx(&ws), vec![target("//x:slow")], &batch(&["//x:slow"]), String::new()).await.unwrap();
+    s.submit("d-0".into(), "d", &ctx(&ws), vec![target("//x:slow")], &batch(&["//x:slow"]), String::new())
+        .await
+        .unwrap();
     // Not a workspace: an infrastructure error, not retried.
     let nows = dir.path().join("empty");
     std::fs::create_dir_all(&nows).unwrap();

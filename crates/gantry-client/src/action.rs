@@ -89,9 +89,7 @@ fn normalize(base: &Path, p: &str) -> PathBuf {
 }
 
 fn rel_str(p: &Path, what: &str) -> Result<String> {
-    p.to_str()
-        .map(str::to_string)
-        .ok_or_else(|| Error::invalid(format!("{what} {} is not valid UTF-8", p.display())))
+    p.to_str().map(str::to_string).ok_or_else(|| Error::invalid(format!("{what} {} is not valid UTF-8", p.display())))
 }
 
 /// `p` (relative to `base`, or absolute) as a path relative to `under`; an error names
@@ -101,9 +99,8 @@ pub fn relative_under(under: &Path, base: &Path, p: &str, what: &str) -> Result<
         return Err(Error::invalid(format!("{what}: empty path")));
     }
     let abs = normalize(base, p);
-    let rel = abs
-        .strip_prefix(under)
-        .map_err(|_| Error::invalid(format!("{what} '{p}' is outside {}", under.display())))?;
+    let rel =
+        abs.strip_prefix(under).map_err(|_| Error::invalid(format!("{what} '{p}' is outside {}", under.display())))?;
     rel_str(rel, what)
 }
 
@@ -246,7 +243,9 @@ pub async fn build(cl: &CommandLine, history: Option<&History>) -> Result<BuiltA
             return Err(Error::invalid(format!("output '{p}' is the working directory itself")));
         }
         let under_root = if workdir.is_empty() { o.clone() } else { format!("{workdir}/{o}") };
-        if let Some(i) = inputs.iter().find(|i| **i == under_root || under_root.starts_with(&format!("{i}/")) || i.is_empty()) {
+        if let Some(i) =
+            inputs.iter().find(|i| **i == under_root || under_root.starts_with(&format!("{i}/")) || i.is_empty())
+        {
             return Err(Error::invalid(format!(
                 "output '{p}' is inside input '{}': a command's outputs cannot also be its inputs",
                 if i.is_empty() { "." } else { i }
@@ -278,8 +277,13 @@ pub async fn build(cl: &CommandLine, history: Option<&History>) -> Result<BuiltA
         });
     }
     let remembered = digests.iter().filter(|d| d.is_some()).count();
-    let todo: Vec<(usize, PathBuf)> =
-        w.files.iter().enumerate().filter(|(i, _)| digests[*i].is_none()).map(|(i, (_, a, _))| (i, a.clone())).collect();
+    let todo: Vec<(usize, PathBuf)> = w
+        .files
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| digests[*i].is_none())
+        .map(|(i, (_, a, _))| (i, a.clone()))
+        .collect();
     let hashed = todo.len();
     let hash_started = std::time::SystemTime::now();
     let computed = tokio::task::spawn_blocking(move || -> Result<Vec<(usize, Digest)>> {
@@ -291,7 +295,8 @@ pub async fn build(cl: &CommandLine, history: Option<&History>) -> Result<BuiltA
     for (i, d) in computed {
         let (_, abs, meta) = &w.files[i];
         // Re-check after hashing: a file written meanwhile must not be remembered.
-        let now_meta = std::fs::symlink_metadata(abs).map_err(|e| Error::io(format!("stat input {}", abs.display()), e))?;
+        let now_meta =
+            std::fs::symlink_metadata(abs).map_err(|e| Error::io(format!("stat input {}", abs.display()), e))?;
         let key = FileKey::of(meta);
         let settled = meta
             .modified()

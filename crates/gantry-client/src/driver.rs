@@ -14,11 +14,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::google::longrunning::operations_client::OperationsClient;
 use gantry_core::google::longrunning::{operation, CancelOperationRequest};
 use gantry_core::reapi::action_cache_client::ActionCacheClient;
 use gantry_core::reapi::execution_client::ExecutionClient;
-use gantry_core::reapi::{ActionResult, ExecuteRequest, ExecuteResponse, GetActionResultRequest, UpdateActionResultRequest};
+use gantry_core::reapi::{
+    ActionResult, ExecuteRequest, ExecuteResponse, GetActionResultRequest, UpdateActionResultRequest,
+};
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BlobStore, Digest, DigestFunction};
 use gantry_dynamic::coordinator::{Branch, Command, Coordinator, Event, Outcome, RaceConfig, RaceReport, Strategy};
@@ -28,7 +31,6 @@ use gantry_worker::outputs::{Declared, Uploader};
 use gantry_worker::process;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
-use gantry_core::client::GrpcChannel as Channel;
 
 use crate::action::{self, BlobSource, BuiltAction, CommandLine};
 use crate::history::History;
@@ -148,7 +150,10 @@ impl Remote {
                 BlobSource::File(p) => {
                     let got = up.upload_file(p).await?;
                     if got != *d {
-                        return Err(Error::invalid(format!("input {} changed while gantry run was using it", p.display())));
+                        return Err(Error::invalid(format!(
+                            "input {} changed while gantry run was using it",
+                            p.display()
+                        )));
                     }
                 }
             }
@@ -201,7 +206,8 @@ fn stage_inputs(built: &BuiltAction, exec: &Path) -> Result<()> {
         if let Some(parent) = p.parent() {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
         }
-        std::os::unix::fs::symlink(target, &p).map_err(|e| Error::io(format!("creating symlink {}", p.display()), e))?;
+        std::os::unix::fs::symlink(target, &p)
+            .map_err(|e| Error::io(format!("creating symlink {}", p.display()), e))?;
     }
     let cwd = exec.join(&built.workdir);
     for o in &built.command.output_paths {
@@ -212,7 +218,12 @@ fn stage_inputs(built: &BuiltAction, exec: &Path) -> Result<()> {
     Ok(())
 }
 
-async fn local_branch(built: Arc<BuiltAction>, stage: PathBuf, cancel: watch::Receiver<bool>, tx: mpsc::UnboundedSender<Msg>) {
+async fn local_branch(
+    built: Arc<BuiltAction>,
+    stage: PathBuf,
+    cancel: watch::Receiver<bool>,
+    tx: mpsc::UnboundedSender<Msg>,
+) {
     let exec = stage.join("exec");
     let b2 = built.clone();
     let e2 = exec.clone();
@@ -268,7 +279,11 @@ async fn local_branch(built: Arc<BuiltAction>, stage: PathBuf, cancel: watch::Re
                     .map(|o| Staged { rel: o.clone(), path: cwd.join(o) })
                     .collect();
                 let data = BranchData { staged, stdout: read(&out), stderr: read(&err) };
-                Msg { event: Some(Event::LocalReadyToWrite { exit_code }), data: Some((Branch::Local, data)), ..Default::default() }
+                Msg {
+                    event: Some(Event::LocalReadyToWrite { exit_code }),
+                    data: Some((Branch::Local, data)),
+                    ..Default::default()
+                }
             }
         },
     };
@@ -297,13 +312,23 @@ async fn remote_branch(
     let _ = tx.send(msg);
 }
 
-async fn download(remote: &Remote, result: &ActionResult, stage: &Path, cancel: &watch::Receiver<bool>, hit: bool) -> Msg {
+async fn download(
+    remote: &Remote,
+    result: &ActionResult,
+    stage: &Path,
+    cancel: &watch::Receiver<bool>,
+    hit: bool,
+) -> Msg {
     let exit_code = result.exit_code;
     match or_cancel(cancel, remote.downloader().result(result, stage)).await {
         None => ev(Event::CancelConfirmed(Branch::Remote)),
         Some(Err(e)) => ev(Event::RemoteFailed { reason: format!("downloading outputs: {e}") }),
         Some(Ok((staged, stdout, stderr))) => Msg {
-            event: Some(if hit { Event::RemoteCacheHit { exit_code } } else { Event::RemoteReadyToWrite { exit_code } }),
+            event: Some(if hit {
+                Event::RemoteCacheHit { exit_code }
+            } else {
+                Event::RemoteReadyToWrite { exit_code }
+            }),
             data: Some((Branch::Remote, BranchData { staged, stdout, stderr })),
             ..Default::default()
         },
@@ -531,7 +556,10 @@ pub async fn run(spec: RunSpec, interrupt: impl Future<Output = ()>) -> Result<R
                 Command::StartLocalNow => {
                     let t = TempDir::create(&root, "local")?;
                     let (ctx, crx) = watch::channel(false);
-                    tasks[0] = Some(spawn_named("run-local-branch", local_branch(built.clone(), t.path().to_owned(), crx, tx.clone())));
+                    tasks[0] = Some(spawn_named(
+                        "run-local-branch",
+                        local_branch(built.clone(), t.path().to_owned(), crx, tx.clone()),
+                    ));
                     temps[0] = Some(t);
                     cancels[0] = Some(ctx);
                 }
@@ -548,14 +576,21 @@ pub async fn run(spec: RunSpec, interrupt: impl Future<Output = ()>) -> Result<R
                         loop {
                             match OutputLock::try_acquire(&dir) {
                                 Ok(Some(lock)) => {
-                                    let _ = tx.send(Msg { event: Some(Event::OutputLockAcquired(b)), lock: Some(lock), ..Default::default() });
+                                    let _ = tx.send(Msg {
+                                        event: Some(Event::OutputLockAcquired(b)),
+                                        lock: Some(lock),
+                                        ..Default::default()
+                                    });
                                     return;
                                 }
                                 Ok(None) => tokio::time::sleep(Duration::from_millis(5)).await,
                                 Err(e) => {
                                     // Without the lock nothing may be written: report it as a write failure.
                                     tracing::error!(error = %e, "cannot take the output lock");
-                                    let _ = tx.send(Msg { lock: None, ..ev(Event::OutputsWriteFailed { reason: e.to_string() }) });
+                                    let _ = tx.send(Msg {
+                                        lock: None,
+                                        ..ev(Event::OutputsWriteFailed { reason: e.to_string() })
+                                    });
                                     return;
                                 }
                             }
@@ -623,4 +658,3 @@ pub async fn run(spec: RunSpec, interrupt: impl Future<Output = ()>) -> Result<R
 pub async fn stats(dir: &Path) -> Result<gantry_dynamic::race_stats::RaceStats> {
     History::open(dir).await?.race_stats().await
 }
-

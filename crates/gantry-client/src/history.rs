@@ -77,7 +77,8 @@ CREATE TABLE IF NOT EXISTS shapes (
 impl History {
     /// Opens (creating if needed) `dir/run.db`.
     pub async fn open(dir: &Path) -> Result<History> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating cache directory {}", dir.display()), e))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating cache directory {}", dir.display()), e))?;
         let path = dir.join(DB_FILE);
         let opts = SqliteConnectOptions::from_str("sqlite:")
             .map_err(|e| Error::History { path: path.display().to_string(), source: e })?
@@ -105,11 +106,12 @@ impl History {
 
     /// The remembered digest of `path`, if the file is unchanged since it was stored.
     pub async fn cached_digest(&self, path: &Path, key: &FileKey, f: DigestFunction) -> Result<Option<Digest>> {
-        let row = sqlx::query("SELECT dev, ino, size, mtime_ns, ctime_ns, function, hash FROM file_digests WHERE path = ?")
-            .bind(path.to_string_lossy().as_ref())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
+        let row =
+            sqlx::query("SELECT dev, ino, size, mtime_ns, ctime_ns, function, hash FROM file_digests WHERE path = ?")
+                .bind(path.to_string_lossy().as_ref())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
         let Some(row) = row else { return Ok(None) };
         let stored = FileKey {
             dev: row.get::<i64, _>(0) as u64,

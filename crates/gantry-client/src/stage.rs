@@ -104,7 +104,11 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     let cb = std::ffi::CString::new(b.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
     // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
     let r = unsafe { libc::renameat2(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), libc::RENAME_EXCHANGE) };
-    if r == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Moves the staged outputs into `outdir`, and moves away declared outputs the winner
@@ -152,7 +156,8 @@ pub struct Downloader {
 impl Downloader {
     pub async fn file(&self, d: Digest, path: &Path, executable: bool) -> Result<()> {
         use tokio::io::AsyncWriteExt;
-        let mut out = tokio::fs::File::create(path).await.map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        let mut out =
+            tokio::fs::File::create(path).await.map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
         if d.size > 0 {
             let mut s = self.cas.read(&d, 0, None).await?;
             while let Some(chunk) = s.next().await {
@@ -174,7 +179,11 @@ impl Downloader {
         match d {
             Some(p) => {
                 let d = Digest::from_proto(self.function, Some(p), what)?;
-                if d.size == 0 { Ok(Bytes::new()) } else { Ok(self.cas.get(&d).await?) }
+                if d.size == 0 {
+                    Ok(Bytes::new())
+                } else {
+                    Ok(self.cas.get(&d).await?)
+                }
             }
             None => Ok(Bytes::new()),
         }
@@ -205,10 +214,9 @@ impl Downloader {
             for sub in &d.directories {
                 check_name(&sub.name)?;
                 let digest = Digest::from_proto(self.function, sub.digest.as_ref(), &sub.name)?;
-                let child: Directory = children
-                    .get(&digest)
-                    .cloned()
-                    .ok_or_else(|| gantry_core::Error::invalid(format!("output tree {tree_digest} lacks directory {digest}")))?;
+                let child: Directory = children.get(&digest).cloned().ok_or_else(|| {
+                    gantry_core::Error::invalid(format!("output tree {tree_digest} lacks directory {digest}"))
+                })?;
                 queue.push((child, path.join(&sub.name)));
             }
         }
@@ -232,7 +240,8 @@ impl Downloader {
             staged.push(Staged { rel: o.path.clone(), path });
         }
         #[allow(deprecated)]
-        let links = result.output_symlinks.iter().chain(&result.output_file_symlinks).chain(&result.output_directory_symlinks);
+        let links =
+            result.output_symlinks.iter().chain(&result.output_file_symlinks).chain(&result.output_directory_symlinks);
         for l in links {
             if staged.iter().any(|s| s.rel == l.path) {
                 continue; // servers may report a symlink in both the new and old fields

@@ -828,36 +828,54 @@ impl AuthConfig {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         let check_perms = |what: &str, perms: &[String]| -> Result<(), ConfigError> {
             match perms.iter().find(|p| !PERMISSIONS.contains(&p.as_str())) {
-                Some(p) => Err(ConfigError::Invalid(format!("{what}: unknown permission {p:?}; known: {}", PERMISSIONS.join(", ")))),
+                Some(p) => Err(ConfigError::Invalid(format!(
+                    "{what}: unknown permission {p:?}; known: {}",
+                    PERMISSIONS.join(", ")
+                ))),
                 None => Ok(()),
             }
         };
         check_perms("auth.anonymous", &self.anonymous)?;
         for (name, g) in &self.grants {
             check_perms(&format!("auth.grants.{name}"), &g.permissions)?;
-            let valid = |p: &str| p == "*" || !p.contains('*') || p.strip_suffix("/*").is_some_and(|prefix| !prefix.contains('*'));
+            let valid = |p: &str| {
+                p == "*" || !p.contains('*') || p.strip_suffix("/*").is_some_and(|prefix| !prefix.contains('*'))
+            };
             if let Some(p) = g.instances.iter().find(|p| !valid(p)) {
-                return invalid(format!("auth.grants.{name}: instance pattern {p:?}: use \"*\", a name, or \"prefix/*\""));
+                return invalid(format!(
+                    "auth.grants.{name}: instance pattern {p:?}: use \"*\", a name, or \"prefix/*\""
+                ));
             }
         }
         let mut seen = std::collections::BTreeSet::new();
-        let all = self.tokens.iter().map(|t| ("auth.tokens", &t.name, &t.sha256)).chain(self.workers.tokens.iter().map(|t| ("auth.workers.tokens", &t.name, &t.sha256)));
+        let all = self
+            .tokens
+            .iter()
+            .map(|t| ("auth.tokens", &t.name, &t.sha256))
+            .chain(self.workers.tokens.iter().map(|t| ("auth.workers.tokens", &t.name, &t.sha256)));
         for (section, name, sha) in all {
             if sha.len() != 64 || !sha.chars().all(|c| c.is_ascii_hexdigit()) {
-                return invalid(format!("{section} {name:?}: sha256 must be 64 hex digits (gantry auth token prints one)"));
+                return invalid(format!(
+                    "{section} {name:?}: sha256 must be 64 hex digits (gantry auth token prints one)"
+                ));
             }
             if !seen.insert(sha.to_ascii_lowercase()) {
                 return invalid(format!("{section} {name:?}: the same sha256 is configured twice"));
             }
         }
-        let granted = self.tokens.iter().map(|t| ("auth.tokens", &t.name, &t.grants)).chain(self.certificates.iter().map(|c| ("auth.certificates", &c.name, &c.grants)));
+        let granted = self
+            .tokens
+            .iter()
+            .map(|t| ("auth.tokens", &t.name, &t.grants))
+            .chain(self.certificates.iter().map(|c| ("auth.certificates", &c.name, &c.grants)));
         for (section, name, grants) in granted {
             if let Some(g) = grants.iter().find(|g| !self.grants.contains_key(*g)) {
                 return invalid(format!("{section} {name:?}: grant {g:?} is not defined under [auth.grants]"));
             }
         }
         let mut names = std::collections::BTreeSet::new();
-        let dns = self.certificates.iter().map(|c| &c.dns_name).chain(self.workers.certificates.iter().map(|c| &c.dns_name));
+        let dns =
+            self.certificates.iter().map(|c| &c.dns_name).chain(self.workers.certificates.iter().map(|c| &c.dns_name));
         for d in dns {
             if d.trim().is_empty() || d.contains(char::is_whitespace) {
                 return invalid(format!("auth certificates: dns_name {d:?} is not a DNS name"));
@@ -920,13 +938,13 @@ impl Config {
                 s.read_chunk_size, s.max_batch_size
             )));
         }
-        if let Some(Workers::Classes(v)) = &self.execution.workers {
-            if let Some(c) = v.iter().find(|c| c.size_class == 0) {
-                return Err(ConfigError::Invalid(format!(
-                    "execution.workers: size_class must be at least 1 (found {} with count {})",
-                    c.size_class, c.count
-                )));
-            }
+        if let Some(Workers::Classes(v)) = &self.execution.workers
+            && let Some(c) = v.iter().find(|c| c.size_class == 0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "execution.workers: size_class must be at least 1 (found {} with count {})",
+                c.size_class, c.count
+            )));
         }
         if let Some(s) = &self.execution.scheduler {
             if !s.starts_with("grpc://") || s.len() <= "grpc://".len() {
@@ -942,13 +960,18 @@ impl Config {
         if b.runners > 0 && b.deadline.is_zero() {
             return Err(ConfigError::Invalid("batch.deadline must be greater than zero".into()));
         }
-        if let Some(t) = &self.server.tls {
-            if t.client_certificates == ClientCertificates::Optional && t.client_ca.is_none() {
-                return Err(ConfigError::Invalid("server.tls.client_certificates = \"optional\" needs server.tls.client_ca".into()));
-            }
+        if let Some(t) = &self.server.tls
+            && t.client_certificates == ClientCertificates::Optional
+            && t.client_ca.is_none()
+        {
+            return Err(ConfigError::Invalid(
+                "server.tls.client_certificates = \"optional\" needs server.tls.client_ca".into(),
+            ));
         }
         if b.tls_client_certificate.is_some() != b.tls_client_key.is_some() {
-            return Err(ConfigError::Invalid("batch.tls_client_certificate and batch.tls_client_key go together".into()));
+            return Err(ConfigError::Invalid(
+                "batch.tls_client_certificate and batch.tls_client_key go together".into(),
+            ));
         }
         if b.long_window < b.short_window || b.short_window.is_zero() {
             return Err(ConfigError::Invalid(format!(
@@ -1038,7 +1061,10 @@ impl Config {
 
     /// URL of the metadata database, resolved against `data_dir`.
     pub fn metadata_url(&self) -> String {
-        self.metadata.url.clone().unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
+        self.metadata
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("sqlite://{}", self.server.data_dir.join("metadata.db").display()))
     }
 }
 
@@ -1067,14 +1093,14 @@ impl S3StoreConfig {
                 ));
             }
         }
-        if let Some(e) = self.expire_after {
-            if e <= self.min_blob_lifetime {
-                return Err(ConfigError::Invalid(format!(
+        if let Some(e) = self.expire_after
+            && e <= self.min_blob_lifetime
+        {
+            return Err(ConfigError::Invalid(format!(
                     "cas.expire_after ({}) must be longer than cas.min_blob_lifetime ({}): no blob could be promised its lifetime",
                     humantime_serde::re::humantime::format_duration(e),
                     humantime_serde::re::humantime::format_duration(self.min_blob_lifetime)
                 )));
-            }
         }
         if self.region.trim().is_empty() {
             return Err(ConfigError::Invalid("cas.region must not be empty".into()));
@@ -1088,10 +1114,10 @@ impl S3StoreConfig {
         if self.max_concurrent_requests == 0 {
             return Err(ConfigError::Invalid("cas.max_concurrent_requests must be at least 1".into()));
         }
-        if let Some(l) = &self.local {
-            if l.max_size.as_u64() == 0 {
-                return Err(ConfigError::Invalid("cas.local.max_size must be greater than zero".into()));
-            }
+        if let Some(l) = &self.local
+            && l.max_size.as_u64() == 0
+        {
+            return Err(ConfigError::Invalid("cas.local.max_size must be greater than zero".into()));
         }
         Ok(())
     }
@@ -1144,7 +1170,10 @@ mod tests {
         let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\n").unwrap();
         let CasConfig::S3(s3) = &c.cas else { panic!("{:?}", c.cas) };
         assert_eq!((s3.region.as_str(), s3.prefix.as_str(), s3.endpoint.as_deref()), ("us-east-1", "", None));
-        assert_eq!((s3.max_concurrent_requests, s3.presence_ttl, s3.presence_entries), (64, Duration::from_secs(600), 1_000_000));
+        assert_eq!(
+            (s3.max_concurrent_requests, s3.presence_ttl, s3.presence_entries),
+            (64, Duration::from_secs(600), 1_000_000)
+        );
         assert!(s3.local.is_none());
         let c = parse(
             "[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nendpoint = \"http://127.0.0.1:9000\"\nregion = \"eu-west-1\"\nprefix = \"cas/\"\n[cas.local]\nmax_size = \"2GiB\"\n",
@@ -1160,9 +1189,15 @@ mod tests {
         let CasConfig::S3(s3) = &c.cas else { panic!() };
         assert_eq!(s3.local.as_ref().unwrap().max_size, ByteSize::gib(20));
         assert_eq!((s3.expire_after, s3.min_blob_lifetime), (None, Duration::from_secs(6 * 3600)));
-        let c = parse("[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nexpire_after = \"30days\"\nmin_blob_lifetime = \"12h\"\n").unwrap();
+        let c = parse(
+            "[cas]\nkind = \"s3\"\nbucket = \"gantry-cas\"\nexpire_after = \"30days\"\nmin_blob_lifetime = \"12h\"\n",
+        )
+        .unwrap();
         let CasConfig::S3(s3) = &c.cas else { panic!() };
-        assert_eq!((s3.expire_after, s3.min_blob_lifetime), (Some(Duration::from_secs(30 * 86_400)), Duration::from_secs(12 * 3600)));
+        assert_eq!(
+            (s3.expire_after, s3.min_blob_lifetime),
+            (Some(Duration::from_secs(30 * 86_400)), Duration::from_secs(12 * 3600))
+        );
         assert!(parse("[cas]\nkind = \"s3\"").unwrap_err().to_string().contains("bucket"));
         for (bad, what) in [
             ("bucket = \"Gantry_CAS\"", "bucket"),
@@ -1186,7 +1221,10 @@ mod tests {
         let c = parse("[execution]\nworkers = [{size_class = 1, count = 2}, {size_class = 4, count = 1}]\nmemory_per_size_class = \"512MiB\"").unwrap();
         assert_eq!(c.execution.workers.unwrap().classes(), vec![(1, 2), (4, 1)]);
         assert_eq!(c.execution.memory_per_size_class.unwrap().as_u64(), 512 << 20);
-        assert!(parse("[execution]\nworkers = [{size_class = 0, count = 1}]").unwrap_err().to_string().contains("size_class"));
+        assert!(parse("[execution]\nworkers = [{size_class = 0, count = 1}]")
+            .unwrap_err()
+            .to_string()
+            .contains("size_class"));
         assert!(parse("[execution.size_classes]\nexponent = 0.2").is_err());
     }
 
@@ -1246,7 +1284,10 @@ mod tests {
 
     #[test]
     fn metadata_section() {
-        let c = parse("[metadata]\nurl = \"postgres://gantry@db:5432/gantry\"\nmax_connections = 32\nconnect_timeout = \"3s\"").unwrap();
+        let c = parse(
+            "[metadata]\nurl = \"postgres://gantry@db:5432/gantry\"\nmax_connections = 32\nconnect_timeout = \"3s\"",
+        )
+        .unwrap();
         assert_eq!(c.metadata_url(), "postgres://gantry@db:5432/gantry");
         assert_eq!(c.metadata.max_connections, 32);
         assert_eq!(c.metadata.connect_timeout, Duration::from_secs(3));
@@ -1254,10 +1295,15 @@ mod tests {
 
     #[test]
     fn retention_section() {
-        let c = parse("[retention]\ninterval = \"10s\"\n[retention.execution_log]\nmax_age = \"7days\"\nmax_rows = 0").unwrap();
+        let c = parse("[retention]\ninterval = \"10s\"\n[retention.execution_log]\nmax_age = \"7days\"\nmax_rows = 0")
+            .unwrap();
         assert_eq!(c.retention.interval, Duration::from_secs(10));
         assert_eq!(c.retention.execution_log, RetentionBound { max_age: Duration::from_secs(7 * 86400), max_rows: 0 });
-        assert_eq!(c.retention.action_cache, RetentionConfig::default().action_cache, "untouched tables keep their defaults");
+        assert_eq!(
+            c.retention.action_cache,
+            RetentionConfig::default().action_cache,
+            "untouched tables keep their defaults"
+        );
         let err = |t: &str| parse(t).unwrap_err().to_string();
         assert!(err("[retention.builds]\nmax_age = \"1d\"").contains("max_rows"), "a bound names both limits");
         assert!(err("[retention.action_cache]\nmax_age = \"1d\"\nmax_rows = 1\nmax_bytes = 1").contains("unknown"));

@@ -34,7 +34,11 @@ pub fn referenced_blobs(function: crate::DigestFunction, result: &ActionResult) 
     }
     let mut trees = Vec::new();
     for (i, o) in result.output_directories.iter().enumerate() {
-        trees.push(Digest::from_proto(function, o.tree_digest.as_ref(), &format!("output_directories[{i}].tree_digest"))?);
+        trees.push(Digest::from_proto(
+            function,
+            o.tree_digest.as_ref(),
+            &format!("output_directories[{i}].tree_digest"),
+        )?);
     }
     for (d, field) in [(&result.stdout_digest, "stdout_digest"), (&result.stderr_digest, "stderr_digest")] {
         if d.is_some() {

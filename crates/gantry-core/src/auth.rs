@@ -81,7 +81,11 @@ pub fn instance_matches(pattern: &str, instance: &str) -> bool {
         return true;
     }
     match pattern.strip_suffix("/*") {
-        Some(prefix) => instance.len() > prefix.len() + 1 && instance.starts_with(prefix) && instance.as_bytes()[prefix.len()] == b'/',
+        Some(prefix) => {
+            instance.len() > prefix.len() + 1
+                && instance.starts_with(prefix)
+                && instance.as_bytes()[prefix.len()] == b'/'
+        }
         None => pattern == instance,
     }
 }
@@ -158,7 +162,11 @@ pub fn check(caller: &Caller, permission: Permission, instance: &str) -> Result<
 pub fn require_somewhere<T>(req: &tonic::Request<T>, permission: Permission) -> Result<(), tonic::Status> {
     match caller(req) {
         Caller::Unrestricted => Ok(()),
-        Caller::Identity(id) if id.principal == Principal::Client && id.grants.iter().any(|g| g.permissions.contains(&permission)) => Ok(()),
+        Caller::Identity(id)
+            if id.principal == Principal::Client && id.grants.iter().any(|g| g.permissions.contains(&permission)) =>
+        {
+            Ok(())
+        }
         Caller::Identity(id) => Err(tonic::Status::permission_denied(format!(
             "permission '{}' is not granted to '{}' on any instance",
             permission.name(),
@@ -184,7 +192,11 @@ mod tests {
     use super::*;
 
     fn grant(instances: &[&str], perms: &[Permission]) -> Grant {
-        Grant { name: "g".into(), instances: instances.iter().map(|s| s.to_string()).collect(), permissions: perms.iter().copied().collect() }
+        Grant {
+            name: "g".into(),
+            instances: instances.iter().map(|s| s.to_string()).collect(),
+            permissions: perms.iter().copied().collect(),
+        }
     }
 
     fn id(principal: Principal, grants: Vec<Grant>) -> Identity {
@@ -209,7 +221,10 @@ mod tests {
 
     #[test]
     fn decisions() {
-        let dev = id(Principal::Client, vec![grant(&["main", "dev/*"], &[Permission::Read, Permission::WriteCas, Permission::Execute])]);
+        let dev = id(
+            Principal::Client,
+            vec![grant(&["main", "dev/*"], &[Permission::Read, Permission::WriteCas, Permission::Execute])],
+        );
         assert!(dev.check(Permission::Read, "main").is_ok());
         assert!(dev.check(Permission::Execute, "dev/alice").is_ok());
         let e = dev.check(Permission::WriteAc, "main").unwrap_err();
@@ -217,7 +232,8 @@ mod tests {
         assert!(e.to_string().contains("write_ac") && e.to_string().contains("'main'"), "{e}");
         assert!(dev.check(Permission::Read, "prod").is_err(), "another instance");
         // Grants add up.
-        let both = id(Principal::Client, vec![grant(&["a"], &[Permission::Read]), grant(&["b"], &[Permission::WriteAc])]);
+        let both =
+            id(Principal::Client, vec![grant(&["a"], &[Permission::Read]), grant(&["b"], &[Permission::WriteAc])]);
         assert!(both.check(Permission::Read, "a").is_ok() && both.check(Permission::WriteAc, "b").is_ok());
         assert!(both.check(Permission::WriteAc, "a").is_err());
         // A worker credential reaches the CAS for its actions and nothing else, whatever

@@ -76,7 +76,8 @@ impl Credentials {
         }
         if let Ok(path) = std::env::var("GANTRY_TOKEN_FILE") {
             let text = std::fs::read_to_string(&path).map_err(|e| Error::io(format!("GANTRY_TOKEN_FILE {path}"), e))?;
-            return Self::token(text.lines().next().unwrap_or("")).map_err(|e| e.context(format_args!("GANTRY_TOKEN_FILE {path}")));
+            return Self::token(text.lines().next().unwrap_or(""))
+                .map_err(|e| e.context(format_args!("GANTRY_TOKEN_FILE {path}")));
         }
         Ok(Credentials::default())
     }
@@ -128,10 +129,8 @@ pub fn connect_lazy(target: &str) -> Result<GrpcChannel> {
 
 /// A channel to `target`, connected now: an unreachable server is an error here.
 pub async fn connect(target: &str) -> Result<GrpcChannel> {
-    let channel = endpoint(target)?
-        .connect()
-        .await
-        .map_err(|e| Error::Unavailable(format!("connecting to {target}: {e}")))?;
+    let channel =
+        endpoint(target)?.connect().await.map_err(|e| Error::Unavailable(format!("connecting to {target}: {e}")))?;
     Ok(InterceptedService::new(channel, Credentials::from_env()?))
 }
 

@@ -140,10 +140,7 @@ impl Digest {
             )));
         }
         if hash_hex.bytes().any(|b| !matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-            return Err(Error::invalid(format!(
-                "hash '{}' is not lower-case hexadecimal",
-                truncate(hash_hex)
-            )));
+            return Err(Error::invalid(format!("hash '{}' is not lower-case hexadecimal", truncate(hash_hex))));
         }
         if size < 0 {
             return Err(Error::invalid(format!("size_bytes {size} is negative")));
@@ -173,7 +170,11 @@ impl Digest {
 }
 
 fn truncate(s: &str) -> String {
-    if s.len() > 80 { format!("{}...", &s[..s.char_indices().nth(77).map_or(s.len(), |c| c.0)]) } else { s.to_string() }
+    if s.len() > 80 {
+        format!("{}...", &s[..s.char_indices().nth(77).map_or(s.len(), |c| c.0)])
+    } else {
+        s.to_string()
+    }
 }
 
 impl fmt::Display for Digest {

@@ -70,9 +70,7 @@ impl Error {
             // A missing file deep in a backend is a server fault, not the client's NOT_FOUND;
             // backends convert the cases that really mean "no such blob" themselves.
             Error::Io { source, .. } => match source.kind() {
-                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
-                    tonic::Code::ResourceExhausted
-                }
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => tonic::Code::ResourceExhausted,
                 _ => tonic::Code::Internal,
             },
         }
@@ -116,7 +114,9 @@ impl Error {
 pub fn missing_details(subjects: impl Iterator<Item = String>) -> crate::google::protobuf::Any {
     use gantry_proto::rpc::{precondition_failure::Violation, PreconditionFailure};
     let pf = PreconditionFailure {
-        violations: subjects.map(|s| Violation { r#type: "MISSING".into(), subject: s, description: String::new() }).collect(),
+        violations: subjects
+            .map(|s| Violation { r#type: "MISSING".into(), subject: s, description: String::new() })
+            .collect(),
     };
     crate::google::protobuf::Any {
         type_url: "type.googleapis.com/google.rpc.PreconditionFailure".into(),
@@ -185,6 +185,9 @@ mod tests {
         assert_eq!(st.details[0].type_url, "type.googleapis.com/google.rpc.PreconditionFailure");
         let pf = PreconditionFailure::decode(st.details[0].value.as_slice()).unwrap();
         assert_eq!(pf.violations.len(), 1);
-        assert_eq!((pf.violations[0].r#type.as_str(), pf.violations[0].subject.clone()), ("MISSING", crate::resource::missing_subject(&d)));
+        assert_eq!(
+            (pf.violations[0].r#type.as_str(), pf.violations[0].subject.clone()),
+            ("MISSING", crate::resource::missing_subject(&d))
+        );
     }
 }

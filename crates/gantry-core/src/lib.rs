@@ -23,8 +23,8 @@ pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
-pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore, ESU_MEMORY_BYTES};
+pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use task::TaskGuard;
 
 /// Re-export of the generated REAPI types so downstream crates name one path.

@@ -1,7 +1,7 @@
 //! ByteStream resource names, as REAPI defines them:
 //!
-//! - read:  `[{instance}/]blobs/[{function}/]{hash}/{size}[/{metadata}]`
-//!          `[{instance}/]compressed-blobs/{compressor}/[{function}/]{hash}/{size}`
+//! - read:  `[{instance}/]blobs/[{function}/]{hash}/{size}[/{metadata}]` and
+//!   `[{instance}/]compressed-blobs/{compressor}/[{function}/]{hash}/{size}`
 //! - write: `[{instance}/]uploads/{uuid}/blobs/...` and `.../uploads/{uuid}/compressed-blobs/...`
 //!
 //! The instance name is everything before the first reserved segment, which is why instance
@@ -77,7 +77,11 @@ pub fn blob_path(d: &Digest) -> String {
 }
 
 fn instance_prefix(instance: &str) -> String {
-    if instance.is_empty() { String::new() } else { format!("{instance}/") }
+    if instance.is_empty() {
+        String::new()
+    } else {
+        format!("{instance}/")
+    }
 }
 
 /// The name to read a blob with: `[{instance}/]blobs/...`.
@@ -98,7 +102,11 @@ pub fn missing_subject(d: &Digest) -> String {
 }
 
 fn shorten(s: &str) -> String {
-    if s.len() <= 200 { s.to_string() } else { format!("{}...", &s[..s.char_indices().nth(197).map_or(s.len(), |c| c.0)]) }
+    if s.len() <= 200 {
+        s.to_string()
+    } else {
+        format!("{}...", &s[..s.char_indices().nth(197).map_or(s.len(), |c| c.0)])
+    }
 }
 
 fn parse(name: &str) -> Result<ResourceName> {
@@ -134,7 +142,9 @@ fn parse(name: &str) -> Result<ResourceName> {
                 "zstd" => Compressor::Zstd,
                 "identity" => Compressor::Identity,
                 "" => return Err(Error::invalid("missing compressor after 'compressed-blobs/'")),
-                other => return Err(Error::invalid(format!("compressor '{other}' is not supported (supported: zstd)"))),
+                other => {
+                    return Err(Error::invalid(format!("compressor '{other}' is not supported (supported: zstd)")))
+                }
             }
         }
         "" => return Err(Error::invalid("missing 'blobs' or 'compressed-blobs' after the upload id")),
@@ -150,9 +160,8 @@ fn parse(name: &str) -> Result<ResourceName> {
         return Err(Error::invalid("missing hash"));
     }
     let size_str = rest.get(1).copied().ok_or_else(|| Error::invalid("missing size after the hash"))?;
-    let size: i64 = size_str
-        .parse()
-        .map_err(|_| Error::invalid(format!("size '{size_str}' is not a non-negative integer")))?;
+    let size: i64 =
+        size_str.parse().map_err(|_| Error::invalid(format!("size '{size_str}' is not a non-negative integer")))?;
     // A compressed resource may not carry trailing metadata; an uncompressed one may.
     if compressor == Compressor::Zstd && rest.len() > 2 {
         return Err(Error::invalid(format!("unexpected trailing segment '{}' after the size", rest[2])));

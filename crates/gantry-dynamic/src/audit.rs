@@ -24,8 +24,8 @@
 
 use std::time::Duration;
 
-use crate::Error;
 use crate::coordinator::{Branch, Command, Event, Outcome, RaceConfig, RunResult, Strategy};
+use crate::Error;
 
 /// One `handle` call: the event delivered and the commands it produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,15 +45,8 @@ pub struct AuditSummary {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum First {
-    Success {
-        branch: Branch,
-        exit_code: i32,
-        from_cache: bool,
-    },
-    Failure {
-        branch: Branch,
-        reason: String,
-    },
+    Success { branch: Branch, exit_code: i32, from_cache: bool },
+    Failure { branch: Branch, reason: String },
     CacheMiss,
 }
 
@@ -130,46 +123,24 @@ impl Model {
             Event::LocalReadyToWrite { exit_code } => result(
                 self,
                 Branch::Local,
-                First::Success {
-                    branch: Branch::Local,
-                    exit_code: *exit_code,
-                    from_cache: false,
-                },
+                First::Success { branch: Branch::Local, exit_code: *exit_code, from_cache: false },
             ),
             Event::RemoteReadyToWrite { exit_code } => result(
                 self,
                 Branch::Remote,
-                First::Success {
-                    branch: Branch::Remote,
-                    exit_code: *exit_code,
-                    from_cache: false,
-                },
+                First::Success { branch: Branch::Remote, exit_code: *exit_code, from_cache: false },
             ),
             Event::RemoteCacheHit { exit_code } => result(
                 self,
                 Branch::Remote,
-                First::Success {
-                    branch: Branch::Remote,
-                    exit_code: *exit_code,
-                    from_cache: true,
-                },
+                First::Success { branch: Branch::Remote, exit_code: *exit_code, from_cache: true },
             ),
-            Event::LocalFailed { reason } => result(
-                self,
-                Branch::Local,
-                First::Failure {
-                    branch: Branch::Local,
-                    reason: reason.clone(),
-                },
-            ),
-            Event::RemoteFailed { reason } => result(
-                self,
-                Branch::Remote,
-                First::Failure {
-                    branch: Branch::Remote,
-                    reason: reason.clone(),
-                },
-            ),
+            Event::LocalFailed { reason } => {
+                result(self, Branch::Local, First::Failure { branch: Branch::Local, reason: reason.clone() })
+            }
+            Event::RemoteFailed { reason } => {
+                result(self, Branch::Remote, First::Failure { branch: Branch::Remote, reason: reason.clone() })
+            }
             Event::RemoteCacheMiss if config.strategy == Strategy::CacheOnly => {
                 result(self, Branch::Remote, First::CacheMiss)
             }
@@ -234,15 +205,9 @@ impl Model {
                 }
             }
             Command::CancelLocal | Command::CancelRemote => {
-                let b = if *cmd == Command::CancelLocal {
-                    Branch::Local
-                } else {
-                    Branch::Remote
-                };
+                let b = if *cmd == Command::CancelLocal { Branch::Local } else { Branch::Remote };
                 if !self.started[idx(b)] || self.cancelled[idx(b)] {
-                    return Err(format!(
-                        "cancel of {b:?} that was not started or already cancelled"
-                    ));
+                    return Err(format!("cancel of {b:?} that was not started or already cancelled"));
                 }
                 if self.quiescent[idx(b)] {
                     return Err(format!("cancel of {b:?} after it finished"));
@@ -256,9 +221,7 @@ impl Model {
                 match &self.first {
                     Some(First::Success { branch, .. }) if branch == b => {}
                     _ => {
-                        return Err(format!(
-                            "lock requested for {b:?}, which did not finish first with success"
-                        ));
+                        return Err(format!("lock requested for {b:?}, which did not finish first with success"));
                     }
                 }
                 self.lock_requested = Some(*b);
@@ -271,9 +234,7 @@ impl Model {
                     return Err(format!("WriteOutputs({b:?}) without holding the lock"));
                 }
                 if self.cleaned[idx(*b)] {
-                    return Err(format!(
-                        "WriteOutputs({b:?}) after its temp dir was cleaned"
-                    ));
+                    return Err(format!("WriteOutputs({b:?}) after its temp dir was cleaned"));
                 }
                 self.write = Some(*b);
             }
@@ -292,9 +253,7 @@ impl Model {
                     return Err(format!("cleanup of {b:?}: not started or cleaned twice"));
                 }
                 if !self.quiescent[i] {
-                    return Err(format!(
-                        "cleanup of {b:?} while it may still write to its temp dir"
-                    ));
+                    return Err(format!("cleanup of {b:?} while it may still write to its temp dir"));
                 }
                 if self.write == Some(*b) && self.write_result.is_none() {
                     return Err(format!("cleanup of {b:?} during its write"));
@@ -322,17 +281,9 @@ impl Model {
                 let want_upload = config.upload_local_results
                     && self.aborted.is_none()
                     && expected.winner == Some(Branch::Local)
-                    && expected.result
-                        == RunResult::Completed {
-                            exit_code: 0,
-                            from_cache: false,
-                        };
+                    && expected.result == RunResult::Completed { exit_code: 0, from_cache: false };
                 if self.uploads != usize::from(want_upload) {
-                    return Err(format!(
-                        "{} uploads, expected {}",
-                        self.uploads,
-                        usize::from(want_upload)
-                    ));
+                    return Err(format!("{} uploads, expected {}", self.uploads, usize::from(want_upload)));
                 }
                 self.finished = Some(outcome.clone());
             }
@@ -341,47 +292,26 @@ impl Model {
     }
 
     fn expected_outcome(&self) -> Result<Outcome, String> {
-        let abort = || {
-            self.aborted
-                .clone()
-                .ok_or_else(|| "finished without a decision or an abort".to_string())
-        };
+        let abort = || self.aborted.clone().ok_or_else(|| "finished without a decision or an abort".to_string());
         Ok(match &self.first {
-            Some(First::Failure { branch, reason }) => Outcome {
-                winner: Some(*branch),
-                result: RunResult::BranchFailed {
-                    reason: reason.clone(),
-                },
-            },
-            Some(First::CacheMiss) => Outcome {
-                winner: Some(Branch::Remote),
-                result: RunResult::CacheMiss,
-            },
-            Some(First::Success {
-                branch,
-                exit_code,
-                from_cache,
-            }) => {
+            Some(First::Failure { branch, reason }) => {
+                Outcome { winner: Some(*branch), result: RunResult::BranchFailed { reason: reason.clone() } }
+            }
+            Some(First::CacheMiss) => Outcome { winner: Some(Branch::Remote), result: RunResult::CacheMiss },
+            Some(First::Success { branch, exit_code, from_cache }) => {
                 let result = match (&self.write, &self.write_result) {
-                    (Some(w), Some(Ok(()))) if w == branch => RunResult::Completed {
-                        exit_code: *exit_code,
-                        from_cache: *from_cache,
-                    },
-                    (Some(w), Some(Err(reason))) if w == branch => RunResult::OutputsWriteFailed {
-                        reason: reason.clone(),
-                    },
+                    (Some(w), Some(Ok(()))) if w == branch => {
+                        RunResult::Completed { exit_code: *exit_code, from_cache: *from_cache }
+                    }
+                    (Some(w), Some(Err(reason))) if w == branch => {
+                        RunResult::OutputsWriteFailed { reason: reason.clone() }
+                    }
                     (None, _) => abort()?,
                     other => return Err(format!("inconsistent write state {other:?}")),
                 };
-                Outcome {
-                    winner: Some(*branch),
-                    result,
-                }
+                Outcome { winner: Some(*branch), result }
             }
-            None => Outcome {
-                winner: None,
-                result: abort()?,
-            },
+            None => Outcome { winner: None, result: abort()? },
         })
     }
 }

@@ -91,11 +91,7 @@ pub struct RaceConfig {
 impl RaceConfig {
     /// Convenience constructor for a dynamic race with the given delay plan.
     pub fn dynamic(delay: DelayPlan) -> RaceConfig {
-        RaceConfig {
-            strategy: Strategy::Dynamic,
-            delay,
-            upload_local_results: true,
-        }
+        RaceConfig { strategy: Strategy::Dynamic, delay, upload_local_results: true }
     }
 }
 
@@ -211,10 +207,7 @@ enum BranchState {
 
 impl BranchState {
     fn quiescent(self) -> bool {
-        matches!(
-            self,
-            BranchState::Ready | BranchState::Failed | BranchState::Stopped
-        )
+        matches!(self, BranchState::Ready | BranchState::Failed | BranchState::Stopped)
     }
 }
 
@@ -387,9 +380,7 @@ impl Coordinator {
             self.mark_started(Branch::Local, now);
         } else {
             cmds.push(Command::StartLocalAfter(delay));
-            self.state[Branch::Local.idx()] = BranchState::Delayed {
-                deadline: now + delay,
-            };
+            self.state[Branch::Local.idx()] = BranchState::Delayed { deadline: now + delay };
         }
     }
 
@@ -431,36 +422,17 @@ impl Coordinator {
                     false
                 }
             }
-            Event::LocalReadyToWrite { exit_code } => self.on_terminal(
-                now,
-                Branch::Local,
-                DecisionKind::Success {
-                    exit_code,
-                    from_cache: false,
-                },
-            ),
-            Event::LocalFailed { reason } => {
-                self.on_terminal(now, Branch::Local, DecisionKind::Failure { reason })
+            Event::LocalReadyToWrite { exit_code } => {
+                self.on_terminal(now, Branch::Local, DecisionKind::Success { exit_code, from_cache: false })
             }
-            Event::RemoteCacheHit { exit_code } => self.on_terminal(
-                now,
-                Branch::Remote,
-                DecisionKind::Success {
-                    exit_code,
-                    from_cache: true,
-                },
-            ),
-            Event::RemoteReadyToWrite { exit_code } => self.on_terminal(
-                now,
-                Branch::Remote,
-                DecisionKind::Success {
-                    exit_code,
-                    from_cache: false,
-                },
-            ),
-            Event::RemoteFailed { reason } => {
-                self.on_terminal(now, Branch::Remote, DecisionKind::Failure { reason })
+            Event::LocalFailed { reason } => self.on_terminal(now, Branch::Local, DecisionKind::Failure { reason }),
+            Event::RemoteCacheHit { exit_code } => {
+                self.on_terminal(now, Branch::Remote, DecisionKind::Success { exit_code, from_cache: true })
             }
+            Event::RemoteReadyToWrite { exit_code } => {
+                self.on_terminal(now, Branch::Remote, DecisionKind::Success { exit_code, from_cache: false })
+            }
+            Event::RemoteFailed { reason } => self.on_terminal(now, Branch::Remote, DecisionKind::Failure { reason }),
             Event::RemoteCacheMiss => self.on_cache_miss(now, cmds),
             Event::CancelConfirmed(b) => {
                 if self.state[b.idx()] == BranchState::Cancelling {
@@ -535,15 +507,8 @@ impl Coordinator {
         match self.state[b.idx()] {
             BranchState::Running => {
                 let failed = !matches!(kind, DecisionKind::Success { .. });
-                self.state[b.idx()] = if failed {
-                    BranchState::Failed
-                } else {
-                    BranchState::Ready
-                };
-                if let DecisionKind::Success {
-                    from_cache: true, ..
-                } = kind
-                {
+                self.state[b.idx()] = if failed { BranchState::Failed } else { BranchState::Ready };
+                if let DecisionKind::Success { from_cache: true, .. } = kind {
                     self.report.remote_from_cache = true;
                 }
                 let times = self.times_mut(b);
@@ -594,10 +559,7 @@ impl Coordinator {
         }
 
         let success_winner = match &self.decision {
-            Some(Decision {
-                winner,
-                kind: DecisionKind::Success { .. },
-            }) => Some(*winner),
+            Some(Decision { winner, kind: DecisionKind::Success { .. } }) => Some(*winner),
             _ => None,
         };
         match (&self.commit, success_winner, self.abort) {
@@ -621,11 +583,7 @@ impl Coordinator {
         };
         for b in Branch::BOTH {
             let i = b.idx();
-            if self.started[i]
-                && !self.cleaned[i]
-                && self.state[i].quiescent()
-                && committing != Some(b)
-            {
+            if self.started[i] && !self.cleaned[i] && self.state[i].quiescent() && committing != Some(b) {
                 cmds.push(Command::CleanupTemp(b));
                 self.cleaned[i] = true;
             }
@@ -637,11 +595,7 @@ impl Coordinator {
             let upload = self.config.upload_local_results
                 && self.abort.is_none()
                 && outcome.winner == Some(Branch::Local)
-                && outcome.result
-                    == RunResult::Completed {
-                        exit_code: 0,
-                        from_cache: false,
-                    };
+                && outcome.result == RunResult::Completed { exit_code: 0, from_cache: false };
             if upload {
                 cmds.push(Command::UploadLocalResult);
             }
@@ -655,24 +609,13 @@ impl Coordinator {
     fn final_outcome(&self) -> Outcome {
         let winner = self.decision.as_ref().map(|d| d.winner);
         let result = match (self.decision.as_ref().map(|d| &d.kind), &self.commit) {
-            (Some(DecisionKind::Failure { reason }), _) => RunResult::BranchFailed {
-                reason: reason.clone(),
-            },
+            (Some(DecisionKind::Failure { reason }), _) => RunResult::BranchFailed { reason: reason.clone() },
             (Some(DecisionKind::CacheMiss), _) => RunResult::CacheMiss,
-            (
-                Some(DecisionKind::Success {
-                    exit_code,
-                    from_cache,
-                }),
-                Commit::Written,
-            ) => RunResult::Completed {
-                exit_code: *exit_code,
-                from_cache: *from_cache,
-            },
+            (Some(DecisionKind::Success { exit_code, from_cache }), Commit::Written) => {
+                RunResult::Completed { exit_code: *exit_code, from_cache: *from_cache }
+            }
             (Some(DecisionKind::Success { .. }), Commit::WriteFailed(reason)) => {
-                RunResult::OutputsWriteFailed {
-                    reason: reason.clone(),
-                }
+                RunResult::OutputsWriteFailed { reason: reason.clone() }
             }
             // Settled without a decision or without committing: an abort did it.
             _ => match self.abort {
@@ -693,10 +636,7 @@ mod tests {
     }
 
     fn plan(initial: u64, after_miss: u64) -> DelayPlan {
-        DelayPlan {
-            initial: ms(initial),
-            after_miss: ms(after_miss),
-        }
+        DelayPlan { initial: ms(initial), after_miss: ms(after_miss) }
     }
 
     #[test]
@@ -704,10 +644,7 @@ mod tests {
         let mut c = Coordinator::new(RaceConfig::dynamic(plan(500, 0)));
         assert_eq!(
             c.handle(ms(0), Event::Start),
-            vec![
-                Command::StartRemote { cache_only: false },
-                Command::StartLocalAfter(ms(500))
-            ]
+            vec![Command::StartRemote { cache_only: false }, Command::StartLocalAfter(ms(500))]
         );
         assert_eq!(
             c.handle(ms(200), Event::RemoteCacheHit { exit_code: 0 }),
@@ -719,20 +656,11 @@ mod tests {
             c.handle(ms(500), Event::OutputLockAcquired(Branch::Remote)),
             vec![Command::WriteOutputs(Branch::Remote)]
         );
-        let done = Outcome {
-            winner: Some(Branch::Remote),
-            result: RunResult::Completed {
-                exit_code: 0,
-                from_cache: true,
-            },
-        };
+        let done =
+            Outcome { winner: Some(Branch::Remote), result: RunResult::Completed { exit_code: 0, from_cache: true } };
         assert_eq!(
             c.handle(ms(510), Event::OutputsWritten),
-            vec![
-                Command::ReleaseOutputLock,
-                Command::CleanupTemp(Branch::Remote),
-                Command::Finish(done)
-            ]
+            vec![Command::ReleaseOutputLock, Command::CleanupTemp(Branch::Remote), Command::Finish(done)]
         );
         assert_eq!(c.report().ignored_events, 1);
     }
@@ -742,18 +670,12 @@ mod tests {
         let mut c = Coordinator::new(RaceConfig::dynamic(plan(0, 0)));
         assert_eq!(
             c.handle(ms(0), Event::Start),
-            vec![
-                Command::StartRemote { cache_only: false },
-                Command::StartLocalNow
-            ]
+            vec![Command::StartRemote { cache_only: false }, Command::StartLocalNow]
         );
         assert_eq!(c.handle(ms(30), Event::RemoteCacheMiss), vec![]);
         assert_eq!(
             c.handle(ms(900), Event::LocalReadyToWrite { exit_code: 0 }),
-            vec![
-                Command::CancelRemote,
-                Command::AcquireOutputLock(Branch::Local)
-            ]
+            vec![Command::CancelRemote, Command::AcquireOutputLock(Branch::Local)]
         );
         assert_eq!(
             c.handle(ms(901), Event::OutputLockAcquired(Branch::Local)),
@@ -764,13 +686,8 @@ mod tests {
             c.handle(ms(902), Event::RemoteReadyToWrite { exit_code: 0 }),
             vec![Command::CleanupTemp(Branch::Remote)]
         );
-        let done = Outcome {
-            winner: Some(Branch::Local),
-            result: RunResult::Completed {
-                exit_code: 0,
-                from_cache: false,
-            },
-        };
+        let done =
+            Outcome { winner: Some(Branch::Local), result: RunResult::Completed { exit_code: 0, from_cache: false } };
         assert_eq!(
             c.handle(ms(903), Event::OutputsWritten),
             vec![
@@ -781,10 +698,7 @@ mod tests {
             ]
         );
         // The cancellation confirmation arrives after the finish.
-        assert_eq!(
-            c.handle(ms(950), Event::CancelConfirmed(Branch::Remote)),
-            vec![]
-        );
+        assert_eq!(c.handle(ms(950), Event::CancelConfirmed(Branch::Remote)), vec![]);
         assert!(c.is_finished());
     }
 
@@ -793,12 +707,7 @@ mod tests {
         let mut c = Coordinator::new(RaceConfig::dynamic(plan(0, 0)));
         c.handle(ms(0), Event::Start);
         assert_eq!(
-            c.handle(
-                ms(10),
-                Event::RemoteFailed {
-                    reason: "unavailable".into()
-                }
-            ),
+            c.handle(ms(10), Event::RemoteFailed { reason: "unavailable".into() }),
             vec![Command::CancelLocal, Command::CleanupTemp(Branch::Remote)]
         );
         // The local success after that does not rescue the run (Bazel semantics).
@@ -808,9 +717,7 @@ mod tests {
                 Command::CleanupTemp(Branch::Local),
                 Command::Finish(Outcome {
                     winner: Some(Branch::Remote),
-                    result: RunResult::BranchFailed {
-                        reason: "unavailable".into()
-                    }
+                    result: RunResult::BranchFailed { reason: "unavailable".into() }
                 })
             ]
         );
@@ -820,17 +727,11 @@ mod tests {
     fn cache_miss_replans_local_start_and_stale_timer_is_ignored() {
         let mut c = Coordinator::new(RaceConfig::dynamic(plan(1000, 300)));
         c.handle(ms(0), Event::Start);
-        assert_eq!(
-            c.handle(ms(40), Event::RemoteCacheMiss),
-            vec![Command::StartLocalAfter(ms(300))]
-        );
+        assert_eq!(c.handle(ms(40), Event::RemoteCacheMiss), vec![Command::StartLocalAfter(ms(300))]);
         // New deadline is 340 ms: the original 1000 ms timer is stale when it fires
         // after the new one already started local, and an early fire is refused.
         assert_eq!(c.handle(ms(100), Event::DelayElapsed), vec![]);
-        assert_eq!(
-            c.handle(ms(340), Event::DelayElapsed),
-            vec![Command::StartLocalNow]
-        );
+        assert_eq!(c.handle(ms(340), Event::DelayElapsed), vec![Command::StartLocalNow]);
         assert_eq!(c.handle(ms(1000), Event::DelayElapsed), vec![]);
         assert_eq!(c.report().local.started_at, Some(ms(340)));
     }
@@ -839,22 +740,13 @@ mod tests {
     fn user_cancel_stops_both_and_cleans_up() {
         let mut c = Coordinator::new(RaceConfig::dynamic(plan(0, 0)));
         c.handle(ms(0), Event::Start);
-        assert_eq!(
-            c.handle(ms(5), Event::UserCancelled),
-            vec![Command::CancelLocal, Command::CancelRemote]
-        );
-        assert_eq!(
-            c.handle(ms(6), Event::CancelConfirmed(Branch::Remote)),
-            vec![Command::CleanupTemp(Branch::Remote)]
-        );
+        assert_eq!(c.handle(ms(5), Event::UserCancelled), vec![Command::CancelLocal, Command::CancelRemote]);
+        assert_eq!(c.handle(ms(6), Event::CancelConfirmed(Branch::Remote)), vec![Command::CleanupTemp(Branch::Remote)]);
         assert_eq!(
             c.handle(ms(7), Event::CancelConfirmed(Branch::Local)),
             vec![
                 Command::CleanupTemp(Branch::Local),
-                Command::Finish(Outcome {
-                    winner: None,
-                    result: RunResult::Cancelled
-                })
+                Command::Finish(Outcome { winner: None, result: RunResult::Cancelled })
             ]
         );
     }
@@ -866,58 +758,35 @@ mod tests {
         c.handle(ms(5), Event::RemoteCacheHit { exit_code: 3 });
         assert_eq!(
             c.handle(ms(6), Event::TimedOut),
-            vec![
-                Command::ReleaseOutputLock,
-                Command::CleanupTemp(Branch::Remote)
-            ]
+            vec![Command::ReleaseOutputLock, Command::CleanupTemp(Branch::Remote)]
         );
-        assert_eq!(
-            c.handle(ms(7), Event::OutputLockAcquired(Branch::Remote)),
-            vec![]
-        );
+        assert_eq!(c.handle(ms(7), Event::OutputLockAcquired(Branch::Remote)), vec![]);
         assert_eq!(
             c.handle(ms(8), Event::CancelConfirmed(Branch::Local)),
             vec![
                 Command::CleanupTemp(Branch::Local),
-                Command::Finish(Outcome {
-                    winner: Some(Branch::Remote),
-                    result: RunResult::TimedOut
-                })
+                Command::Finish(Outcome { winner: Some(Branch::Remote), result: RunResult::TimedOut })
             ]
         );
     }
 
     #[test]
     fn cache_only_miss_fails_without_local() {
-        let cfg = RaceConfig {
-            strategy: Strategy::CacheOnly,
-            delay: plan(0, 0),
-            upload_local_results: true,
-        };
+        let cfg = RaceConfig { strategy: Strategy::CacheOnly, delay: plan(0, 0), upload_local_results: true };
         let mut c = Coordinator::new(cfg);
-        assert_eq!(
-            c.handle(ms(0), Event::Start),
-            vec![Command::StartRemote { cache_only: true }]
-        );
+        assert_eq!(c.handle(ms(0), Event::Start), vec![Command::StartRemote { cache_only: true }]);
         assert_eq!(
             c.handle(ms(9), Event::RemoteCacheMiss),
             vec![
                 Command::CleanupTemp(Branch::Remote),
-                Command::Finish(Outcome {
-                    winner: Some(Branch::Remote),
-                    result: RunResult::CacheMiss
-                })
+                Command::Finish(Outcome { winner: Some(Branch::Remote), result: RunResult::CacheMiss })
             ]
         );
     }
 
     #[test]
     fn nonzero_local_exit_is_replayed_but_not_uploaded() {
-        let cfg = RaceConfig {
-            strategy: Strategy::Local,
-            delay: plan(9999, 9999),
-            upload_local_results: true,
-        };
+        let cfg = RaceConfig { strategy: Strategy::Local, delay: plan(9999, 9999), upload_local_results: true };
         let mut c = Coordinator::new(cfg);
         assert_eq!(c.handle(ms(0), Event::Start), vec![Command::StartLocalNow]);
         c.handle(ms(1), Event::LocalReadyToWrite { exit_code: 2 });
@@ -926,10 +795,7 @@ mod tests {
         assert!(!cmds.contains(&Command::UploadLocalResult));
         assert_eq!(
             c.outcome().map(|o| o.result.clone()),
-            Some(RunResult::Completed {
-                exit_code: 2,
-                from_cache: false
-            })
+            Some(RunResult::Completed { exit_code: 2, from_cache: false })
         );
     }
 }

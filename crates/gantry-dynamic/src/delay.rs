@@ -51,8 +51,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
 use crate::coordinator::RaceReport;
+use crate::Error;
 
 /// When the coordinator starts the local branch in dynamic mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,10 +67,7 @@ pub struct DelayPlan {
 impl DelayPlan {
     /// The same delay before and after a miss (e.g. Bazel's fixed 1 s).
     pub fn fixed(delay: Duration) -> DelayPlan {
-        DelayPlan {
-            initial: delay,
-            after_miss: delay,
-        }
+        DelayPlan { initial: delay, after_miss: delay }
     }
 }
 
@@ -108,15 +105,10 @@ impl Default for DelayConfig {
 impl DelayConfig {
     pub fn validate(&self) -> Result<(), Error> {
         if self.history == 0 || self.max_points == 0 {
-            return Err(Error::InvalidConfig(
-                "history and max_points must be positive".into(),
-            ));
+            return Err(Error::InvalidConfig("history and max_points must be positive".into()));
         }
         if !(self.local_cost.is_finite() && self.local_cost >= 0.0) {
-            return Err(Error::InvalidConfig(format!(
-                "local_cost {} must be finite and >= 0",
-                self.local_cost
-            )));
+            return Err(Error::InvalidConfig(format!("local_cost {} must be finite and >= 0", self.local_cost)));
         }
         if self.horizon <= self.max_delay {
             return Err(Error::InvalidConfig("horizon must exceed max_delay".into()));
@@ -178,27 +170,15 @@ impl Observation {
             o.cache_hit = Some(false);
             o.miss_known_ms = Some(ms_between(start, miss));
             o.remote_after_miss = match (r.remote.ready_at, r.remote.cancel_requested_at) {
-                (Some(t), _) => Some(Sample {
-                    ms: ms_between(miss, t),
-                    censored: false,
-                }),
-                (None, Some(t)) => Some(Sample {
-                    ms: ms_between(miss, t),
-                    censored: true,
-                }),
+                (Some(t), _) => Some(Sample { ms: ms_between(miss, t), censored: false }),
+                (None, Some(t)) => Some(Sample { ms: ms_between(miss, t), censored: true }),
                 (None, None) => None,
             };
         }
         if let Some(ls) = r.local.started_at {
             o.local = match (r.local.ready_at, r.local.cancel_requested_at) {
-                (Some(t), _) => Some(Sample {
-                    ms: ms_between(ls, t),
-                    censored: false,
-                }),
-                (None, Some(t)) => Some(Sample {
-                    ms: ms_between(ls, t),
-                    censored: true,
-                }),
+                (Some(t), _) => Some(Sample { ms: ms_between(ls, t), censored: false }),
+                (None, Some(t)) => Some(Sample { ms: ms_between(ls, t), censored: true }),
                 (None, None) => None,
             };
         }
@@ -244,10 +224,7 @@ impl Dist {
     /// Kaplan-Meier estimate; the surviving tail mass goes to `tail_ms`, or
     /// to the longest (censored) sample if `tail_ms` is `None`.
     /// `None` for no samples.
-    pub fn kaplan_meier(
-        samples: impl IntoIterator<Item = Sample>,
-        tail_ms: Option<f64>,
-    ) -> Option<Dist> {
+    pub fn kaplan_meier(samples: impl IntoIterator<Item = Sample>, tail_ms: Option<f64>) -> Option<Dist> {
         let mut v: Vec<Sample> = samples.into_iter().collect();
         if v.is_empty() {
             return None;
@@ -280,9 +257,7 @@ impl Dist {
         }
         v.sort_by(f64::total_cmp);
         let w = 1.0 / v.len() as f64;
-        Some(Dist {
-            points: v.into_iter().map(|x| (x, w)).collect(),
-        })
+        Some(Dist { points: v.into_iter().map(|x| (x, w)).collect() })
     }
 
     /// Merge neighbouring points into at most `k` weighted means, keeping the
@@ -345,33 +320,17 @@ fn model(stats: &ShapeStats, config: &DelayConfig) -> Option<Model> {
     }
     let p_hit = stats.lookups.iter().filter(|h| **h).count() as f64 / stats.lookups.len() as f64;
     let hits = Dist::empirical(stats.hit_ms.iter().copied()).map(|d| d.compress(k));
-    let miss_known =
-        Dist::empirical(stats.miss_known_ms.iter().copied()).map_or(0.0, |d| d.quantile(0.5));
+    let miss_known = Dist::empirical(stats.miss_known_ms.iter().copied()).map_or(0.0, |d| d.quantile(0.5));
     // No miss ever observed: assume remote execution may never come back in
     // time, which makes a miss start local at once (the safe direction).
     let after_miss = Dist::kaplan_meier(stats.remote_after_miss.iter().copied(), Some(horizon))
-        .unwrap_or(Dist {
-            points: vec![(horizon, 1.0)],
-        })
+        .unwrap_or(Dist { points: vec![(horizon, 1.0)] })
         .compress(k);
-    Some(Model {
-        p_hit,
-        hits,
-        miss_known,
-        after_miss,
-        local,
-    })
+    Some(Model { p_hit, hits, miss_known, after_miss, local })
 }
 
-fn argmin(
-    candidates: impl IntoIterator<Item = f64>,
-    max_ms: f64,
-    cost: impl Fn(f64) -> f64,
-) -> f64 {
-    let mut cands: Vec<f64> = candidates
-        .into_iter()
-        .map(|d| d.clamp(0.0, max_ms))
-        .collect();
+fn argmin(candidates: impl IntoIterator<Item = f64>, max_ms: f64, cost: impl Fn(f64) -> f64) -> f64 {
+    let mut cands: Vec<f64> = candidates.into_iter().map(|d| d.clamp(0.0, max_ms)).collect();
     cands.push(0.0);
     cands.sort_by(f64::total_cmp);
     cands.dedup();
@@ -413,11 +372,7 @@ fn initial_cost(m: &Model, d: f64, d_miss: f64, lambda: f64) -> f64 {
     }
     // If local has not started when the miss is known, the coordinator
     // re-plans to start at miss + d_miss.
-    let start = if d <= m.miss_known {
-        d
-    } else {
-        m.miss_known + d_miss
-    };
+    let start = if d <= m.miss_known { d } else { m.miss_known + d_miss };
     for &(r, wr) in &m.after_miss.points {
         for &(l, wl) in &m.local.points {
             c += (1.0 - m.p_hit) * wr * wl * case_cost(m.miss_known + r, start, l, lambda);
@@ -459,10 +414,7 @@ pub fn choose_delay(stats: &ShapeStats, config: &DelayConfig) -> DelayPlan {
         }
     }
     let d0 = argmin(cands, max_ms, |d| initial_cost(&m, d, d_miss, lambda));
-    DelayPlan {
-        initial: to_duration(d0),
-        after_miss: to_duration(d_miss),
-    }
+    DelayPlan { initial: to_duration(d0), after_miss: to_duration(d_miss) }
 }
 
 /// Current format version of [`DelayStore`] JSON.
@@ -477,10 +429,7 @@ pub struct DelayStore {
 
 impl Default for DelayStore {
     fn default() -> DelayStore {
-        DelayStore {
-            version: STORE_VERSION,
-            shapes: BTreeMap::new(),
-        }
+        DelayStore { version: STORE_VERSION, shapes: BTreeMap::new() }
     }
 }
 
@@ -497,26 +446,17 @@ impl DelayStore {
         }
         let header: Header = serde_json::from_str(text)?;
         if header.version != STORE_VERSION {
-            return Err(Error::UnsupportedVersion {
-                found: header.version,
-                expected: STORE_VERSION,
-            });
+            return Err(Error::UnsupportedVersion { found: header.version, expected: STORE_VERSION });
         }
         Ok(serde_json::from_str(text)?)
     }
 
     pub fn plan(&self, shape: &str, config: &DelayConfig) -> DelayPlan {
-        self.shapes
-            .get(shape)
-            .map_or(config.cold_start, |s| choose_delay(s, config))
+        self.shapes.get(shape).map_or(config.cold_start, |s| choose_delay(s, config))
     }
 
     pub fn record(&mut self, shape: &str, obs: &Observation, config: &DelayConfig) {
-        update(
-            self.shapes.entry(shape.to_string()).or_default(),
-            obs,
-            config,
-        );
+        update(self.shapes.entry(shape.to_string()).or_default(), obs, config);
     }
 }
 

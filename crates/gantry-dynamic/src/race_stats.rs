@@ -50,11 +50,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 /// Standalone duration estimate of `branch` from a shape's history (see module docs).
-pub fn estimate_standalone(
-    stats: &ShapeStats,
-    branch: Branch,
-    config: &DelayConfig,
-) -> Option<Duration> {
+pub fn estimate_standalone(stats: &ShapeStats, branch: Branch, config: &DelayConfig) -> Option<Duration> {
     let horizon = config.horizon.as_secs_f64() * 1000.0;
     let est_ms = match branch {
         Branch::Local => {
@@ -69,16 +65,13 @@ pub fn estimate_standalone(
             if stats.lookups.is_empty() {
                 return None;
             }
-            let p =
-                stats.lookups.iter().filter(|h| **h).count() as f64 / stats.lookups.len() as f64;
+            let p = stats.lookups.iter().filter(|h| **h).count() as f64 / stats.lookups.len() as f64;
             let hit = Dist::empirical(stats.hit_ms.iter().copied()).map(|d| d.quantile(0.5));
             let miss = match (
                 Dist::empirical(stats.miss_known_ms.iter().copied()),
                 Dist::kaplan_meier(stats.remote_after_miss.iter().copied(), Some(horizon)),
             ) {
-                (Some(k), Some(x)) if x.quantile(0.5) < horizon => {
-                    Some(k.quantile(0.5) + x.quantile(0.5))
-                }
+                (Some(k), Some(x)) if x.quantile(0.5) < horizon => Some(k.quantile(0.5) + x.quantile(0.5)),
                 _ => None,
             };
             match (hit, miss) {
@@ -95,16 +88,8 @@ pub fn estimate_standalone(
 impl RaceStats {
     /// Count one finished race. `history` is the shape's delay history, used
     /// only for the time-saved estimate. Unfinished reports are ignored.
-    pub fn record(
-        &mut self,
-        shape: &str,
-        report: &RaceReport,
-        history: Option<&ShapeStats>,
-        config: &DelayConfig,
-    ) {
-        let (Some(outcome), Some(start), Some(end)) =
-            (&report.outcome, report.started_at, report.finished_at)
-        else {
+    pub fn record(&mut self, shape: &str, report: &RaceReport, history: Option<&ShapeStats>, config: &DelayConfig) {
+        let (Some(outcome), Some(start), Some(end)) = (&report.outcome, report.started_at, report.finished_at) else {
             return;
         };
         let s = self.shapes.entry(shape.to_string()).or_default();
@@ -125,15 +110,11 @@ impl RaceStats {
                 };
                 let est = history.and_then(|h| estimate_standalone(h, w.other(), config));
                 match (est, times.ready_at) {
-                    (Some(est), Some(ready)) => {
-                        s.saved_ms += ms(est.saturating_sub(ready.saturating_sub(start)))
-                    }
+                    (Some(est), Some(ready)) => s.saved_ms += ms(est.saturating_sub(ready.saturating_sub(start))),
                     _ => s.saved_unknown += 1,
                 }
             }
-            (RunResult::BranchFailed { .. } | RunResult::OutputsWriteFailed { .. }, _) => {
-                s.failures += 1
-            }
+            (RunResult::BranchFailed { .. } | RunResult::OutputsWriteFailed { .. }, _) => s.failures += 1,
             _ => s.other += 1,
         }
     }
@@ -174,26 +155,11 @@ fn row(f: &mut fmt::Formatter<'_>, name: &str, s: &ShapeRaceStats, width: usize)
 
 impl fmt::Display for RaceStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let width = self
-            .shapes
-            .keys()
-            .map(|k| k.len())
-            .max()
-            .unwrap_or(0)
-            .max(5);
+        let width = self.shapes.keys().map(|k| k.len()).max().unwrap_or(0).max(5);
         writeln!(
             f,
             "{:<width$}  {:>5}  {:>5}  {:>6}  {:>5}  {:>6}  {:>5}  {:>9}  {:>9}  {:>6}",
-            "shape",
-            "runs",
-            "local",
-            "remote",
-            "cache",
-            "failed",
-            "other",
-            "wall s",
-            "saved s",
-            "no est"
+            "shape", "runs", "local", "remote", "cache", "failed", "other", "wall s", "saved s", "no est"
         )?;
         for (name, s) in &self.shapes {
             row(f, name, s, width)?;

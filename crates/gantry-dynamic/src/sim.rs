@@ -70,12 +70,7 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> SimConfig {
-        SimConfig {
-            seed: 7,
-            commands: 3000,
-            shapes_per_kind: 10,
-            delay: DelayConfig::default(),
-        }
+        SimConfig { seed: 7, commands: 3000, shapes_per_kind: 10, delay: DelayConfig::default() }
     }
 }
 
@@ -128,27 +123,9 @@ fn shapes(config: &SimConfig, rng: &mut ChaCha8Rng) -> Vec<ShapeModel> {
             let mut jitter = || rng.random_range(0.6..1.6);
             // (p_hit, lookup, hit download, remote exec, local), medians in ms.
             let (p_hit, lookup, dl, exec, local) = match kind {
-                Kind::Cached => (
-                    0.95,
-                    30.0,
-                    250.0 * jitter(),
-                    3000.0 * jitter(),
-                    2000.0 * jitter(),
-                ),
-                Kind::SlowRemote => (
-                    0.05,
-                    30.0,
-                    250.0 * jitter(),
-                    6000.0 * jitter(),
-                    800.0 * jitter(),
-                ),
-                Kind::FastRemote => (
-                    0.05,
-                    30.0,
-                    250.0 * jitter(),
-                    1500.0 * jitter(),
-                    6000.0 * jitter(),
-                ),
+                Kind::Cached => (0.95, 30.0, 250.0 * jitter(), 3000.0 * jitter(), 2000.0 * jitter()),
+                Kind::SlowRemote => (0.05, 30.0, 250.0 * jitter(), 6000.0 * jitter(), 800.0 * jitter()),
+                Kind::FastRemote => (0.05, 30.0, 250.0 * jitter(), 1500.0 * jitter(), 6000.0 * jitter()),
             };
             out.push(ShapeModel {
                 key: format!("{}-{i}", kind.name()),
@@ -205,16 +182,10 @@ fn run_one(inv: &Invocation, config: RaceConfig) -> RunResult {
     let mut coord = Coordinator::new(config);
     let mut pending: Vec<Pending> = Vec::new();
     let mut seq = 0;
-    let mut push =
-        |pending: &mut Vec<Pending>, at: Duration, owner: Option<Branch>, event: Event| {
-            seq += 1;
-            pending.push(Pending {
-                at,
-                seq,
-                owner,
-                event,
-            });
-        };
+    let mut push = |pending: &mut Vec<Pending>, at: Duration, owner: Option<Branch>, event: Event| {
+        seq += 1;
+        pending.push(Pending { at, seq, owner, event });
+    };
     push(&mut pending, Duration::ZERO, None, Event::Start);
     let mut local_start = None;
     let mut local_cpu = Duration::ZERO;
@@ -223,10 +194,7 @@ fn run_one(inv: &Invocation, config: RaceConfig) -> RunResult {
         let p = pending.swap_remove(i);
         let now = p.at;
         // Local CPU is burnt from start until the process exits or is reaped.
-        let local_ends = matches!(
-            p.event,
-            Event::LocalReadyToWrite { .. } | Event::CancelConfirmed(Branch::Local)
-        );
+        let local_ends = matches!(p.event, Event::LocalReadyToWrite { .. } | Event::CancelConfirmed(Branch::Local));
         if local_ends && let Some(s) = local_start.take() {
             local_cpu += now - s;
         }
@@ -235,41 +203,19 @@ fn run_one(inv: &Invocation, config: RaceConfig) -> RunResult {
                 Command::StartRemote { .. } => {
                     if inv.hit {
                         let ready = now + d(inv.lookup + inv.hit_download);
-                        push(
-                            &mut pending,
-                            ready,
-                            Some(Branch::Remote),
-                            Event::RemoteCacheHit { exit_code: 0 },
-                        );
+                        push(&mut pending, ready, Some(Branch::Remote), Event::RemoteCacheHit { exit_code: 0 });
                     } else {
-                        push(
-                            &mut pending,
-                            now + d(inv.lookup),
-                            Some(Branch::Remote),
-                            Event::RemoteCacheMiss,
-                        );
+                        push(&mut pending, now + d(inv.lookup), Some(Branch::Remote), Event::RemoteCacheMiss);
                         let ready = now + d(inv.lookup + inv.remote_exec);
-                        push(
-                            &mut pending,
-                            ready,
-                            Some(Branch::Remote),
-                            Event::RemoteReadyToWrite { exit_code: 0 },
-                        );
+                        push(&mut pending, ready, Some(Branch::Remote), Event::RemoteReadyToWrite { exit_code: 0 });
                     }
                 }
-                Command::StartLocalAfter(delay) => {
-                    push(&mut pending, now + delay, None, Event::DelayElapsed)
-                }
+                Command::StartLocalAfter(delay) => push(&mut pending, now + delay, None, Event::DelayElapsed),
                 Command::StartLocalNow => {
                     local_start = Some(now);
                     push(&mut pending, now, Some(Branch::Local), Event::LocalStarted);
                     let ready = now + d(inv.local);
-                    push(
-                        &mut pending,
-                        ready,
-                        Some(Branch::Local),
-                        Event::LocalReadyToWrite { exit_code: 0 },
-                    );
+                    push(&mut pending, ready, Some(Branch::Local), Event::LocalReadyToWrite { exit_code: 0 });
                 }
                 Command::CancelLocal | Command::CancelRemote => {
                     let (b, cost) = if cmd == Command::CancelLocal {
@@ -280,27 +226,17 @@ fn run_one(inv: &Invocation, config: RaceConfig) -> RunResult {
                     pending.retain(|p| p.owner != Some(b));
                     push(&mut pending, now + d(cost), None, Event::CancelConfirmed(b));
                 }
-                Command::AcquireOutputLock(b) => {
-                    push(&mut pending, now, None, Event::OutputLockAcquired(b))
-                }
-                Command::WriteOutputs(_) => {
-                    push(&mut pending, now + d(WRITE_MS), None, Event::OutputsWritten)
-                }
+                Command::AcquireOutputLock(b) => push(&mut pending, now, None, Event::OutputLockAcquired(b)),
+                Command::WriteOutputs(_) => push(&mut pending, now + d(WRITE_MS), None, Event::OutputsWritten),
                 Command::Finish(_) => wall = now,
-                Command::ReleaseOutputLock
-                | Command::CleanupTemp(_)
-                | Command::UploadLocalResult => {}
+                Command::ReleaseOutputLock | Command::CleanupTemp(_) | Command::UploadLocalResult => {}
             }
         }
         if coord.is_finished() {
             break;
         }
     }
-    RunResult {
-        wall,
-        local_cpu,
-        coordinator: coord,
-    }
+    RunResult { wall, local_cpu, coordinator: coord }
 }
 
 /// One configuration's totals.
@@ -333,8 +269,7 @@ impl SimReport {
 
     /// How far a configuration is above the oracle, in percent.
     pub fn over_oracle_pct(&self, name: &str) -> Option<f64> {
-        self.row(name)
-            .map(|r| 100.0 * (r.total_s / self.oracle.total_s - 1.0))
+        self.row(name).map(|r| 100.0 * (r.total_s / self.oracle.total_s - 1.0))
     }
 }
 
@@ -354,22 +289,12 @@ pub fn run(config: &SimConfig) -> SimReport {
         per_kind_commands[shapes[inv.shape].kind.idx()] += 1;
     }
 
-    let fixed = |strategy, plan| RaceConfig {
-        strategy,
-        delay: plan,
-        upload_local_results: true,
-    };
+    let fixed = |strategy, plan| RaceConfig { strategy, delay: plan, upload_local_results: true };
     let zero = DelayPlan::fixed(Duration::ZERO);
     let configs: Vec<(&str, Option<RaceConfig>)> = vec![
         (LOCAL_ONLY, Some(fixed(Strategy::Local, zero))),
         (REMOTE_ONLY, Some(fixed(Strategy::Remote, zero))),
-        (
-            DYNAMIC_FIXED,
-            Some(fixed(
-                Strategy::Dynamic,
-                DelayPlan::fixed(Duration::from_secs(1)),
-            )),
-        ),
+        (DYNAMIC_FIXED, Some(fixed(Strategy::Dynamic, DelayPlan::fixed(Duration::from_secs(1))))),
         (DYNAMIC_LEARNED, None),
         (DYNAMIC_ZERO, Some(fixed(Strategy::Dynamic, zero))),
     ];
@@ -379,28 +304,16 @@ pub fn run(config: &SimConfig) -> SimReport {
     let mut learned_stats = RaceStats::default();
     for (name, race) in configs {
         let mut store = DelayStore::default();
-        let mut row = SimRow {
-            name: name.to_string(),
-            total_s: 0.0,
-            per_kind_s: [0.0; 3],
-            local_cpu_s: 0.0,
-        };
+        let mut row = SimRow { name: name.to_string(), total_s: 0.0, per_kind_s: [0.0; 3], local_cpu_s: 0.0 };
         let mut w = Vec::with_capacity(invs.len());
         for inv in &invs {
             let shape = &shapes[inv.shape];
-            let race = race
-                .clone()
-                .unwrap_or_else(|| RaceConfig::dynamic(store.plan(&shape.key, &config.delay)));
+            let race = race.clone().unwrap_or_else(|| RaceConfig::dynamic(store.plan(&shape.key, &config.delay)));
             let r = run_one(inv, race);
             if name == DYNAMIC_LEARNED {
                 // Learn online, exactly as the driver would after each run.
                 let report = r.coordinator.report();
-                learned_stats.record(
-                    shape.kind.name(),
-                    report,
-                    store.shapes.get(&shape.key),
-                    &config.delay,
-                );
+                learned_stats.record(shape.kind.name(), report, store.shapes.get(&shape.key), &config.delay);
                 store.record(&shape.key, &Observation::from_report(report), &config.delay);
             }
             let s = r.wall.as_secs_f64();
@@ -413,12 +326,8 @@ pub fn run(config: &SimConfig) -> SimReport {
         rows.push(row);
     }
 
-    let mut oracle = SimRow {
-        name: "oracle (per-command best)".into(),
-        total_s: 0.0,
-        per_kind_s: [0.0; 3],
-        local_cpu_s: 0.0,
-    };
+    let mut oracle =
+        SimRow { name: "oracle (per-command best)".into(), total_s: 0.0, per_kind_s: [0.0; 3], local_cpu_s: 0.0 };
     let (local, remote) = (&walls[LOCAL_ONLY], &walls[REMOTE_ONLY]);
     for (i, inv) in invs.iter().enumerate() {
         let best = local[i].min(remote[i]);
@@ -428,26 +337,14 @@ pub fn run(config: &SimConfig) -> SimReport {
             oracle.local_cpu_s += local[i];
         }
     }
-    SimReport {
-        commands: invs.len(),
-        per_kind_commands,
-        rows,
-        oracle,
-        learned_stats,
-    }
+    SimReport { commands: invs.len(), per_kind_commands, rows, oracle, learned_stats }
 }
 
 impl fmt::Display for SimReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} invocations (", self.commands)?;
         for k in Kind::ALL {
-            write!(
-                f,
-                "{}{} {}",
-                if k == Kind::Cached { "" } else { ", " },
-                self.per_kind_commands[k.idx()],
-                k.name()
-            )?;
+            write!(f, "{}{} {}", if k == Kind::Cached { "" } else { ", " }, self.per_kind_commands[k.idx()], k.name())?;
         }
         writeln!(f, "); wall time in seconds, summed")?;
         write!(f, "{:<27} {:>9} {:>8}", "configuration", "total", "vs best")?;

@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use gantry_dynamic::audit::{Step, check_trace};
+use gantry_dynamic::audit::{check_trace, Step};
 use gantry_dynamic::coordinator::{Branch, Command, Coordinator, Event, RaceConfig, Strategy};
 use gantry_dynamic::delay::DelayPlan;
 
@@ -70,23 +70,14 @@ fn ms(v: u64) -> Duration {
 impl World {
     fn deliver(&mut self, script: &Script, event: Event) {
         let cmds = self.coord.handle(self.now, event.clone());
-        self.trace.push(Step {
-            at: self.now,
-            event,
-            commands: cmds.clone(),
-        });
+        self.trace.push(Step { at: self.now, event, commands: cmds.clone() });
         for cmd in cmds {
             self.react(script, &cmd);
         }
     }
 
     fn open(&mut self, owner: Option<Branch>, delay: Duration, events: Vec<Event>) {
-        self.streams.push(Stream {
-            owner,
-            lock: false,
-            not_before: self.now + delay,
-            events: events.into(),
-        });
+        self.streams.push(Stream { owner, lock: false, not_before: self.now + delay, events: events.into() });
     }
 
     fn react(&mut self, script: &Script, cmd: &Command) {
@@ -98,22 +89,12 @@ impl World {
                         vec![Event::RemoteCacheMiss]
                     }
                     (RemoteScript::MissThenReady, false) => {
-                        vec![
-                            Event::RemoteCacheMiss,
-                            Event::RemoteReadyToWrite { exit_code: 0 },
-                        ]
+                        vec![Event::RemoteCacheMiss, Event::RemoteReadyToWrite { exit_code: 0 }]
                     }
                     (RemoteScript::MissThenFail, false) => {
-                        vec![
-                            Event::RemoteCacheMiss,
-                            Event::RemoteFailed {
-                                reason: "exec".into(),
-                            },
-                        ]
+                        vec![Event::RemoteCacheMiss, Event::RemoteFailed { reason: "exec".into() }]
                     }
-                    (RemoteScript::Fail, _) => vec![Event::RemoteFailed {
-                        reason: "rpc".into(),
-                    }],
+                    (RemoteScript::Fail, _) => vec![Event::RemoteFailed { reason: "rpc".into() }],
                 };
                 self.open(Some(Branch::Remote), Duration::ZERO, events);
             }
@@ -122,22 +103,12 @@ impl World {
                 let result = match script.local {
                     LocalScript::Exit0 => Event::LocalReadyToWrite { exit_code: 0 },
                     LocalScript::Exit1 => Event::LocalReadyToWrite { exit_code: 1 },
-                    LocalScript::Fail => Event::LocalFailed {
-                        reason: "spawn".into(),
-                    },
+                    LocalScript::Fail => Event::LocalFailed { reason: "spawn".into() },
                 };
-                self.open(
-                    Some(Branch::Local),
-                    Duration::ZERO,
-                    vec![Event::LocalStarted, result],
-                );
+                self.open(Some(Branch::Local), Duration::ZERO, vec![Event::LocalStarted, result]);
             }
             Command::CancelLocal | Command::CancelRemote => {
-                let b = if *cmd == Command::CancelLocal {
-                    Branch::Local
-                } else {
-                    Branch::Remote
-                };
+                let b = if *cmd == Command::CancelLocal { Branch::Local } else { Branch::Remote };
                 // Unsent results stay deliverable, as a separate stream, so they
                 // may cross the cancel before or after the confirmation.
                 for s in self.streams.iter_mut().filter(|s| s.owner == Some(b)) {
@@ -156,9 +127,7 @@ impl World {
                 let e = if script.write_ok {
                     Event::OutputsWritten
                 } else {
-                    Event::OutputsWriteFailed {
-                        reason: "EXDEV".into(),
-                    }
+                    Event::OutputsWriteFailed { reason: "EXDEV".into() }
                 };
                 self.open(None, Duration::ZERO, vec![e]);
             }
@@ -185,13 +154,10 @@ fn explore(world: World, script: &Script, tally: &mut Tally) {
             let e = w.take(0);
             w.deliver(script, e);
         }
-        let summary = check_trace(&w.config, &w.trace)
-            .unwrap_or_else(|e| panic!("{e}\nscript {script:?}\ntrace {:#?}", w.trace));
+        let summary =
+            check_trace(&w.config, &w.trace).unwrap_or_else(|e| panic!("{e}\nscript {script:?}\ntrace {:#?}", w.trace));
         assert!(summary.finished);
-        let outcome = summary
-            .outcome
-            .map(|o| format!("{:?} {:?}", o.winner, o.result))
-            .unwrap_or_default();
+        let outcome = summary.outcome.map(|o| format!("{:?} {:?}", o.winner, o.result)).unwrap_or_default();
         *tally.outcomes.entry(outcome).or_default() += 1;
         tally.sequences += 1;
         return;
@@ -217,29 +183,15 @@ fn explore(world: World, script: &Script, tally: &mut Tally) {
 fn run_all(strategy: Strategy, plans: &[DelayPlan]) -> Tally {
     let mut tally = Tally::default();
     let locals = [LocalScript::Exit0, LocalScript::Exit1, LocalScript::Fail];
-    let remotes = [
-        RemoteScript::Hit,
-        RemoteScript::MissThenReady,
-        RemoteScript::MissThenFail,
-        RemoteScript::Fail,
-    ];
+    let remotes = [RemoteScript::Hit, RemoteScript::MissThenReady, RemoteScript::MissThenFail, RemoteScript::Fail];
     let aborts = [None, Some(Event::UserCancelled), Some(Event::TimedOut)];
     for &plan in plans {
         for local in locals {
             for remote in remotes {
                 for write_ok in [true, false] {
                     for abort in &aborts {
-                        let script = Script {
-                            local,
-                            remote,
-                            write_ok,
-                            abort: abort.clone(),
-                        };
-                        let config = RaceConfig {
-                            strategy,
-                            delay: plan,
-                            upload_local_results: true,
-                        };
+                        let script = Script { local, remote, write_ok, abort: abort.clone() };
+                        let config = RaceConfig { strategy, delay: plan, upload_local_results: true };
                         let mut world = World {
                             config: config.clone(),
                             coord: Coordinator::new(config),
@@ -268,20 +220,11 @@ fn has(t: &Tally, needle: &str) -> bool {
 fn dynamic_every_interleaving_keeps_the_invariants() {
     let plans = [
         DelayPlan::fixed(Duration::ZERO),
-        DelayPlan {
-            initial: ms(100),
-            after_miss: Duration::ZERO,
-        },
-        DelayPlan {
-            initial: ms(100),
-            after_miss: ms(50),
-        },
+        DelayPlan { initial: ms(100), after_miss: Duration::ZERO },
+        DelayPlan { initial: ms(100), after_miss: ms(50) },
     ];
     let t = run_all(Strategy::Dynamic, &plans);
-    eprintln!(
-        "dynamic: {} sequences; outcomes {:#?}",
-        t.sequences, t.outcomes
-    );
+    eprintln!("dynamic: {} sequences; outcomes {:#?}", t.sequences, t.outcomes);
     assert!(t.sequences > 100_000, "only {} sequences", t.sequences);
     // The enumeration really reaches every kind of ending.
     for needle in [
@@ -367,34 +310,16 @@ fn all_permutations_of_event_sets_are_safe() {
         ],
     ];
     let mut total = 0u64;
-    for plan in [
-        DelayPlan::fixed(Duration::ZERO),
-        DelayPlan {
-            initial: ms(3),
-            after_miss: ms(1),
-        },
-    ] {
-        let config = RaceConfig {
-            strategy: Strategy::Dynamic,
-            delay: plan,
-            upload_local_results: true,
-        };
+    for plan in [DelayPlan::fixed(Duration::ZERO), DelayPlan { initial: ms(3), after_miss: ms(1) }] {
+        let config = RaceConfig { strategy: Strategy::Dynamic, delay: plan, upload_local_results: true };
         for set in &sets {
             let mut items = set.clone();
             permute(&mut items, 0, &mut |order| {
                 let mut c = Coordinator::new(config.clone());
-                let mut trace = vec![Step {
-                    at: ms(0),
-                    event: Event::Start,
-                    commands: c.handle(ms(0), Event::Start),
-                }];
+                let mut trace = vec![Step { at: ms(0), event: Event::Start, commands: c.handle(ms(0), Event::Start) }];
                 for (i, e) in order.iter().enumerate() {
                     let at = ms(i as u64 + 1);
-                    trace.push(Step {
-                        at,
-                        event: e.clone(),
-                        commands: c.handle(at, e.clone()),
-                    });
+                    trace.push(Step { at, event: e.clone(), commands: c.handle(at, e.clone()) });
                 }
                 if let Err(e) = check_trace(&config, &trace) {
                     panic!("{e}\n{trace:#?}");

@@ -4,10 +4,8 @@
 
 use std::time::Duration;
 
-use gantry_dynamic::audit::{Step, check_trace};
-use gantry_dynamic::coordinator::{
-    Branch, Command, Coordinator, Event, RaceConfig, Strategy as Mode,
-};
+use gantry_dynamic::audit::{check_trace, Step};
+use gantry_dynamic::coordinator::{Branch, Command, Coordinator, Event, RaceConfig, Strategy as Mode};
 use gantry_dynamic::delay::DelayPlan;
 use proptest::prelude::*;
 
@@ -33,24 +31,14 @@ fn event() -> impl proptest::strategy::Strategy<Value = Event> {
 }
 
 fn strategy() -> impl proptest::strategy::Strategy<Value = Mode> {
-    prop_oneof![
-        Just(Mode::Dynamic),
-        Just(Mode::Local),
-        Just(Mode::Remote),
-        Just(Mode::CacheOnly)
-    ]
+    prop_oneof![Just(Mode::Dynamic), Just(Mode::Local), Just(Mode::Remote), Just(Mode::CacheOnly)]
 }
 
 fn config() -> impl proptest::strategy::Strategy<Value = RaceConfig> {
-    (strategy(), 0..200u64, 0..200u64, any::<bool>()).prop_map(|(strategy, i, m, upload)| {
-        RaceConfig {
-            strategy,
-            delay: DelayPlan {
-                initial: Duration::from_millis(i),
-                after_miss: Duration::from_millis(m),
-            },
-            upload_local_results: upload,
-        }
+    (strategy(), 0..200u64, 0..200u64, any::<bool>()).prop_map(|(strategy, i, m, upload)| RaceConfig {
+        strategy,
+        delay: DelayPlan { initial: Duration::from_millis(i), after_miss: Duration::from_millis(m) },
+        upload_local_results: upload,
     })
 }
 

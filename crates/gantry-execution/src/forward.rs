@@ -9,6 +9,7 @@
 //! restarted scheduler answers NOT_FOUND.
 
 use futures::StreamExt;
+use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::google::longrunning::operations_client::OperationsClient;
 use gantry_core::google::longrunning::operations_server::Operations;
 use gantry_core::google::longrunning::{
@@ -19,7 +20,6 @@ use gantry_core::google::protobuf::Empty;
 use gantry_core::reapi::execution_client::ExecutionClient;
 use gantry_core::reapi::execution_server::Execution;
 use gantry_core::reapi::{ExecuteRequest, WaitExecutionRequest};
-use gantry_core::client::GrpcChannel as Channel;
 use tonic::{Code, Request, Response, Status};
 
 type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
@@ -37,7 +37,12 @@ pub struct Forwarder {
 
 impl Forwarder {
     pub fn new(channel: Channel, target: impl Into<String>, max_message: usize) -> Self {
-        Forwarder { channel, stopping: std::sync::Arc::new(tokio::sync::watch::channel(false).0), target: target.into(), max_message }
+        Forwarder {
+            channel,
+            stopping: std::sync::Arc::new(tokio::sync::watch::channel(false).0),
+            target: target.into(),
+            max_message,
+        }
     }
 
     /// Ends every forwarded stream with UNAVAILABLE; the clients retry elsewhere or later.
@@ -118,7 +123,10 @@ impl Execution for Forwarder {
 
 #[tonic::async_trait]
 impl Operations for Forwarder {
-    async fn list_operations(&self, request: Request<ListOperationsRequest>) -> Result<Response<ListOperationsResponse>, Status> {
+    async fn list_operations(
+        &self,
+        request: Request<ListOperationsRequest>,
+    ) -> Result<Response<ListOperationsResponse>, Status> {
         self.operations().list_operations(forward(request)).await.map_err(|s| self.upstream(s))
     }
 

@@ -62,9 +62,10 @@ pub fn to_operation(s: &OpState) -> Operation {
         name: s.name.clone(),
         metadata: Some(any("build.bazel.remote.execution.v2.ExecuteOperationMetadata", &metadata)),
         done: s.stage == Stage::Completed,
-        result: s.response.as_ref().map(|r| {
-            lr::operation::Result::Response(any("build.bazel.remote.execution.v2.ExecuteResponse", r))
-        }),
+        result: s
+            .response
+            .as_ref()
+            .map(|r| lr::operation::Result::Response(any("build.bazel.remote.execution.v2.ExecuteResponse", r))),
     }
 }
 
@@ -73,7 +74,10 @@ type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
 /// Streams every state change until the operation completes. If the scheduler shuts down
 /// first, the stream ends with UNAVAILABLE: Bazel then retries WaitExecution, and Execute
 /// again if the restarted scheduler no longer knows the operation.
-fn op_stream(rx: watch::Receiver<OpState>, stopped: impl std::future::Future<Output = ()> + Send + 'static) -> OpStream {
+fn op_stream(
+    rx: watch::Receiver<OpState>,
+    stopped: impl std::future::Future<Output = ()> + Send + 'static,
+) -> OpStream {
     let stopped = futures::FutureExt::shared(futures::FutureExt::boxed(stopped));
     futures::stream::unfold((rx, false, false), move |(mut rx, first_sent, done)| {
         let stopped = stopped.clone();
@@ -154,10 +158,16 @@ impl Execution for ExecutionService {
 
     type WaitExecutionStream = OpStream;
 
-    async fn wait_execution(&self, request: Request<reapi::WaitExecutionRequest>) -> Result<Response<OpStream>, Status> {
+    async fn wait_execution(
+        &self,
+        request: Request<reapi::WaitExecutionRequest>,
+    ) -> Result<Response<OpStream>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
-        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
+        let rx = self
+            .scheduler
+            .watch(&name)
+            .ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
         Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
     }
 }
@@ -190,21 +200,21 @@ impl ExecutionService {
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let digest = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;
-        if !req.skip_cache_lookup {
-            if let Some(result) = self.ac.get(&req.instance_name, &digest).await? {
-                let state = OpState {
-                    name: format!("operations/cached-{}", uuid::Uuid::new_v4()),
-                    stage: Stage::Completed,
-                    action_digest: digest,
-                    response: Some(ExecuteResponse {
-                        result: Some(result),
-                        cached_result: true,
-                        status: Some(Default::default()),
-                        ..Default::default()
-                    }),
-                };
-                return Ok(Response::new(futures::stream::once(async move { Ok(to_operation(&state)) }).boxed()));
-            }
+        if !req.skip_cache_lookup
+            && let Some(result) = self.ac.get(&req.instance_name, &digest).await?
+        {
+            let state = OpState {
+                name: format!("operations/cached-{}", uuid::Uuid::new_v4()),
+                stage: Stage::Completed,
+                action_digest: digest,
+                response: Some(ExecuteResponse {
+                    result: Some(result),
+                    cached_result: true,
+                    status: Some(Default::default()),
+                    ..Default::default()
+                }),
+            };
+            return Ok(Response::new(futures::stream::once(async move { Ok(to_operation(&state)) }).boxed()));
         }
         let action: reapi::Action = self.fetch(&digest, "action").await?;
         let cmd_digest = Digest::from_proto(f, action.command_digest.as_ref(), "action.command_digest")?;
@@ -214,15 +224,18 @@ impl ExecutionService {
             return Err(Error::invalid("command.arguments: empty").into());
         }
         let priority = req.execution_policy.as_ref().map_or(0, |p| p.priority);
-        let (_, rx) = self.scheduler.submit(JobSpec {
-            instance: req.instance_name,
-            action_digest: digest,
-            action,
-            command,
-            priority,
-            requester: who,
-            owner,
-        }).await?;
+        let (_, rx) = self
+            .scheduler
+            .submit(JobSpec {
+                instance: req.instance_name,
+                action_digest: digest,
+                action,
+                command,
+                priority,
+                requester: who,
+                owner,
+            })
+            .await?;
         Ok(Response::new(op_stream(rx, self.scheduler.stopped())))
     }
 }
@@ -253,14 +266,19 @@ impl OperationsService {
 
 #[tonic::async_trait]
 impl Operations for OperationsService {
-    async fn list_operations(&self, request: Request<ListOperationsRequest>) -> Result<Response<ListOperationsResponse>, Status> {
+    async fn list_operations(
+        &self,
+        request: Request<ListOperationsRequest>,
+    ) -> Result<Response<ListOperationsResponse>, Status> {
         let by = scope(&request)?;
         let req = request.into_inner();
         let all = self.scheduler.list(by.as_deref());
         let start: usize = if req.page_token.is_empty() {
             0
         } else {
-            req.page_token.parse().map_err(|_| Status::invalid_argument(format!("page_token '{}' is not valid", req.page_token)))?
+            req.page_token
+                .parse()
+                .map_err(|_| Status::invalid_argument(format!("page_token '{}' is not valid", req.page_token)))?
         };
         let size = if req.page_size <= 0 { 1000 } else { req.page_size as usize };
         let page: Vec<Operation> = all.iter().skip(start).take(size).map(to_operation).collect();
@@ -271,7 +289,10 @@ impl Operations for OperationsService {
     async fn get_operation(&self, request: Request<GetOperationRequest>) -> Result<Response<Operation>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let name = request.into_inner().name;
-        let rx = self.scheduler.watch(&name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
+        let rx = self
+            .scheduler
+            .watch(&name)
+            .ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&name))))?;
         let s = rx.borrow().clone();
         Ok(Response::new(to_operation(&s)))
     }
@@ -291,7 +312,10 @@ impl Operations for OperationsService {
     async fn wait_operation(&self, request: Request<WaitOperationRequest>) -> Result<Response<Operation>, Status> {
         require_somewhere(&request, Permission::Execute)?;
         let req = request.into_inner();
-        let mut rx = self.scheduler.watch(&req.name).ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&req.name))))?;
+        let mut rx = self
+            .scheduler
+            .watch(&req.name)
+            .ok_or_else(|| Status::not_found(format!("no operation {}", crate::scheduler::shown_name(&req.name))))?;
         let timeout = req
             .timeout
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32))

@@ -25,7 +25,10 @@ pub fn satisfies(offered: &[Property], required: &[Property]) -> bool {
 }
 
 /// The first required property that no worker offers, for a precise error.
-pub fn first_unoffered<'a>(offers: impl Iterator<Item = &'a [Property]> + Clone, required: &'a [Property]) -> Option<&'a Property> {
+pub fn first_unoffered<'a>(
+    offers: impl Iterator<Item = &'a [Property]> + Clone,
+    required: &'a [Property],
+) -> Option<&'a Property> {
     required.iter().find(|r| !offers.clone().any(|o| o.contains(r)))
 }
 

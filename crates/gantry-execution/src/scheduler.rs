@@ -80,9 +80,7 @@ pub fn resolve_timeout(
         return Ok(default);
     }
     if t > max {
-        return Err(Error::invalid(format!(
-            "action.timeout {t:?} exceeds this server's max_timeout {max:?}"
-        )));
+        return Err(Error::invalid(format!("action.timeout {t:?} exceeds this server's max_timeout {max:?}")));
     }
     Ok(t)
 }
@@ -330,17 +328,18 @@ impl Scheduler {
         required.extend(platform::from_platform(spec.action.platform.as_ref()));
         required.sort();
         required.dedup();
-        let timeout = resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
+        let timeout =
+            resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
         let key = (spec.instance.clone(), spec.action_digest);
         // REAPI: in-flight requests for a do_not_cache action may not be merged.
         let mergeable = !spec.action.do_not_cache;
         let mut st = self.state.lock().expect("poisoned");
         if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable).cloned() {
             let job = st.jobs.get_mut(&name).expect("in-flight jobs exist");
-            if let Some(o) = spec.owner {
-                if !job.owners.contains(&o) {
-                    job.owners.push(o);
-                }
+            if let Some(o) = spec.owner
+                && !job.owners.contains(&o)
+            {
+                job.owners.push(o);
             }
             return Ok((name, job.tx.subscribe()));
         }
@@ -384,7 +383,8 @@ impl Scheduler {
         let name = format!("operations/{}", uuid::Uuid::new_v4());
         st.seq += 1;
         let seq = st.seq;
-        let state = OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
+        let state =
+            OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
         st.queue.insert((spec.priority, seq, name.clone()));
         if mergeable {
@@ -486,7 +486,13 @@ impl Scheduler {
             let queued = st.queue.iter().filter(|(_, _, n)| st.jobs[n].size_class == Some(c)).count();
             let avg = st.class_avg_seconds.get(&c).copied().unwrap_or(1.0);
             let wait = if idle > 0 { 0.0 } else { (queued + 1) as f64 * avg / slots.max(1) as f64 };
-            q.set(c, gantry_sizeclass::ClassQueue { expected_wait: Duration::from_secs_f64(wait), idle_workers: idle as u32 });
+            q.set(
+                c,
+                gantry_sizeclass::ClassQueue {
+                    expected_wait: Duration::from_secs_f64(wait),
+                    idle_workers: idle as u32,
+                },
+            );
         }
         q
     }
@@ -536,7 +542,8 @@ impl Scheduler {
     pub fn attach_local(
         self: &Arc<Self>,
         reg: wpb::Register,
-    ) -> Result<(mpsc::UnboundedReceiver<wpb::SchedulerMessage>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)> {
+    ) -> Result<(mpsc::UnboundedReceiver<wpb::SchedulerMessage>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)>
+    {
         let link = self.register(reg, true)?;
         let (tx, mut rx) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
         let s = self.clone();
@@ -589,7 +596,8 @@ impl Scheduler {
                 }
                 w.running.remove(&f.job_id);
             }
-            let current = st.jobs.get(&f.job_id).is_some_and(|j| j.worker.as_deref() == Some(worker) && j.completed_at.is_none());
+            let current =
+                st.jobs.get(&f.job_id).is_some_and(|j| j.worker.as_deref() == Some(worker) && j.completed_at.is_none());
             if !current {
                 // A stale report from a worker the action was taken away from.
                 return;
@@ -617,13 +625,7 @@ impl Scheduler {
                 metering: m.method,
                 completed_unix_ms: now_ms(SystemTime::now()),
             };
-            (
-                job.spec.instance.clone(),
-                job.spec.action_digest,
-                job.spec.action.do_not_cache,
-                record,
-                job.queued_at,
-            )
+            (job.spec.instance.clone(), job.spec.action_digest, job.spec.action.do_not_cache, record, job.queued_at)
         };
         let mut result = match f.action_result.as_deref() {
             None => None,
@@ -699,8 +701,16 @@ impl Scheduler {
                 let learn = job.learning && code != tonic::Code::Cancelled as i32;
                 learn.then(|| {
                     let execution = match job.first_try {
-                        Some((c0, o0)) => gantry_sizeclass::Execution { size_class: c0, outcome: o0, largest_outcome: Some(this_outcome) },
-                        None => gantry_sizeclass::Execution { size_class: ran_on, outcome: this_outcome, largest_outcome: None },
+                        Some((c0, o0)) => gantry_sizeclass::Execution {
+                            size_class: c0,
+                            outcome: o0,
+                            largest_outcome: Some(this_outcome),
+                        },
+                        None => gantry_sizeclass::Execution {
+                            size_class: ran_on,
+                            outcome: this_outcome,
+                            largest_outcome: None,
+                        },
                     };
                     (job.shape_key.clone(), job.largest_class, execution, job.notes.join("; "))
                 })
@@ -711,18 +721,16 @@ impl Scheduler {
             sizing.record(&key, largest, execution).await;
             notes = n;
         }
-        if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref()) {
-            if let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp) {
-                record.queued_seconds = ((s.seconds - q.seconds) as f64 + (s.nanos - q.nanos) as f64 / 1e9).max(0.0);
-            }
+        if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref())
+            && let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp)
+        {
+            record.queued_seconds = ((s.seconds - q.seconds) as f64 + (s.nanos - q.nanos) as f64 / 1e9).max(0.0);
         }
         // Only successful runs are cached: a failure may be flaky or environmental.
         let cacheable = code == 0 && result.as_ref().is_some_and(|r| r.exit_code == 0) && !do_not_cache;
-        if cacheable {
-            if let Err(e) = self.ac.put(&spec_instance, &digest, result.as_ref().expect("cacheable")).await {
-                tracing::error!(action = %digest, error = %e, "could not store the action result");
-                message = format!("{message}{}result not cached: {e}", if message.is_empty() { "" } else { "; " });
-            }
+        if cacheable && let Err(e) = self.ac.put(&spec_instance, &digest, result.as_ref().expect("cacheable")).await {
+            tracing::error!(action = %digest, error = %e, "could not store the action result");
+            message = format!("{message}{}result not cached: {e}", if message.is_empty() { "" } else { "; " });
         }
         if let Err(e) = self.log.record(&record).await {
             tracing::error!(action = %digest, error = %e, "could not record the execution");
@@ -824,7 +832,9 @@ impl Scheduler {
             .values()
             .filter(|j| j.completed_at.is_none())
             .filter_map(|j| match (&j.worker, j.dispatched_at) {
-                (Some(w), Some(at)) if overdue(at, j.timeout, grace, now) => Some((j.name.clone(), w.clone(), j.timeout)),
+                (Some(w), Some(at)) if overdue(at, j.timeout, grace, now) => {
+                    Some((j.name.clone(), w.clone(), j.timeout))
+                }
                 _ => None,
             })
             .collect();
@@ -857,11 +867,11 @@ impl Scheduler {
         if job.completed_at.is_some() {
             return Ok(());
         }
-        if let Some(who) = by {
-            if job.owners.len() > 1 {
-                job.owners.retain(|o| o != who);
-                return Ok(());
-            }
+        if let Some(who) = by
+            && job.owners.len() > 1
+        {
+            job.owners.retain(|o| o != who);
+            return Ok(());
         }
         job.cancel_requested = true;
         let key = job.key.clone();
@@ -906,7 +916,8 @@ impl Scheduler {
     /// Operations in submission order: all of them, or those `owner` shares.
     pub fn list(&self, owner: Option<&str>) -> Vec<OpState> {
         let st = self.state.lock().expect("poisoned");
-        let mut v: Vec<_> = st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.seq, j.tx.borrow().clone())).collect();
+        let mut v: Vec<_> =
+            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.seq, j.tx.borrow().clone())).collect();
         v.sort_by_key(|(s, _)| *s);
         v.into_iter().map(|(_, s)| s).collect()
     }
@@ -917,9 +928,10 @@ impl Scheduler {
         let mut st = self.state.lock().expect("poisoned");
         match st.jobs.get(name).filter(|j| may_touch(j, by)) {
             None => Err(not_found(name)),
-            Some(j) if j.completed_at.is_none() => {
-                Err(Error::FailedPrecondition(format!("operation {} is still running; cancel it first", shown_name(name))))
-            }
+            Some(j) if j.completed_at.is_none() => Err(Error::FailedPrecondition(format!(
+                "operation {} is still running; cancel it first",
+                shown_name(name)
+            ))),
             Some(_) => {
                 st.jobs.remove(name);
                 Ok(())
@@ -963,7 +975,8 @@ fn cancelled_response() -> ExecuteResponse {
 /// The digest function and digest of an assignment, decoded.
 pub fn assignment_digest(a: &wpb::Assignment) -> Result<Digest> {
     let f = DigestFunction::from_proto(a.digest_function)?;
-    let d = reapi::Digest::decode(a.action_digest.as_slice()).map_err(|e| Error::invalid(format!("action_digest: {e}")))?;
+    let d =
+        reapi::Digest::decode(a.action_digest.as_slice()).map_err(|e| Error::invalid(format!("action_digest: {e}")))?;
     Digest::from_proto(f, Some(&d), "action_digest")
 }
 
@@ -1001,7 +1014,10 @@ mod tests {
     fn reg(id: &str, slots: u32, props: &[(&str, &str)]) -> wpb::Register {
         wpb::Register {
             worker_id: id.into(),
-            properties: props.iter().map(|(n, v)| wpb::Property { name: n.to_string(), value: v.to_string() }).collect(),
+            properties: props
+                .iter()
+                .map(|(n, v)| wpb::Property { name: n.to_string(), value: v.to_string() })
+                .collect(),
             slots,
             size_class: 1,
             metering: "rusage".into(),
@@ -1159,7 +1175,10 @@ mod tests {
         // Bob cannot cancel or delete Alice's operation, and cannot tell it exists.
         let e = s.cancel(&a, Some("bob")).unwrap_err();
         let missing = s.cancel("operations/does-not-exist", Some("bob")).unwrap_err();
-        assert_eq!((e.code(), e.to_string().replace(&a, "X")), (missing.code(), missing.to_string().replace("operations/does-not-exist", "X")));
+        assert_eq!(
+            (e.code(), e.to_string().replace(&a, "X")),
+            (missing.code(), missing.to_string().replace("operations/does-not-exist", "X"))
+        );
         assert!(s.delete(&a, Some("bob")).is_err());
         assert!(arx.borrow().stage != Stage::Completed);
         // Alice lets go of the shared one: it keeps running for Bob.
@@ -1194,7 +1213,8 @@ mod tests {
         let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
         let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
         let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
-        let cfg = SchedulerConfig { timeout_grace: Duration::from_millis(300), max_worker_losses: 1, ..Default::default() };
+        let cfg =
+            SchedulerConfig { timeout_grace: Duration::from_millis(300), max_worker_losses: 1, ..Default::default() };
         let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let mut stuck = s.register(reg("stuck", 1, &[]), false).unwrap();
         let mut job = spec("stuck", 0, &[]);
@@ -1236,7 +1256,8 @@ mod tests {
         let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
         let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
         let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
-        let cfg = SchedulerConfig { timeout_grace: Duration::from_millis(100), max_worker_losses: 0, ..Default::default() };
+        let cfg =
+            SchedulerConfig { timeout_grace: Duration::from_millis(100), max_worker_losses: 0, ..Default::default() };
         let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let _w = s.register(reg("w", 2, &[]), true).unwrap();
         let mut job = spec("late", 0, &[]);

@@ -59,7 +59,10 @@ impl Sizing {
         )
         .expect("valid metric");
         let retries = prometheus::IntCounterVec::new(
-            prometheus::Opts::new("gantry_sizeclass_retries_total", "Retries on the largest class, by the class that failed"),
+            prometheus::Opts::new(
+                "gantry_sizeclass_retries_total",
+                "Retries on the largest class, by the class that failed",
+            ),
             &["from_class"],
         )
         .expect("valid metric");
@@ -93,7 +96,13 @@ impl Sizing {
     }
 
     /// Chooses a class for `key` among `classes` (stats must be loaded).
-    pub fn choose(&self, key: &str, classes: &SizeClasses, requested: Duration, queues: Option<&QueueState>) -> Option<Decision> {
+    pub fn choose(
+        &self,
+        key: &str,
+        classes: &SizeClasses,
+        requested: Duration,
+        queues: Option<&QueueState>,
+    ) -> Option<Decision> {
         let stats = self.cache.lock().expect("poisoned").get(key).cloned().unwrap_or_default();
         let draw: f64 = self.rng.lock().expect("poisoned").random();
         let input = SelectionInput { stats: &stats, classes, requested_timeout: requested, queues, draw, now: now() };
@@ -151,7 +160,9 @@ mod tests {
         assert_ne!(shape_key(&a, ""), shape_key(&c, ""));
         assert_ne!(shape_key(&a, "k8-opt"), shape_key(&a, "k8-fastbuild"), "configuration changes the key");
         let p = reapi::Action {
-            platform: Some(reapi::Platform { properties: vec![reapi::platform::Property { name: "a".into(), value: "b".into() }] }),
+            platform: Some(reapi::Platform {
+                properties: vec![reapi::platform::Property { name: "a".into(), value: "b".into() }],
+            }),
             ..a.clone()
         };
         assert_ne!(shape_key(&a, ""), shape_key(&p, ""));

@@ -86,7 +86,9 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
         let out = UnboundedReceiverStream::new(link.messages)
             .map(Ok)
             .take_until(self.scheduler.stopped())
-            .chain(futures::stream::once(async { Err(Status::unavailable("the scheduler is shutting down; reconnect")) }))
+            .chain(futures::stream::once(async {
+                Err(Status::unavailable("the scheduler is shutting down; reconnect"))
+            }))
             .boxed();
         Ok(Response::new(GuardedStream::new(out, reader)))
     }

@@ -133,9 +133,7 @@ impl LogisticModel {
         let n = examples.len();
         let positives = examples.iter().filter(|e| e.landed).count();
         if positives == 0 || positives == n {
-            return Err(QueueError::Training(format!(
-                "need both outcomes, have {positives} landed of {n}"
-            )));
+            return Err(QueueError::Training(format!("need both outcomes, have {positives} landed of {n}")));
         }
         let nf = n as f64;
         let mut means = vec![0.0; NUM_FEATURES];
@@ -196,9 +194,7 @@ impl LogisticModel {
     /// Probability that a change with these features lands.
     pub fn predict(&self, x: &FeatureVector) -> f64 {
         let z = self.bias
-            + (0..NUM_FEATURES)
-                .map(|i| self.weights[i] * (x.0[i] - self.means[i]) / self.stds[i])
-                .sum::<f64>();
+            + (0..NUM_FEATURES).map(|i| self.weights[i] * (x.0[i] - self.means[i]) / self.stds[i]).sum::<f64>();
         sigmoid(z)
     }
 
@@ -257,7 +253,13 @@ mod tests {
     fn model_learns_the_signal() {
         let d = data();
         let m = LogisticModel::train(&d, &TrainParams::default()).unwrap();
-        let good = ChangeFeatures { files_changed: 2, lines_changed: 50, affected_targets: 3, author: "x".into(), presubmit_passed: true };
+        let good = ChangeFeatures {
+            files_changed: 2,
+            lines_changed: 50,
+            affected_targets: 3,
+            author: "x".into(),
+            presubmit_passed: true,
+        };
         let bad = ChangeFeatures { presubmit_passed: false, ..good.clone() };
         let pg = m.predict(&FeatureVector::new(&good, 0.9, 0, 0));
         let pb = m.predict(&FeatureVector::new(&bad, 0.9, 0, 0));

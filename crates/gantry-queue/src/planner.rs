@@ -55,9 +55,7 @@ use serde::{Deserialize, Serialize};
 use crate::conflict::ChangeAnalysis;
 use crate::error::QueueError;
 use crate::model::{ChangeFeatures, FeatureVector, LogisticModel, TrainParams, TrainingExample};
-use crate::types::{
-    Action, BuildId, BuildOutcome, BuildSpec, ChangeId, Event, LandProof, Millis, RejectReason,
-};
+use crate::types::{Action, BuildId, BuildOutcome, BuildSpec, ChangeId, Event, LandProof, Millis, RejectReason};
 
 /// Most evidence snapshots per change used for training.
 const MAX_SNAPSHOTS: usize = 4;
@@ -551,8 +549,10 @@ impl Planner {
         if self.by_id.contains_key(&change) {
             return Err(QueueError::DuplicateChange(change.0));
         }
-        let conflicts =
-            conflicts.iter().map(|(e, p)| Ok((self.index(e)?, p.clamp(0.0, 1.0)))).collect::<Result<_, QueueError>>()?;
+        let conflicts = conflicts
+            .iter()
+            .map(|(e, p)| Ok((self.index(e)?, p.clamp(0.0, 1.0))))
+            .collect::<Result<_, QueueError>>()?;
         self.presets.insert(change, Preset { success: success.clamp(0.0, 1.0), conflicts });
         Ok(())
     }
@@ -851,7 +851,11 @@ impl Planner {
                 self.changes[i].status = Status::Landed(self.mainline.len());
                 self.mainline.push(i);
                 self.pending.remove(&i);
-                self.record_decision(i, true, stats.len() > 1 && stats.values().any(|k| k.confirmed_failed(self.max_attempts())));
+                self.record_decision(
+                    i,
+                    true,
+                    stats.len() > 1 && stats.values().any(|k| k.confirmed_failed(self.max_attempts())),
+                );
                 self.stats.landed += 1;
                 actions.push(Action::Land {
                     change: self.changes[i].id.clone(),
@@ -865,7 +869,10 @@ impl Planner {
                 self.pending.remove(&i);
                 self.record_decision(i, false, stats.values().any(|k| k.passed.is_some()));
                 self.stats.rejected += 1;
-                actions.push(Action::Reject { change: self.changes[i].id.clone(), reason: RejectReason { build: spec, attempts } });
+                actions.push(Action::Reject {
+                    change: self.changes[i].id.clone(),
+                    reason: RejectReason { build: spec, attempts },
+                });
             }
         }
     }
@@ -879,10 +886,8 @@ impl Planner {
         // The snapshot taken when the decisive result arrived already reflects
         // the outcome; everything before it was genuinely uncertain.
         let n_snap = ch.snapshots.len().saturating_sub(1).max(1);
-        let xs: Vec<FeatureVector> = ch.snapshots[..n_snap]
-            .iter()
-            .map(|&(p, f)| FeatureVector::new(&ch.features, author_rate, p, f))
-            .collect();
+        let xs: Vec<FeatureVector> =
+            ch.snapshots[..n_snap].iter().map(|&(p, f)| FeatureVector::new(&ch.features, author_rate, p, f)).collect();
         let dep_landed = ch.deps.iter().filter(|&&d| matches!(self.changes[d].status, Status::Landed(_))).count();
         self.conflict_pairs += dep_landed as f64;
         if conflict_evidence {
@@ -901,7 +906,9 @@ impl Planner {
             self.history.pop_front();
         }
         self.decisions_since_train += 1;
-        if self.decisions_since_train >= self.config.retrain_every && self.history.len() >= self.config.min_training_examples {
+        if self.decisions_since_train >= self.config.retrain_every
+            && self.history.len() >= self.config.min_training_examples
+        {
             self.decisions_since_train = 0;
             let examples: Vec<TrainingExample> = self.history.iter().cloned().collect();
             // A one-sided history cannot be fitted; keep the previous model.
@@ -1031,7 +1038,10 @@ impl Planner {
                     None => mf *= 1.0 - p_lands * c_default,
                 }
             }
-            if self.config.model_includes_conflicts && self.model.is_some() && self.changes[i].success_override.is_none() {
+            if self.config.model_includes_conflicts
+                && self.model.is_some()
+                && self.changes[i].success_override.is_none()
+            {
                 mf = 1.0;
             }
             let mf = mf.max(1.0 - self.config.max_conflict_probability) * mf_override;
@@ -1087,7 +1097,11 @@ impl Planner {
 
     fn quantize(&self, v: f64) -> f64 {
         let q = self.config.value_quantum;
-        if q > 0.0 { (v / q).floor() * q } else { v }
+        if q > 0.0 {
+            (v / q).floor() * q
+        } else {
+            v
+        }
     }
 
     /// Fills free capacity with the best candidates.
@@ -1099,7 +1113,10 @@ impl Planner {
         // costs a needed build; speculate on the most likely path only, and
         // neither preempt nor hedge.
         let overloaded = strategy == Strategy::Value
-            && self.config.overload_pending_factor.is_some_and(|f| self.pending.len() as f64 > f * self.config.capacity as f64);
+            && self
+                .config
+                .overload_pending_factor
+                .is_some_and(|f| self.pending.len() as f64 > f * self.config.capacity as f64);
         let preempt = strategy == Strategy::Value && self.config.preempt_factor.is_some() && !overloaded;
         if self.pending.is_empty() || (free == 0 && !preempt) {
             return;
@@ -1167,11 +1184,12 @@ impl Planner {
                 // A concurrent extra attempt is only needed if the other one fails.
                 let hedged = b.spec.attempt > 1 && view.stats.get(&key).is_some_and(|s| s.running_n > 1);
                 let p_needed = if hedged { 1.0 - bases[p] } else { 1.0 };
-                let v: f64 = p_needed * view
-                    .pdeps
-                    .iter()
-                    .map(|&q| if key.binary_search(&order[q]).is_ok() { pi[q] } else { 1.0 - pi[q] })
-                    .product::<f64>();
+                let v: f64 = p_needed
+                    * view
+                        .pdeps
+                        .iter()
+                        .map(|&q| if key.binary_search(&order[q]).is_ok() { pi[q] } else { 1.0 - pi[q] })
+                        .product::<f64>();
                 // Value per remaining slot-time: sunk work is not wasted by finishing.
                 let remaining = match self.mean_build_ms() {
                     Some(mean) => (1.0 - now.0.saturating_sub(b.started.0) as f64 / mean).max(0.05),
@@ -1213,12 +1231,8 @@ impl Planner {
                 key.sort_unstable();
                 let startable = match (c.hedge, view.stats.get(&key)) {
                     (false, None) => Some(1),
-                    (false, Some(s)) if s.running_n == 0 && s.may_attempt(max_attempts, 0) => {
-                        Some(s.failures + 1)
-                    }
-                    (true, Some(s))
-                        if s.running_n > 0 && s.may_attempt(max_attempts, s.running_n) =>
-                    {
+                    (false, Some(s)) if s.running_n == 0 && s.may_attempt(max_attempts, 0) => Some(s.failures + 1),
+                    (true, Some(s)) if s.running_n > 0 && s.may_attempt(max_attempts, s.running_n) => {
                         Some(s.failures + s.running_n + 1)
                     }
                     _ => None,
@@ -1233,7 +1247,13 @@ impl Planner {
                 };
                 if can_hedge {
                     let v = c.value * (1.0 - bases[c.pos]);
-                    heap.push(Cand { prio: self.quantize(v) * weight[c.pos], pos: c.pos, flips: c.flips.clone(), value: v, hedge: true });
+                    heap.push(Cand {
+                        prio: self.quantize(v) * weight[c.pos],
+                        pos: c.pos,
+                        flips: c.flips.clone(),
+                        value: v,
+                        hedge: true,
+                    });
                 }
                 (key, startable)
             };
@@ -1277,7 +1297,14 @@ impl Planner {
                 st.running_n += 1;
                 self.builds.insert(
                     id,
-                    BuildRec { spec: spec.clone(), change: i, assumed: key, base: self.mainline.len(), state: BuildState::Running, started: now },
+                    BuildRec {
+                        spec: spec.clone(),
+                        change: i,
+                        assumed: key,
+                        base: self.mainline.len(),
+                        state: BuildState::Running,
+                        started: now,
+                    },
                 );
                 self.changes[i].builds.push(id);
                 self.running.insert(id);
@@ -1298,7 +1325,11 @@ impl Planner {
                     }
                     let p = pi[view.pdeps[k]];
                     let (hi, lo) = if view.main[k] { (p, 1.0 - p) } else { (1.0 - p, p) };
-                    if hi > 0.0 { lo / hi } else { 0.0 }
+                    if hi > 0.0 {
+                        lo / hi
+                    } else {
+                        0.0
+                    }
                 };
                 let ratios_raw: Vec<f64> = (0..view.pdeps.len()).map(ratio).collect();
                 idx.sort_by(|&a, &b| ratios_raw[b as usize].total_cmp(&ratios_raw[a as usize]).then(a.cmp(&b)));

@@ -72,8 +72,8 @@ pub fn parse_trace(jsonl: &str) -> Result<Vec<TraceChange>, QueueError> {
         if line.trim().is_empty() {
             continue;
         }
-        let c: TraceChange = serde_json::from_str(line)
-            .map_err(|e| QueueError::InvalidInput { line: n + 1, message: e.to_string() })?;
+        let c: TraceChange =
+            serde_json::from_str(line).map_err(|e| QueueError::InvalidInput { line: n + 1, message: e.to_string() })?;
         out.push(c);
     }
     validate(&out)?;
@@ -112,7 +112,10 @@ fn validate(trace: &[TraceChange]) -> Result<(), QueueError> {
             match rank.get(x.as_str()) {
                 Some(&r) if r < rank[c.id.as_str()] => {}
                 Some(_) => {
-                    return Err(QueueError::InvalidInput { line: i + 1, message: format!("{x} is not earlier than {}", c.id) });
+                    return Err(QueueError::InvalidInput {
+                        line: i + 1,
+                        message: format!("{x} is not earlier than {}", c.id),
+                    });
                 }
                 None => return Err(QueueError::InvalidInput { line: i + 1, message: format!("unknown change {x}") }),
             }
@@ -286,10 +289,9 @@ impl Truth {
         let analysis = trace
             .iter()
             .map(|c| {
-                c.affected_targets.as_ref().map(|a| ChangeAnalysis {
-                    affected: a.iter().cloned().collect(),
-                    alters_graph: c.alters_graph,
-                })
+                c.affected_targets
+                    .as_ref()
+                    .map(|a| ChangeAnalysis { affected: a.iter().cloned().collect(), alters_graph: c.alters_graph })
             })
             .collect();
         Ok(Truth { order, idx, conflicts, rev_conflicts, reference_lands, analysis })
@@ -307,7 +309,9 @@ impl Truth {
 pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
     let base = PlannerConfig { capacity: opts.capacity, max_retries: opts.max_retries, ..PlannerConfig::default() };
     match policy {
-        Policy::Sq => PlannerConfig { capacity: opts.capacity, max_retries: opts.max_retries, ..opts.sq_config.clone() },
+        Policy::Sq => {
+            PlannerConfig { capacity: opts.capacity, max_retries: opts.max_retries, ..opts.sq_config.clone() }
+        }
         Policy::Single => PlannerConfig { capacity: 1, strategy: Strategy::Optimistic, use_analyzer: false, ..base },
         Policy::Optimistic => PlannerConfig { strategy: Strategy::Optimistic, use_analyzer: false, ..base },
         Policy::SpeculateAll => PlannerConfig { strategy: Strategy::SpeculateAll, ..base },
@@ -379,13 +383,11 @@ pub fn simulate_logged(
 
     while let Some(Reverse((now, _, ev))) = events.pop() {
         let event = match ev {
-            SimEv::Arrival(i) => {
-                Event::Enqueue {
-                    change: ChangeId(trace[i].id.clone()),
-                    features: trace[i].features.clone(),
-                    analysis: truth.analysis[i].clone(),
-                }
-            }
+            SimEv::Arrival(i) => Event::Enqueue {
+                change: ChangeId(trace[i].id.clone()),
+                features: trace[i].features.clone(),
+                analysis: truth.analysis[i].clone(),
+            },
             SimEv::BuildDone(b) => {
                 let Some(sb) = running.remove(&b) else { continue }; // cancelled
                 if sb.passes {
@@ -406,7 +408,11 @@ pub fn simulate_logged(
             // the arrival is planned (a hedged retry is priced by it).
             let conflicts: Vec<(ChangeId, f64)> =
                 truth.conflicts[i].iter().map(|&x| (ChangeId(trace[x].id.clone()), 1.0)).collect();
-            planner.preset(ChangeId(trace[i].id.clone()), if trace[i].succeeds_alone { 1.0 } else { 0.0 }, &conflicts)?;
+            planner.preset(
+                ChangeId(trace[i].id.clone()),
+                if trace[i].succeeds_alone { 1.0 } else { 0.0 },
+                &conflicts,
+            )?;
         }
         let acts = planner.handle(Millis(now), event.clone())?;
         log(Millis(now), &event, &acts);
@@ -417,8 +423,23 @@ pub fn simulate_logged(
             }
         }
         execute(
-            acts, now, trace, &truth, &mut events, &mut seq, &mut running, &passed_builds, &mut mainline,
-            &mut landed, &mut decided, &mut turnaround, &mut violations, &mut green, &mut builds_started, &mut rng, opts,
+            acts,
+            now,
+            trace,
+            &truth,
+            &mut events,
+            &mut seq,
+            &mut running,
+            &passed_builds,
+            &mut mainline,
+            &mut landed,
+            &mut decided,
+            &mut turnaround,
+            &mut violations,
+            &mut green,
+            &mut builds_started,
+            &mut rng,
+            opts,
         );
     }
     let undecided: Vec<&str> =
@@ -474,7 +495,11 @@ fn execute(
                 let c = truth.idx[&build.change.0];
                 let base = build.base_version as usize;
                 if base != mainline.len() {
-                    violations.push(format!("build {} based on version {base}, mainline is {}", build.id, mainline.len()));
+                    violations.push(format!(
+                        "build {} based on version {base}, mainline is {}",
+                        build.id,
+                        mainline.len()
+                    ));
                 }
                 let mut tree: HashSet<usize> = mainline[..base.min(mainline.len())].iter().copied().collect();
                 tree.extend(build.assumed.iter().map(|x| truth.idx[&x.0]));
@@ -506,7 +531,8 @@ fn execute(
                 let assumed: HashSet<usize> = b.assumed.iter().map(|x| truth.idx[&x.0]).collect();
                 for &x in &mainline[(b.base_version as usize).min(mainline.len())..] {
                     if !assumed.contains(&x) && !truth.independent(c, x) {
-                        violations.push(format!("{change} landed on a tree with {} it was not tested with", trace[x].id));
+                        violations
+                            .push(format!("{change} landed on a tree with {} it was not tested with", trace[x].id));
                     }
                 }
                 // Every earlier change it is not independent of must be decided first.
@@ -529,7 +555,11 @@ fn execute(
                     violations.push(format!("mainline red after landing {change}"));
                 }
                 if proof.new_version as usize != mainline.len() + 1 {
-                    violations.push(format!("{change} landed as version {}, expected {}", proof.new_version, mainline.len() + 1));
+                    violations.push(format!(
+                        "{change} landed as version {}, expected {}",
+                        proof.new_version,
+                        mainline.len() + 1
+                    ));
                 }
                 mainline.push(c);
                 landed.insert(c);
@@ -585,7 +615,11 @@ pub fn compare_policies(workload: &str, trace: &[TraceChange], opts: &SimOptions
     // threads.
     let (first, second): (Vec<Policy>, Vec<Policy>) =
         Policy::ALL.iter().enumerate().fold((Vec::new(), Vec::new()), |(mut a, mut b), (k, &p)| {
-            if k % 2 == 0 { a.push(p) } else { b.push(p) }
+            if k % 2 == 0 {
+                a.push(p)
+            } else {
+                b.push(p)
+            }
             (a, b)
         });
     let (ra, rb) = std::thread::scope(|s| {
@@ -674,18 +708,28 @@ impl WorkloadParams {
 fn synthetic_repo(p: &WorkloadParams, rng: &mut ChaCha8Rng) -> TargetGraph {
     let mut g = TargetGraph::default();
     for c in 0..p.core_libs {
-        g.targets.insert(format!("//core:c{c}"), TargetNode { attrs_digest: "cc_library".into(), srcs: vec![format!("c{c}.cc#0")], deps: vec![] });
+        g.targets.insert(
+            format!("//core:c{c}"),
+            TargetNode { attrs_digest: "cc_library".into(), srcs: vec![format!("c{c}.cc#0")], deps: vec![] },
+        );
     }
     for s in 0..p.services {
         let mut deps = Vec::new();
         for _ in 0..2 {
             deps.push(format!("//core:c{}", rng.random_range(0..p.core_libs)));
         }
-        g.targets.insert(format!("//svc{s}:lib"), TargetNode { attrs_digest: "cc_library".into(), srcs: vec![format!("svc{s}/lib.cc#0")], deps });
+        g.targets.insert(
+            format!("//svc{s}:lib"),
+            TargetNode { attrs_digest: "cc_library".into(), srcs: vec![format!("svc{s}/lib.cc#0")], deps },
+        );
         for kind in ["bin", "test"] {
             g.targets.insert(
                 format!("//svc{s}:{kind}"),
-                TargetNode { attrs_digest: format!("cc_{kind}"), srcs: vec![format!("svc{s}/{kind}.cc#0")], deps: vec![format!("//svc{s}:lib")] },
+                TargetNode {
+                    attrs_digest: format!("cc_{kind}"),
+                    srcs: vec![format!("svc{s}/{kind}.cc#0")],
+                    deps: vec![format!("//svc{s}:lib")],
+                },
             );
         }
     }
@@ -706,7 +750,13 @@ pub fn generate(p: &WorkloadParams) -> Result<Vec<TraceChange>, QueueError> {
     let weights: Vec<f64> = (1..=p.services).map(|k| 1.0 / k as f64).collect();
     let total: f64 = weights.iter().sum();
     let mut acc = 0.0;
-    let cdf: Vec<f64> = weights.iter().map(|w| { acc += w / total; acc }).collect();
+    let cdf: Vec<f64> = weights
+        .iter()
+        .map(|w| {
+            acc += w / total;
+            acc
+        })
+        .collect();
     let authors: Vec<f64> = (0..40).map(|_| 0.3 + 1.4 * rng.random::<f64>()).collect();
 
     let mut out: Vec<TraceChange> = Vec::new();

@@ -82,9 +82,8 @@ fn speculation_values_match_hand_computed_tree() {
     for c in ["c1", "c2", "c3"] {
         assert!(enqueue(&mut p, 0, c, None).is_empty(), "capacity 0 starts nothing");
     }
-    let v = |p: &Planner, c: &str, a: &[&str]| {
-        p.value_of(&id(c), &a.iter().map(|s| id(s)).collect::<Vec<_>>()).unwrap()
-    };
+    let v =
+        |p: &Planner, c: &str, a: &[&str]| p.value_of(&id(c), &a.iter().map(|s| id(s)).collect::<Vec<_>>()).unwrap();
     assert!(close(v(&p, "c1", &[]), 1.0));
     assert!(close(v(&p, "c2", &["c1"]), 0.9));
     assert!(close(v(&p, "c2", &[]), 0.1));
@@ -182,7 +181,9 @@ fn outcome_prunes_impossible_builds() {
     assert_eq!(cancelled(&acts), [find(&builds, "c3", &[])].into());
     // c3's build on c2 decides it.
     let acts = finish(&mut p, 30, find(&builds, "c3", &["c2"]), true);
-    assert!(matches!(&acts[0], Action::Land { change, proof } if *change == id("c3") && proof.build.assumed == vec![id("c2")]));
+    assert!(
+        matches!(&acts[0], Action::Land { change, proof } if *change == id("c3") && proof.build.assumed == vec![id("c2")])
+    );
     assert_eq!(p.mainline(), vec![id("c2"), id("c3")]);
     assert!(p.running_builds().is_empty());
 }
@@ -251,7 +252,10 @@ fn failed_landing_counts_as_rejected_and_prunes_builds_assuming_it() {
     assert_eq!(p.mainline(), vec![id("c1"), id("c3")]);
     // Only landed changes can fail to land, and only once.
     assert!(matches!(p.handle(Millis(7), Event::LandingFailed { change: id("c2") }), Err(QueueError::NotLanded(_))));
-    assert!(matches!(p.handle(Millis(7), Event::LandingFailed { change: id("zz") }), Err(QueueError::UnknownChange(_))));
+    assert!(matches!(
+        p.handle(Millis(7), Event::LandingFailed { change: id("zz") }),
+        Err(QueueError::UnknownChange(_))
+    ));
 }
 
 #[test]
@@ -284,14 +288,17 @@ fn flaky_failure_is_retried_before_rejecting() {
 fn conclusive_failure_is_not_retried() {
     let mut p = Planner::new(PlannerConfig { max_retries: 2, ..cfg(4) });
     let b = started(&enqueue(&mut p, 0, "c1", None));
-    let acts = p.handle(Millis(1), Event::BuildFinished { build: b[0].id, outcome: BuildOutcome::FailedConclusively }).unwrap();
+    let acts = p
+        .handle(Millis(1), Event::BuildFinished { build: b[0].id, outcome: BuildOutcome::FailedConclusively })
+        .unwrap();
     assert!(started(&acts).is_empty(), "no retry of a tree that cannot pass: {acts:?}");
     assert!(matches!(&acts[0], Action::Reject { change, reason } if *change == id("c1") && reason.attempts == 1));
     // On a speculative tree it only rules out that tree: c3 is still built without c2.
     let b2 = started(&enqueue(&mut p, 2, "c2", None));
     let b3 = started(&enqueue(&mut p, 2, "c3", None));
     let on_c2 = find(&b3, "c3", &["c2"]);
-    let acts = p.handle(Millis(3), Event::BuildFinished { build: on_c2, outcome: BuildOutcome::FailedConclusively }).unwrap();
+    let acts =
+        p.handle(Millis(3), Event::BuildFinished { build: on_c2, outcome: BuildOutcome::FailedConclusively }).unwrap();
     assert!(!acts.iter().any(|a| matches!(a, Action::Reject { .. })), "c2 is undecided: {acts:?}");
     assert!(started(&acts).iter().all(|s| shape(s) != ("c3".to_string(), vec!["c2".to_string()])), "{acts:?}");
     // c2 lands: c3 is then decided by nothing but a build on a tree with c2,
@@ -299,7 +306,8 @@ fn conclusive_failure_is_not_retried() {
     let acts = finish(&mut p, 4, b2[0].id, true);
     assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c2")));
     assert!(
-        acts.iter().any(|a| matches!(a, Action::Reject { change, reason } if *change == id("c3") && reason.build.id == on_c2)),
+        acts.iter()
+            .any(|a| matches!(a, Action::Reject { change, reason } if *change == id("c3") && reason.build.id == on_c2)),
         "{acts:?}"
     );
 }
@@ -395,7 +403,13 @@ fn preset_applies_on_arrival_and_prices_the_first_plan() {
     let b = started(&enqueue(&mut p, 0, "bad", None));
     assert_eq!(b.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2]);
     // Known to pass: no hedge, where the pessimistic prior alone hedges.
-    let mut q = Planner::new(PlannerConfig { hedge_retries: true, max_retries: 1, min_value: 0.5, prior_success: 0.2, ..cfg(6) });
+    let mut q = Planner::new(PlannerConfig {
+        hedge_retries: true,
+        max_retries: 1,
+        min_value: 0.5,
+        prior_success: 0.2,
+        ..cfg(6)
+    });
     let without = started(&enqueue(&mut q, 0, "x", None));
     assert_eq!(without.iter().map(|x| x.attempt).collect::<Vec<_>>(), vec![1, 2], "the prior alone hedges");
     q.preset(id("good"), 1.0, &[(id("x"), 1.0)]).unwrap();
@@ -445,7 +459,10 @@ fn errors_are_reported() {
         p.handle(Millis(10), Event::Enqueue { change: id("c1"), features: ChangeFeatures::default(), analysis: None }),
         Err(QueueError::DuplicateChange(_))
     ));
-    assert!(matches!(p.handle(Millis(5), Event::Cancel { change: id("c1") }), Err(QueueError::ClockWentBackwards { .. })));
+    assert!(matches!(
+        p.handle(Millis(5), Event::Cancel { change: id("c1") }),
+        Err(QueueError::ClockWentBackwards { .. })
+    ));
     assert!(matches!(p.handle(Millis(11), Event::Cancel { change: id("nope") }), Err(QueueError::UnknownChange(_))));
 }
 
@@ -455,10 +472,10 @@ fn model_is_trained_from_decisions() {
     let mut t = 0;
     for k in 0..40 {
         let name = format!("c{k}");
-        let features = ChangeFeatures { presubmit_passed: k % 4 != 0, lines_changed: 10 + k, ..ChangeFeatures::default() };
-        let mut acts = p
-            .handle(Millis(t), Event::Enqueue { change: id(&name), features, analysis: analysis(&[&name]) })
-            .unwrap();
+        let features =
+            ChangeFeatures { presubmit_passed: k % 4 != 0, lines_changed: 10 + k, ..ChangeFeatures::default() };
+        let mut acts =
+            p.handle(Millis(t), Event::Enqueue { change: id(&name), features, analysis: analysis(&[&name]) }).unwrap();
         // Independent changes: the one build decides; fail exactly the presubmit failures.
         while let Some(b) = started(&acts).first().cloned() {
             t += 1;

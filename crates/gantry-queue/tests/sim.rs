@@ -3,7 +3,7 @@
 //! traces round-trip, and the ground-truth checks do catch bad decisions.
 
 use gantry_queue::sim::{
-    Policy, SimOptions, TraceChange, WorkloadParams, compare_policies, generate, parse_trace, simulate, trace_to_jsonl,
+    compare_policies, generate, parse_trace, simulate, trace_to_jsonl, Policy, SimOptions, TraceChange, WorkloadParams,
 };
 
 fn small(rate: f64, seed: u64) -> Vec<TraceChange> {
@@ -91,7 +91,9 @@ fn traces_round_trip_and_are_validated() {
     let later = r#"{"id":"a","arrival_s":0,"build_s":1,"succeeds_alone":true,"conflicts_with":["b"]}
 {"id":"b","arrival_s":1,"build_s":1,"succeeds_alone":true}"#;
     assert!(parse_trace(later).is_err(), "conflicts must point to earlier changes");
-    assert!(parse_trace(r#"{"id":"a","arrival_s":0,"build_s":1,"succeeds_alone":true,"conflicts_with":["zz"]}"#).is_err());
+    assert!(
+        parse_trace(r#"{"id":"a","arrival_s":0,"build_s":1,"succeeds_alone":true,"conflicts_with":["zz"]}"#).is_err()
+    );
     assert!(parse_trace("{not json}").is_err());
 }
 

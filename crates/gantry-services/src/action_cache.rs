@@ -38,21 +38,23 @@ impl ActionCacheService {
             budget -= d.size;
             Ok(Some(self.cas.get(&d).await?.to_vec()))
         };
-        if req.inline_stdout && r.stdout_raw.is_empty() {
-            if let Some(b) = fetch(&r.stdout_digest, "stdout_digest").await? {
-                r.stdout_raw = b;
-            }
+        if req.inline_stdout
+            && r.stdout_raw.is_empty()
+            && let Some(b) = fetch(&r.stdout_digest, "stdout_digest").await?
+        {
+            r.stdout_raw = b;
         }
-        if req.inline_stderr && r.stderr_raw.is_empty() {
-            if let Some(b) = fetch(&r.stderr_digest, "stderr_digest").await? {
-                r.stderr_raw = b;
-            }
+        if req.inline_stderr
+            && r.stderr_raw.is_empty()
+            && let Some(b) = fetch(&r.stderr_digest, "stderr_digest").await?
+        {
+            r.stderr_raw = b;
         }
         for o in r.output_files.iter_mut() {
-            if req.inline_output_files.contains(&o.path) {
-                if let Some(b) = fetch(&o.digest, "output file").await? {
-                    o.contents = b;
-                }
+            if req.inline_output_files.contains(&o.path)
+                && let Some(b) = fetch(&o.digest, "output file").await?
+            {
+                o.contents = b;
             }
         }
         Ok(())

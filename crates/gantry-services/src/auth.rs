@@ -81,15 +81,23 @@ impl Authenticator {
     /// verified client certificate carries `cert_dns_names`. A token decides when one is
     /// sent; else a configured certificate name; else the anonymous identity. The error
     /// is the message for UNAUTHENTICATED; it never repeats what the client sent.
-    pub fn authenticate(&self, authorization: Option<&[u8]>, cert_dns_names: &[String]) -> Result<Arc<Identity>, &'static str> {
+    pub fn authenticate(
+        &self,
+        authorization: Option<&[u8]>,
+        cert_dns_names: &[String],
+    ) -> Result<Arc<Identity>, &'static str> {
         let Some(value) = authorization else {
             if let Some(id) = cert_dns_names.iter().find_map(|n| self.by_dns_name.get(&n.to_ascii_lowercase())) {
                 return Ok(id.clone());
             }
-            return self.anonymous.clone().ok_or("credentials required: send authorization: Bearer TOKEN, or a client certificate gantry knows");
+            return self
+                .anonymous
+                .clone()
+                .ok_or("credentials required: send authorization: Bearer TOKEN, or a client certificate gantry knows");
         };
         let value = std::str::from_utf8(value).map_err(|_| "malformed authorization header")?;
-        let (scheme, token) = value.trim().split_once(' ').ok_or("malformed authorization header: expected Bearer TOKEN")?;
+        let (scheme, token) =
+            value.trim().split_once(' ').ok_or("malformed authorization header: expected Bearer TOKEN")?;
         let token = token.trim();
         if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() || token.len() > 4096 {
             return Err("malformed authorization header: expected Bearer TOKEN");
@@ -124,12 +132,17 @@ impl std::fmt::Debug for Jwt {
 impl Jwt {
     fn load(cfg: &gantry_config::JwtConfig, grants: HashMap<String, Grant>) -> gantry_core::Result<Jwt> {
         use gantry_core::Error;
-        let text = std::fs::read_to_string(&cfg.jwks).map_err(|e| Error::io(format!("auth.jwt.jwks {}", cfg.jwks.display()), e))?;
-        let set: jsonwebtoken::jwk::JwkSet =
-            serde_json::from_str(&text).map_err(|e| Error::invalid(format!("auth.jwt.jwks {}: not a JWKS: {e}", cfg.jwks.display())))?;
+        let text = std::fs::read_to_string(&cfg.jwks)
+            .map_err(|e| Error::io(format!("auth.jwt.jwks {}", cfg.jwks.display()), e))?;
+        let set: jsonwebtoken::jwk::JwkSet = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(format!("auth.jwt.jwks {}: not a JWKS: {e}", cfg.jwks.display())))?;
         let mut keys = HashMap::new();
         for (i, k) in set.keys.iter().enumerate() {
-            let kid = k.common.key_id.clone().ok_or_else(|| Error::invalid(format!("auth.jwt.jwks: keys[{i}] has no kid")))?;
+            let kid = k
+                .common
+                .key_id
+                .clone()
+                .ok_or_else(|| Error::invalid(format!("auth.jwt.jwks: keys[{i}] has no kid")))?;
             let alg = match &k.algorithm {
                 jsonwebtoken::jwk::AlgorithmParameters::EllipticCurve(p) => match p.curve {
                     jsonwebtoken::jwk::EllipticCurve::P256 => jsonwebtoken::Algorithm::ES256,
@@ -143,7 +156,8 @@ impl Jwt {
                     return Err(Error::invalid(format!("auth.jwt.jwks: key {kid}: symmetric keys are not accepted")));
                 }
             };
-            let key = jsonwebtoken::DecodingKey::from_jwk(k).map_err(|e| Error::invalid(format!("auth.jwt.jwks: key {kid}: {e}")))?;
+            let key = jsonwebtoken::DecodingKey::from_jwk(k)
+                .map_err(|e| Error::invalid(format!("auth.jwt.jwks: key {kid}: {e}")))?;
             keys.insert(kid, (key, alg));
         }
         if keys.is_empty() {
@@ -280,10 +294,17 @@ mod tests {
 
     fn config() -> AuthConfig {
         let mut grants = std::collections::BTreeMap::new();
-        grants.insert("dev".to_string(), GrantConfig { instances: vec!["dev/*".into()], permissions: vec!["read".into()] });
+        grants.insert(
+            "dev".to_string(),
+            GrantConfig { instances: vec!["dev/*".into()], permissions: vec!["read".into()] },
+        );
         AuthConfig {
             anonymous: vec![],
-            tokens: vec![TokenConfig { name: "dev".into(), sha256: token_sha256("s3cret-dev").to_uppercase(), grants: vec!["dev".into()] }],
+            tokens: vec![TokenConfig {
+                name: "dev".into(),
+                sha256: token_sha256("s3cret-dev").to_uppercase(),
+                grants: vec!["dev".into()],
+            }],
             grants,
             certificates: vec![],
             jwt: None,
@@ -321,7 +342,11 @@ mod tests {
     #[test]
     fn certificate_names() {
         let mut cfg = config();
-        cfg.certificates = vec![gantry_config::CertificateConfig { name: "ci-runner".into(), dns_name: "CI.build.test".into(), grants: vec!["dev".into()] }];
+        cfg.certificates = vec![gantry_config::CertificateConfig {
+            name: "ci-runner".into(),
+            dns_name: "CI.build.test".into(),
+            grants: vec!["dev".into()],
+        }];
         let a = Authenticator::new(&cfg);
         let names = vec!["other.test".to_string(), "ci.build.test".to_string()];
         assert_eq!(a.authenticate(None, &names).unwrap().name, "ci-runner");
@@ -362,9 +387,13 @@ mod tests {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
         let claims = |iss: &str, aud: &str, exp: u64| serde_json::json!({"sub": "build-42", "iss": iss, "aud": aud, "exp": exp, "gantry_grants": ["dev", "unknown"]});
         let bearer = |t: String| format!("Bearer {t}").into_bytes();
-        let id = a.authenticate_token(Some(&bearer(sign(claims("https://ci.test", "gantry", now + 300), "k1")))).unwrap();
+        let id =
+            a.authenticate_token(Some(&bearer(sign(claims("https://ci.test", "gantry", now + 300), "k1")))).unwrap();
         assert_eq!(id.name, "build-42");
-        assert!(id.check(Permission::Read, "dev/x").is_ok() && id.check(Permission::Read, "main").is_err(), "grants from the claim");
+        assert!(
+            id.check(Permission::Read, "dev/x").is_ok() && id.check(Permission::Read, "main").is_err(),
+            "grants from the claim"
+        );
         for (why, token) in [
             ("expired", sign(claims("https://ci.test", "gantry", now - 300), "k1")),
             ("wrong issuer", sign(claims("https://evil.test", "gantry", now + 300), "k1")),

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
 use gantry_batch::{Batch, BatchError, BatchSizeReason, BuildContext, Models, PlannerConfig, StreamingPlanner};
-use gantry_builds::{BuildDoc, BuildService, BuildState, BuildOutcome, RetryKind};
+use gantry_builds::{BuildDoc, BuildOutcome, BuildService, BuildState, RetryKind};
 use gantry_core::task::{spawn_named, GuardedStream};
 use gantry_proto::batch::v1 as pb;
 use pb::batcher_server::Batcher;
@@ -37,7 +37,12 @@ pub struct BatcherService {
 impl BatcherService {
     pub fn new(config: PlannerConfig, models: Models) -> Result<Self, BatchError> {
         config.validate()?;
-        Ok(BatcherService { models: Arc::new(RwLock::new(Arc::new(models))), config, builds: OnceLock::new(), runs_builds: false })
+        Ok(BatcherService {
+            models: Arc::new(RwLock::new(Arc::new(models))),
+            config,
+            builds: OnceLock::new(),
+            runs_builds: false,
+        })
     }
 
     /// Declares that builds will be run once [`attach_builds`](Self::attach_builds) is called.
@@ -156,11 +161,7 @@ fn build_to_proto(stream_id: &str, seq: u64, b: Batch) -> pb::EnqueueTargetsResp
 }
 
 fn target_from_proto(t: pb::Target) -> gantry_batch::Target {
-    gantry_batch::Target {
-        label: t.label,
-        rule_kind: (!t.rule_kind.is_empty()).then_some(t.rule_kind),
-        tags: t.tags,
-    }
+    gantry_batch::Target { label: t.label, rule_kind: (!t.rule_kind.is_empty()).then_some(t.rule_kind), tags: t.tags }
 }
 
 type Tx = tokio::sync::mpsc::Sender<Result<pb::EnqueueTargetsResponse, Status>>;
@@ -181,7 +182,13 @@ impl Submitter {
         let targets = b
             .targets
             .iter()
-            .map(|l| self.pending.remove(l).unwrap_or_else(|| gantry_batch::Target { label: l.clone(), rule_kind: None, tags: vec![] }))
+            .map(|l| {
+                self.pending.remove(l).unwrap_or_else(|| gantry_batch::Target {
+                    label: l.clone(),
+                    rule_kind: None,
+                    tags: vec![],
+                })
+            })
             .collect();
         let note = match self.notes.get(&b.reason) {
             Some(n) => n.clone(),
@@ -217,7 +224,13 @@ async fn run_stream(
 ) -> Result<(), ()> {
     let mut submitter = builds.map(|builds| {
         builds.stream_started(&stream_id);
-        Submitter { builds, ctx: ctx.clone(), stream_id: stream_id.clone(), pending: HashMap::new(), notes: HashMap::new() }
+        Submitter {
+            builds,
+            ctx: ctx.clone(),
+            stream_id: stream_id.clone(),
+            pending: HashMap::new(),
+            notes: HashMap::new(),
+        }
     });
     let mut planner = match StreamingPlanner::new(ctx, config, &*models) {
         Ok(p) => p,
@@ -238,10 +251,10 @@ async fn run_stream(
             }
         }
         for b in planner.take_ready() {
-            if let Some(s) = &mut submitter {
-                if let Err(status) = s.submit(seq, &b).await {
-                    return tx.send(Err(status)).await.map_err(|_| ());
-                }
+            if let Some(s) = &mut submitter
+                && let Err(status) = s.submit(seq, &b).await
+            {
+                return tx.send(Err(status)).await.map_err(|_| ());
             }
             tx.send(Ok(build_to_proto(&stream_id, seq, b))).await.map_err(|_| ())?;
             seq += 1;
@@ -260,10 +273,10 @@ async fn run_stream(
         }
     }
     for b in planner.finish() {
-        if let Some(s) = &mut submitter {
-            if let Err(status) = s.submit(seq, &b).await {
-                return tx.send(Err(status)).await.map_err(|_| ());
-            }
+        if let Some(s) = &mut submitter
+            && let Err(status) = s.submit(seq, &b).await
+        {
+            return tx.send(Err(status)).await.map_err(|_| ());
         }
         tx.send(Ok(build_to_proto(&stream_id, seq, b))).await.map_err(|_| ())?;
         seq += 1;
@@ -315,7 +328,10 @@ impl Batcher for BatcherService {
 
     type WatchBuildsStream = GuardedStream<ReceiverStream<Result<pb::BuildStatus, Status>>>;
 
-    async fn watch_builds(&self, request: Request<pb::WatchBuildsRequest>) -> Result<Response<Self::WatchBuildsStream>, Status> {
+    async fn watch_builds(
+        &self,
+        request: Request<pb::WatchBuildsRequest>,
+    ) -> Result<Response<Self::WatchBuildsStream>, Status> {
         gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let stream_id = request.into_inner().stream_id;
         if stream_id.is_empty() {
@@ -332,7 +348,8 @@ impl Batcher for BatcherService {
                 changes.borrow_and_update();
                 if builds.is_shutting_down() {
                     // A watch would otherwise hold the server's drain until its builds end.
-                    let _ = tx.send(Err(Status::unavailable("gantry is shutting down: watch again once it is back"))).await;
+                    let _ =
+                        tx.send(Err(Status::unavailable("gantry is shutting down: watch again once it is back"))).await;
                     return;
                 }
                 let (done, docs) = match builds.stream_complete(&stream_id).await {
@@ -360,7 +377,10 @@ impl Batcher for BatcherService {
         Ok(Response::new(GuardedStream::new(ReceiverStream::new(rx), guard)))
     }
 
-    async fn list_builds(&self, request: Request<pb::ListBuildsRequest>) -> Result<Response<pb::ListBuildsResponse>, Status> {
+    async fn list_builds(
+        &self,
+        request: Request<pb::ListBuildsRequest>,
+    ) -> Result<Response<pb::ListBuildsResponse>, Status> {
         gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Batch)?;
         let r = request.into_inner();
         let limit = match r.limit {
@@ -378,7 +398,10 @@ impl Batcher for BatcherService {
         Ok(Response::new(pb::ListBuildsResponse { builds: docs.iter().map(status_to_proto).collect() }))
     }
 
-    async fn train_models(&self, request: Request<pb::TrainModelsRequest>) -> Result<Response<pb::TrainModelsResponse>, Status> {
+    async fn train_models(
+        &self,
+        request: Request<pb::TrainModelsRequest>,
+    ) -> Result<Response<pb::TrainModelsResponse>, Status> {
         gantry_core::auth::require_somewhere(&request, gantry_core::auth::Permission::Admin)?;
         let s = self.builds()?.train_now().await.map_err(core_status)?;
         Ok(Response::new(pb::TrainModelsResponse {

@@ -130,8 +130,11 @@ impl ByteStreamService {
                 });
             }
         });
-        let gauge = prometheus::IntGauge::new("gantry_upload_buffered_bytes", "Bytes held in memory by ByteStream uploads in progress")
-            .expect("valid metric");
+        let gauge = prometheus::IntGauge::new(
+            "gantry_upload_buffered_bytes",
+            "Bytes held in memory by ByteStream uploads in progress",
+        )
+        .expect("valid metric");
         let relieved = prometheus::IntCounterVec::new(
             prometheus::Opts::new(
                 "gantry_upload_memory_relief_total",
@@ -200,7 +203,7 @@ impl ByteStreamService {
                 idle.push((s.owner != session.owner, last, name, s));
             }
         }
-        idle.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        idle.sort_by_key(|a| (a.0, a.1));
         for (foreign, _, name, s) in idle {
             if !over_total() && (foreign || owner_held <= share) {
                 break;
@@ -226,13 +229,13 @@ impl ByteStreamService {
                 owner_held -= before.min(owner_held);
             }
         }
-        if over_total() || owner_held > share {
-            if let Some(w) = up.writer.as_mut() {
-                up.dirty = true;
-                w.spill().await?;
-                up.dirty = false;
-                session.account(up);
-            }
+        if (over_total() || owner_held > share)
+            && let Some(w) = up.writer.as_mut()
+        {
+            up.dirty = true;
+            w.spill().await?;
+            up.dirty = false;
+            session.account(up);
         }
         Ok(())
     }
@@ -426,9 +429,10 @@ impl ByteStream for ByteStreamService {
             })?
         };
         // ABORTED: a resume can race the drop of the previous handler; clients retry it.
-        let mut up = session.upload.try_lock().map_err(|_| {
-            Status::aborted(format!("upload '{name}' is being written by another stream; retry"))
-        })?;
+        let mut up = session
+            .upload
+            .try_lock()
+            .map_err(|_| Status::aborted(format!("upload '{name}' is being written by another stream; retry")))?;
         if up.dirty {
             // The previous handler was dropped mid-write: start the upload over.
             *up = self.new_upload(&rn).await?;

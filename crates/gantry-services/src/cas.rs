@@ -45,7 +45,12 @@ impl CasService {
         Ok(())
     }
 
-    async fn update_one(&self, f: DigestFunction, i: usize, r: reapi::batch_update_blobs_request::Request) -> Result<()> {
+    async fn update_one(
+        &self,
+        f: DigestFunction,
+        i: usize,
+        r: reapi::batch_update_blobs_request::Request,
+    ) -> Result<()> {
         let d = Digest::from_proto(f, r.digest.as_ref(), &format!("requests[{i}].digest"))?;
         if d.size > self.max_batch_size {
             // Checked before decompressing: the declared size sizes the output buffer.
@@ -98,7 +103,8 @@ impl TreeWalk {
             let dir = reapi::Directory::decode(bytes)
                 .map_err(|e| Error::invalid(format!("blob {d} in the tree is not a Directory: {e}")))?;
             for (j, sub) in dir.directories.iter().enumerate() {
-                let sd = Digest::from_proto(d.function, sub.digest.as_ref(), &format!("directory {d}: directories[{j}]"))?;
+                let sd =
+                    Digest::from_proto(d.function, sub.digest.as_ref(), &format!("directory {d}: directories[{j}]"))?;
                 if self.seen.insert(sd) {
                     self.queue.push_back(sd);
                 }
@@ -266,13 +272,19 @@ impl ContentAddressableStorage for CasService {
         Ok(Response::new(stream.boxed()))
     }
 
-    async fn split_blob(&self, _: Request<reapi::SplitBlobRequest>) -> Result<Response<reapi::SplitBlobResponse>, Status> {
+    async fn split_blob(
+        &self,
+        _: Request<reapi::SplitBlobRequest>,
+    ) -> Result<Response<reapi::SplitBlobResponse>, Status> {
         Err(Status::unimplemented("SplitBlob is not supported (split_blob_support is false)"))
     }
 
     type GetChunkMappingStream = ChunkStream;
 
-    async fn get_chunk_mapping(&self, _: Request<reapi::GetChunkMappingRequest>) -> Result<Response<ChunkStream>, Status> {
+    async fn get_chunk_mapping(
+        &self,
+        _: Request<reapi::GetChunkMappingRequest>,
+    ) -> Result<Response<ChunkStream>, Status> {
         Err(Status::unimplemented("GetChunkMapping is not supported"))
     }
 
@@ -293,7 +305,11 @@ impl ContentAddressableStorage for CasService {
 
 /// The status of one missing blob in a batch response.
 fn not_found_status() -> gantry_core::google::rpc::Status {
-    gantry_core::google::rpc::Status { code: tonic::Code::NotFound as i32, message: "not found".into(), details: vec![] }
+    gantry_core::google::rpc::Status {
+        code: tonic::Code::NotFound as i32,
+        message: "not found".into(),
+        details: vec![],
+    }
 }
 
 #[cfg(test)]
@@ -331,7 +347,10 @@ mod tests {
         let mut child: Option<Digest> = None;
         for i in 0..60 {
             let dir = reapi::Directory {
-                directories: child.iter().map(|d| reapi::DirectoryNode { name: format!("d{i}"), digest: Some(d.to_proto()) }).collect(),
+                directories: child
+                    .iter()
+                    .map(|d| reapi::DirectoryNode { name: format!("d{i}"), digest: Some(d.to_proto()) })
+                    .collect(),
                 ..Default::default()
             };
             let bytes = dir.encode_to_vec();

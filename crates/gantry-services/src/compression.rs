@@ -33,10 +33,8 @@ impl StreamDecoder {
             let before = inb.pos();
             let mut out = vec![0u8; OUT_CHUNK];
             let mut outb = OutBuffer::around(&mut out[..]);
-            let hint = self
-                .dec
-                .run(&mut inb, &mut outb)
-                .map_err(|e| Error::invalid(format!("zstd data is corrupt: {e}")))?;
+            let hint =
+                self.dec.run(&mut inb, &mut outb).map_err(|e| Error::invalid(format!("zstd data is corrupt: {e}")))?;
             let produced = outb.pos();
             // A call that consumed and produced nothing says nothing about frame state:
             // after a frame ends, zstd reports the next header as wanted.
@@ -63,7 +61,11 @@ impl StreamDecoder {
 
     /// Errors if the compressed stream stopped in the middle of a frame.
     pub fn finish(&self) -> Result<()> {
-        if self.frame_done { Ok(()) } else { Err(Error::invalid("zstd data ends in the middle of a frame")) }
+        if self.frame_done {
+            Ok(())
+        } else {
+            Err(Error::invalid("zstd data ends in the middle of a frame"))
+        }
     }
 }
 

@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gantry_core::google::bytestream::byte_stream_server::ByteStreamServer;
+use gantry_core::google::longrunning::operations_server::OperationsServer;
 use gantry_core::reapi::action_cache_server::ActionCacheServer;
 use gantry_core::reapi::capabilities_server::CapabilitiesServer;
 use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorageServer;
+use gantry_core::reapi::execution_server::ExecutionServer;
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{ActionCache, BlobStore, Error, Result};
-use gantry_core::google::longrunning::operations_server::OperationsServer;
-use gantry_core::reapi::execution_server::ExecutionServer;
 use gantry_proto::batch::v1::batcher_server::BatcherServer;
 use gantry_proto::queue::v1::submit_queue_server::SubmitQueueServer;
 use gantry_proto::worker::v1::worker_service_server::WorkerServiceServer;
@@ -102,7 +102,17 @@ impl Services {
         batcher: batcher::BatcherService,
     ) -> Self {
         let metrics = Metrics::new(cas.clone());
-        Services { cas, ac, metrics, limits, batcher: Arc::new(batcher), scheduler: None, forwarder: None, auth: None, queue: Default::default() }
+        Services {
+            cas,
+            ac,
+            metrics,
+            limits,
+            batcher: Arc::new(batcher),
+            scheduler: None,
+            forwarder: None,
+            auth: None,
+            queue: Default::default(),
+        }
     }
 
     /// Adds remote execution: Execution, Operations and the worker endpoint.
@@ -128,7 +138,10 @@ impl Services {
     pub fn grpc_router(
         &self,
     ) -> tonic::transport::server::Router<
-        tower::layer::util::Stack<auth::AuthLayer, tower::layer::util::Stack<MetricsLayer, tower::layer::util::Identity>>,
+        tower::layer::util::Stack<
+            auth::AuthLayer,
+            tower::layer::util::Stack<MetricsLayer, tower::layer::util::Identity>,
+        >,
     > {
         // Batches may be as large as advertised, plus protobuf framing.
         let max_msg = self.limits.max_batch_size as usize + (1 << 20);
@@ -144,14 +157,16 @@ impl Services {
         .max_encoding_message_size(2 * max_msg)
         .accept_compressed(CompressionEncoding::Zstd)
         .send_compressed(CompressionEncoding::Zstd);
-        let bs = ByteStreamServer::new(bytestream::ByteStreamService::new(
-            self.cas.clone(),
-            self.metrics.clone(),
-            self.limits.read_chunk_size,
-            self.limits.upload_idle_timeout,
+        let bs = ByteStreamServer::new(
+            bytestream::ByteStreamService::new(
+                self.cas.clone(),
+                self.metrics.clone(),
+                self.limits.read_chunk_size,
+                self.limits.upload_idle_timeout,
+            )
+            .with_per_client_limit(self.limits.max_uploads_per_client)
+            .with_memory_limit(self.limits.max_upload_memory),
         )
-        .with_per_client_limit(self.limits.max_uploads_per_client)
-        .with_memory_limit(self.limits.max_upload_memory))
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
         let ac = ActionCacheServer::new(action_cache::ActionCacheService::new(
@@ -173,7 +188,6 @@ impl Services {
             }),
             supported_node_properties: vec![],
             digest_functions: gantry_core::DigestFunction::ALL.iter().map(|f| f.to_proto()).collect(),
-            ..Default::default()
         });
         let caps = CapabilitiesServer::new(capabilities::CapabilitiesService::new(
             self.limits.max_batch_size,
@@ -184,8 +198,12 @@ impl Services {
             Some(s) => (
                 Some(
                     ExecutionServer::new(
-                        gantry_execution::operations::ExecutionService::new(s.clone(), self.cas.clone(), self.ac.clone())
-                            .with_max_proto_size(self.limits.max_proto_size),
+                        gantry_execution::operations::ExecutionService::new(
+                            s.clone(),
+                            self.cas.clone(),
+                            self.ac.clone(),
+                        )
+                        .with_max_proto_size(self.limits.max_proto_size),
                     )
                     .max_encoding_message_size(max_msg),
                 ),
@@ -336,7 +354,8 @@ impl RunningServer {
                 let (conns, accept) = tls.incoming(grpc_listener);
                 tls_tasks.push(accept);
                 tls_tasks.push(tls.reload_on_sighup()?);
-                let incoming = tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
+                let incoming =
+                    tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
                 tokio::spawn(async move {
                     router
                         .serve_with_incoming_shutdown(incoming, shutdown)
@@ -346,7 +365,14 @@ impl RunningServer {
             }
         };
         tracing::info!(%grpc_addr, %http_addr, "gantry serving");
-        Ok(RunningServer { grpc_addr, http_addr, stop: Some(stop), grpc: Some(grpc), _http: http_task, _tls: tls_tasks })
+        Ok(RunningServer {
+            grpc_addr,
+            http_addr,
+            stop: Some(stop),
+            grpc: Some(grpc),
+            _http: http_task,
+            _tls: tls_tasks,
+        })
     }
 
     /// Serves until `signal` resolves, then stops accepting and drains in-flight calls.

@@ -62,9 +62,8 @@ pub fn server_config(files: &TlsFiles) -> Result<rustls::ServerConfig> {
             if files.client_certificates_optional {
                 verifier = verifier.allow_unauthenticated();
             }
-            let verifier = verifier
-                .build()
-                .map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
+            let verifier =
+                verifier.build().map_err(|e| Error::invalid(format!("server.tls.client_ca {}: {e}", ca.display())))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -118,7 +117,10 @@ impl Tls {
 
     /// Accepts on `listener` and hands out connections whose handshake completed. The
     /// accept loop lives as long as the returned guard.
-    pub fn incoming(&self, listener: TcpListener) -> (tokio::sync::mpsc::Receiver<(TlsStream<BufferedTcp>, SocketAddr)>, TaskGuard) {
+    pub fn incoming(
+        &self,
+        listener: TcpListener,
+    ) -> (tokio::sync::mpsc::Receiver<(TlsStream<BufferedTcp>, SocketAddr)>, TaskGuard) {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let tls = self.clone();
         let guard = spawn_named("tls-accept", async move {
@@ -165,17 +167,29 @@ impl BufferedTcp {
 }
 
 impl tokio::io::AsyncRead for BufferedTcp {
-    fn poll_read(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &mut tokio::io::ReadBuf<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
     }
 }
 
 impl tokio::io::AsyncWrite for BufferedTcp {
-    fn poll_write(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &[u8]) -> std::task::Poll<std::io::Result<usize>> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
     }
 
-    fn poll_write_vectored(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> std::task::Poll<std::io::Result<usize>> {
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
     }
 
@@ -183,11 +197,17 @@ impl tokio::io::AsyncWrite for BufferedTcp {
         self.0.is_write_vectored()
     }
 
-    fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_flush(cx)
     }
 
-    fn poll_shutdown(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
     }
 }

@@ -14,7 +14,8 @@ async fn server() -> (RunningServer, BatcherClient<tonic::transport::Channel>) {
     let cas = Arc::new(IntegrityStore::new(Arc::new(MemoryStore::new(1 << 20))));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let services = Services::new(cas, ac, Limits::default());
-    let s = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let s =
+        RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let c = BatcherClient::connect(format!("http://{}", s.grpc_addr)).await.unwrap();
     (s, c)
 }
@@ -34,8 +35,8 @@ fn context() -> pb::BuildContext {
 fn target(i: usize) -> pb::Target {
     pb::Target {
         label: format!("//dir{}/pkg{}:t{i}", i % 37, i / 50),
-        rule_kind: if i % 10 == 0 { "sh_test".into() } else { String::new() },
-        tags: if i % 97 == 0 { vec!["requires-gpu".into()] } else { vec![] },
+        rule_kind: if i.is_multiple_of(10) { "sh_test".into() } else { String::new() },
+        tags: if i.is_multiple_of(97) { vec!["requires-gpu".into()] } else { vec![] },
     }
 }
 
@@ -67,7 +68,7 @@ async fn hundred_thousand_targets_each_land_in_exactly_one_build() {
         let gpu = b.executor_types.contains(&"gpu".to_string());
         for t in b.targets {
             let i: usize = t.rsplit(":t").next().unwrap().parse().unwrap();
-            assert_eq!(i % 97 == 0, gpu, "{t} is in a build with executor types {:?}", b.executor_types);
+            assert_eq!(i.is_multiple_of(97), gpu, "{t} is in a build with executor types {:?}", b.executor_types);
             *seen.entry(t).or_default() += 1;
         }
         builds += 1;
@@ -78,7 +79,11 @@ async fn hundred_thousand_targets_each_land_in_exactly_one_build() {
     assert!(builds >= N / 300, "{builds} builds");
 }
 
-async fn expect_invalid(client: &mut BatcherClient<tonic::transport::Channel>, reqs: Vec<pb::EnqueueTargetsRequest>, want: &str) {
+async fn expect_invalid(
+    client: &mut BatcherClient<tonic::transport::Channel>,
+    reqs: Vec<pb::EnqueueTargetsRequest>,
+    want: &str,
+) {
     let res = client.enqueue_targets(futures::stream::iter(reqs)).await;
     let status = match res {
         Err(s) => s,
@@ -102,22 +107,52 @@ async fn malformed_streams_are_invalid_argument() {
     let (_s, mut client) = server().await;
     let with_ctx = |targets: Vec<pb::Target>| pb::EnqueueTargetsRequest { context: Some(context()), targets };
     // no context first
-    expect_invalid(&mut client, vec![pb::EnqueueTargetsRequest { context: None, targets: vec![target(1)] }], "first request must carry").await;
+    expect_invalid(
+        &mut client,
+        vec![pb::EnqueueTargetsRequest { context: None, targets: vec![target(1)] }],
+        "first request must carry",
+    )
+    .await;
     // context again later
-    expect_invalid(&mut client, vec![with_ctx(vec![target(1)]), with_ctx(vec![target(2)])], "only be sent in the first request").await;
+    expect_invalid(
+        &mut client,
+        vec![with_ctx(vec![target(1)]), with_ctx(vec![target(2)])],
+        "only be sent in the first request",
+    )
+    .await;
     // malformed label, named with its position
     let bad = pb::Target { label: "//a/b:c:d".into(), ..Default::default() };
-    expect_invalid(&mut client, vec![with_ctx(vec![target(1)]), pb::EnqueueTargetsRequest { context: None, targets: vec![target(2), bad] }], "targets[1]").await;
+    expect_invalid(
+        &mut client,
+        vec![with_ctx(vec![target(1)]), pb::EnqueueTargetsRequest { context: None, targets: vec![target(2), bad] }],
+        "targets[1]",
+    )
+    .await;
     let bad = pb::Target { label: "no-slashes".into(), ..Default::default() };
     expect_invalid(&mut client, vec![with_ctx(vec![bad])], "no-slashes").await;
     // context fields
     let mut c = context();
     c.priority = 0;
-    expect_invalid(&mut client, vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }], "context.priority").await;
+    expect_invalid(
+        &mut client,
+        vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }],
+        "context.priority",
+    )
+    .await;
     let mut c = context();
     c.execution = None;
-    expect_invalid(&mut client, vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }], "context.execution").await;
+    expect_invalid(
+        &mut client,
+        vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }],
+        "context.execution",
+    )
+    .await;
     let mut c = context();
     c.command = 7;
-    expect_invalid(&mut client, vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }], "context.command").await;
+    expect_invalid(
+        &mut client,
+        vec![pb::EnqueueTargetsRequest { context: Some(c), targets: vec![] }],
+        "context.command",
+    )
+    .await;
 }

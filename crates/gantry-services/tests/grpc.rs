@@ -29,7 +29,9 @@ async fn harness_with(limits: Limits, max_cas: u64) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let cas: Arc<dyn BlobStore> =
         Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), max_cas).await.unwrap())));
-    let sql = SqlActionCache::new(gantry_store::MetadataDb::open(&format!("sqlite://{}/ac.db", dir.path().display())).await.unwrap());
+    let sql = SqlActionCache::new(
+        gantry_store::MetadataDb::open(&format!("sqlite://{}/ac.db", dir.path().display())).await.unwrap(),
+    );
     let ac = Arc::new(CompletenessCheckingActionCache::new(Arc::new(sql), cas.clone()));
     let services = Services::new(cas.clone(), ac, limits);
     let server =
@@ -71,8 +73,11 @@ impl Harness {
         d
     }
     async fn read_all(&self, name: String, offset: i64, limit: i64) -> Result<Vec<u8>, tonic::Status> {
-        let mut stream =
-            self.bs().read(ReadRequest { resource_name: name, read_offset: offset, read_limit: limit }).await?.into_inner();
+        let mut stream = self
+            .bs()
+            .read(ReadRequest { resource_name: name, read_offset: offset, read_limit: limit })
+            .await?
+            .into_inner();
         let mut out = Vec::new();
         while let Some(m) = stream.message().await? {
             out.extend_from_slice(&m.data);
@@ -146,7 +151,11 @@ async fn find_missing_batch_update_and_read() {
     let resp = cas
         .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
             requests: vec![
-                reapi::batch_update_blobs_request::Request { digest: Some(da.to_proto()), data: a.clone(), compressor: 0 },
+                reapi::batch_update_blobs_request::Request {
+                    digest: Some(da.to_proto()),
+                    data: a.clone(),
+                    compressor: 0,
+                },
                 reapi::batch_update_blobs_request::Request {
                     digest: Some(db.to_proto()),
                     data: zstd::bulk::compress(&b, 3).unwrap(),
@@ -195,7 +204,11 @@ async fn digest_mismatch_is_rejected_and_nothing_is_stored() {
     let resp = h
         .cas_client()
         .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
-            requests: vec![reapi::batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: wrong.clone(), compressor: 0 }],
+            requests: vec![reapi::batch_update_blobs_request::Request {
+                digest: Some(d.to_proto()),
+                data: wrong.clone(),
+                compressor: 0,
+            }],
             ..Default::default()
         })
         .await
@@ -235,14 +248,19 @@ async fn blob_larger_than_batch_limit_goes_through_bytestream() {
     let err = h
         .cas_client()
         .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
-            requests: vec![reapi::batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: data.clone(), compressor: 0 }],
+            requests: vec![reapi::batch_update_blobs_request::Request {
+                digest: Some(d.to_proto()),
+                data: data.clone(),
+                compressor: 0,
+            }],
             ..Default::default()
         })
         .await
         .unwrap_err();
     assert!(matches!(err.code(), Code::InvalidArgument | Code::ResourceExhausted | Code::OutOfRange), "{err}");
     let name = format!("main/uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
-    let resp = h.bs().write(futures::stream::iter(write_reqs(&name, &data, 0, 64 << 10, true))).await.unwrap().into_inner();
+    let resp =
+        h.bs().write(futures::stream::iter(write_reqs(&name, &data, 0, 64 << 10, true))).await.unwrap().into_inner();
     assert_eq!(resp.committed_size, data.len() as i64);
     let read_name = format!("main/blobs/{}/{}", d.hash_hex(), d.size);
     assert!(h.read_all(read_name.clone(), 0, 0).await.unwrap() == data);
@@ -253,10 +271,24 @@ async fn blob_larger_than_batch_limit_goes_through_bytestream() {
     assert_eq!(err.code(), Code::OutOfRange);
     let err = h.read_all(read_name.clone(), -1, 0).await.unwrap_err();
     assert!(err.code() == Code::InvalidArgument && err.message().contains("read_offset"), "{err}");
-    let err = h.read_all(format!("main/blobs/{}/{}", DigestFunction::Sha256.digest_of(b"x").hash_hex(), 1), 0, 0).await.unwrap_err();
+    let err = h
+        .read_all(format!("main/blobs/{}/{}", DigestFunction::Sha256.digest_of(b"x").hash_hex(), 1), 0, 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
     // writing it again finishes at once
-    let resp = h.bs().write(futures::stream::iter(write_reqs(&name.replace("main/uploads/", "main/uploads/x"), &data, 0, 1 << 20, true))).await.unwrap().into_inner();
+    let resp = h
+        .bs()
+        .write(futures::stream::iter(write_reqs(
+            &name.replace("main/uploads/", "main/uploads/x"),
+            &data,
+            0,
+            1 << 20,
+            true,
+        )))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(resp.committed_size, data.len() as i64);
 }
 
@@ -267,14 +299,16 @@ async fn resumable_write() {
     let d = DigestFunction::Sha256.digest_of(&data);
     let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
     // Unknown upload: committed_size 0 (Bazel restarts from 0 on that; an error is fatal to it)
-    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    let st =
+        h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
     assert_eq!((st.committed_size, st.complete), (0, false));
     // Send the first 1 MiB + a bit, then end the stream without finish_write.
     let first_part = 1_200_000;
     let reqs = write_reqs(&name, &data[..first_part], 0, 100_000, false);
     let err = h.bs().write(futures::stream::iter(reqs)).await.unwrap_err();
     assert!(err.message().contains("resume"), "{err}");
-    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    let st =
+        h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
     assert_eq!(st.committed_size, first_part as i64);
     assert!(!st.complete);
     assert!(!h.cas.has(&d).await.unwrap(), "not visible before finish_write");
@@ -284,7 +318,8 @@ async fn resumable_write() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("write_offset 5") && err.message().contains(&first_part.to_string()), "{err}");
     // A refused resume discards the upload: the client is told to start over from 0.
-    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    let st =
+        h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
     assert_eq!(st.committed_size, 0);
     let reqs = write_reqs(&name, &data[..first_part], 0, 100_000, false);
     let _ = h.bs().write(futures::stream::iter(reqs)).await.unwrap_err();
@@ -292,7 +327,8 @@ async fn resumable_write() {
     let reqs = write_reqs(&name, &data, first_part, 256_000, true);
     let resp = h.bs().write(futures::stream::iter(reqs)).await.unwrap().into_inner();
     assert_eq!(resp.committed_size, data.len() as i64);
-    let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+    let st =
+        h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
     assert!(st.complete);
     assert!(h.read_all(format!("blobs/{}/{}", d.hash_hex(), d.size), 0, 0).await.unwrap() == data);
 }
@@ -311,7 +347,12 @@ async fn idle_uploads_are_dropped() {
     let st = h.bs().query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap();
     assert_eq!(st.into_inner().committed_size, 0, "the idle upload was dropped");
     // and resuming it is refused with a hint
-    let resume = vec![WriteRequest { resource_name: name.clone(), write_offset: 5000, finish_write: true, data: data[5000..].to_vec() }];
+    let resume = vec![WriteRequest {
+        resource_name: name.clone(),
+        write_offset: 5000,
+        finish_write: true,
+        data: data[5000..].to_vec(),
+    }];
     let err = h.bs().write(futures::stream::iter(resume)).await.unwrap_err();
     assert!(err.code() == Code::InvalidArgument && err.message().contains("start at offset 0"), "{err}");
 }
@@ -324,7 +365,12 @@ async fn zstd_bytestream_round_trip() {
     let compressed = zstd::bulk::compress(&data, 3).unwrap();
     assert!(compressed.len() < data.len());
     let name = format!("inst/uploads/{}/compressed-blobs/zstd/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
-    let resp = h.bs().write(futures::stream::iter(write_reqs(&name, &compressed, 0, 50_000, true))).await.unwrap().into_inner();
+    let resp = h
+        .bs()
+        .write(futures::stream::iter(write_reqs(&name, &compressed, 0, 50_000, true)))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(resp.committed_size, compressed.len() as i64);
     // readable uncompressed...
     assert!(h.read_all(format!("inst/blobs/{}/{}", d.hash_hex(), d.size), 0, 0).await.unwrap() == data);
@@ -335,13 +381,19 @@ async fn zstd_bytestream_round_trip() {
     assert_eq!(part, whole[100..1100]);
     // an existing blob through a compressed write: committed_size -1
     let name2 = format!("uploads/{}/compressed-blobs/zstd/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
-    let resp = h.bs().write(futures::stream::iter(write_reqs(&name2, &compressed, 0, 1 << 20, true))).await.unwrap().into_inner();
+    let resp = h
+        .bs()
+        .write(futures::stream::iter(write_reqs(&name2, &compressed, 0, 1 << 20, true)))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(resp.committed_size, -1);
     // corrupt compressed data is INVALID_ARGUMENT
     let other = pattern(1000, 8);
     let od = DigestFunction::Sha256.digest_of(&other);
     let name3 = format!("uploads/{}/compressed-blobs/zstd/{}/{}", uuid::Uuid::new_v4(), od.hash_hex(), od.size);
-    let err = h.bs().write(futures::stream::iter(write_reqs(&name3, b"not zstd at all", 0, 100, true))).await.unwrap_err();
+    let err =
+        h.bs().write(futures::stream::iter(write_reqs(&name3, b"not zstd at all", 0, 100, true))).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(!h.cas.has(&od).await.unwrap());
 }
@@ -410,13 +462,20 @@ async fn get_tree_pages_through_a_nested_tree() {
     assert_eq!(pages[0].directories.len() + pages[1].directories.len(), 4);
     let err = h
         .cas_client()
-        .get_tree(reapi::GetTreeRequest { root_digest: Some(file.to_proto()), page_token: "zz".into(), ..Default::default() })
+        .get_tree(reapi::GetTreeRequest {
+            root_digest: Some(file.to_proto()),
+            page_token: "zz".into(),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert!(err.code() == Code::InvalidArgument && err.message().contains("page_token"), "{err}");
     let err = h
         .cas_client()
-        .get_tree(reapi::GetTreeRequest { root_digest: Some(DigestFunction::Sha256.digest_of(b"nope").to_proto()), ..Default::default() })
+        .get_tree(reapi::GetTreeRequest {
+            root_digest: Some(DigestFunction::Sha256.digest_of(b"nope").to_proto()),
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
@@ -429,7 +488,12 @@ async fn action_cache_instances_and_completeness() {
     let stdout = h.upload(b"some stdout").await;
     let action = DigestFunction::Sha256.digest_of(b"an action");
     let result = ActionResult {
-        output_files: vec![OutputFile { path: "out/x".into(), digest: Some(out.to_proto()), is_executable: true, ..Default::default() }],
+        output_files: vec![OutputFile {
+            path: "out/x".into(),
+            digest: Some(out.to_proto()),
+            is_executable: true,
+            ..Default::default()
+        }],
         stdout_digest: Some(stdout.to_proto()),
         exit_code: 0,
         ..Default::default()
@@ -468,7 +532,11 @@ async fn action_cache_instances_and_completeness() {
     })
     .await
     .unwrap();
-    let req2 = reapi::GetActionResultRequest { instance_name: "a".into(), action_digest: Some(action2.to_proto()), ..Default::default() };
+    let req2 = reapi::GetActionResultRequest {
+        instance_name: "a".into(),
+        action_digest: Some(action2.to_proto()),
+        ..Default::default()
+    };
     assert_eq!(ac.get_action_result(req2.clone()).await.unwrap_err().code(), Code::NotFound);
     h.upload(b"never uploaded output").await;
     assert!(ac.get_action_result(req2).await.is_ok(), "complete once the blob arrives");
@@ -545,7 +613,12 @@ async fn zstd_frame_ending_on_a_buffer_boundary_and_empty_finish_message() {
     let compressed = zstd::bulk::compress(&data, 3).unwrap();
     let name = format!("uploads/{}/compressed-blobs/zstd/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
     let mut reqs = write_reqs(&name, &compressed, 0, 1 << 20, false);
-    reqs.push(WriteRequest { resource_name: String::new(), write_offset: compressed.len() as i64, finish_write: true, data: vec![] });
+    reqs.push(WriteRequest {
+        resource_name: String::new(),
+        write_offset: compressed.len() as i64,
+        finish_write: true,
+        data: vec![],
+    });
     let resp = h.bs().write(futures::stream::iter(reqs)).await.unwrap().into_inner();
     assert_eq!(resp.committed_size, compressed.len() as i64);
     assert!(h.cas.get(&d).await.unwrap() == data);
@@ -638,10 +711,12 @@ impl BlobStore for HangingStore {
 async fn write_cancelled_mid_chunk_restarts_cleanly() {
     let hang = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mem: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
-    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(HangingStore { inner: mem, hang: hang.clone() })));
+    let cas: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(HangingStore { inner: mem, hang: hang.clone() })));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let services = Services::new(cas.clone(), ac, Limits::default());
-    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server =
+        RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
     let mut bs = ByteStreamClient::new(channel);
 
@@ -652,7 +727,8 @@ async fn write_cancelled_mid_chunk_restarts_cleanly() {
     let _ = bs.write(futures::stream::iter(write_reqs(&name, &data[..100_000], 0, 50_000, false))).await.unwrap_err();
     // The next chunk hangs in the store until the client's deadline drops the handler.
     hang.store(true, std::sync::atomic::Ordering::SeqCst);
-    let mut req = tonic::Request::new(futures::stream::iter(write_reqs(&name, &data[..200_000], 100_000, 100_000, false)));
+    let mut req =
+        tonic::Request::new(futures::stream::iter(write_reqs(&name, &data[..200_000], 100_000, 100_000, false)));
     req.set_timeout(Duration::from_millis(300));
     let err = bs.write(req).await.unwrap_err();
     assert!(matches!(err.code(), Code::DeadlineExceeded | Code::Cancelled), "{err}");
@@ -673,7 +749,8 @@ async fn write_cancelled_mid_chunk_restarts_cleanly() {
 async fn abandoned_uploads_are_limited_per_client() {
     use gantry_services::auth::{token_sha256, Authenticator};
     let dir = tempfile::tempdir().unwrap();
-    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+    let cas: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let text = format!(
         "[auth]\n[[auth.tokens]]\nname = \"greedy\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n[[auth.tokens]]\nname = \"polite\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n\
@@ -684,7 +761,8 @@ async fn abandoned_uploads_are_limited_per_client() {
     let auth = gantry_config::Config::parse(&text, "t.toml".as_ref()).unwrap().auth.unwrap();
     let limits = Limits { max_uploads_per_client: 3, ..Limits::default() };
     let services = Services::new(cas, ac, limits).with_auth(Authenticator::new(&auth));
-    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server =
+        RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
     let start_upload = |token: &'static str, seed: u32| {
         let channel = channel.clone();
@@ -722,11 +800,13 @@ fn metric(text: &str, series: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_uploads_spill_past_the_memory_ceiling_and_still_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+    let cas: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let limits = Limits { max_upload_memory: 4 << 20, ..Limits::default() };
     let services = Services::new(cas.clone(), ac, limits);
-    let server = RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server =
+        RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
     let mut bs = ByteStreamClient::new(channel);
     // 40 uploads of 1 MiB blobs, each abandoned after 512 KiB (under the store's spill
@@ -750,9 +830,14 @@ async fn abandoned_uploads_spill_past_the_memory_ceiling_and_still_resume() {
     assert!(metric(&m, "gantry_upload_memory_relief_total{outcome=\"spilled\"} ") >= 30.0, "{m}");
     // Every upload resumes where it stopped and stores exactly its bytes.
     for (name, data, d) in &uploads {
-        let st = bs.query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
+        let st =
+            bs.query_write_status(QueryWriteStatusRequest { resource_name: name.clone() }).await.unwrap().into_inner();
         assert_eq!(st.committed_size, 512 << 10);
-        let resp = bs.write(futures::stream::iter(write_reqs(name, data, 512 << 10, 64 << 10, true))).await.unwrap().into_inner();
+        let resp = bs
+            .write(futures::stream::iter(write_reqs(name, data, 512 << 10, 64 << 10, true)))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(resp.committed_size, data.len() as i64);
         assert!(cas.get(d).await.unwrap() == *data);
     }
@@ -819,7 +904,9 @@ impl tonic::codec::Decoder for RawDecoder {
 async fn raw_call(ch: Channel, path: &'static str, body: Vec<u8>) -> Result<Vec<u8>, tonic::Status> {
     let mut grpc = tonic::client::Grpc::new(ch);
     grpc.ready().await.unwrap();
-    grpc.unary(tonic::Request::new(body), http::uri::PathAndQuery::from_static(path), RawCodec).await.map(|r| r.into_inner())
+    grpc.unary(tonic::Request::new(body), http::uri::PathAndQuery::from_static(path), RawCodec)
+        .await
+        .map(|r| r.into_inner())
 }
 
 /// A body that is not the method's message is the client's INVALID_ARGUMENT (tonic

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
 use crate::types::secs_f64;
+use crate::Error;
 
 /// Selection and learning parameters. `Default` gives the documented
 /// defaults; call [`SelectionConfig::validate`] after loading user input
@@ -79,54 +79,29 @@ fn check(ok: bool, field: &'static str, reason: impl FnOnce() -> String) -> Resu
     if ok {
         Ok(())
     } else {
-        Err(Error::InvalidConfig {
-            field,
-            reason: reason(),
-        })
+        Err(Error::InvalidConfig { field, reason: reason() })
     }
 }
 
 impl SelectionConfig {
     /// Checks every field's range.
     pub fn validate(&self) -> Result<(), Error> {
-        check(self.history_size >= 1, "history_size", || {
-            "must be at least 1".into()
-        })?;
-        check(
-            !self.minimum_execution_timeout.is_zero(),
-            "minimum_execution_timeout",
-            || "must be positive".into(),
-        )?;
+        check(self.history_size >= 1, "history_size", || "must be at least 1".into())?;
+        check(!self.minimum_execution_timeout.is_zero(), "minimum_execution_timeout", || "must be positive".into())?;
         let x = self.acceptable_time_exponent;
-        check(
-            x.is_finite() && x >= 0.0,
-            "acceptable_time_exponent",
-            || format!("must be finite and >= 0, got {x}"),
-        )?;
+        check(x.is_finite() && x >= 0.0, "acceptable_time_exponent", || format!("must be finite and >= 0, got {x}"))?;
         let m = self.timeout_multiplier;
-        check(m.is_finite() && m >= 1.0, "timeout_multiplier", || {
-            format!("must be finite and >= 1, got {m}")
-        })?;
+        check(m.is_finite() && m >= 1.0, "timeout_multiplier", || format!("must be finite and >= 1, got {m}"))?;
         let t = self.success_threshold;
-        check((0.0..=1.0).contains(&t), "success_threshold", || {
-            format!("must be in [0, 1], got {t}")
-        })?;
+        check((0.0..=1.0).contains(&t), "success_threshold", || format!("must be in [0, 1], got {t}"))?;
         let e = self.exploration_factor;
-        check((0.0..=1.0).contains(&e), "exploration_factor", || {
-            format!("must be in [0, 1], got {e}")
-        })?;
+        check((0.0..=1.0).contains(&e), "exploration_factor", || format!("must be in [0, 1], got {e}"))?;
         let a = self.prior_successes;
-        check(a.is_finite() && a > 0.0, "prior_successes", || {
-            format!("must be finite and > 0, got {a}")
-        })?;
+        check(a.is_finite() && a > 0.0, "prior_successes", || format!("must be finite and > 0, got {a}"))?;
         let b = self.prior_failures;
-        check(b.is_finite() && b > 0.0, "prior_failures", || {
-            format!("must be finite and > 0, got {b}")
-        })?;
+        check(b.is_finite() && b > 0.0, "prior_failures", || format!("must be finite and > 0, got {b}"))?;
         let q = self.queue_tolerance;
-        check(q.is_finite() && q > 0.0, "queue_tolerance", || {
-            format!("must be finite and > 0, got {q}")
-        })?;
+        check(q.is_finite() && q > 0.0, "queue_tolerance", || format!("must be finite and > 0, got {q}"))?;
         Ok(())
     }
 }
@@ -149,69 +124,18 @@ mod tests {
     #[test]
     fn validation_names_the_bad_field() {
         let cases: Vec<(SelectionConfig, &str)> = vec![
+            (SelectionConfig { history_size: 0, ..Default::default() }, "history_size"),
             (
-                SelectionConfig {
-                    history_size: 0,
-                    ..Default::default()
-                },
-                "history_size",
-            ),
-            (
-                SelectionConfig {
-                    minimum_execution_timeout: Duration::ZERO,
-                    ..Default::default()
-                },
+                SelectionConfig { minimum_execution_timeout: Duration::ZERO, ..Default::default() },
                 "minimum_execution_timeout",
             ),
-            (
-                SelectionConfig {
-                    acceptable_time_exponent: -0.1,
-                    ..Default::default()
-                },
-                "acceptable_time_exponent",
-            ),
-            (
-                SelectionConfig {
-                    timeout_multiplier: 0.9,
-                    ..Default::default()
-                },
-                "timeout_multiplier",
-            ),
-            (
-                SelectionConfig {
-                    success_threshold: 1.5,
-                    ..Default::default()
-                },
-                "success_threshold",
-            ),
-            (
-                SelectionConfig {
-                    exploration_factor: f64::NAN,
-                    ..Default::default()
-                },
-                "exploration_factor",
-            ),
-            (
-                SelectionConfig {
-                    prior_successes: 0.0,
-                    ..Default::default()
-                },
-                "prior_successes",
-            ),
-            (
-                SelectionConfig {
-                    prior_failures: f64::INFINITY,
-                    ..Default::default()
-                },
-                "prior_failures",
-            ),
-            (
-                SelectionConfig {
-                    queue_tolerance: 0.0,
-                    ..Default::default()
-                },
-                "queue_tolerance",
-            ),
+            (SelectionConfig { acceptable_time_exponent: -0.1, ..Default::default() }, "acceptable_time_exponent"),
+            (SelectionConfig { timeout_multiplier: 0.9, ..Default::default() }, "timeout_multiplier"),
+            (SelectionConfig { success_threshold: 1.5, ..Default::default() }, "success_threshold"),
+            (SelectionConfig { exploration_factor: f64::NAN, ..Default::default() }, "exploration_factor"),
+            (SelectionConfig { prior_successes: 0.0, ..Default::default() }, "prior_successes"),
+            (SelectionConfig { prior_failures: f64::INFINITY, ..Default::default() }, "prior_failures"),
+            (SelectionConfig { queue_tolerance: 0.0, ..Default::default() }, "queue_tolerance"),
         ];
         for (cfg, field) in cases {
             match cfg.validate() {
@@ -223,15 +147,12 @@ mod tests {
 
     #[test]
     fn serde_uses_seconds_and_fills_defaults() {
-        let c: SelectionConfig = serde_json::from_str(
-            r#"{"failure_cache_duration_s": 3600, "acceptable_time_exponent": 0.3}"#,
-        )
-        .unwrap();
+        let c: SelectionConfig =
+            serde_json::from_str(r#"{"failure_cache_duration_s": 3600, "acceptable_time_exponent": 0.3}"#).unwrap();
         assert_eq!(c.failure_cache_duration, Duration::from_secs(3600));
         assert_eq!(c.acceptable_time_exponent, 0.3);
         assert_eq!(c.history_size, 32);
-        let back: SelectionConfig =
-            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        let back: SelectionConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
         assert!(serde_json::from_str::<SelectionConfig>(r#"{"histroy_size": 3}"#).is_err());
     }

@@ -18,10 +18,7 @@ pub enum Error {
     /// A class was named that is not among the available classes (or, for
     /// recording, is larger than the largest class).
     #[error("size class {class} is not among the available size classes {available:?}")]
-    UnknownSizeClass {
-        class: SizeClass,
-        available: Vec<SizeClass>,
-    },
+    UnknownSizeClass { class: SizeClass, available: Vec<SizeClass> },
 
     /// A [`crate::SelectionConfig`] field is out of range.
     #[error("invalid size class configuration: `{field}` {reason}")]
@@ -51,11 +48,7 @@ pub enum Error {
     /// A fleet specification such as `1:48,2:24` is malformed.
     /// `entry` is 1-based; `text` is the offending comma-separated entry.
     #[error("fleet spec entry {entry} (`{text}`): {reason}")]
-    FleetSpec {
-        entry: usize,
-        text: String,
-        reason: String,
-    },
+    FleetSpec { entry: usize, text: String, reason: String },
 
     /// A trace JSONL line is malformed (1-based line number).
     #[error("trace line {line}: {reason}")]
@@ -67,11 +60,7 @@ pub enum Error {
 
     /// A trace action lacks a duration for a class the fleet has.
     #[error("trace action #{index} (key `{key}`) has no duration for fleet size class {class}")]
-    TraceMissingClass {
-        index: usize,
-        key: String,
-        class: SizeClass,
-    },
+    TraceMissingClass { index: usize, key: String, class: SizeClass },
 
     /// A simulation or synthetic-workload parameter is out of range.
     #[error("invalid simulation configuration: {0}")]

@@ -37,10 +37,10 @@ pub mod types;
 pub use config::SelectionConfig;
 pub use error::Error;
 pub use metrics::{ClassHistoryView, KeyStatsView, SelectionMetrics};
-pub use retry::{Attribution, Execution, RecordSummary, Retry, record, retry_on_largest};
+pub use retry::{record, retry_on_largest, Attribution, Execution, RecordSummary, Retry};
 pub use select::{
-    ClassEstimate, ClassQueue, Decision, QueueState, Reason, SelectionInput, acceptable_time,
-    count_trials, select, smaller_class_timeout, smoothed_probability,
+    acceptable_time, count_trials, select, smaller_class_timeout, smoothed_probability, ClassEstimate, ClassQueue,
+    Decision, QueueState, Reason, SelectionInput,
 };
 pub use stats::{ActionStats, Outcome, STATS_FORMAT_VERSION};
 pub use types::{SizeClass, SizeClasses, Timestamp};

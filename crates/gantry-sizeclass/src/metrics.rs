@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::select::{acceptable_time, count_trials, smoothed_probability};
 use crate::{
-    ActionStats, Attribution, Decision, Outcome, Reason, RecordSummary, SelectionConfig, SizeClass,
-    SizeClasses, Timestamp,
+    ActionStats, Attribution, Decision, Outcome, Reason, RecordSummary, SelectionConfig, SizeClass, SizeClasses,
+    Timestamp,
 };
 
 /// Cumulative selection counters.
@@ -84,12 +84,8 @@ impl SelectionMetrics {
 
 impl fmt::Display for SelectionMetrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let classes: std::collections::BTreeSet<SizeClass> = self
-            .selections
-            .keys()
-            .chain(self.retries.keys())
-            .copied()
-            .collect();
+        let classes: std::collections::BTreeSet<SizeClass> =
+            self.selections.keys().chain(self.retries.keys()).copied().collect();
         writeln!(f, "{:>6} {:>12} {:>10}", "class", "selections", "retries")?;
         for c in classes {
             writeln!(
@@ -100,11 +96,7 @@ impl fmt::Display for SelectionMetrics {
                 self.retries.get(&c).copied().unwrap_or(0)
             )?;
         }
-        let reasons: Vec<String> = self
-            .reasons
-            .iter()
-            .map(|(r, n)| format!("{r}={n}"))
-            .collect();
+        let reasons: Vec<String> = self.reasons.iter().map(|(r, n)| format!("{r}={n}")).collect();
         writeln!(f, "reasons: {}", reasons.join(" "))?;
         write!(
             f,
@@ -156,11 +148,9 @@ impl KeyStatsView {
     ) -> Self {
         let largest = classes.largest();
         let largest_median = stats.median_success(largest);
-        let boosted = stats
-            .last_largest_failure()
-            .is_some_and(|t| now.saturating_since(t) < config.failure_cache_duration);
-        let all: std::collections::BTreeSet<SizeClass> =
-            classes.iter().chain(stats.classes()).collect();
+        let boosted =
+            stats.last_largest_failure().is_some_and(|t| now.saturating_since(t) < config.failure_cache_duration);
+        let all: std::collections::BTreeSet<SizeClass> = classes.iter().chain(stats.classes()).collect();
         let rows = all
             .into_iter()
             .map(|c| {
@@ -170,12 +160,7 @@ impl KeyStatsView {
                     Some(t_l) if c < largest => {
                         let a = acceptable_time(t_l, largest, c, config.acceptable_time_exponent);
                         let (s, n) = count_trials(history.iter().copied(), a);
-                        let p = smoothed_probability(
-                            s,
-                            n,
-                            config.prior_successes,
-                            config.prior_failures,
-                        );
+                        let p = smoothed_probability(s, n, config.prior_successes, config.prior_failures);
                         (Some(a), Some(p))
                     }
                     _ => (None, None),
@@ -223,11 +208,7 @@ impl fmt::Display for KeyStatsView {
                 f,
                 "last largest-class failure at {} ms{}",
                 t.unix_millis(),
-                if self.boosted {
-                    " (failure boost active)"
-                } else {
-                    " (expired)"
-                }
+                if self.boosted { " (failure boost active)" } else { " (expired)" }
             )?,
             None => write!(f, "no largest-class failure")?,
         }
@@ -238,9 +219,7 @@ impl fmt::Display for KeyStatsView {
             "class", "ok", "to", "fail", "median", "acceptable", "p"
         )?;
         for r in &self.classes {
-            let p = r
-                .success_probability
-                .map_or_else(|| "-".to_string(), |p| format!("{p:.3}"));
+            let p = r.success_probability.map_or_else(|| "-".to_string(), |p| format!("{p:.3}"));
             let hist: Vec<String> = r.history.iter().map(compact).collect();
             writeln!(
                 f,
@@ -266,7 +245,7 @@ impl fmt::Display for KeyStatsView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Execution, SelectionInput, record, select};
+    use crate::{record, select, Execution, SelectionInput};
 
     const NOW: Timestamp = Timestamp::from_unix_millis(10_000_000);
 
@@ -291,17 +270,9 @@ mod tests {
         let d = select(&cfg, &input).unwrap();
         m.observe_decision(&d);
         m.observe_retry(1);
-        let ex = Execution {
-            size_class: 1,
-            outcome: Outcome::Failed,
-            largest_outcome: Some(Outcome::Failed),
-        };
+        let ex = Execution { size_class: 1, outcome: Outcome::Failed, largest_outcome: Some(Outcome::Failed) };
         m.observe_record(&record(&mut stats, &cfg, 8, &ex, NOW).unwrap());
-        let ex = Execution {
-            size_class: 1,
-            outcome: Outcome::Failed,
-            largest_outcome: None,
-        };
+        let ex = Execution { size_class: 1, outcome: Outcome::Failed, largest_outcome: None };
         m.observe_record(&record(&mut stats, &cfg, 8, &ex, NOW).unwrap());
         assert_eq!(m.selections.get(&1), Some(&1));
         assert_eq!(m.reasons.get(&Reason::Probe), Some(&1));

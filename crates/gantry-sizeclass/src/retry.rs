@@ -57,10 +57,8 @@ pub fn retry_on_largest(
     classes: &SizeClasses,
     requested_timeout: Duration,
 ) -> Option<Retry> {
-    (class < classes.largest() && !outcome.is_success()).then(|| Retry {
-        size_class: classes.largest(),
-        timeout: requested_timeout,
-    })
+    (class < classes.largest() && !outcome.is_success())
+        .then(|| Retry { size_class: classes.largest(), timeout: requested_timeout })
 }
 
 /// One execution as reported to [`record`].
@@ -111,26 +109,15 @@ pub fn record(
     execution: &Execution,
     now: Timestamp,
 ) -> Result<RecordSummary, Error> {
-    let Execution {
-        size_class: class,
-        outcome,
-        largest_outcome,
-    } = *execution;
+    let Execution { size_class: class, outcome, largest_outcome } = *execution;
     if class == 0 || largest == 0 {
         return Err(Error::ZeroSizeClass);
     }
     if class > largest {
-        return Err(Error::UnknownSizeClass {
-            class,
-            available: vec![largest],
-        });
+        return Err(Error::UnknownSizeClass { class, available: vec![largest] });
     }
     let h = config.history_size;
-    let mut summary = RecordSummary {
-        appended: Vec::new(),
-        smaller_class: None,
-        failure_boost_armed: false,
-    };
+    let mut summary = RecordSummary { appended: Vec::new(), smaller_class: None, failure_boost_armed: false };
     let arm = |stats: &mut ActionStats, summary: &mut RecordSummary| {
         stats.set_last_largest_failure(now);
         summary.failure_boost_armed = true;
@@ -143,9 +130,7 @@ pub fn record(
             )));
         }
         stats.push(class, outcome, h);
-        summary
-            .appended
-            .push((class, outcome.to_millis_precision()));
+        summary.appended.push((class, outcome.to_millis_precision()));
         if !outcome.is_success() {
             arm(stats, &mut summary);
         }
@@ -158,9 +143,7 @@ pub fn record(
         ))),
         (true, None) => {
             stats.push(class, outcome, h);
-            summary
-                .appended
-                .push((class, outcome.to_millis_precision()));
+            summary.appended.push((class, outcome.to_millis_precision()));
             summary.smaller_class = Some(Attribution::Recorded);
             Ok(summary)
         }
@@ -171,9 +154,7 @@ pub fn record(
         (false, Some(lo)) if lo.is_success() => {
             stats.push(class, outcome, h);
             stats.push(largest, lo, h);
-            summary
-                .appended
-                .push((class, outcome.to_millis_precision()));
+            summary.appended.push((class, outcome.to_millis_precision()));
             summary.appended.push((largest, lo.to_millis_precision()));
             summary.smaller_class = Some(Attribution::Recorded);
             Ok(summary)
@@ -233,7 +214,7 @@ mod outcome_serde {
 mod opt_outcome_serde {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    use super::outcome_serde::{Wire, from_wire, to_wire};
+    use super::outcome_serde::{from_wire, to_wire, Wire};
     use crate::Outcome;
 
     pub fn serialize<S: Serializer>(o: &Option<Outcome>, s: S) -> Result<S::Ok, S::Error> {
@@ -259,24 +240,12 @@ mod tests {
     fn retry_policy() {
         let cls = SizeClasses::new([1, 2, 8]).unwrap();
         let req = s(900);
-        let retry = Some(Retry {
-            size_class: 8,
-            timeout: req,
-        });
+        let retry = Some(Retry { size_class: 8, timeout: req });
         assert_eq!(retry_on_largest(1, Outcome::Failed, &cls, req), retry);
-        assert_eq!(
-            retry_on_largest(2, Outcome::TimedOut(s(10)), &cls, req),
-            retry
-        );
-        assert_eq!(
-            retry_on_largest(1, Outcome::Succeeded(s(3)), &cls, req),
-            None
-        );
+        assert_eq!(retry_on_largest(2, Outcome::TimedOut(s(10)), &cls, req), retry);
+        assert_eq!(retry_on_largest(1, Outcome::Succeeded(s(3)), &cls, req), None);
         assert_eq!(retry_on_largest(8, Outcome::Failed, &cls, req), None);
-        assert_eq!(
-            retry_on_largest(8, Outcome::TimedOut(s(900)), &cls, req),
-            None
-        );
+        assert_eq!(retry_on_largest(8, Outcome::TimedOut(s(900)), &cls, req), None);
     }
 
     struct Case {
@@ -381,101 +350,47 @@ mod tests {
         let cfg = SelectionConfig::default();
         for c in cases {
             let mut stats = ActionStats::new();
-            let ex = Execution {
-                size_class: c.class,
-                outcome: c.outcome,
-                largest_outcome: c.largest_outcome,
-            };
+            let ex = Execution { size_class: c.class, outcome: c.outcome, largest_outcome: c.largest_outcome };
             let sum = record(&mut stats, &cfg, 8, &ex, NOW).unwrap();
             assert_eq!(sum.appended, c.appended, "{}", c.name);
             assert_eq!(sum.smaller_class, c.attribution, "{}", c.name);
             assert_eq!(sum.failure_boost_armed, c.armed, "{}", c.name);
-            assert_eq!(
-                stats.last_largest_failure(),
-                c.armed.then_some(NOW),
-                "{}",
-                c.name
-            );
+            assert_eq!(stats.last_largest_failure(), c.armed.then_some(NOW), "{}", c.name);
             for class in [1, 2, 8] {
-                let want: Vec<Outcome> = c
-                    .appended
-                    .iter()
-                    .filter(|(k, _)| *k == class)
-                    .map(|(_, o)| *o)
-                    .collect();
-                assert_eq!(
-                    stats.outcomes(class).collect::<Vec<_>>(),
-                    want,
-                    "{} class {class}",
-                    c.name
-                );
+                let want: Vec<Outcome> = c.appended.iter().filter(|(k, _)| *k == class).map(|(_, o)| *o).collect();
+                assert_eq!(stats.outcomes(class).collect::<Vec<_>>(), want, "{} class {class}", c.name);
             }
         }
     }
 
     #[test]
     fn record_respects_history_size() {
-        let cfg = SelectionConfig {
-            history_size: 2,
-            ..Default::default()
-        };
+        let cfg = SelectionConfig { history_size: 2, ..Default::default() };
         let mut stats = ActionStats::new();
         for i in 1..=4 {
-            let ex = Execution {
-                size_class: 1,
-                outcome: Outcome::Succeeded(s(i)),
-                largest_outcome: None,
-            };
+            let ex = Execution { size_class: 1, outcome: Outcome::Succeeded(s(i)), largest_outcome: None };
             record(&mut stats, &cfg, 8, &ex, NOW).unwrap();
         }
-        assert_eq!(
-            stats.outcomes(1).collect::<Vec<_>>(),
-            vec![Outcome::Succeeded(s(3)), Outcome::Succeeded(s(4))]
-        );
+        assert_eq!(stats.outcomes(1).collect::<Vec<_>>(), vec![Outcome::Succeeded(s(3)), Outcome::Succeeded(s(4))]);
     }
 
     #[test]
     fn inconsistent_reports_are_rejected_without_side_effects() {
         let cfg = SelectionConfig::default();
         let bad = [
-            Execution {
-                size_class: 8,
-                outcome: Outcome::Failed,
-                largest_outcome: Some(Outcome::Failed),
-            },
-            Execution {
-                size_class: 1,
-                outcome: Outcome::Succeeded(s(1)),
-                largest_outcome: Some(Outcome::Failed),
-            },
+            Execution { size_class: 8, outcome: Outcome::Failed, largest_outcome: Some(Outcome::Failed) },
+            Execution { size_class: 1, outcome: Outcome::Succeeded(s(1)), largest_outcome: Some(Outcome::Failed) },
         ];
         for ex in bad {
             let mut stats = ActionStats::new();
-            assert!(matches!(
-                record(&mut stats, &cfg, 8, &ex, NOW),
-                Err(Error::InconsistentExecution(_))
-            ));
+            assert!(matches!(record(&mut stats, &cfg, 8, &ex, NOW), Err(Error::InconsistentExecution(_))));
             assert!(stats.is_empty());
         }
         let mut stats = ActionStats::new();
-        let ex = Execution {
-            size_class: 16,
-            outcome: Outcome::Failed,
-            largest_outcome: None,
-        };
-        assert!(matches!(
-            record(&mut stats, &cfg, 8, &ex, NOW),
-            Err(Error::UnknownSizeClass { class: 16, .. })
-        ));
-        let ex = Execution {
-            size_class: 0,
-            outcome: Outcome::Failed,
-            largest_outcome: None,
-        };
-        assert_eq!(
-            record(&mut stats, &cfg, 8, &ex, NOW),
-            Err(Error::ZeroSizeClass)
-        );
+        let ex = Execution { size_class: 16, outcome: Outcome::Failed, largest_outcome: None };
+        assert!(matches!(record(&mut stats, &cfg, 8, &ex, NOW), Err(Error::UnknownSizeClass { class: 16, .. })));
+        let ex = Execution { size_class: 0, outcome: Outcome::Failed, largest_outcome: None };
+        assert_eq!(record(&mut stats, &cfg, 8, &ex, NOW), Err(Error::ZeroSizeClass));
     }
 
     #[test]
@@ -486,13 +401,9 @@ mod tests {
             largest_outcome: Some(Outcome::Succeeded(Duration::from_millis(2500))),
         };
         let json = serde_json::to_string(&ex).unwrap();
-        assert_eq!(
-            json,
-            r#"{"size_class":2,"outcome":{"timeout_ms":10000},"largest_outcome":{"ok_ms":2500}}"#
-        );
+        assert_eq!(json, r#"{"size_class":2,"outcome":{"timeout_ms":10000},"largest_outcome":{"ok_ms":2500}}"#);
         assert_eq!(serde_json::from_str::<Execution>(&json).unwrap(), ex);
-        let plain: Execution =
-            serde_json::from_str(r#"{"size_class":8,"outcome":"failed"}"#).unwrap();
+        let plain: Execution = serde_json::from_str(r#"{"size_class":8,"outcome":"failed"}"#).unwrap();
         assert_eq!(plain.largest_outcome, None);
     }
 
@@ -515,18 +426,10 @@ mod tests {
             let d = crate::select(&cfg, &input).unwrap();
             chosen.push(d.size_class);
             // Runs take 30 s everywhere.
-            let outcome = if d.timeout < s(30) {
-                Outcome::TimedOut(d.timeout)
-            } else {
-                Outcome::Succeeded(s(30))
-            };
-            let largest_outcome = retry_on_largest(d.size_class, outcome, &cls, s(900))
-                .map(|_| Outcome::Succeeded(s(30)));
-            let ex = Execution {
-                size_class: d.size_class,
-                outcome,
-                largest_outcome,
-            };
+            let outcome = if d.timeout < s(30) { Outcome::TimedOut(d.timeout) } else { Outcome::Succeeded(s(30)) };
+            let largest_outcome =
+                retry_on_largest(d.size_class, outcome, &cls, s(900)).map(|_| Outcome::Succeeded(s(30)));
+            let ex = Execution { size_class: d.size_class, outcome, largest_outcome };
             record(&mut stats, &cfg, 8, &ex, NOW).unwrap();
         }
         // First probe on class 1 times out (10 s < 30 s) and the retry gives the baseline.

@@ -104,9 +104,7 @@ impl QueueState {
 
 impl FromIterator<(SizeClass, ClassQueue)> for QueueState {
     fn from_iter<I: IntoIterator<Item = (SizeClass, ClassQueue)>>(iter: I) -> Self {
-        Self {
-            classes: iter.into_iter().collect(),
-        }
+        Self { classes: iter.into_iter().collect() }
     }
 }
 
@@ -153,12 +151,7 @@ impl Reason {
     }
 
     /// All reasons, for pre-registering metric label values.
-    pub const ALL: [Reason; 4] = [
-        Reason::FailureBoost,
-        Reason::Probe,
-        Reason::LargestBaseline,
-        Reason::Learned,
-    ];
+    pub const ALL: [Reason; 4] = [Reason::FailureBoost, Reason::Probe, Reason::LargestBaseline, Reason::Learned];
 }
 
 impl std::fmt::Display for Reason {
@@ -192,12 +185,7 @@ pub struct ClassEstimate {
     #[serde(with = "crate::types::secs_f64", rename = "expected_run_s")]
     pub expected_run: Duration,
     /// Queue wait + expected run, when the queue of this class is known.
-    #[serde(
-        default,
-        skip_serializing_if = "Option::is_none",
-        rename = "expected_completion_s",
-        with = "opt_secs"
-    )]
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "expected_completion_s", with = "opt_secs")]
     pub expected_completion: Option<Duration>,
     /// True when queue awareness removed this class from the cascade.
     pub queue_demoted: bool,
@@ -206,7 +194,7 @@ pub struct ClassEstimate {
 mod opt_secs {
     use std::time::Duration;
 
-    use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
         match d {
@@ -216,9 +204,7 @@ mod opt_secs {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        Option::<f64>::deserialize(d)?
-            .map(|s| Duration::try_from_secs_f64(s).map_err(D::Error::custom))
-            .transpose()
+        Option::<f64>::deserialize(d)?.map(|s| Duration::try_from_secs_f64(s).map_err(D::Error::custom)).transpose()
     }
 }
 
@@ -240,9 +226,7 @@ pub struct Decision {
 impl Decision {
     /// The estimate of the chosen class, for learned decisions.
     pub fn chosen_estimate(&self) -> Option<&ClassEstimate> {
-        self.estimates
-            .iter()
-            .find(|e| e.size_class == self.size_class)
+        self.estimates.iter().find(|e| e.size_class == self.size_class)
     }
 }
 
@@ -250,12 +234,7 @@ impl Decision {
 ///
 /// With `T_L` = 60 s on class 8 and x = 0.5 this gives 84.9 s on class 4,
 /// 120 s on class 2 and 169.7 s on class 1.
-pub fn acceptable_time(
-    largest_median: Duration,
-    largest: SizeClass,
-    class: SizeClass,
-    exponent: f64,
-) -> Duration {
+pub fn acceptable_time(largest_median: Duration, largest: SizeClass, class: SizeClass, exponent: f64) -> Duration {
     let ratio = f64::from(largest) / f64::from(class.max(1));
     secs_to_duration(largest_median.as_secs_f64() * ratio.powf(exponent))
 }
@@ -269,9 +248,7 @@ pub fn smaller_class_timeout(
     minimum: Duration,
     requested: Duration,
 ) -> Duration {
-    secs_to_duration(acceptable.as_secs_f64() * multiplier)
-        .max(minimum)
-        .min(requested)
+    secs_to_duration(acceptable.as_secs_f64() * multiplier).max(minimum).min(requested)
 }
 
 fn secs_to_duration(s: f64) -> Duration {
@@ -284,10 +261,7 @@ fn secs_to_duration(s: f64) -> Duration {
 
 /// Counts Bernoulli trials of `outcomes` against `acceptable`: returns
 /// `(successes, trials)` following the rules in the module docs.
-pub fn count_trials(
-    outcomes: impl IntoIterator<Item = Outcome>,
-    acceptable: Duration,
-) -> (u32, u32) {
+pub fn count_trials(outcomes: impl IntoIterator<Item = Outcome>, acceptable: Duration) -> (u32, u32) {
     let (mut successes, mut trials) = (0u32, 0u32);
     for o in outcomes {
         match o {
@@ -324,12 +298,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let stats = input.stats;
     let largest = classes.largest();
     let requested = input.requested_timeout;
-    let simple = |size_class, timeout, reason| Decision {
-        size_class,
-        timeout,
-        reason,
-        estimates: Vec::new(),
-    };
+    let simple = |size_class, timeout, reason| Decision { size_class, timeout, reason, estimates: Vec::new() };
 
     // Rule 1: failure boost.
     if let Some(failed_at) = stats.last_largest_failure()
@@ -342,11 +311,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let Some(t_l) = stats.median_success(largest) else {
         let unsampled = classes.iter().find(|&c| stats.sample_count(c) == 0);
         return Ok(match unsampled {
-            Some(c) if c != largest => simple(
-                c,
-                requested.min(config.minimum_execution_timeout),
-                Reason::Probe,
-            ),
+            Some(c) if c != largest => simple(c, requested.min(config.minimum_execution_timeout), Reason::Probe),
             _ => simple(largest, requested, Reason::LargestBaseline),
         });
     };
@@ -378,17 +343,8 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
                 requested,
             );
             let (successes, trials) = count_trials(stats.outcomes(c), acceptable);
-            let p = smoothed_probability(
-                successes,
-                trials,
-                config.prior_successes,
-                config.prior_failures,
-            );
-            let take = if p >= config.success_threshold {
-                p
-            } else {
-                p * config.exploration_factor
-            };
+            let p = smoothed_probability(successes, trials, config.prior_successes, config.prior_failures);
+            let take = if p >= config.success_threshold { p } else { p * config.exploration_factor };
             let fast_successes: Vec<Duration> = stats
                 .outcomes(c)
                 .filter_map(|o| match o {
@@ -422,11 +378,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let mut chosen: Option<usize> = None;
     let last = estimates.len() - 1;
     for (i, e) in estimates.iter_mut().enumerate() {
-        let c = if i == last {
-            remaining
-        } else {
-            remaining * e.take_probability
-        };
+        let c = if i == last { remaining } else { remaining * e.take_probability };
         e.choice_probability = c;
         if chosen.is_none() && i < last && input.draw < cumulative + c {
             chosen = Some(i);
@@ -445,11 +397,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
 
 /// Demotes smaller classes whose queue is long while a larger candidate
 /// idles (see module docs). Fills `expected_completion` for known queues.
-fn apply_queue_awareness(
-    config: &SelectionConfig,
-    queues: &QueueState,
-    estimates: &mut [ClassEstimate],
-) {
+fn apply_queue_awareness(config: &SelectionConfig, queues: &QueueState, estimates: &mut [ClassEstimate]) {
     for e in estimates.iter_mut() {
         if let Some(q) = queues.get(e.size_class) {
             e.expected_completion = Some(q.expected_wait.saturating_add(e.expected_run));
@@ -460,8 +408,7 @@ fn apply_queue_awareness(
         let Some(completion) = estimates[i].expected_completion else {
             continue;
         };
-        let budget =
-            secs_to_duration(estimates[i].acceptable_time.as_secs_f64() * config.queue_tolerance);
+        let budget = secs_to_duration(estimates[i].acceptable_time.as_secs_f64() * config.queue_tolerance);
         if completion <= budget {
             continue;
         }
@@ -507,14 +454,7 @@ mod tests {
         draw: f64,
         queues: Option<&QueueState>,
     ) -> Decision {
-        let input = SelectionInput {
-            stats,
-            classes: cls,
-            requested_timeout: secs(requested),
-            queues,
-            draw,
-            now: NOW,
-        };
+        let input = SelectionInput { stats, classes: cls, requested_timeout: secs(requested), queues, draw, now: NOW };
         select(&SelectionConfig::default(), &input).unwrap()
     }
 
@@ -553,10 +493,7 @@ mod tests {
         ];
         for (class, x, want) in table {
             let got = acceptable_time(secs(60.0), 8, class, x).as_secs_f64();
-            assert!(
-                (got - want).abs() < 0.05,
-                "class {class} x {x}: {got} != {want}"
-            );
+            assert!((got - want).abs() < 0.05, "class {class} x {x}: {got} != {want}");
         }
     }
 
@@ -564,18 +501,11 @@ mod tests {
     fn learned_decision_reports_the_worked_example() {
         let d = decide(&learned_stats(&[], 0, 0), &classes(), 900.0, 0.0);
         assert_eq!(d.reason, Reason::Learned);
-        let acc: Vec<f64> = d
-            .estimates
-            .iter()
-            .map(|e| (e.acceptable_time.as_secs_f64() * 10.0).round() / 10.0)
-            .collect();
+        let acc: Vec<f64> =
+            d.estimates.iter().map(|e| (e.acceptable_time.as_secs_f64() * 10.0).round() / 10.0).collect();
         assert_eq!(acc, vec![169.7, 120.0, 84.9, 60.0]);
         // Timeouts are 1.5 x acceptable on smaller classes, requested on the largest.
-        let to: Vec<f64> = d
-            .estimates
-            .iter()
-            .map(|e| (e.timeout.as_secs_f64() * 10.0).round() / 10.0)
-            .collect();
+        let to: Vec<f64> = d.estimates.iter().map(|e| (e.timeout.as_secs_f64() * 10.0).round() / 10.0).collect();
         assert_eq!(to, vec![254.6, 180.0, 127.3, 900.0]);
     }
 
@@ -585,20 +515,11 @@ mod tests {
         // Below the minimum: raised to it.
         assert_eq!(smaller_class_timeout(secs(2.0), 1.5, min, secs(900.0)), min);
         // In range: acceptable x multiplier.
-        assert_eq!(
-            smaller_class_timeout(secs(20.0), 1.5, min, secs(900.0)),
-            secs(30.0)
-        );
+        assert_eq!(smaller_class_timeout(secs(20.0), 1.5, min, secs(900.0)), secs(30.0));
         // Above requested: capped.
-        assert_eq!(
-            smaller_class_timeout(secs(700.0), 1.5, min, secs(900.0)),
-            secs(900.0)
-        );
+        assert_eq!(smaller_class_timeout(secs(700.0), 1.5, min, secs(900.0)), secs(900.0));
         // Requested below the minimum: the client's limit wins.
-        assert_eq!(
-            smaller_class_timeout(secs(2.0), 1.5, min, secs(5.0)),
-            secs(5.0)
-        );
+        assert_eq!(smaller_class_timeout(secs(2.0), 1.5, min, secs(5.0)), secs(5.0));
 
         // Same through select(): a 1 s baseline gives 10 s on small classes.
         let mut s = ActionStats::new();
@@ -619,10 +540,7 @@ mod tests {
         let mut s = learned_stats(&[1, 2, 4], 20, 0);
         s.set_last_largest_failure(Timestamp::from_unix_millis(NOW.unix_millis() - 3_600_000));
         let d = decide(&s, &classes(), 900.0, 0.0);
-        assert_eq!(
-            (d.size_class, d.timeout, d.reason),
-            (8, secs(900.0), Reason::FailureBoost)
-        );
+        assert_eq!((d.size_class, d.timeout, d.reason), (8, secs(900.0), Reason::FailureBoost));
         assert!(d.estimates.is_empty());
 
         // Just past the failure cache duration the boost is gone.
@@ -640,19 +558,13 @@ mod tests {
         let mut seen = Vec::new();
         for expected in [1, 2, 4] {
             let d = decide(&s, &cls, 900.0, 0.5);
-            assert_eq!(
-                (d.size_class, d.reason, d.timeout),
-                (expected, Reason::Probe, secs(10.0))
-            );
+            assert_eq!((d.size_class, d.reason, d.timeout), (expected, Reason::Probe, secs(10.0)));
             seen.push(d.size_class);
             s.push(d.size_class, Outcome::TimedOut(secs(10.0)), 32);
         }
         // Nothing left to probe below the largest: baseline with the requested timeout.
         let d = decide(&s, &cls, 900.0, 0.5);
-        assert_eq!(
-            (d.size_class, d.reason, d.timeout),
-            (8, Reason::LargestBaseline, secs(900.0))
-        );
+        assert_eq!((d.size_class, d.reason, d.timeout), (8, Reason::LargestBaseline, secs(900.0)));
         assert_eq!(seen, vec![1, 2, 4]);
 
         // The probe timeout never exceeds the requested one.
@@ -675,17 +587,9 @@ mod tests {
         // Failure time long expired, so rule 1 does not apply.
         s.set_last_largest_failure(Timestamp::from_unix_millis(0));
         let d = decide(&s, &classes(), 900.0, 0.0);
-        assert_eq!(
-            (d.size_class, d.timeout, d.reason),
-            (8, secs(900.0), Reason::LargestBaseline)
-        );
+        assert_eq!((d.size_class, d.timeout, d.reason), (8, secs(900.0), Reason::LargestBaseline));
         // A single-class fleet is always the largest class.
-        let d = decide(
-            &ActionStats::new(),
-            &SizeClasses::new([4]).unwrap(),
-            900.0,
-            0.0,
-        );
+        let d = decide(&ActionStats::new(), &SizeClasses::new([4]).unwrap(), 900.0, 0.0);
         assert_eq!((d.size_class, d.reason), (4, Reason::LargestBaseline));
     }
 
@@ -718,21 +622,10 @@ mod tests {
             assert!((got - want).abs() < 1e-12, "{c:?}");
         }
         assert!((c.iter().sum::<f64>() - 1.0).abs() < 1e-12);
-        for (draw, class) in [
-            (0.0, 1),
-            (0.7499, 1),
-            (0.75, 2),
-            (0.8749, 2),
-            (0.875, 4),
-            (0.9374, 4),
-            (0.9375, 8),
-            (0.999_999, 8),
-        ] {
-            assert_eq!(
-                decide(&s, &classes(), 900.0, draw).size_class,
-                class,
-                "draw {draw}"
-            );
+        for (draw, class) in
+            [(0.0, 1), (0.7499, 1), (0.75, 2), (0.8749, 2), (0.875, 4), (0.9374, 4), (0.9375, 8), (0.999_999, 8)]
+        {
+            assert_eq!(decide(&s, &classes(), 900.0, draw).size_class, class, "draw {draw}");
         }
     }
 
@@ -769,8 +662,7 @@ mod tests {
         for e in &reference.estimates {
             let freq = f64::from(counts.get(&e.size_class).copied().unwrap_or(0)) / f64::from(n);
             // 4 standard errors of a binomial proportion.
-            let tol =
-                4.0 * (e.choice_probability * (1.0 - e.choice_probability) / f64::from(n)).sqrt();
+            let tol = 4.0 * (e.choice_probability * (1.0 - e.choice_probability) / f64::from(n)).sqrt();
             assert!(
                 (freq - e.choice_probability).abs() <= tol,
                 "class {}: freq {freq} vs p {}",
@@ -780,42 +672,16 @@ mod tests {
         }
         // Same seed, same sequence of choices.
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let again: Vec<SizeClass> = (0..20)
-            .map(|_| decide(&s, &cls, 900.0, rng.random::<f64>()).size_class)
-            .collect();
+        let again: Vec<SizeClass> = (0..20).map(|_| decide(&s, &cls, 900.0, rng.random::<f64>()).size_class).collect();
         assert_eq!(again, first);
     }
 
     fn queues(wait1: f64, idle8: u32) -> QueueState {
         [
-            (
-                1,
-                ClassQueue {
-                    expected_wait: secs(wait1),
-                    idle_workers: 0,
-                },
-            ),
-            (
-                2,
-                ClassQueue {
-                    expected_wait: secs(wait1),
-                    idle_workers: 0,
-                },
-            ),
-            (
-                4,
-                ClassQueue {
-                    expected_wait: secs(wait1),
-                    idle_workers: 0,
-                },
-            ),
-            (
-                8,
-                ClassQueue {
-                    expected_wait: Duration::ZERO,
-                    idle_workers: idle8,
-                },
-            ),
+            (1, ClassQueue { expected_wait: secs(wait1), idle_workers: 0 }),
+            (2, ClassQueue { expected_wait: secs(wait1), idle_workers: 0 }),
+            (4, ClassQueue { expected_wait: secs(wait1), idle_workers: 0 }),
+            (8, ClassQueue { expected_wait: Duration::ZERO, idle_workers: idle8 }),
         ]
         .into_iter()
         .collect()
@@ -836,25 +702,13 @@ mod tests {
         let q = queues(200.0, 3);
         let d = decide_q(&s, &cls, 900.0, 0.0, Some(&q));
         assert_eq!((d.size_class, d.timeout), (8, secs(900.0)));
-        assert!(
-            d.estimates[..3]
-                .iter()
-                .all(|e| e.queue_demoted && e.choice_probability == 0.0)
-        );
+        assert!(d.estimates[..3].iter().all(|e| e.queue_demoted && e.choice_probability == 0.0));
         assert_eq!(d.estimates[3].choice_probability, 1.0);
         // Same queue but class 8 busy too: no point moving.
         let q = queues(200.0, 0);
         assert_eq!(decide_q(&s, &cls, 900.0, 0.0, Some(&q)).size_class, 1);
         // Unknown queue for class 1: never demoted.
-        let q: QueueState = [(
-            8,
-            ClassQueue {
-                expected_wait: Duration::ZERO,
-                idle_workers: 5,
-            },
-        )]
-        .into_iter()
-        .collect();
+        let q: QueueState = [(8, ClassQueue { expected_wait: Duration::ZERO, idle_workers: 5 })].into_iter().collect();
         assert_eq!(decide_q(&s, &cls, 900.0, 0.0, Some(&q)).size_class, 1);
     }
 
@@ -862,13 +716,7 @@ mod tests {
     fn queue_awareness_prefers_an_idle_middle_class() {
         let s = learned_stats(&[1, 2, 4], 10, 0);
         let mut q = queues(200.0, 0);
-        q.set(
-            2,
-            ClassQueue {
-                expected_wait: Duration::ZERO,
-                idle_workers: 1,
-            },
-        );
+        q.set(2, ClassQueue { expected_wait: Duration::ZERO, idle_workers: 1 });
         let d = decide_q(&s, &classes(), 900.0, 0.0, Some(&q));
         assert_eq!(d.size_class, 2);
         assert!(d.estimates[0].queue_demoted);
@@ -880,18 +728,9 @@ mod tests {
         let s = ActionStats::new();
         let cls = classes();
         for draw in [1.0, -0.1, f64::NAN] {
-            let input = SelectionInput {
-                stats: &s,
-                classes: &cls,
-                requested_timeout: secs(1.0),
-                queues: None,
-                draw,
-                now: NOW,
-            };
-            assert!(matches!(
-                select(&SelectionConfig::default(), &input),
-                Err(Error::InvalidDraw(_))
-            ));
+            let input =
+                SelectionInput { stats: &s, classes: &cls, requested_timeout: secs(1.0), queues: None, draw, now: NOW };
+            assert!(matches!(select(&SelectionConfig::default(), &input), Err(Error::InvalidDraw(_))));
         }
         let input = SelectionInput {
             stats: &s,
@@ -901,22 +740,10 @@ mod tests {
             draw: 0.0,
             now: NOW,
         };
-        assert_eq!(
-            select(&SelectionConfig::default(), &input),
-            Err(Error::ZeroRequestedTimeout)
-        );
-        let bad = SelectionConfig {
-            timeout_multiplier: 0.5,
-            ..Default::default()
-        };
-        let input = SelectionInput {
-            requested_timeout: secs(1.0),
-            ..input
-        };
-        assert!(matches!(
-            select(&bad, &input),
-            Err(Error::InvalidConfig { .. })
-        ));
+        assert_eq!(select(&SelectionConfig::default(), &input), Err(Error::ZeroRequestedTimeout));
+        let bad = SelectionConfig { timeout_multiplier: 0.5, ..Default::default() };
+        let input = SelectionInput { requested_timeout: secs(1.0), ..input };
+        assert!(matches!(select(&bad, &input), Err(Error::InvalidConfig { .. })));
     }
 
     fn outcome() -> impl Strategy<Value = Outcome> {

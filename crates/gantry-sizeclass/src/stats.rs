@@ -113,10 +113,7 @@ impl ActionStats {
 
     /// Classes that have at least one outcome, ascending.
     pub fn classes(&self) -> impl Iterator<Item = SizeClass> + '_ {
-        self.classes
-            .iter()
-            .filter(|(_, h)| !h.is_empty())
-            .map(|(c, _)| *c)
+        self.classes.iter().filter(|(_, h)| !h.is_empty()).map(|(c, _)| *c)
     }
 
     /// When the action last failed (or timed out) on the largest class.
@@ -164,15 +161,11 @@ impl ActionStats {
     pub fn from_json(s: &str) -> Result<Self, Error> {
         // Peek at the version first so a future format gets a precise error
         // instead of an "unknown field" one.
-        let raw: serde_json::Value =
-            serde_json::from_str(s).map_err(|e| Error::StatsFormat(e.to_string()))?;
+        let raw: serde_json::Value = serde_json::from_str(s).map_err(|e| Error::StatsFormat(e.to_string()))?;
         match raw.get("v").and_then(serde_json::Value::as_u64) {
             Some(STATS_FORMAT_VERSION) => {}
             Some(found) => {
-                return Err(Error::StatsVersion {
-                    found,
-                    supported: STATS_FORMAT_VERSION,
-                });
+                return Err(Error::StatsVersion { found, supported: STATS_FORMAT_VERSION });
             }
             None => return Err(Error::StatsFormat("missing or non-integer `v`".into())),
         }
@@ -187,11 +180,7 @@ pub(crate) fn median(mut v: Vec<Duration>) -> Option<Duration> {
     }
     v.sort_unstable();
     let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2
-    })
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2 })
 }
 
 #[derive(Serialize, Deserialize)]
@@ -241,10 +230,7 @@ impl TryFrom<StatsWire> for ActionStats {
     type Error = Error;
     fn try_from(w: StatsWire) -> Result<Self, Error> {
         if w.v != STATS_FORMAT_VERSION {
-            return Err(Error::StatsVersion {
-                found: w.v,
-                supported: STATS_FORMAT_VERSION,
-            });
+            return Err(Error::StatsVersion { found: w.v, supported: STATS_FORMAT_VERSION });
         }
         let mut classes = BTreeMap::new();
         for (c, outcomes) in w.classes {
@@ -264,10 +250,7 @@ impl TryFrom<StatsWire> for ActionStats {
                 .collect();
             classes.insert(c, h);
         }
-        Ok(ActionStats {
-            classes,
-            last_largest_failure: w.largest_failure_ms.map(Timestamp::from_unix_millis),
-        })
+        Ok(ActionStats { classes, last_largest_failure: w.largest_failure_ms.map(Timestamp::from_unix_millis) })
     }
 }
 
@@ -289,19 +272,12 @@ mod tests {
         }
         assert_eq!(
             s.outcomes(2).collect::<Vec<_>>(),
-            vec![
-                Outcome::Succeeded(ms(3)),
-                Outcome::Succeeded(ms(4)),
-                Outcome::Succeeded(ms(5))
-            ]
+            vec![Outcome::Succeeded(ms(3)), Outcome::Succeeded(ms(4)), Outcome::Succeeded(ms(5))]
         );
         // A history size of 0 still keeps the newest outcome.
         s.push(4, Outcome::Failed, 0);
         s.push(4, Outcome::TimedOut(ms(7)), 0);
-        assert_eq!(
-            s.outcomes(4).collect::<Vec<_>>(),
-            vec![Outcome::TimedOut(ms(7))]
-        );
+        assert_eq!(s.outcomes(4).collect::<Vec<_>>(), vec![Outcome::TimedOut(ms(7))]);
         assert_eq!(s.sample_count(8), 0);
         assert_eq!(s.classes().collect::<Vec<_>>(), vec![2, 4]);
     }
@@ -311,10 +287,7 @@ mod tests {
         let mut s = ActionStats::new();
         s.push(1, Outcome::Succeeded(Duration::from_micros(1_234_500)), 32);
         s.push(1, Outcome::TimedOut(Duration::from_micros(2_000_499)), 32);
-        assert_eq!(
-            s.outcomes(1).collect::<Vec<_>>(),
-            vec![Outcome::Succeeded(ms(1235)), Outcome::TimedOut(ms(2000))]
-        );
+        assert_eq!(s.outcomes(1).collect::<Vec<_>>(), vec![Outcome::Succeeded(ms(1235)), Outcome::TimedOut(ms(2000))]);
     }
 
     #[test]
@@ -338,10 +311,7 @@ mod tests {
         assert!(s.is_empty());
         s.set_last_largest_failure(Timestamp::from_unix_millis(50));
         s.set_last_largest_failure(Timestamp::from_unix_millis(20));
-        assert_eq!(
-            s.last_largest_failure(),
-            Some(Timestamp::from_unix_millis(50))
-        );
+        assert_eq!(s.last_largest_failure(), Some(Timestamp::from_unix_millis(50)));
         assert!(!s.is_empty());
     }
 
@@ -381,10 +351,7 @@ mod tests {
         }
         assert_eq!(
             ActionStats::from_json(r#"{"v":2,"classes":{}}"#),
-            Err(Error::StatsVersion {
-                found: 2,
-                supported: 1
-            })
+            Err(Error::StatsVersion { found: 2, supported: 1 })
         );
     }
 

@@ -128,7 +128,7 @@ impl Timestamp {
 pub(crate) mod secs_f64 {
     use std::time::Duration;
 
-    use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f64(d.as_secs_f64())
@@ -168,18 +168,9 @@ mod tests {
     #[test]
     fn timestamp_arithmetic_saturates() {
         let t = Timestamp::from_unix_millis(1_000);
-        assert_eq!(
-            t.saturating_add(Duration::from_millis(500)).unix_millis(),
-            1_500
-        );
-        assert_eq!(
-            t.saturating_since(Timestamp::from_unix_millis(400)),
-            Duration::from_millis(600)
-        );
-        assert_eq!(
-            t.saturating_since(Timestamp::from_unix_millis(5_000)),
-            Duration::ZERO
-        );
+        assert_eq!(t.saturating_add(Duration::from_millis(500)).unix_millis(), 1_500);
+        assert_eq!(t.saturating_since(Timestamp::from_unix_millis(400)), Duration::from_millis(600));
+        assert_eq!(t.saturating_since(Timestamp::from_unix_millis(5_000)), Duration::ZERO);
         let st = UNIX_EPOCH + Duration::from_millis(1234);
         assert_eq!(Timestamp::from_system_time(st).unix_millis(), 1234);
     }

@@ -10,8 +10,8 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use gantry_core::reapi::{ActionResult, Tree};
 use gantry_core::action_cache::{referenced_blobs, ReferencedBlobs};
+use gantry_core::reapi::{ActionResult, Tree};
 use gantry_core::{ActionCache, BlobStore, Digest, Result};
 
 use prost::Message;

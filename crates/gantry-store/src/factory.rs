@@ -6,7 +6,10 @@ use std::sync::Arc;
 use gantry_config::{ActionCacheConfig, CasConfig, Config};
 use gantry_core::{ActionCache, BlobStore, Result, ResultExt};
 
-use crate::{CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, MetadataDb, MetadataOptions, S3Options, S3Store, SqlActionCache, TieredStore};
+use crate::{
+    CompletenessCheckingActionCache, FsStore, IntegrityStore, MemoryStore, MetadataDb, MetadataOptions, S3Options,
+    S3Store, SqlActionCache, TieredStore,
+};
 
 /// The CAS as services see it: the configured backend behind `IntegrityStore`.
 pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
@@ -54,7 +57,11 @@ pub async fn open_metadata(config: &Config) -> Result<MetadataDb> {
 
 /// The action cache in the metadata database, with the completeness check in front when
 /// configured.
-pub async fn build_action_cache(config: &Config, db: &MetadataDb, cas: Arc<dyn BlobStore>) -> Result<Arc<dyn ActionCache>> {
+pub async fn build_action_cache(
+    config: &Config,
+    db: &MetadataDb,
+    cas: Arc<dyn BlobStore>,
+) -> Result<Arc<dyn ActionCache>> {
     match &config.action_cache {
         ActionCacheConfig::Sql(sql) => {
             let ac: Arc<dyn ActionCache> =

@@ -167,7 +167,12 @@ impl FsStore {
             // INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: retrying can never succeed.
             return Err(Error::invalid(format!("blob {digest} is larger than the whole store ({max} bytes)")));
         }
-        Ok(FsWriter { inner: self.inner.clone(), digest: *digest, committed: 0, state: WriteState::Buffered(BytesMut::new()) })
+        Ok(FsWriter {
+            inner: self.inner.clone(),
+            digest: *digest,
+            committed: 0,
+            state: WriteState::Buffered(BytesMut::new()),
+        })
     }
 }
 
@@ -212,10 +217,10 @@ impl Inner {
         }
         // The root's own entry: its parent may not be ours to open (a read-only /var/lib),
         // so a failure there is reported, not fatal.
-        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if let Err(e) = fsync_dir(parent) {
-                tracing::warn!(dir = %parent.display(), error = %e, "could not fsync the CAS directory's parent");
-            }
+        if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty())
+            && let Err(e) = fsync_dir(parent)
+        {
+            tracing::warn!(dir = %parent.display(), error = %e, "could not fsync the CAS directory's parent");
         }
         found.sort();
         let mut index = LruIndex::new(max_bytes);
@@ -260,7 +265,8 @@ impl Inner {
         // A new shard's own entry lives in the function directory: sync that too, or the
         // blob could survive a crash in a directory that did not.
         let function_dir = created_shard.then(|| parent.parent().expect("shard has a parent").to_path_buf());
-        self.dir_sync.sync(std::iter::once(parent).chain(function_dir))
+        self.dir_sync
+            .sync(std::iter::once(parent).chain(function_dir))
             .map_err(|e| e.context(format_args!("blob {digest}")))
     }
 
@@ -288,7 +294,10 @@ impl Inner {
             return e;
         }
         self.make_room(size.max(MIN_ROOM));
-        Error::ResourceExhausted(format!("CAS {}: the disk is full ({e}); least recently used blobs were evicted to make room, retry", self.root.display()))
+        Error::ResourceExhausted(format!(
+            "CAS {}: the disk is full ({e}); least recently used blobs were evicted to make room, retry",
+            self.root.display()
+        ))
     }
 
     /// Takes a blob that another process wrote into this directory into the index, if
@@ -348,8 +357,10 @@ impl BlobStore for FsStore {
             return Ok(present);
         }
         let inner = self.inner.clone();
-        let adopted = blocking(move || Ok(unknown.into_iter().filter(|(_, d)| inner.adopt(d)).map(|(i, _)| i).collect::<Vec<_>>()))
-            .await?;
+        let adopted = blocking(move || {
+            Ok(unknown.into_iter().filter(|(_, d)| inner.adopt(d)).map(|(i, _)| i).collect::<Vec<_>>())
+        })
+        .await?;
         for i in adopted {
             present[i] = true;
         }
@@ -508,7 +519,7 @@ impl Staged {
 
 impl FsWriter {
     /// Appends `chunk` to the temp file, first moving any buffered bytes there.
-    async fn to_file(&mut self, chunk: Bytes) -> Result<()> {
+    async fn spill_to_file(&mut self, chunk: Bytes) -> Result<()> {
         let state = std::mem::replace(&mut self.state, WriteState::Busy);
         let dir = self.inner.tmp.clone();
         self.state = blocking(move || {
@@ -579,7 +590,7 @@ impl BlobWriter for FsWriter {
         let n = chunk.len() as u64;
         match &mut self.state {
             WriteState::Buffered(buf) if buf.len() + chunk.len() <= SPILL_THRESHOLD => buf.extend_from_slice(&chunk),
-            _ => self.to_file(chunk).await?,
+            _ => self.spill_to_file(chunk).await?,
         }
         self.committed += n;
         Ok(())
@@ -594,7 +605,7 @@ impl BlobWriter for FsWriter {
 
     async fn spill(&mut self) -> Result<()> {
         match &self.state {
-            WriteState::Buffered(buf) if !buf.is_empty() => self.to_file(Bytes::new()).await,
+            WriteState::Buffered(buf) if !buf.is_empty() => self.spill_to_file(Bytes::new()).await,
             _ => Ok(()),
         }
     }
@@ -615,13 +626,20 @@ mod tests {
     #[ignore = "run by a_full_disk_is_resource_exhausted_and_recovers in a namespace"]
     async fn full_disk_inside_a_namespace() {
         use futures::TryStreamExt;
-        let Ok(root) = std::env::var("GANTRY_TEST_TMPFS") else { panic!("run by a_full_disk_is_resource_exhausted_and_recovers") };
+        let Ok(root) = std::env::var("GANTRY_TEST_TMPFS") else {
+            panic!("run by a_full_disk_is_resource_exhausted_and_recovers")
+        };
         let root = PathBuf::from(root);
-        let st = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"]).arg(&root).status().unwrap();
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+            .arg(&root)
+            .status()
+            .unwrap();
         assert!(st.success(), "mount tmpfs");
         let store = FsStore::open(root.join("cas"), 64 << 20).await.unwrap();
         let blob = |i: u32, size: usize| {
-            let data = Bytes::from((0..size).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect::<Vec<u8>>());
+            let data =
+                Bytes::from((0..size).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i) as u8).collect::<Vec<u8>>());
             (DigestFunction::Sha256.digest_of(&data), data)
         };
         let put = |d: Digest, data: Bytes, chunk: usize| {

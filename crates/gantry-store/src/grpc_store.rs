@@ -5,12 +5,12 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
+use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::google::bytestream::byte_stream_client::ByteStreamClient;
 use gantry_core::google::bytestream::{ReadRequest, WriteRequest};
 use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
 use gantry_core::reapi::FindMissingBlobsRequest;
 use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, DigestFunction, Error, Result};
-use gantry_core::client::GrpcChannel as Channel;
 
 pub struct GrpcStore {
     channel: Channel,
@@ -37,8 +37,6 @@ impl GrpcStore {
     pub fn new(channel: Channel, instance: impl Into<String>) -> Self {
         GrpcStore { channel, instance: instance.into() }
     }
-
-
 }
 
 #[async_trait]
@@ -63,7 +61,8 @@ impl BlobStore for GrpcStore {
                     .map_err(|s| status_to_error(s, "FindMissingBlobs"))?
                     .into_inner()
                     .missing_blob_digests;
-                let missing: std::collections::HashSet<_> = missing.into_iter().map(|d| (d.hash, d.size_bytes)).collect();
+                let missing: std::collections::HashSet<_> =
+                    missing.into_iter().map(|d| (d.hash, d.size_bytes)).collect();
                 for &i in &idx {
                     let d = &chunk[i];
                     if missing.contains(&(d.hash_hex(), d.size as i64)) {
@@ -110,7 +109,9 @@ struct GrpcWriter {
     name: String,
     offset: u64,
     tx: Option<tokio::sync::mpsc::Sender<WriteRequest>>,
-    call: tokio::task::JoinHandle<std::result::Result<tonic::Response<gantry_core::google::bytestream::WriteResponse>, tonic::Status>>,
+    call: tokio::task::JoinHandle<
+        std::result::Result<tonic::Response<gantry_core::google::bytestream::WriteResponse>, tonic::Status>,
+    >,
 }
 
 impl Drop for GrpcWriter {
@@ -158,7 +159,10 @@ impl BlobWriter for GrpcWriter {
         let d = self.digest;
         let res = (&mut self.call).await.map_err(|e| Error::internal(format!("upload task: {e}")))?;
         let resp = res.map_err(|s| status_to_error(s, &format!("writing blob {d}")))?.into_inner();
-        if resp.committed_size != d.size as i64 && resp.committed_size != -1 && resp.committed_size != self.offset as i64 {
+        if resp.committed_size != d.size as i64
+            && resp.committed_size != -1
+            && resp.committed_size != self.offset as i64
+        {
             return Err(Error::internal(format!("writing blob {d}: server committed {} bytes", resp.committed_size)));
         }
         Ok(())

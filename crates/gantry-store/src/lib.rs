@@ -28,8 +28,8 @@ pub mod integrity_store;
 pub mod lru_index;
 pub mod memory_store;
 pub mod metadata_db;
-pub mod s3_store;
 pub mod retention;
+pub mod s3_store;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
@@ -47,8 +47,8 @@ pub use retention::Retention;
 pub use s3_store::{S3Credentials, S3Options, S3Store};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
-pub use sql_queue_store::SqlQueueStore;
 pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
+pub use sql_queue_store::SqlQueueStore;
 pub use tiered_store::TieredStore;
 
 #[cfg(test)]

@@ -95,7 +95,8 @@ pub fn redact_url(url: &str) -> String {
         None => authority.to_string(),
     };
     let query = query.map(|q| {
-        let parts: Vec<&str> = q.split('&').map(|kv| if kv.starts_with("password=") { "password=***" } else { kv }).collect();
+        let parts: Vec<&str> =
+            q.split('&').map(|kv| if kv.starts_with("password=") { "password=***" } else { kv }).collect();
         format!("?{}", parts.join("&"))
     });
     format!("{scheme}://{authority}{path}{}", query.unwrap_or_default())
@@ -238,7 +239,9 @@ impl MetadataDb {
     /// PostgreSQL: the whole database), for `/metrics`.
     pub async fn size_bytes(&self) -> Result<i64> {
         let sql = match self.dialect {
-            Dialect::Sqlite => "SELECT p.page_count * s.page_size FROM pragma_page_count() AS p, pragma_page_size() AS s",
+            Dialect::Sqlite => {
+                "SELECT p.page_count * s.page_size FROM pragma_page_count() AS p, pragma_page_size() AS s"
+            }
             Dialect::Postgres => "SELECT pg_database_size(current_database())",
         };
         sqlx::query(sql)
@@ -404,11 +407,7 @@ const MIGRATIONS: &[Version] = &[
         description: "leases held by one gantry process at a time",
         sql: include_str!("../migrations/0002_leases.sql"),
     },
-    Version {
-        version: 3,
-        description: "indexes for retention",
-        sql: include_str!("../migrations/0003_retention.sql"),
-    },
+    Version { version: 3, description: "indexes for retention", sql: include_str!("../migrations/0003_retention.sql") },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

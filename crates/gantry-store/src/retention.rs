@@ -36,13 +36,8 @@ struct Table {
 
 const ACTION_CACHE: Table =
     Table { name: "action_cache", table: "action_cache", time_column: "updated_at", unit_ms: 1000, only: "" };
-const EXECUTION_LOG: Table = Table {
-    name: "execution_log",
-    table: "action_executions",
-    time_column: "completed_unix_ms",
-    unit_ms: 1,
-    only: "",
-};
+const EXECUTION_LOG: Table =
+    Table { name: "execution_log", table: "action_executions", time_column: "completed_unix_ms", unit_ms: 1, only: "" };
 const BUILDS: Table = Table {
     name: "builds",
     table: "batch_builds",
@@ -105,7 +100,11 @@ impl Retention {
     }
 
     fn tables(&self) -> [(&'static Table, RetentionBound); 3] {
-        [(&ACTION_CACHE, self.config.action_cache), (&EXECUTION_LOG, self.config.execution_log), (&BUILDS, self.config.builds)]
+        [
+            (&ACTION_CACHE, self.config.action_cache),
+            (&EXECUTION_LOG, self.config.execution_log),
+            (&BUILDS, self.config.builds),
+        ]
     }
 
     /// Applies every bound as of `now_ms` until each table is within it.
@@ -221,7 +220,8 @@ impl Retention {
             &["table"],
         )
         .expect("valid metric");
-        let size = prometheus::IntGauge::new("gantry_metadata_size_bytes", "Size of the metadata database").expect("valid metric");
+        let size = prometheus::IntGauge::new("gantry_metadata_size_bytes", "Size of the metadata database")
+            .expect("valid metric");
         let deleted = prometheus::IntCounterVec::new(
             prometheus::Opts::new("gantry_retention_deleted_rows_total", "Rows deleted by retention, by table"),
             &["table"],

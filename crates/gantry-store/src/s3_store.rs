@@ -35,11 +35,13 @@ use bytes::{Bytes, BytesMut};
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use gantry_core::blob_store::read_range;
-use gantry_core::task::{TaskGuard, spawn_named};
+use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, Error, Result};
 use object_store::aws::{AmazonS3Builder, Checksum};
 use object_store::path::Path as ObjectPath;
-use object_store::{ClientOptions, GetOptions, GetRange, MultipartUpload, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+use object_store::{
+    ClientOptions, GetOptions, GetRange, MultipartUpload, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+};
 use tokio::sync::mpsc;
 
 /// Size of each part of a multipart upload, and the largest blob sent as one PUT.
@@ -66,7 +68,9 @@ impl std::fmt::Debug for S3Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             S3Credentials::Environment => f.write_str("Environment"),
-            S3Credentials::Static { key_id, .. } => write!(f, "Static {{ key_id: {key_id:?}, secret_key: <redacted> }}"),
+            S3Credentials::Static { key_id, .. } => {
+                write!(f, "Static {{ key_id: {key_id:?}, secret_key: <redacted> }}")
+            }
         }
     }
 }
@@ -194,19 +198,23 @@ impl S3Store {
                 b = b.with_access_key_id(key_id).with_secret_access_key(secret_key);
             }
             S3Credentials::Environment => {
-                if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() {
-                    if let Some(p) = shared_credentials_profile()? {
-                        b = b.with_access_key_id(p.key_id).with_secret_access_key(p.secret_key);
-                        if let Some(t) = p.token {
-                            b = b.with_token(t);
-                        }
+                if std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
+                    && let Some(p) = shared_credentials_profile()?
+                {
+                    b = b.with_access_key_id(p.key_id).with_secret_access_key(p.secret_key);
+                    if let Some(t) = p.token {
+                        b = b.with_token(t);
                     }
                 }
             }
         }
         let store = b
             .with_checksum_algorithm(Checksum::SHA256)
-            .with_retry(RetryConfig { max_retries: opts.max_retries, retry_timeout: opts.retry_timeout, ..Default::default() })
+            .with_retry(RetryConfig {
+                max_retries: opts.max_retries,
+                retry_timeout: opts.retry_timeout,
+                ..Default::default()
+            })
             // No overall request timeout: a multi-GiB GET legitimately streams for long.
             // A dead server is caught by the connect timeout and the retry bound.
             .build()
@@ -351,7 +359,9 @@ impl Inner {
         if let Err(e) = self.store.delete(&scratch).await {
             tracing::warn!(key = %scratch, error = %e, "deleting the scratch copy of a refreshed blob failed");
         }
-        copied.map_err(|e| self.unavailable(format_args!("refreshing blob {d} before the bucket's lifecycle rule expires it"), e))?;
+        copied.map_err(|e| {
+            self.unavailable(format_args!("refreshing blob {d} before the bucket's lifecycle rule expires it"), e)
+        })?;
         tracing::debug!(blob = %d, "refreshed an object the lifecycle rule would soon expire");
         Ok(())
     }
@@ -584,7 +594,12 @@ impl BlobWriter for S3Writer {
                 .single_flight(d, move || {
                     async move {
                         inner.requests.put.fetch_add(1, Ordering::Relaxed);
-                        inner.store.put(&inner.path(&d), PutPayload::from(rest)).await.map(|_| ()).map_err(|e| Arc::new(format!("{what}: {e}")))
+                        inner
+                            .store
+                            .put(&inner.path(&d), PutPayload::from(rest))
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| Arc::new(format!("{what}: {e}")))
                     }
                     .boxed()
                 })
@@ -604,7 +619,8 @@ impl BlobWriter for S3Writer {
         let led = self
             .inner
             .single_flight(d, move || {
-                let mut upload = mine.lock().expect("poisoned").take().expect("started").into_inner().expect("poisoned");
+                let mut upload =
+                    mine.lock().expect("poisoned").take().expect("started").into_inner().expect("poisoned");
                 async move {
                     inner.requests.put.fetch_add(1, Ordering::Relaxed);
                     let res = upload.complete().await.map(|_| ()).map_err(|e| Arc::new(format!("{what}: {e}")));

@@ -98,4 +98,3 @@ impl ActionCache for SqlActionCache {
         Ok(())
     }
 }
-

@@ -82,7 +82,11 @@ impl BuildStore for SqlBuildStore {
         if q.finished_since_unix_ms.is_some() {
             sql += &format!(" AND finished_unix_ms IS NOT NULL AND finished_unix_ms >= {}", next());
         }
-        sql += if q.oldest_first { " ORDER BY created_unix_ms ASC, build_id ASC" } else { " ORDER BY created_unix_ms DESC, build_id DESC" };
+        sql += if q.oldest_first {
+            " ORDER BY created_unix_ms ASC, build_id ASC"
+        } else {
+            " ORDER BY created_unix_ms DESC, build_id DESC"
+        };
         if q.limit > 0 {
             sql += &format!(" LIMIT {}", next());
         }
@@ -103,4 +107,3 @@ impl BuildStore for SqlBuildStore {
             .map_err(|e| Error::internal(format!("batch_builds: undecodable row: {e}")))
     }
 }
-

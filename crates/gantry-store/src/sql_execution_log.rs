@@ -113,7 +113,10 @@ impl gantry_core::SizeClassStore for SqlSizeClassStore {
     }
 
     async fn put(&self, key: &str, stats: &str) -> Result<()> {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
         sqlx::query(
             "INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)
              ON CONFLICT (stats_key) DO UPDATE SET stats = excluded.stats, updated_unix_ms = excluded.updated_unix_ms",
@@ -139,4 +142,3 @@ impl gantry_core::SizeClassStore for SqlSizeClassStore {
             .map_err(|e| Error::internal(format!("size class stats: undecodable row: {e}")))
     }
 }
-

@@ -112,7 +112,14 @@ impl QueueStore for SqlQueueStore {
             .await
             .map_err(self.db.err("reading the journal"))?;
         rows.iter()
-            .map(|r| Ok(QueueEventRow { seq: r.try_get(0)?, at_ms: r.try_get(1)?, dedup_key: r.try_get(2)?, event: r.try_get(3)? }))
+            .map(|r| {
+                Ok(QueueEventRow {
+                    seq: r.try_get(0)?,
+                    at_ms: r.try_get(1)?,
+                    dedup_key: r.try_get(2)?,
+                    event: r.try_get(3)?,
+                })
+            })
             .collect::<std::result::Result<Vec<_>, sqlx::Error>>()
             .map_err(undecodable("queue_events"))
     }
@@ -185,4 +192,3 @@ impl QueueStore for SqlQueueStore {
         row.map(|r| r.try_get(0)).transpose().map_err(undecodable("queue_graphs"))
     }
 }
-

@@ -11,7 +11,7 @@ use crate::testing::{blob, blob_n, collect};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use gantry_testkit::{S3_KEY_ID, S3_SECRET_KEY, S3Server};
+use gantry_testkit::{S3Server, S3_KEY_ID, S3_SECRET_KEY};
 
 use crate::s3_store::PART_SIZE;
 use crate::{FsStore, IntegrityStore, MemoryStore, S3Credentials, S3Options, S3Store, TieredStore};
@@ -180,7 +180,8 @@ async fn tiered_reads_fill_the_tier_of_another_machine() {
         async move {
             let tier = Arc::new(FsStore::open(&dir, 1 << 30).await.unwrap());
             let s3 = Arc::new(S3Store::open(opts).unwrap());
-            let s: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier.clone(), s3.clone()))));
+            let s: Arc<dyn BlobStore> =
+                Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier.clone(), s3.clone()))));
             (s, tier, s3)
         }
     };
@@ -267,8 +268,12 @@ async fn find_missing_asks_s3_only_about_blobs_not_known_present() {
 
     // Without the record (presence_ttl = 0) every lookup is a HEAD: the record is what
     // saves them, not something else.
-    let no_record =
-        S3Store::open(S3Options { presence_ttl: Duration::ZERO, absence_ttl: Duration::ZERO, ..s3_options(server, &bucket) }).unwrap();
+    let no_record = S3Store::open(S3Options {
+        presence_ttl: Duration::ZERO,
+        absence_ttl: Duration::ZERO,
+        ..s3_options(server, &bucket)
+    })
+    .unwrap();
     no_record.find_present(&ds[..100]).await.unwrap();
     no_record.find_present(&ds[..100]).await.unwrap();
     assert_eq!(heads(&no_record), 200);
@@ -291,12 +296,12 @@ async fn s3_down_is_unavailable_never_a_miss() {
     drop(server);
     let (data2, d2) = blob(81, 4000);
     for store in [&s, &plain] {
-        let e = store.find_present(&[d2]).await.err().expect("an unreachable bucket is not a miss");
+        let e = store.find_present(&[d2]).await.expect_err("an unreachable bucket is not a miss");
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
         assert!(e.to_string().contains(&bucket) && e.to_string().contains(&endpoint), "{e}");
         let e = store.read(&d2, 0, None).await.err().unwrap();
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
-        let e = store.put(&d2, data2.clone()).await.err().expect("a write S3 did not take is not acknowledged");
+        let e = store.put(&d2, data2.clone()).await.expect_err("a write S3 did not take is not acknowledged");
         assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
         // a multipart upload fails too, at the latest on commit
         let (big, bd) = blob(82, PART_SIZE + 1);
@@ -353,8 +358,7 @@ async fn apply_lifecycle(server: &S3Server, bucket: &str, after: Duration) -> us
         .with_secret_access_key(S3_SECRET_KEY)
         .build()
         .unwrap();
-    let objects: Vec<object_store::ObjectMeta> =
-        futures::TryStreamExt::try_collect(store.list(None)).await.unwrap();
+    let objects: Vec<object_store::ObjectMeta> = futures::TryStreamExt::try_collect(store.list(None)).await.unwrap();
     let now = std::time::SystemTime::now();
     let mut removed = 0;
     for o in objects {
@@ -378,11 +382,17 @@ async fn s3_lifecycle_rule_never_breaks_a_hit() {
     let bucket = fresh_bucket(server);
     let (expire, lifetime) = (Duration::from_secs(5), Duration::from_secs(3));
     let s3 = Arc::new(
-        S3Store::open(S3Options { expire_after: Some(expire), min_blob_lifetime: lifetime, ..s3_options(server, &bucket) }).unwrap(),
+        S3Store::open(S3Options {
+            expire_after: Some(expire),
+            min_blob_lifetime: lifetime,
+            ..s3_options(server, &bucket)
+        })
+        .unwrap(),
     );
     let dir = tempfile::tempdir().unwrap();
     let tier = Arc::new(FsStore::open(dir.path(), 1 << 30).await.unwrap());
-    let cas: Arc<dyn BlobStore> = Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier, s3.clone()).with_remote_presence())));
+    let cas: Arc<dyn BlobStore> =
+        Arc::new(IntegrityStore::new(Arc::new(TieredStore::new(tier, s3.clone()).with_remote_presence())));
     let db = crate::MetadataDb::open("sqlite::memory:").await.unwrap();
     let ac = crate::CompletenessCheckingActionCache::new(Arc::new(crate::SqlActionCache::new(db)), cas.clone());
     // Two entries, each with its own outputs; both fully present.
@@ -396,7 +406,11 @@ async fn s3_lifecycle_rule_never_breaks_a_hit() {
             output_files: outputs
                 .iter()
                 .enumerate()
-                .map(|(i, (_, d))| OutputFile { path: format!("out{i}"), digest: Some(d.to_proto()), ..Default::default() })
+                .map(|(i, (_, d))| OutputFile {
+                    path: format!("out{i}"),
+                    digest: Some(d.to_proto()),
+                    ..Default::default()
+                })
                 .collect(),
             ..Default::default()
         };
@@ -412,7 +426,11 @@ async fn s3_lifecycle_rule_never_breaks_a_hit() {
     tokio::time::sleep((expire - lifetime) + Duration::from_millis(1500)).await;
     let copies = s3.requests().copy.load(Ordering::Relaxed);
     assert!(ac.get("", &entries[0].0).await.unwrap().is_some());
-    assert_eq!(s3.requests().copy.load(Ordering::Relaxed) - copies, 6, "each of the hit's 3 objects refreshed (2 copies each)");
+    assert_eq!(
+        s3.requests().copy.load(Ordering::Relaxed) - copies,
+        6,
+        "each of the hit's 3 objects refreshed (2 copies each)"
+    );
 
     // The rule runs once the first writes are past `expire`: it removes entry 1's
     // objects and leaves entry 0's refreshed ones.

@@ -204,4 +204,3 @@ macro_rules! blob_store_suite {
         }
     };
 }
-

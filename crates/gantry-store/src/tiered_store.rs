@@ -41,7 +41,12 @@ impl TieredStore {
     /// `local` is wrapped in an `IntegrityStore` here, so fills from the remote store are
     /// verified like client uploads.
     pub fn new(local: Arc<dyn BlobStore>, remote: Arc<dyn BlobStore>) -> Self {
-        TieredStore { local: Arc::new(IntegrityStore::new(local.clone())), local_raw: local, remote, remote_presence: false }
+        TieredStore {
+            local: Arc::new(IntegrityStore::new(local.clone())),
+            local_raw: local,
+            remote,
+            remote_presence: false,
+        }
     }
 
     /// FindMissingBlobs asks the remote store about every blob: for a bucket with a
@@ -95,7 +100,9 @@ impl BlobStore for TieredStore {
             Ok(s) => return Ok(s),
             Err(e) if e.is_not_found() => {}
             // The tier is a cache: a broken disk costs speed, not the read.
-            Err(e) => tracing::warn!(blob = %digest, error = %e, "local tier read failed; reading from the remote store"),
+            Err(e) => {
+                tracing::warn!(blob = %digest, error = %e, "local tier read failed; reading from the remote store")
+            }
         }
         let whole = offset == 0 && limit.is_none_or(|l| l >= digest.size);
         let stream = self.remote.read(digest, offset, limit).await?;
@@ -110,20 +117,20 @@ impl BlobStore for TieredStore {
         let tee = futures::stream::unfold((stream, Some(writer)), move |(mut stream, mut writer)| async move {
             match stream.next().await {
                 Some(Ok(chunk)) => {
-                    if let Some(w) = writer.as_mut() {
-                        if let Err(e) = w.write(chunk.clone()).await {
-                            tracing::warn!(blob = %d, error = %e, "filling the local tier failed");
-                            writer = None;
-                        }
+                    if let Some(w) = writer.as_mut()
+                        && let Err(e) = w.write(chunk.clone()).await
+                    {
+                        tracing::warn!(blob = %d, error = %e, "filling the local tier failed");
+                        writer = None;
                     }
                     Some((Ok(chunk), (stream, writer)))
                 }
                 Some(Err(e)) => Some((Err(e), (stream, None))),
                 None => {
-                    if let Some(w) = writer.take() {
-                        if let Err(e) = w.commit().await {
-                            tracing::warn!(blob = %d, error = %e, "filling the local tier failed");
-                        }
+                    if let Some(w) = writer.take()
+                        && let Err(e) = w.commit().await
+                    {
+                        tracing::warn!(blob = %d, error = %e, "filling the local tier failed");
                     }
                     None
                 }
@@ -161,11 +168,11 @@ impl BlobWriter for TieredWriter {
     }
 
     async fn write(&mut self, chunk: Bytes) -> Result<()> {
-        if let Some(w) = self.local.as_mut() {
-            if let Err(e) = w.write(chunk.clone()).await {
-                tracing::warn!(blob = %self.digest, error = %e, "writing to the local tier failed; the upload goes on");
-                self.local = None;
-            }
+        if let Some(w) = self.local.as_mut()
+            && let Err(e) = w.write(chunk.clone()).await
+        {
+            tracing::warn!(blob = %self.digest, error = %e, "writing to the local tier failed; the upload goes on");
+            self.local = None;
         }
         self.remote.write(chunk).await
     }
@@ -175,11 +182,11 @@ impl BlobWriter for TieredWriter {
     }
 
     async fn spill(&mut self) -> Result<()> {
-        if let Some(w) = self.local.as_mut() {
-            if let Err(e) = w.spill().await {
-                tracing::warn!(blob = %self.digest, error = %e, "spilling to the local tier failed; the upload goes on without it");
-                self.local = None;
-            }
+        if let Some(w) = self.local.as_mut()
+            && let Err(e) = w.spill().await
+        {
+            tracing::warn!(blob = %self.digest, error = %e, "spilling to the local tier failed; the upload goes on without it");
+            self.local = None;
         }
         self.remote.spill().await
     }
@@ -187,10 +194,10 @@ impl BlobWriter for TieredWriter {
     async fn commit(self: Box<Self>) -> Result<()> {
         // The bucket first: only a blob the bucket holds may be acknowledged or cached.
         self.remote.commit().await?;
-        if let Some(w) = self.local {
-            if let Err(e) = w.commit().await {
-                tracing::warn!(blob = %self.digest, error = %e, "caching the upload in the local tier failed");
-            }
+        if let Some(w) = self.local
+            && let Err(e) = w.commit().await
+        {
+            tracing::warn!(blob = %self.digest, error = %e, "caching the upload in the local tier failed");
         }
         Ok(())
     }

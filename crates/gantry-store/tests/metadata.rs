@@ -13,13 +13,18 @@ use gantry_core::{
     ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, LandingRow,
     QueueDocRow, QueueStore, SizeClassStore,
 };
-use gantry_store::{Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_store::{
+    Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore,
+};
 use gantry_testkit::PgServer;
 use sqlx::{Executor, Row};
 
 /// The backends under test: (name, url). PostgreSQL's server lives as long as the guard.
 fn backends(dir: &std::path::Path) -> (Option<PgServer>, Vec<(&'static str, String)>) {
-    let mut v = vec![("sqlite-file", format!("sqlite://{}/meta.db", dir.display())), ("sqlite-memory", "sqlite::memory:".into())];
+    let mut v = vec![
+        ("sqlite-file", format!("sqlite://{}/meta.db", dir.display())),
+        ("sqlite-memory", "sqlite::memory:".into()),
+    ];
     let pg = PgServer::start();
     if let Some(pg) = &pg {
         v.push(("postgres", pg.create_database("suite")));
@@ -111,7 +116,11 @@ async fn execution_log(db: &MetadataDb) {
     assert_eq!(s.max_peak_memory_bytes, 30 << 20);
     assert_eq!(s.failed_actions, 1);
     let acts = log.actions("inv1").await.unwrap();
-    assert_eq!(acts, [rec("a", "inv1", 1.5, 10 << 20, 0), rec("bb", "inv1", 2.5, 30 << 20, 1)], "every field round-trips, in order");
+    assert_eq!(
+        acts,
+        [rec("a", "inv1", 1.5, 10 << 20, 0), rec("bb", "inv1", 2.5, 30 << 20, 1)],
+        "every field round-trips, in order"
+    );
     assert_eq!(log.invocation("none").await.unwrap().actions, 0);
 }
 
@@ -153,7 +162,8 @@ async fn build_store(db: &MetadataDb) {
     assert_eq!(ids(s.list(&q).await.unwrap()), ["b"]);
     let q = BuildQuery { finished_since_unix_ms: Some(45), ..Default::default() };
     assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
-    let q = BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
+    let q =
+        BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
     assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
 }
 
@@ -168,7 +178,12 @@ async fn queue_store(db: &MetadataDb) {
     assert_eq!(ev[0].dedup_key.as_deref(), Some("enqueue:c1"));
     assert_eq!(ev[1].dedup_key, None);
 
-    let doc = |id: &str, seq, state: &str| QueueDocRow { id: id.into(), seq, state: state.into(), document: format!("{{\"{id}\":0}}") };
+    let doc = |id: &str, seq, state: &str| QueueDocRow {
+        id: id.into(),
+        seq,
+        state: state.into(),
+        document: format!("{{\"{id}\":0}}"),
+    };
     s.put_change(&doc("c2", 2, "PENDING")).await.unwrap();
     s.put_change(&doc("c1", 1, "PENDING")).await.unwrap();
     s.put_change(&doc("c1", 1, "LANDED")).await.unwrap();
@@ -265,7 +280,11 @@ async fn concurrent_journal_appends_lose_and_duplicate_nothing() {
         let expected = 2 * PER_STORE / 2 + PER_STORE / 2; // each store's odd events, the shared ones once
         assert_eq!(appended, expected, "{name}: appends reported as new");
         assert_eq!(events.len(), expected, "{name}: events in the journal");
-        assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..=expected as i64).collect::<Vec<_>>(), "{name}");
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (1..=expected as i64).collect::<Vec<_>>(),
+            "{name}"
+        );
         let bodies: BTreeSet<&str> = events.iter().map(|e| e.event.as_str()).collect();
         assert_eq!(bodies.len(), expected, "{name}: no event twice");
         for i in 0..PER_STORE {
@@ -273,7 +292,10 @@ async fn concurrent_journal_appends_lose_and_duplicate_nothing() {
                 assert!(bodies.contains(format!("shared {i}").as_str()), "{name}: shared {i} lost");
             } else {
                 for s in 0..2 {
-                    assert!(bodies.contains(format!("store {s} event {i}").as_str()), "{name}: store {s} event {i} lost");
+                    assert!(
+                        bodies.contains(format!("store {s} event {i}").as_str()),
+                        "{name}: store {s} event {i} lost"
+                    );
                 }
             }
         }
@@ -483,13 +505,31 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         assert_eq!(ac.get("", &old_action).await.unwrap(), None, "{name}");
         assert_eq!(ac.get("", &new_action).await.unwrap(), Some(result(2)), "{name}");
         // The count bound kept the newest 4 of the 5 fresh records.
-        let ops: BTreeSet<String> =
-            sqlx::query("SELECT operation FROM action_executions").fetch_all(db.pool()).await.unwrap().iter().map(|r| r.get(0)).collect();
+        let ops: BTreeSet<String> = sqlx::query("SELECT operation FROM action_executions")
+            .fetch_all(db.pool())
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
         assert_eq!(ops, ["new0", "new1", "new2", "new3"].into_iter().map(String::from).collect(), "{name}");
-        let left: BTreeSet<String> =
-            sqlx::query("SELECT build_id FROM batch_builds").fetch_all(db.pool()).await.unwrap().iter().map(|r| r.get(0)).collect();
-        assert_eq!(left, ["b4", "b5", "running"].into_iter().map(String::from).collect(), "{name}: the newest finished and the running one");
-        assert_eq!(r.sweep(now_ms).await.unwrap().deleted, [("action_cache", 0), ("execution_log", 0), ("builds", 0)], "{name}: idempotent");
+        let left: BTreeSet<String> = sqlx::query("SELECT build_id FROM batch_builds")
+            .fetch_all(db.pool())
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(
+            left,
+            ["b4", "b5", "running"].into_iter().map(String::from).collect(),
+            "{name}: the newest finished and the running one"
+        );
+        assert_eq!(
+            r.sweep(now_ms).await.unwrap().deleted,
+            [("action_cache", 0), ("execution_log", 0), ("builds", 0)],
+            "{name}: idempotent"
+        );
         let rows = r.table_rows().await.unwrap();
         assert!(rows.contains(&("action_executions", 4)) && rows.contains(&("batch_builds", 3)), "{name}: {rows:?}");
         assert!(db.size_bytes().await.unwrap() > 0, "{name}");

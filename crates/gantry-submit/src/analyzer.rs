@@ -67,16 +67,24 @@ pub fn parse_query_xml(xml: &str, files: &HashMap<String, String>) -> Result<Tar
             hasher.update(b"\n");
             let node = TargetNode::default();
             if line.ends_with("/>") {
-                graph.targets.insert(name.to_string(), TargetNode { attrs_digest: hasher.finish().to_string(), ..node });
+                graph
+                    .targets
+                    .insert(name.to_string(), TargetNode { attrs_digest: hasher.finish().to_string(), ..node });
             } else {
                 current = Some((name.to_string(), node, hasher));
             }
         } else if line.starts_with("<source-file ") {
             let digest = label_path(name).and_then(|p| files.get(&p).cloned()).unwrap_or_else(|| "not-a-file".into());
-            graph.targets.insert(name.to_string(), TargetNode { attrs_digest: SOURCE_FILE.into(), srcs: vec![digest], deps: vec![] });
+            graph.targets.insert(
+                name.to_string(),
+                TargetNode { attrs_digest: SOURCE_FILE.into(), srcs: vec![digest], deps: vec![] },
+            );
         } else if line.starts_with("<generated-file ") {
             let rule = attr(line, "generating-rule").unwrap_or_default().to_string();
-            graph.targets.insert(name.to_string(), TargetNode { attrs_digest: "generated-file".into(), srcs: vec![], deps: vec![rule] });
+            graph.targets.insert(
+                name.to_string(),
+                TargetNode { attrs_digest: "generated-file".into(), srcs: vec![], deps: vec![rule] },
+            );
         } else if line.starts_with("<package-group ") || line.starts_with("<environment-group ") {
             // package groups, environment groups: whatever they say is their identity.
             let text = line.split(" location=\"").next().unwrap_or(line);
@@ -95,7 +103,8 @@ pub fn parse_query_xml(xml: &str, files: &HashMap<String, String>) -> Result<Tar
 pub fn touches_build_definitions(paths: &[String]) -> bool {
     paths.iter().any(|p| {
         let file = p.rsplit('/').next().unwrap_or(p);
-        p.ends_with(".bzl") || matches!(file, "WORKSPACE" | "WORKSPACE.bazel" | "MODULE.bazel" | ".bazelrc" | ".bazelversion")
+        p.ends_with(".bzl")
+            || matches!(file, "WORKSPACE" | "WORKSPACE.bazel" | "MODULE.bazel" | ".bazelrc" | ".bazelversion")
     })
 }
 

@@ -27,7 +27,9 @@ impl QueueEndpoint {
     }
 
     fn get(&self) -> Result<&Arc<QueueService>, Status> {
-        self.queue.get().ok_or_else(|| Status::unavailable("the submit queue is not enabled on this server ([queue] repository is unset)"))
+        self.queue.get().ok_or_else(|| {
+            Status::unavailable("the submit queue is not enabled on this server ([queue] repository is unset)")
+        })
     }
 }
 

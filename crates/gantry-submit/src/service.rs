@@ -113,7 +113,11 @@ pub struct ChangeDoc {
 
 impl ChangeDoc {
     fn patch(&self) -> Patch {
-        Patch { merge_base: self.merge_base.clone(), head: self.commit.clone(), name: format!("{} ({})", self.id, self.change_ref) }
+        Patch {
+            merge_base: self.merge_base.clone(),
+            head: self.commit.clone(),
+            name: format!("{} ({})", self.id, self.change_ref),
+        }
     }
 }
 
@@ -275,7 +279,11 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Sen
 impl QueueService {
     /// Opens the queue: loads its state, replays the journal, restarts interrupted
     /// builds and starts the analyzer, lander and event loop. Its metrics go to `registry`.
-    pub async fn start(settings: QueueSettings, store: Arc<dyn QueueStore>, registry: &prometheus::Registry) -> Result<Arc<QueueService>> {
+    pub async fn start(
+        settings: QueueSettings,
+        store: Arc<dyn QueueStore>,
+        registry: &prometheus::Registry,
+    ) -> Result<Arc<QueueService>> {
         let repo = Repo::new(&settings.repository, &settings.mainline);
         let head = repo.head().map_err(|e| {
             SubmitError::FailedPrecondition(format!(
@@ -286,8 +294,9 @@ impl QueueService {
         })?;
         let mut runners = Vec::new();
         for i in 0..=settings.capacity {
-            let r = Runner::new(i, &settings.work_dir, Arc::new(settings.runner.clone()))
-                .map_err(|e| SubmitError::Unavailable(format!("queue.work_dir {}: {e}", settings.work_dir.display())))?;
+            let r = Runner::new(i, &settings.work_dir, Arc::new(settings.runner.clone())).map_err(|e| {
+                SubmitError::Unavailable(format!("queue.work_dir {}: {e}", settings.work_dir.display()))
+            })?;
             runners.push(r);
         }
         let aux = runners.pop().expect("capacity + 1 runners");
@@ -306,7 +315,12 @@ impl QueueService {
         let planner_config = match landings.get(&0) {
             Some(r) => serde_json::from_str::<LandingDoc>(&r.document)?.planner_config.unwrap_or(wanted.clone()),
             None => {
-                let doc = LandingDoc { how: "initial".into(), landed_ms: unix_ms(), planner_config: Some(wanted.clone()), ..Default::default() };
+                let doc = LandingDoc {
+                    how: "initial".into(),
+                    landed_ms: unix_ms(),
+                    planner_config: Some(wanted.clone()),
+                    ..Default::default()
+                };
                 let row = LandingRow {
                     version: 0,
                     change_id: String::new(),
@@ -324,7 +338,9 @@ impl QueueService {
             || planner_config.prior_success != wanted.prior_success
             || planner_config.prior_conflict != wanted.prior_conflict
         {
-            tracing::warn!("queue.max_retries and the priors are those the queue was created with; changed values are ignored");
+            tracing::warn!(
+                "queue.max_retries and the priors are those the queue was created with; changed values are ignored"
+            );
         }
         let versions = versions_of(&landings);
         let changes = store
@@ -421,7 +437,9 @@ impl QueueService {
             inner.last_ms = inner.last_ms.max(row.at_ms as u64);
             match inner.planner.handle(Millis(row.at_ms as u64), event) {
                 Ok(actions) => self.execute(&mut inner, actions, true).await,
-                Err(e) => tracing::warn!(seq = row.seq, error = %e, "journal event refused on replay, as it was when applied"),
+                Err(e) => {
+                    tracing::warn!(seq = row.seq, error = %e, "journal event refused on replay, as it was when applied")
+                }
             }
         }
         // Before any build restarts: a landing failure it missed may cancel some.
@@ -450,7 +468,11 @@ impl QueueService {
             self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.name(), &doc)?).await?;
         }
         if !events.is_empty() {
-            tracing::info!(events = events.len(), pending = inner.planner.pending().len(), "submit queue resumed from its journal");
+            tracing::info!(
+                events = events.len(),
+                pending = inner.planner.pending().len(),
+                "submit queue resumed from its journal"
+            );
         }
         self.wake_analyzer.notify_one();
         Ok(())
@@ -549,7 +571,13 @@ impl QueueService {
     fn infra_retry(&self, what: &str, retry: u32, why: &str) -> Duration {
         let wait = infra_backoff(retry);
         self.metrics.infra_retries.inc();
-        tracing::warn!(what, retry = retry + 1, wait_s = wait.as_secs(), reason = why, "infrastructure error: trying again, not judging the change on it");
+        tracing::warn!(
+            what,
+            retry = retry + 1,
+            wait_s = wait.as_secs(),
+            reason = why,
+            "infrastructure error: trying again, not judging the change on it"
+        );
         wait
     }
 
@@ -613,7 +641,11 @@ impl QueueService {
             return vec!["//...".into()];
         }
         let set: BTreeSet<String> = docs.iter().flat_map(|d| d.test_targets.iter().cloned()).collect();
-        if set.is_empty() { vec!["//...".into()] } else { set.into_iter().collect() }
+        if set.is_empty() {
+            vec!["//...".into()]
+        } else {
+            set.into_iter().collect()
+        }
     }
 
     /// One try of a build: the tree made with git, then the build steps in it.
@@ -628,7 +660,8 @@ impl QueueService {
             v[spec.base_version as usize].clone()
         };
         let id = spec.id.0;
-        let done = move |outcome, commit, targets, message| Attempt::Done(Finished { id, outcome, commit, targets, message });
+        let done =
+            move |outcome, commit, targets, message| Attempt::Done(Finished { id, outcome, commit, targets, message });
         let docs = match self.patches(spec).await {
             Ok(d) => d,
             Err(message) => return done(BuildOutcome::Failed, String::new(), vec![], message),
@@ -643,9 +676,9 @@ impl QueueService {
                 for d in &docs {
                     // A patch that does not apply is the change's doing: a failure,
                     // and a conclusive one (the same tree never applies on a retry).
-                    commit = repo.apply(&d.patch(), &commit).map_err(|message| {
-                        done(BuildOutcome::FailedConclusively, String::new(), t.clone(), message)
-                    })?;
+                    commit = repo
+                        .apply(&d.patch(), &commit)
+                        .map_err(|message| done(BuildOutcome::FailedConclusively, String::new(), t.clone(), message))?;
                 }
                 let tree = gantry_builds::workspace::checkout(&repo.path, &commit, lease.runner().dir())
                     .map_err(|e| Attempt::Infra(format!("checking out {}: {e}", short(&commit))))?;
@@ -708,7 +741,8 @@ impl QueueService {
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, &doc.state, doc)?).await?;
         let build = gantry_queue::BuildId(f.id);
-        self.apply(&mut inner, Event::BuildFinished { build, outcome: f.outcome }, Some(format!("finished:{}", f.id))).await
+        self.apply(&mut inner, Event::BuildFinished { build, outcome: f.outcome }, Some(format!("finished:{}", f.id)))
+            .await
     }
 
     // ---- landing ------------------------------------------------------------------
@@ -742,7 +776,14 @@ impl QueueService {
                     let (o, n) = (old.clone(), new.clone());
                     blocking(move || repo.move_mainline(&o, &n)).await.map_err(SubmitError::Git)?;
                 } else if head != new {
-                    return self.finish_landing(intent, "FAILED", format!("the mainline moved outside the queue (to {})", short(&head)), &doc).await;
+                    return self
+                        .finish_landing(
+                            intent,
+                            "FAILED",
+                            format!("the mainline moved outside the queue (to {})", short(&head)),
+                            &doc,
+                        )
+                        .await;
                 }
                 intent
             }
@@ -750,7 +791,8 @@ impl QueueService {
                 let old = self.versions.borrow().get(version as usize - 1).cloned().ok_or_else(|| {
                     SubmitError::FailedPrecondition(format!("landing version {version} before version {}", version - 1))
                 })?;
-                let mut landing_doc = LandingDoc { build_id: proof.build.id.0, landed_ms: unix_ms(), ..Default::default() };
+                let mut landing_doc =
+                    LandingDoc { build_id: proof.build.id.0, landed_ms: unix_ms(), ..Default::default() };
                 let mut row = LandingRow {
                     version: version as i64,
                     change_id: change.0.clone(),
@@ -776,7 +818,9 @@ impl QueueService {
                 self.store.put_landing(&row).await?;
                 let (o, n) = (old.clone(), row.new_commit.clone());
                 if let Err(e) = blocking(move || repo.move_mainline(&o, &n)).await {
-                    return self.finish_landing(row, "FAILED", format!("moving {}: {e}", self.settings.mainline), &doc).await;
+                    return self
+                        .finish_landing(row, "FAILED", format!("moving {}: {e}", self.settings.mainline), &doc)
+                        .await;
                 }
                 row
             }
@@ -848,7 +892,13 @@ impl QueueService {
         }
     }
 
-    async fn finish_landing(self: &Arc<Self>, mut row: LandingRow, state: &str, why: String, doc: &ChangeDoc) -> Result<()> {
+    async fn finish_landing(
+        self: &Arc<Self>,
+        mut row: LandingRow,
+        state: &str,
+        why: String,
+        doc: &ChangeDoc,
+    ) -> Result<()> {
         row.state = state.into();
         if state == "FAILED" {
             row.new_commit = row.old_commit.clone();
@@ -1125,7 +1175,11 @@ impl QueueService {
 
     pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<pb::Change> {
         let mut inner = self.inner.lock().await;
-        let doc = inner.changes.get(id).cloned().ok_or_else(|| SubmitError::NotFound(format!("change_id {id}: no such change")))?;
+        let doc = inner
+            .changes
+            .get(id)
+            .cloned()
+            .ok_or_else(|| SubmitError::NotFound(format!("change_id {id}: no such change")))?;
         match doc.state {
             ChangeState::Submitted => {}
             ChangeState::Pending => {
@@ -1153,7 +1207,8 @@ impl QueueService {
     /// One change as the API shows it.
     pub async fn change(&self, id: &str) -> Result<pb::Change> {
         let inner = self.inner.lock().await;
-        let doc = inner.changes.get(id).ok_or_else(|| SubmitError::NotFound(format!("change_id {id}: no such change")))?;
+        let doc =
+            inner.changes.get(id).ok_or_else(|| SubmitError::NotFound(format!("change_id {id}: no such change")))?;
         let snapshot = if doc.state == ChangeState::Pending { inner.planner.snapshot() } else { vec![] };
         Ok(self.change_proto(&inner, doc, &snapshot))
     }
@@ -1194,7 +1249,11 @@ impl QueueService {
             .map(|d| self.change_proto(&inner, d, &snapshot))
             .collect();
         changes.extend(
-            inner.changes.values().filter(|d| d.state == ChangeState::Submitted).map(|d| self.change_proto(&inner, d, &snapshot)),
+            inner
+                .changes
+                .values()
+                .filter(|d| d.state == ChangeState::Submitted)
+                .map(|d| self.change_proto(&inner, d, &snapshot)),
         );
         Ok(pb::QueueStatus {
             mainline: self.settings.mainline.clone(),
@@ -1206,7 +1265,8 @@ impl QueueService {
 
     pub async fn history(&self, limit: usize) -> Result<pb::HistoryResponse> {
         let inner = self.inner.lock().await;
-        let mut changes: Vec<pb::Change> = inner.changes.values().rev().map(|d| self.change_proto(&inner, d, &[])).collect();
+        let mut changes: Vec<pb::Change> =
+            inner.changes.values().rev().map(|d| self.change_proto(&inner, d, &[])).collect();
         if limit > 0 {
             changes.truncate(limit);
         }
@@ -1231,7 +1291,10 @@ impl QueueService {
     }
 
     /// The change now and after each update, until it is decided.
-    pub async fn watch(self: &Arc<Self>, id: &str) -> Result<GuardedStream<tokio_stream::wrappers::ReceiverStream<Result<pb::Change, tonic::Status>>>> {
+    pub async fn watch(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<GuardedStream<tokio_stream::wrappers::ReceiverStream<Result<pb::Change, tonic::Status>>>> {
         self.change(id).await?;
         let (tx, rx) = mpsc::channel(16);
         let (this, id) = (self.clone(), id.to_string());
@@ -1243,7 +1306,9 @@ impl QueueService {
                 if this.stopping() {
                     // An open watch would otherwise hold the server's drain until the
                     // change is decided, which may be after the restart.
-                    let _ = tx.send(Err(tonic::Status::unavailable("gantry is shutting down: watch again once it is back"))).await;
+                    let _ = tx
+                        .send(Err(tonic::Status::unavailable("gantry is shutting down: watch again once it is back")))
+                        .await;
                     return;
                 }
                 let c = match this.change(&id).await {

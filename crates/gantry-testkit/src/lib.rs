@@ -69,7 +69,10 @@ impl PgServer {
     /// Starts a server, or returns `None` (see [`unavailable`]).
     pub fn start() -> Option<PgServer> {
         let Some(bin) = pg_bin_dir() else {
-            return unavailable("PostgreSQL", "initdb not found on PATH or under /usr/lib/postgresql (apt-get install postgresql)");
+            return unavailable(
+                "PostgreSQL",
+                "initdb not found on PATH or under /usr/lib/postgresql (apt-get install postgresql)",
+            );
         };
         let mut last = String::new();
         // A free port is picked by binding port 0 and releasing it; another process could
@@ -166,7 +169,18 @@ impl PgServer {
     /// Creates a fresh, empty database and returns its URL.
     pub fn create_database(&self, name: &str) -> String {
         let out = Command::new(self.bin.join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", PG_USER, "-d", "postgres", "-v", "ON_ERROR_STOP=1"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                PG_USER,
+                "-d",
+                "postgres",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ])
             .args(["-c", &format!("CREATE DATABASE \"{name}\"")])
             .env("PGPASSWORD", PG_PASSWORD)
             .output()
@@ -178,7 +192,19 @@ impl PgServer {
     /// Runs SQL in database `db` with psql, returning its unaligned output.
     pub fn psql(&self, db: &str, sql: &str) -> String {
         let out = Command::new(self.bin.join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", PG_USER, "-d", db, "-v", "ON_ERROR_STOP=1", "-At"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                PG_USER,
+                "-d",
+                db,
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-At",
+            ])
             .args(["-c", sql])
             .env("PGPASSWORD", PG_PASSWORD)
             .output()
@@ -304,7 +330,9 @@ impl S3Server {
                 c.args(["-m", "moto.server"]);
                 Ok(c)
             }
-            _ => Err("moto_server not on PATH and python3 cannot import moto.server (pip install 'moto[server]')".into()),
+            _ => {
+                Err("moto_server not on PATH and python3 cannot import moto.server (pip install 'moto[server]')".into())
+            }
         }
     }
 
@@ -336,16 +364,22 @@ impl S3Server {
         let start = Instant::now();
         loop {
             // Ready when it answers S3's ListBuckets.
-            if let Ok((status, _)) = server.request("GET", "/") {
-                if status == 200 {
-                    return Ok(server);
-                }
+            if let Ok((status, _)) = server.request("GET", "/")
+                && status == 200
+            {
+                return Ok(server);
             }
             if let Ok(Some(status)) = server.child.try_wait() {
-                return Err(format!("moto_server exited with {status}: {}", std::fs::read_to_string(&log_path).unwrap_or_default()));
+                return Err(format!(
+                    "moto_server exited with {status}: {}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                ));
             }
             if start.elapsed() > Duration::from_secs(60) {
-                return Err(format!("moto_server not ready after 60 s: {}", std::fs::read_to_string(&log_path).unwrap_or_default()));
+                return Err(format!(
+                    "moto_server not ready after 60 s: {}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                ));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -365,7 +399,11 @@ impl S3Server {
         use std::io::Write;
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.port)?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.port
+        )?;
         let mut resp = String::new();
         s.read_to_string(&mut resp)?;
         let status = resp

@@ -53,10 +53,10 @@ pub fn remove_tree(dir: &std::path::Path) {
         }
     }
     open_dirs(dir);
-    if let Err(e) = std::fs::remove_dir_all(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(dir = %dir.display(), error = %e, "could not remove an action directory");
-        }
+    if let Err(e) = std::fs::remove_dir_all(dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(dir = %dir.display(), error = %e, "could not remove an action directory");
     }
 }
 
@@ -70,7 +70,11 @@ fn safe_relative(p: &str, what: &str) -> Result<()> {
 impl Executor {
     /// Runs the assignment; never fails, because every failure is reported to the client
     /// as an ExecutionFinished with a status.
-    pub async fn execute(&self, a: wpb::Assignment, cancel: impl std::future::Future<Output = ()>) -> wpb::ExecutionFinished {
+    pub async fn execute(
+        &self,
+        a: wpb::Assignment,
+        cancel: impl std::future::Future<Output = ()>,
+    ) -> wpb::ExecutionFinished {
         let job_id = a.job_id.clone();
         let dir = self.work_root.join(job_id.replace('/', "_"));
         let res = self.execute_in(&a, &dir, cancel).await;
@@ -86,7 +90,9 @@ impl Executor {
                 metering: None,
                 message: format!("worker {}: {e}", self.worker_id),
                 missing_blobs: match &e {
-                    Error::MissingBlobs { digests, .. } => digests.iter().map(gantry_core::resource::missing_subject).collect(),
+                    Error::MissingBlobs { digests, .. } => {
+                        digests.iter().map(gantry_core::resource::missing_subject).collect()
+                    }
                     _ => vec![],
                 },
             },
@@ -99,17 +105,26 @@ impl Executor {
         dir: &std::path::Path,
         cancel: impl std::future::Future<Output = ()>,
     ) -> Result<wpb::ExecutionFinished> {
-        let mut md = ExecutedActionMetadata { worker: self.worker_id.clone(), worker_start_timestamp: Some(ts()), ..Default::default() };
+        let mut md = ExecutedActionMetadata {
+            worker: self.worker_id.clone(),
+            worker_start_timestamp: Some(ts()),
+            ..Default::default()
+        };
         let f = DigestFunction::from_proto(a.digest_function)?;
         let action = reapi::Action::decode(a.action.as_slice()).map_err(|e| Error::invalid(format!("action: {e}")))?;
-        let command = reapi::Command::decode(a.command.as_slice()).map_err(|e| Error::invalid(format!("command: {e}")))?;
+        let command =
+            reapi::Command::decode(a.command.as_slice()).map_err(|e| Error::invalid(format!("command: {e}")))?;
         let input_root = Digest::from_proto(f, action.input_root_digest.as_ref(), "action.input_root_digest")?;
         if command.arguments.is_empty() {
             return Err(Error::invalid("command.arguments: empty"));
         }
         safe_relative(&command.working_directory, "working_directory")?;
         #[allow(deprecated)]
-        let declared = Declared { files: &command.output_files, directories: &command.output_directories, paths: &command.output_paths };
+        let declared = Declared {
+            files: &command.output_files,
+            directories: &command.output_directories,
+            paths: &command.output_paths,
+        };
         for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
             safe_relative(p, "output path")?;
         }
@@ -135,7 +150,16 @@ impl Executor {
         let timeout = Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms });
         md.execution_start_timestamp = Some(ts());
         let outcome = process::run(
-            process::Spec { limits: self.limits, meter: self.meter.as_deref(), args: &command.arguments, env: &env, cwd: &cwd, stdout: &stdout, stderr: &stderr, timeout },
+            process::Spec {
+                limits: self.limits,
+                meter: self.meter.as_deref(),
+                args: &command.arguments,
+                env: &env,
+                cwd: &cwd,
+                stdout: &stdout,
+                stderr: &stderr,
+                timeout,
+            },
             cancel,
         )
         .await?;

@@ -84,7 +84,10 @@ impl Materializer {
             }
             for sub in &dir.directories {
                 check_name(&sub.name, "directory")?;
-                queue.push_back((Digest::from_proto(f, sub.digest.as_ref(), &format!("directory {}", sub.name))?, path.join(&sub.name)));
+                queue.push_back((
+                    Digest::from_proto(f, sub.digest.as_ref(), &format!("directory {}", sub.name))?,
+                    path.join(&sub.name),
+                ));
             }
             for link in &dir.symlinks {
                 check_name(&link.name, "symlink")?;
@@ -103,7 +106,8 @@ impl Materializer {
                 place(&src, &e.path, e.executable)?;
             }
             for (path, target) in &symlinks {
-                std::os::unix::fs::symlink(target, path).context(format_args!("creating symlink {}", path.display()))?;
+                std::os::unix::fs::symlink(target, path)
+                    .context(format_args!("creating symlink {}", path.display()))?;
             }
             Ok(())
         })
@@ -128,7 +132,11 @@ impl Materializer {
         futures::stream::iter(missing)
             .map(|d| async move {
                 let mut src = self.cas.read(&d, 0, None).await.map_err(|e| {
-                    if e.is_not_found() { Error::MissingBlobs { what: "input file".into(), digests: vec![d] } } else { e }
+                    if e.is_not_found() {
+                        Error::MissingBlobs { what: "input file".into(), digests: vec![d] }
+                    } else {
+                        e
+                    }
                 })?;
                 let mut w = self.cache.begin_write(&d).await?;
                 while let Some(chunk) = src.next().await {
@@ -160,7 +168,8 @@ fn place(src: &Path, dest: &Path, executable: bool) -> Result<()> {
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) || e.raw_os_error() == Some(libc::EMLINK) => {
             // Different filesystem, or link limits: a copy, into a new file only, so an
             // existing path (a hard link into the cache) is never truncated.
-            let mut from = std::fs::File::open(src).context(format_args!("opening cached input for {}", dest.display()))?;
+            let mut from =
+                std::fs::File::open(src).context(format_args!("opening cached input for {}", dest.display()))?;
             let mut to = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)

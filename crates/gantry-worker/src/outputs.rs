@@ -130,7 +130,11 @@ impl Uploader {
                 let meta = std::fs::symlink_metadata(&path).context(format_args!("stat {}", path.display()))?;
                 if meta.file_type().is_symlink() {
                     let target = std::fs::read_link(&path).context(format_args!("readlink {}", path.display()))?;
-                    out.symlinks.push(SymlinkNode { name, target: target.to_string_lossy().into_owned(), ..Default::default() });
+                    out.symlinks.push(SymlinkNode {
+                        name,
+                        target: target.to_string_lossy().into_owned(),
+                        ..Default::default()
+                    });
                 } else if meta.is_dir() {
                     let sub = self.directory(&path, children).await?;
                     let bytes = sub.encode_to_vec();
@@ -167,7 +171,8 @@ impl Uploader {
                 Err(e) => return Err(Error::io(format!("stat output {rel}"), e)),
             };
             if meta.file_type().is_symlink() {
-                let target = std::fs::read_link(&path).context(format_args!("readlink {rel}"))?.to_string_lossy().into_owned();
+                let target =
+                    std::fs::read_link(&path).context(format_args!("readlink {rel}"))?.to_string_lossy().into_owned();
                 let link = OutputSymlink { path: rel.clone(), target, ..Default::default() };
                 let points_to_dir = std::fs::metadata(&path).map(|m| m.is_dir()).unwrap_or(false);
                 #[allow(deprecated)]

@@ -109,7 +109,8 @@ fn group_peak(pgid: i32) -> u64 {
         if parse_pgrp(&stat) != Some(pgid) {
             continue;
         }
-        if let Some(hwm) = std::fs::read_to_string(format!("/proc/{pid}/status")).ok().as_deref().and_then(parse_vm_hwm) {
+        if let Some(hwm) = std::fs::read_to_string(format!("/proc/{pid}/status")).ok().as_deref().and_then(parse_vm_hwm)
+        {
             peak = peak.max(hwm);
         }
     }
@@ -272,7 +273,16 @@ mod tests {
     use super::*;
 
     fn spec<'a>(dir: &'a Path, args: &'a [String], timeout: Duration) -> Spec<'a> {
-        Spec { limits: Limits::default(), meter: None, args, env: &[], cwd: dir, stdout: Box::leak(dir.join("out").into_boxed_path()), stderr: Box::leak(dir.join("err").into_boxed_path()), timeout }
+        Spec {
+            limits: Limits::default(),
+            meter: None,
+            args,
+            env: &[],
+            cwd: dir,
+            stdout: Box::leak(dir.join("out").into_boxed_path()),
+            stderr: Box::leak(dir.join("err").into_boxed_path()),
+            timeout,
+        }
     }
 
     fn sh(script: &str) -> Vec<String> {
@@ -333,7 +343,9 @@ mod tests {
     async fn cancel_kills_and_reports_cancelled() {
         let d = tempfile::tempdir().unwrap();
         let args = sh("sleep 30");
-        let out = run(spec(d.path(), &args, Duration::from_secs(60)), tokio::time::sleep(Duration::from_millis(200))).await.unwrap();
+        let out = run(spec(d.path(), &args, Duration::from_secs(60)), tokio::time::sleep(Duration::from_millis(200)))
+            .await
+            .unwrap();
         assert_eq!(out.ending, Ending::Cancelled);
         assert!(out.wall_seconds < 5.0);
     }

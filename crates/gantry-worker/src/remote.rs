@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::{Error, Result};
 use gantry_proto::worker::v1 as wpb;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use gantry_core::client::GrpcChannel as Channel;
 
 use crate::{run_worker, Executor};
 
@@ -34,7 +34,10 @@ pub async fn session(channel: Channel, register: wpb::Register, executor: Arc<Ex
         let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
         loop {
             tick.tick().await;
-            if hb.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Heartbeat(wpb::Heartbeat {})) }).is_err() {
+            if hb
+                .send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Heartbeat(wpb::Heartbeat {})) })
+                .is_err()
+            {
                 return;
             }
         }

@@ -36,7 +36,8 @@ pub async fn run_worker(
                     };
                     let finished = exec.execute(a, cancel).await;
                     cancels.lock().expect("poisoned").remove(&job);
-                    let _ = reports.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Finished(finished)) });
+                    let _ =
+                        reports.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Finished(finished)) });
                 });
             }
             Some(wpb::scheduler_message::Kind::Cancel(c)) => {

@@ -117,7 +117,8 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<()> {
 
 fn plan(args: PlanArgs) -> anyhow::Result<()> {
     let models = Models::load(&args.model)?;
-    let ctx_text = std::fs::read_to_string(&args.context).with_context(|| format!("reading {}", args.context.display()))?;
+    let ctx_text =
+        std::fs::read_to_string(&args.context).with_context(|| format!("reading {}", args.context.display()))?;
     let ctx = parse_context(&ctx_text).with_context(|| format!("context file {}", args.context.display()))?;
     let batch_cfg = match &args.config {
         Some(p) => gantry_config::Config::load(p)?.batch,

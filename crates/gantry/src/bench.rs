@@ -7,13 +7,13 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use bytesize::ByteSize;
 use futures::{StreamExt, TryStreamExt};
+use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::google::bytestream::byte_stream_client::ByteStreamClient;
 use gantry_core::google::bytestream::{ReadRequest, WriteRequest};
 use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
 use gantry_core::reapi::{self, batch_update_blobs_request};
 use gantry_core::{Digest, DigestFunction};
 use serde::Serialize;
-use gantry_core::client::GrpcChannel as Channel;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -237,7 +237,12 @@ struct CasReport {
 }
 
 /// FindMissingBlobs over `digests` in requests of 10,000: (digests/s, missing count).
-async fn find_missing_rate(channel: &Channel, inst: &str, digests: &[reapi::Digest], concurrency: usize) -> anyhow::Result<(f64, usize)> {
+async fn find_missing_rate(
+    channel: &Channel,
+    inst: &str,
+    digests: &[reapi::Digest],
+    concurrency: usize,
+) -> anyhow::Result<(f64, usize)> {
     let start = Instant::now();
     let missing: usize = futures::stream::iter(digests.chunks(10_000))
         .map(|chunk| {
@@ -311,18 +316,13 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
             let dir = tempfile::tempdir().context("creating a temporary data dir")?;
             let mut config = gantry_config::Config::default();
             config.server.data_dir = dir.path().to_owned();
-            config.cas = gantry_config::CasConfig::Fs(gantry_config::FsStoreConfig {
-                path: None,
-                max_size: ByteSize::gib(8),
-            });
+            config.cas =
+                gantry_config::CasConfig::Fs(gantry_config::FsStoreConfig { path: None, max_size: ByteSize::gib(8) });
             let db = gantry_store::open_metadata(&config).await?;
             let services = crate::serve::build_services(&config, &db).await?;
-            let server = gantry_services::RunningServer::start(
-                &services,
-                "127.0.0.1:0".parse()?,
-                "127.0.0.1:0".parse()?,
-            )
-            .await?;
+            let server =
+                gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?)
+                    .await?;
             let t = format!("grpc://{}", server.grpc_addr);
             _local = Some((server, services, dir));
             t
@@ -386,7 +386,8 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
             let mut bs = ByteStreamClient::new(channel.clone()).max_decoding_message_size(64 << 20);
             let name = gantry_core::resource::read_name(&inst, &d);
             async move {
-                let mut s = bs.read(ReadRequest { resource_name: name, read_offset: 0, read_limit: 0 }).await?.into_inner();
+                let mut s =
+                    bs.read(ReadRequest { resource_name: name, read_offset: 0, read_limit: 0 }).await?.into_inner();
                 let mut n = 0u64;
                 while let Some(m) = s.message().await? {
                     n += m.data.len() as u64;
@@ -422,7 +423,11 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
                 instance_name: inst.clone(),
                 requests: batch
                     .iter()
-                    .map(|(d, b)| batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: b.clone(), compressor: 0 })
+                    .map(|(d, b)| batch_update_blobs_request::Request {
+                        digest: Some(d.to_proto()),
+                        data: b.clone(),
+                        compressor: 0,
+                    })
                     .collect(),
                 ..Default::default()
             };
@@ -461,7 +466,8 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     if let Some(cold) = &args.cold_target {
         let cold_channel = gantry_core::client::connect(cold).await.context("--cold-target")?;
         progress(args.json, &format!("FindMissingBlobs over {} digests on {cold}, cold then warm...", digests.len()));
-        for slot in [&mut report.find_missing_cold_digests_per_s, &mut report.find_missing_cold_then_warm_digests_per_s] {
+        for slot in [&mut report.find_missing_cold_digests_per_s, &mut report.find_missing_cold_then_warm_digests_per_s]
+        {
             let (rate, missing) = find_missing_rate(&cold_channel, &inst, &digests, args.concurrency).await?;
             anyhow::ensure!(missing == absent, "{cold} reported {missing} digests missing, {absent} expected");
             *slot = Some(rate);
@@ -475,12 +481,27 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
         println!("|---|---|");
         println!("| SHA-256, one core (ceiling) | {:.0} MiB/s |", report.sha256_single_core_mib_s);
         println!("| BLAKE3, one core | {:.0} MiB/s |", report.blake3_single_core_mib_s);
-        println!("| ByteStream write, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |", args.stream_blob, report.bytestream_write_mib_s);
-        println!("| ByteStream read, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |", args.stream_blob, report.bytestream_read_mib_s);
-        println!("| BatchUpdateBlobs, {} x {} | {:.0} blobs/s |", args.small_count, args.small_size, report.batch_update_blobs_per_s);
-        println!("| FindMissingBlobs, {} digests (half present) | {:.0} digests/s |", 2 * args.small_count, report.find_missing_digests_per_s);
+        println!(
+            "| ByteStream write, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |",
+            args.stream_blob, report.bytestream_write_mib_s
+        );
+        println!(
+            "| ByteStream read, {total_mib:.0} MiB as {} blobs | {:.0} MiB/s |",
+            args.stream_blob, report.bytestream_read_mib_s
+        );
+        println!(
+            "| BatchUpdateBlobs, {} x {} | {:.0} blobs/s |",
+            args.small_count, args.small_size, report.batch_update_blobs_per_s
+        );
+        println!(
+            "| FindMissingBlobs, {} digests (half present) | {:.0} digests/s |",
+            2 * args.small_count,
+            report.find_missing_digests_per_s
+        );
         println!("| FindMissingBlobs, the same again | {:.0} digests/s |", report.find_missing_again_digests_per_s);
-        if let (Some(cold), Some(warm)) = (report.find_missing_cold_digests_per_s, report.find_missing_cold_then_warm_digests_per_s) {
+        if let (Some(cold), Some(warm)) =
+            (report.find_missing_cold_digests_per_s, report.find_missing_cold_then_warm_digests_per_s)
+        {
             println!("| FindMissingBlobs on --cold-target, cold | {cold:.0} digests/s |");
             println!("| FindMissingBlobs on --cold-target, again | {warm:.0} digests/s |");
         }
@@ -501,7 +522,10 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
     let mut sim = if args.small { SimConfig::small() } else { SimConfig::default() };
     sim.seed = args.seed;
     if args.compare {
-        let base = gantry_batch::sim::SimConfig { target_memory_scale: args.target_memory_scale, ..gantry_batch::sim::SimConfig::large_streams() };
+        let base = gantry_batch::sim::SimConfig {
+            target_memory_scale: args.target_memory_scale,
+            ..gantry_batch::sim::SimConfig::large_streams()
+        };
         anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
         let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, |r| {
             eprintln!(
@@ -525,7 +549,11 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
         let start = Instant::now();
         let run = simulate(&sim)?;
         print!("{}", run.report);
-        println!("simulation wall time {:.1}s, peak RSS {:.0} MiB", start.elapsed().as_secs_f64(), peak_rss_mib().unwrap_or(0.0));
+        println!(
+            "simulation wall time {:.1}s, peak RSS {:.0} MiB",
+            start.elapsed().as_secs_f64(),
+            peak_rss_mib().unwrap_or(0.0)
+        );
         return Ok(());
     }
     let cfg = BenchConfig {
@@ -547,7 +575,14 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
 }
 
 /// A server for a benchmark: `--target`, or one started in-process with local workers.
-async fn bench_server(target: &Option<String>, workers: Option<usize>, metadata_url: &Option<String>) -> anyhow::Result<(String, Option<(gantry_services::RunningServer, gantry_services::Services, Vec<gantry_core::TaskGuard>, tempfile::TempDir)>)> {
+async fn bench_server(
+    target: &Option<String>,
+    workers: Option<usize>,
+    metadata_url: &Option<String>,
+) -> anyhow::Result<(
+    String,
+    Option<(gantry_services::RunningServer, gantry_services::Services, Vec<gantry_core::TaskGuard>, tempfile::TempDir)>,
+)> {
     if let Some(t) = target {
         return Ok((t.clone(), None));
     }
@@ -559,7 +594,8 @@ async fn bench_server(target: &Option<String>, workers: Option<usize>, metadata_
     let db = gantry_store::open_metadata(&config).await?;
     let services = crate::serve::build_services(&config, &db).await?;
     let guards = crate::serve::start_local_workers(&config, &services).await?;
-    let server = gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;
+    let server =
+        gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;
     let t = format!("grpc://{}", server.grpc_addr);
     Ok((t, Some((server, services, guards, dir))))
 }
@@ -580,10 +616,18 @@ async fn put_blob(channel: &Channel, data: Vec<u8>) -> anyhow::Result<Digest> {
 }
 
 /// Runs Execute to completion and returns the final ExecuteResponse.
-async fn run_execute(channel: &Channel, action: Digest, skip_cache_lookup: bool) -> anyhow::Result<reapi::ExecuteResponse> {
+async fn run_execute(
+    channel: &Channel,
+    action: Digest,
+    skip_cache_lookup: bool,
+) -> anyhow::Result<reapi::ExecuteResponse> {
     use prost::Message;
     let mut s = reapi::execution_client::ExecutionClient::new(channel.clone())
-        .execute(reapi::ExecuteRequest { action_digest: Some(action.to_proto()), skip_cache_lookup, ..Default::default() })
+        .execute(reapi::ExecuteRequest {
+            action_digest: Some(action.to_proto()),
+            skip_cache_lookup,
+            ..Default::default()
+        })
         .await?
         .into_inner();
     while let Some(op) = s.message().await? {
@@ -619,7 +663,10 @@ async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
         runs.push((name, exec_once(&args, &target).await?));
     }
     let base = runs[0].1.throughput;
-    println!("| metadata | no-op actions/s ({} actions, {} in flight) | vs SQLite | cache-hit Execute p50 | p99 |", args.actions, args.concurrency);
+    println!(
+        "| metadata | no-op actions/s ({} actions, {} in flight) | vs SQLite | cache-hit Execute p50 | p99 |",
+        args.actions, args.concurrency
+    );
     println!("|---|---|---|---|---|");
     for (name, r) in &runs {
         println!(
@@ -642,12 +689,13 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
     let mut actions = Vec::with_capacity(args.actions);
     for i in 0..args.actions {
         #[allow(deprecated)]
-        let cmd = reapi::Command {
-            arguments: vec!["/bin/true".into(), format!("{run_id}-{i}")],
+        let cmd = reapi::Command { arguments: vec!["/bin/true".into(), format!("{run_id}-{i}")], ..Default::default() };
+        let cd = put_blob(&channel, cmd.encode_to_vec()).await?;
+        let a = reapi::Action {
+            command_digest: Some(cd.to_proto()),
+            input_root_digest: Some(empty_dir.to_proto()),
             ..Default::default()
         };
-        let cd = put_blob(&channel, cmd.encode_to_vec()).await?;
-        let a = reapi::Action { command_digest: Some(cd.to_proto()), input_root_digest: Some(empty_dir.to_proto()), ..Default::default() };
         actions.push(put_blob(&channel, a.encode_to_vec()).await?);
     }
     eprintln!("  executing them, {} in flight...", args.concurrency);
@@ -662,7 +710,10 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
         .await?;
     let throughput = args.actions as f64 / start.elapsed().as_secs_f64();
     anyhow::ensure!(
-        results.iter().all(|r| r.status.as_ref().is_none_or(|s| s.code == 0) && r.result.as_ref().is_some_and(|x| x.exit_code == 0)),
+        results
+            .iter()
+            .all(|r| r.status.as_ref().is_none_or(|s| s.code == 0)
+                && r.result.as_ref().is_some_and(|x| x.exit_code == 0)),
         "some no-op actions failed"
     );
     eprintln!("  {} sequential cache hits...", args.cache_hits);
@@ -700,7 +751,11 @@ fn cpu_set(cpus: &[usize], flag: &str) -> anyhow::Result<libc::cpu_set_t> {
     // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus {
-        anyhow::ensure!(c < online && c < libc::CPU_SETSIZE as usize, "{flag} {c}: this machine has CPUs 0..{}", online - 1);
+        anyhow::ensure!(
+            c < online && c < libc::CPU_SETSIZE as usize,
+            "{flag} {c}: this machine has CPUs 0..{}",
+            online - 1
+        );
         // SAFETY: c is below CPU_SETSIZE.
         unsafe { libc::CPU_SET(c, &mut set) };
     }
@@ -733,13 +788,19 @@ fn process_cpu(pid: u32) -> anyhow::Result<std::time::Duration> {
     // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
     let rest = stat.rsplit_once(')').context("/proc stat without a command name")?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()? + fields.get(12).context("no stime")?.parse::<u64>()?;
+    let ticks: u64 =
+        fields.get(11).context("no utime")?.parse::<u64>()? + fields.get(12).context("no stime")?.parse::<u64>()?;
     // SAFETY: sysconf has no preconditions.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Ok(std::time::Duration::from_secs_f64(ticks as f64 / per_second))
 }
 
-async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool, with_token: bool) -> anyhow::Result<AuthTarget> {
+async fn auth_target(
+    name: &'static str,
+    args: &AuthBenchArgs,
+    secure: bool,
+    with_token: bool,
+) -> anyhow::Result<AuthTarget> {
     use tonic::transport::{Certificate, ClientTlsConfig};
     let dir = tempfile::tempdir()?;
     let (port, http_port) = (free_port()?, free_port()?);
@@ -763,7 +824,14 @@ async fn auth_target(name: &'static str, args: &AuthBenchArgs, secure: bool, wit
     std::fs::write(&config, text)?;
     let log = std::fs::File::create(dir.path().join("serve.log"))?;
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
-    command.arg("serve").arg("--config").arg(&config).env("RUST_LOG", "warn").stdout(std::process::Stdio::null()).stderr(log).kill_on_drop(true);
+    command
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true);
     if !args.server_cpus.is_empty() {
         let set = cpu_set(&args.server_cpus, "--server-cpus")?;
         // SAFETY: between fork and exec only sched_setaffinity runs, which is a plain
@@ -829,7 +897,12 @@ struct PhaseResult {
 
 /// One round: every client runs `calls` cache-hit GetActionResult, then `calls`
 /// FindMissingBlobs of 100 digests (all present).
-async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, blobs: &[Digest]) -> anyhow::Result<[PhaseResult; 2]> {
+async fn auth_round(
+    t: &AuthTarget,
+    calls: usize,
+    action: &gantry_core::Digest,
+    blobs: &[Digest],
+) -> anyhow::Result<[PhaseResult; 2]> {
     use gantry_core::reapi::action_cache_client::ActionCacheClient;
     let pid = t.server.id().context("the bench server exited")?;
     let total = (t.channels.len() * calls) as f64;
@@ -843,7 +916,8 @@ async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, 
         let mut c = ActionCacheClient::new(ch.clone());
         async move {
             for _ in 0..calls {
-                let req = reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() };
+                let req =
+                    reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() };
                 c.get_action_result(authed(req, &t.token)).await?;
             }
             anyhow::Ok(())
@@ -871,7 +945,10 @@ async fn auth_round(t: &AuthTarget, calls: usize, action: &gantry_core::Digest, 
 
 async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     use gantry_core::reapi::action_cache_client::ActionCacheClient;
-    anyhow::ensure!(args.clients > 0 && args.calls > 0 && args.rounds > 0, "--clients, --calls and --rounds must be at least 1");
+    anyhow::ensure!(
+        args.clients > 0 && args.calls > 0 && args.rounds > 0,
+        "--clients, --calls and --rounds must be at least 1"
+    );
     if !args.client_cpus.is_empty() {
         pin_this_process(&cpu_set(&args.client_cpus, "--client-cpus")?)?;
     }
@@ -882,18 +959,26 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     ];
     // The same entry and blobs in both: an action result with no outputs, 100 small blobs.
     let action = DigestFunction::Sha256.digest_of(b"bench auth action");
-    let blobs: Vec<Digest> = (0..100u32).map(|i| DigestFunction::Sha256.digest_of(format!("blob {i}").as_bytes())).collect();
+    let blobs: Vec<Digest> =
+        (0..100u32).map(|i| DigestFunction::Sha256.digest_of(format!("blob {i}").as_bytes())).collect();
     for t in &targets {
         let requests = blobs
             .iter()
             .enumerate()
-            .map(|(i, d)| batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: format!("blob {i}").into_bytes(), compressor: 0 })
+            .map(|(i, d)| batch_update_blobs_request::Request {
+                digest: Some(d.to_proto()),
+                data: format!("blob {i}").into_bytes(),
+                compressor: 0,
+            })
             .collect();
         let r = ContentAddressableStorageClient::new(t.channels[0].clone())
             .batch_update_blobs(authed(reapi::BatchUpdateBlobsRequest { requests, ..Default::default() }, &t.token))
             .await?
             .into_inner();
-        anyhow::ensure!(r.responses.iter().all(|x| x.status.as_ref().is_none_or(|s| s.code == 0)), "uploading the bench blobs failed");
+        anyhow::ensure!(
+            r.responses.iter().all(|x| x.status.as_ref().is_none_or(|s| s.code == 0)),
+            "uploading the bench blobs failed"
+        );
         ActionCacheClient::new(t.channels[0].clone())
             .update_action_result(authed(
                 reapi::UpdateActionResultRequest {
@@ -927,7 +1012,13 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     for (c, t) in targets.iter().enumerate() {
         let mut row = format!("| {} ", t.name);
         for p in 0..2 {
-            row += &format!("| {:.0} | {:.3}x | {:.1} | {:.3}x ", rate(c, p), rate(c, p) / rate(0, p), cpu(c, p), cpu(c, p) / cpu(0, p));
+            row += &format!(
+                "| {:.0} | {:.3}x | {:.1} | {:.3}x ",
+                rate(c, p),
+                rate(c, p) / rate(0, p),
+                cpu(c, p),
+                cpu(c, p) / cpu(0, p)
+            );
         }
         println!("{row}|");
     }
@@ -971,12 +1062,19 @@ async fn ac(args: AcBenchArgs) -> anyhow::Result<()> {
                         let d = digest(c, i).to_proto();
                         if get {
                             let r = client
-                                .get_action_result(reapi::GetActionResultRequest { action_digest: Some(d), ..Default::default() })
+                                .get_action_result(reapi::GetActionResultRequest {
+                                    action_digest: Some(d),
+                                    ..Default::default()
+                                })
                                 .await?
                                 .into_inner();
                             anyhow::ensure!(r.exit_code == (i % 7) as i32, "read back a different result");
                         } else {
-                            let result = reapi::ActionResult { exit_code: (i % 7) as i32, stdout_raw: vec![b'x'; 64].into(), ..Default::default() };
+                            let result = reapi::ActionResult {
+                                exit_code: (i % 7) as i32,
+                                stdout_raw: vec![b'x'; 64],
+                                ..Default::default()
+                            };
                             client
                                 .update_action_result(reapi::UpdateActionResultRequest {
                                     action_digest: Some(d),
@@ -1018,7 +1116,11 @@ fn write_genrule_workspace(dir: &std::path::Path, n: usize) -> anyhow::Result<()
         std::fs::create_dir_all(&pkg)?;
         let mut build = String::new();
         for i in (p..n).step_by(packages) {
-            let dep = if i >= packages { format!("\"//p{}:g{}\"", (i - packages) % packages, i - packages) } else { String::new() };
+            let dep = if i >= packages {
+                format!("\"//p{}:g{}\"", (i - packages) % packages, i - packages)
+            } else {
+                String::new()
+            };
             let srcs = if dep.is_empty() { String::new() } else { format!("    srcs = [{dep}],\n") };
             let cat = if dep.is_empty() { String::new() } else { "cat $(SRCS) > $@; ".to_string() };
             build.push_str(&format!(
@@ -1055,7 +1157,7 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
                 c.args(&base);
             }
             c.args(more).current_dir(&ws).stdin(std::process::Stdio::null());
-            Ok(c.output().context("running bazel")?)
+            c.output().context("running bazel")
         };
         if clean_first {
             bazel("clean", &[])?;
@@ -1072,7 +1174,8 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
         eprintln!("    {secs:.1} s; {summary}");
         Ok(secs)
     };
-    let remote = vec![format!("--remote_executor={target}"), "--spawn_strategy=remote".to_string(), "--jobs=16".to_string()];
+    let remote =
+        vec![format!("--remote_executor={target}"), "--spawn_strategy=remote".to_string(), "--jobs=16".to_string()];
     let local = run("local", vec!["--spawn_strategy=local".into()], false)?;
     let rx = run("remote", remote.clone(), false)?;
     let cached = run("remote", remote, true)?;
@@ -1086,7 +1189,8 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
 
 fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
     use gantry_sizeclass::sim::{parse_fleet, parse_trace, run_bench, BenchConfig};
-    let mut cfg = BenchConfig { fleet: parse_fleet(&args.fleet).context("--fleet")?, seed: args.seed, ..BenchConfig::default() };
+    let mut cfg =
+        BenchConfig { fleet: parse_fleet(&args.fleet).context("--fleet")?, seed: args.seed, ..BenchConfig::default() };
     cfg.synthetic.seed = args.seed;
     if let Some(x) = args.exponent {
         cfg.selection.acceptable_time_exponent = x;

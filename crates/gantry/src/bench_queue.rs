@@ -91,7 +91,20 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         let c = sim::compare_policies(name, trace, &opts)?;
         if !args.json {
             println!("{name} ({}), capacity {}:", sim::describe(trace), args.capacity);
-            println!("{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>7} {:>8} {:>6}", "policy", "p50 s", "p95 s", "p99 s", "p50/or", "p95/or", "p99/or", "builds/lnd", "landed", "rejected", "green");
+            println!(
+                "{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>7} {:>8} {:>6}",
+                "policy",
+                "p50 s",
+                "p95 s",
+                "p99 s",
+                "p50/or",
+                "p95/or",
+                "p99/or",
+                "builds/lnd",
+                "landed",
+                "rejected",
+                "green"
+            );
         }
         for (r, n) in c.reports.iter().zip(&c.normalized) {
             failed |= r.violations > 0 || !r.green;
@@ -104,7 +117,17 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
             } else {
                 println!(
                     "{:<14} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>7} {:>8} {:>6}",
-                    r.policy, r.p50_s, r.p95_s, r.p99_s, n.p50_ratio, n.p95_ratio, n.p99_ratio, r.builds_per_landed, r.landed, r.rejected, r.green
+                    r.policy,
+                    r.p50_s,
+                    r.p95_s,
+                    r.p99_s,
+                    n.p50_ratio,
+                    n.p95_ratio,
+                    n.p99_ratio,
+                    r.builds_per_landed,
+                    r.landed,
+                    r.rejected,
+                    r.green
                 );
             }
             for v in &r.violation_examples {

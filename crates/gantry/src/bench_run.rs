@@ -56,7 +56,14 @@ fn write_tools(project: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn one(project: &Path, history: &Path, target: &str, config: usize, shape: usize, nonce: &str) -> anyhow::Result<Duration> {
+async fn one(
+    project: &Path,
+    history: &Path,
+    target: &str,
+    config: usize,
+    shape: usize,
+    nonce: &str,
+) -> anyhow::Result<Duration> {
     let (name, _, _, unique) = SHAPES[shape];
     let mut argv = vec![format!("./{name}"), "-c".into(), "src.c".into(), "-o".into(), "out.o".into()];
     if unique {
@@ -95,7 +102,8 @@ async fn one(project: &Path, history: &Path, target: &str, config: usize, shape:
 
 pub async fn run(args: RunBenchArgs, target: String) -> anyhow::Result<()> {
     let project = tempfile::tempdir().context("creating the project directory")?;
-    let histories: Vec<tempfile::TempDir> = (0..CONFIGS.len()).map(|_| tempfile::tempdir()).collect::<Result<_, _>>()?;
+    let histories: Vec<tempfile::TempDir> =
+        (0..CONFIGS.len()).map(|_| tempfile::tempdir()).collect::<Result<_, _>>()?;
     write_tools(project.path())?;
     // times[config][shape] over measured rounds; best[shape] = sum of per-run min(local, remote).
     let mut times = vec![vec![Duration::ZERO; SHAPES.len()]; CONFIGS.len()];
@@ -105,7 +113,15 @@ pub async fn run(args: RunBenchArgs, target: String) -> anyhow::Result<()> {
         for shape in 0..SHAPES.len() {
             let mut t = [Duration::ZERO; CONFIGS.len()];
             for (config, slot) in t.iter_mut().enumerate() {
-                *slot = one(project.path(), histories[config].path(), &target, config, shape, &format!("c{config}r{round}")).await?;
+                *slot = one(
+                    project.path(),
+                    histories[config].path(),
+                    &target,
+                    config,
+                    shape,
+                    &format!("c{config}r{round}"),
+                )
+                .await?;
             }
             eprintln!(
                 "round {round}{} {:<15} {}",
@@ -131,7 +147,8 @@ pub async fn run(args: RunBenchArgs, target: String) -> anyhow::Result<()> {
         print!(" {name:>22}");
     }
     println!(" {:>22}", "total");
-    let cell = |d: Duration, b: Duration| format!("{:>8.2} ({:>5.3}x)", d.as_secs_f64(), d.as_secs_f64() / b.as_secs_f64());
+    let cell =
+        |d: Duration, b: Duration| format!("{:>8.2} ({:>5.3}x)", d.as_secs_f64(), d.as_secs_f64() / b.as_secs_f64());
     for (c, name) in CONFIGS.iter().enumerate() {
         print!("{name:<20}");
         for s in 0..SHAPES.len() {

@@ -55,7 +55,9 @@ impl WatchArgs {
     }
 }
 
-pub async fn client(server: &str) -> anyhow::Result<pb::batcher_client::BatcherClient<gantry_core::client::GrpcChannel>> {
+pub async fn client(
+    server: &str,
+) -> anyhow::Result<pb::batcher_client::BatcherClient<gantry_core::client::GrpcChannel>> {
     Ok(pb::batcher_client::BatcherClient::new(gantry_core::client::connect(server).await?))
 }
 
@@ -69,7 +71,8 @@ pub async fn run(args: BuildsArgs) -> anyhow::Result<()> {
 macro_rules! enum_name {
     ($fn:ident, $ty:ty, $prefix:literal) => {
         fn $fn(v: i32) -> String {
-            <$ty>::try_from(v).map_or_else(|_| v.to_string(), |e| e.as_str_name().trim_start_matches($prefix).to_string())
+            <$ty>::try_from(v)
+                .map_or_else(|_| v.to_string(), |e| e.as_str_name().trim_start_matches($prefix).to_string())
         }
     };
 }
@@ -88,7 +91,11 @@ pub fn outcome_name(b: &pb::BuildStatus) -> String {
 /// The outcome column: for an OOM build, with what said so ("OOM:gc_spiral").
 fn outcome_cell(b: &pb::BuildStatus) -> String {
     let name = outcome_name(b);
-    if b.oom_signal.is_empty() || b.state != pb::BuildState::Done as i32 { name } else { format!("{name}:{}", b.oom_signal) }
+    if b.oom_signal.is_empty() || b.state != pb::BuildState::Done as i32 {
+        name
+    } else {
+        format!("{name}:{}", b.oom_signal)
+    }
 }
 
 fn mib(v: Option<u64>) -> String {
@@ -258,7 +265,7 @@ pub fn tally(builds: &BTreeMap<String, pb::BuildStatus>) -> Tally {
 
 fn bar(t: &Tally) -> String {
     const WIDTH: usize = 30;
-    let filled = if t.builds == 0 { 0 } else { t.done * WIDTH / t.builds };
+    let filled = (t.done * WIDTH).checked_div(t.builds).unwrap_or(0);
     format!(
         "[{}{}] {}/{} builds done, {} running, {} OOM, {} deadline, {} failed, {} retries",
         "#".repeat(filled),
@@ -342,17 +349,32 @@ mod tests {
     use super::*;
 
     fn done(id: &str, outcome: pb::BuildOutcome, p: Option<f64>) -> (String, pb::BuildStatus) {
-        let b = pb::BuildStatus { build_id: id.into(), state: pb::BuildState::Done as i32, outcome: outcome as i32, oom_probability: p, ..Default::default() };
+        let b = pb::BuildStatus {
+            build_id: id.into(),
+            state: pb::BuildState::Done as i32,
+            outcome: outcome as i32,
+            oom_probability: p,
+            ..Default::default()
+        };
         (id.to_string(), b)
     }
 
     #[test]
     fn the_stream_reports_the_oom_rate_its_planner_expected_beside_the_observed_one() {
-        let mut builds: BTreeMap<String, pb::BuildStatus> =
-            [done("a", pb::BuildOutcome::Success, Some(0.01)), done("b", pb::BuildOutcome::Oom, Some(0.03)), done("c", pb::BuildOutcome::Success, None)].into();
+        let mut builds: BTreeMap<String, pb::BuildStatus> = [
+            done("a", pb::BuildOutcome::Success, Some(0.01)),
+            done("b", pb::BuildOutcome::Oom, Some(0.03)),
+            done("c", pb::BuildOutcome::Success, None),
+        ]
+        .into();
         // Running builds and builds without a probability (no model, retries of old
         // records) count in neither rate.
-        let running = pb::BuildStatus { build_id: "d".into(), state: pb::BuildState::Running as i32, oom_probability: Some(0.5), ..Default::default() };
+        let running = pb::BuildStatus {
+            build_id: "d".into(),
+            state: pb::BuildState::Running as i32,
+            oom_probability: Some(0.5),
+            ..Default::default()
+        };
         builds.insert("d".into(), running);
         let t = tally(&builds);
         assert_eq!((t.with_probability, t.observed_oom), (2, 1));

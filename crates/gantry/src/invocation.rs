@@ -52,7 +52,10 @@ pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
         summary.max_peak_memory_bytes as f64 / (1 << 20) as f64,
         summary.failed_actions
     );
-    println!("{:<14} {:<40} {:>6} {:>10} {:>8} {:>8} {:>8}  metering", "mnemonic", "target", "exit", "peak MiB", "user s", "sys s", "wall s");
+    println!(
+        "{:<14} {:<40} {:>6} {:>10} {:>8} {:>8} {:>8}  metering",
+        "mnemonic", "target", "exit", "peak MiB", "user s", "sys s", "wall s"
+    );
     for a in &actions {
         println!(
             "{:<14} {:<40} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>8.3}  {}",

@@ -55,7 +55,7 @@ pub struct EvalArgs {
 
 fn load_history(path: &PathBuf) -> anyhow::Result<Vec<gantry_batch::BuildRecord>> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(read_history(std::io::BufReader::new(f)).with_context(|| format!("history {}", path.display()))?)
+    read_history(std::io::BufReader::new(f)).with_context(|| format!("history {}", path.display()))
 }
 
 pub async fn run(cmd: ModelCommand) -> anyhow::Result<()> {

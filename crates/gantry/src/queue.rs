@@ -54,7 +54,9 @@ pub struct Common {
     json: bool,
 }
 
-async fn client(server: &str) -> anyhow::Result<pb::submit_queue_client::SubmitQueueClient<gantry_core::client::GrpcChannel>> {
+async fn client(
+    server: &str,
+) -> anyhow::Result<pb::submit_queue_client::SubmitQueueClient<gantry_core::client::GrpcChannel>> {
     Ok(pb::submit_queue_client::SubmitQueueClient::new(gantry_core::client::connect(server).await?))
 }
 
@@ -113,14 +115,21 @@ fn print_change(c: &pb::Change, json: bool, with_builds: bool) {
 pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
     match cmd {
         QueueCommand::Submit { change, priority, common } => {
-            let c = client(&common.server).await?.submit(pb::SubmitRequest { change_ref: change, priority }).await?.into_inner();
+            let c = client(&common.server)
+                .await?
+                .submit(pb::SubmitRequest { change_ref: change, priority })
+                .await?
+                .into_inner();
             print_change(&c, common.json, false);
         }
         QueueCommand::Status { common } => {
             let s = client(&common.server).await?.get_status(pb::GetStatusRequest {}).await?.into_inner();
             if common.json {
                 let changes: Vec<Value> = s.changes.iter().map(change_json).collect();
-                println!("{}", json!({"mainline": s.mainline, "mainline_commit": s.mainline_commit, "capacity": s.capacity, "changes": changes}));
+                println!(
+                    "{}",
+                    json!({"mainline": s.mainline, "mainline_commit": s.mainline_commit, "capacity": s.capacity, "changes": changes})
+                );
                 return Ok(());
             }
             println!("{} at {}, {} build slots", s.mainline, short(&s.mainline_commit), s.capacity);
@@ -129,7 +138,8 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
             }
         }
         QueueCommand::Watch { id, common } => {
-            let mut stream = client(&common.server).await?.watch(pb::WatchRequest { change_id: id }).await?.into_inner();
+            let mut stream =
+                client(&common.server).await?.watch(pb::WatchRequest { change_id: id }).await?.into_inner();
             let mut last = None;
             while let Some(c) = stream.message().await? {
                 print_change(&c, common.json, !common.json);
@@ -161,7 +171,15 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
             }
             println!("mainline:");
             for m in &h.mainline {
-                println!("  v{:<3} {:<6} {} -> {} {} {}", m.version, m.change_id, short(&m.old_commit), short(&m.new_commit), m.state, m.how);
+                println!(
+                    "  v{:<3} {:<6} {} -> {} {} {}",
+                    m.version,
+                    m.change_id,
+                    short(&m.old_commit),
+                    short(&m.new_commit),
+                    m.state,
+                    m.how
+                );
             }
         }
     }

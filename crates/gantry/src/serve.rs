@@ -13,10 +13,10 @@ use gantry_core::task::TaskGuard;
 use gantry_execution::sizing::Sizing;
 use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
-use gantry_store::{FsStore, MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
-use gantry_worker::Executor;
 use gantry_services::batcher::BatcherService;
 use gantry_services::{Limits, RunningServer, Services};
+use gantry_store::{FsStore, MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_worker::Executor;
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -61,7 +61,9 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     let cas = gantry_store::build_cas(config).await.context("setting up the CAS")?;
     let ac = gantry_store::build_action_cache(config, db, cas.clone()).await.context("setting up the action cache")?;
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
-    let mut batcher = BatcherService::new(gantry_batch::PlannerConfig::from_config(&config.batch), load_models(config)?).context("[batch]")?;
+    let mut batcher =
+        BatcherService::new(gantry_batch::PlannerConfig::from_config(&config.batch), load_models(config)?)
+            .context("[batch]")?;
     if runs_batch_builds(config) {
         batcher = batcher.expect_builds();
     }
@@ -85,7 +87,11 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
         let channel = gantry_core::client::connect_lazy(target).context("execution.scheduler")?;
         let max_msg = config.server.max_batch_size.as_u64() as usize + (1 << 20);
         tracing::info!(scheduler = %target, "frontend: Execute and Operations calls go to the scheduler");
-        return Ok(services.with_forwarder(gantry_execution::forward::Forwarder::new(channel, target.clone(), max_msg)));
+        return Ok(services.with_forwarder(gantry_execution::forward::Forwarder::new(
+            channel,
+            target.clone(),
+            max_msg,
+        )));
     }
     let sc = &e.size_classes;
     let sizing = Sizing::new(
@@ -94,13 +100,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
         sc.seed,
         services.metrics.registry(),
     )?;
-    let scheduler = Scheduler::new(
-        SchedulerConfig::from(e),
-        ac,
-        log,
-        services.metrics.registry(),
-        Some(sizing),
-    );
+    let scheduler = Scheduler::new(SchedulerConfig::from(e), ac, log, services.metrics.registry(), Some(sizing));
     Ok(services.with_scheduler(scheduler))
 }
 
@@ -145,7 +145,9 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
         if config.execution.memory_per_size_class.is_some() || config.execution.cpus_per_size_class.is_some() {
             tracing::info!("size class limits are enforced as an address-space limit (RLIMIT_AS) and CPU pinning");
         } else {
-            tracing::info!("no memory_per_size_class or cpus_per_size_class set: size classes are metered only, not enforced");
+            tracing::info!(
+                "no memory_per_size_class or cpus_per_size_class set: size classes are metered only, not enforced"
+            );
         }
     }
     let mut properties: Vec<wpb::Property> = gantry_worker::base_properties()
@@ -176,17 +178,28 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             meter: std::env::current_exe().ok(),
             limits,
         });
-        let reg = wpb::Register { worker_id: id, properties: properties.clone(), slots: 1, size_class: class, metering: metering.into() };
+        let reg = wpb::Register {
+            worker_id: id,
+            properties: properties.clone(),
+            slots: 1,
+            size_class: class,
+            metering: metering.into(),
+        };
         let (messages, reports, bridge) = scheduler.attach_local(reg)?;
         guards.push(bridge);
-        guards.push(gantry_core::task::spawn_named("local-worker", gantry_worker::run_worker(messages, reports, executor)));
+        guards.push(gantry_core::task::spawn_named(
+            "local-worker",
+            gantry_worker::run_worker(messages, reports, executor),
+        ));
     }
     tracing::info!(workers = n, classes = ?classes, "in-process workers started");
     Ok(guards)
 }
 
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "gantry".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "gantry".into())
 }
 
 /// The batching models, if a model directory exists; a directory that exists but does
@@ -220,7 +233,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let server = RunningServer::start_tls(&services, config.server.listen, config.server.http_listen, tls.as_ref()).await?;
+    let server =
+        RunningServer::start_tls(&services, config.server.listen, config.server.http_listen, tls.as_ref()).await?;
     let builds = start_build_runners(&config, &db, &services, server.grpc_addr).await?;
     let queue = start_queue(&config, &db, &services, server.grpc_addr).await?;
     // A role whose lease another process took over is stopped here at once.
@@ -244,9 +258,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     .flatten()
     .collect();
     // History bounds, applied by the scheduler (frontends share its database).
-    let _retention = config.execution.scheduler.is_none().then(|| {
-        gantry_store::Retention::new(db.clone(), config.retention.clone()).spawn(services.metrics.registry())
-    });
+    let _retention =
+        config.execution.scheduler.is_none().then(|| {
+            gantry_store::Retention::new(db.clone(), config.retention.clone()).spawn(services.metrics.registry())
+        });
     // Handlers first: a SIGTERM right after the line below must drain, not kill.
     let stop = shutdown_signal();
     // One machine-readable line on stdout, so scripts and tests using port 0 learn the ports.
@@ -337,7 +352,11 @@ async fn start_build_runners(
 }
 
 /// How a runner invokes Bazel, from `[batch]`, with this server as the default executor.
-fn runner_settings(config: &Config, deadline: std::time::Duration, grpc_addr: SocketAddr) -> gantry_builds::runner::RunnerSettings {
+fn runner_settings(
+    config: &Config,
+    deadline: std::time::Duration,
+    grpc_addr: SocketAddr,
+) -> gantry_builds::runner::RunnerSettings {
     let b = &config.batch;
     let remote_executor = b.remote_executor.clone().unwrap_or_else(|| {
         let ip = grpc_addr.ip();

@@ -55,7 +55,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let id = args.id.clone().unwrap_or_else(|| format!("{}-{}", crate::serve::hostname(), std::process::id()));
     std::fs::create_dir_all(&args.work_dir).with_context(|| format!("creating {}", args.work_dir.display()))?;
     // Absolute, because actions run through a trampoline inside their own directory.
-    let work_dir = std::fs::canonicalize(&args.work_dir).with_context(|| format!("resolving {}", args.work_dir.display()))?;
+    let work_dir =
+        std::fs::canonicalize(&args.work_dir).with_context(|| format!("resolving {}", args.work_dir.display()))?;
     let cache = Arc::new(FsStore::open(work_dir.join("cache"), args.cache_size.as_u64()).await?);
     let work_root = work_dir.join("actions");
     gantry_worker::executor::remove_tree(&work_root);

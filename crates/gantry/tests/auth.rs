@@ -9,10 +9,10 @@ use common::output_text as text;
 use common::tls::Ca;
 use common::write_file as write;
 use common::{BazelWorkspace, GantryServer, WorkerProcess};
-use gantry_core::reapi::action_cache_client::ActionCacheClient;
-use gantry_core::reapi::capabilities_client::CapabilitiesClient;
 use gantry_core::google::longrunning::operations_client::OperationsClient;
 use gantry_core::google::longrunning::{CancelOperationRequest, ListOperationsRequest};
+use gantry_core::reapi::action_cache_client::ActionCacheClient;
+use gantry_core::reapi::capabilities_client::CapabilitiesClient;
 use gantry_core::reapi::content_addressable_storage_client::ContentAddressableStorageClient;
 use gantry_core::reapi::execution_client::ExecutionClient;
 use gantry_core::reapi::{self, ActionResult};
@@ -120,7 +120,11 @@ async fn tokens_grants_and_worker_credentials() {
     let e = ac.update_action_result(with_token(update("main", 4), Some(DEV))).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied);
     assert!(e.message().contains("write_ac") && e.message().contains("'main'"), "{}", e.message());
-    assert_eq!(ac.get_action_result(with_token(get("main"), Some(CI))).await.unwrap().into_inner().exit_code, 3, "unchanged");
+    assert_eq!(
+        ac.get_action_result(with_token(get("main"), Some(CI))).await.unwrap().into_inner().exit_code,
+        3,
+        "unchanged"
+    );
 
     // Instance isolation: a dev/* grant cannot read main, and the refusal is the same
     // whether or not the entry exists.
@@ -138,7 +142,12 @@ async fn tokens_grants_and_worker_credentials() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // A client token registers no worker.
     let reg = wpb::WorkerMessage {
-        kind: Some(wpb::worker_message::Kind::Register(wpb::Register { worker_id: "evil".into(), slots: 64, size_class: 1, ..Default::default() })),
+        kind: Some(wpb::worker_message::Kind::Register(wpb::Register {
+            worker_id: "evil".into(),
+            slots: 64,
+            size_class: 1,
+            ..Default::default()
+        })),
     };
     let mut w = wpb::worker_service_client::WorkerServiceClient::new(ch.clone());
     let e = w.session(with_token(futures::stream::iter(vec![reg.clone()]), Some(CI))).await.unwrap_err();
@@ -159,7 +168,13 @@ async fn tokens_grants_and_worker_credentials() {
     let mut ops = OperationsClient::new(ch.clone());
     let list = |t: &'static str| {
         let mut ops = ops.clone();
-        async move { ops.list_operations(with_token(ListOperationsRequest::default(), Some(t))).await.unwrap().into_inner().operations }
+        async move {
+            ops.list_operations(with_token(ListOperationsRequest::default(), Some(t)))
+                .await
+                .unwrap()
+                .into_inner()
+                .operations
+        }
     };
     assert_eq!(list(CI).await.iter().map(|o| o.name.clone()).collect::<Vec<_>>(), vec![op.clone()]);
     assert!(list(DEV).await.is_empty(), "a developer does not see CI's operations");
@@ -186,11 +201,13 @@ async fn put(ch: &Channel, data: Vec<u8>, token: &str) -> reapi::Digest {
         requests: vec![reapi::batch_update_blobs_request::Request { digest: Some(d.clone()), data, compressor: 0 }],
         ..Default::default()
     };
-    let r = ContentAddressableStorageClient::new(ch.clone()).batch_update_blobs(with_token(req, Some(token))).await.unwrap();
+    let r = ContentAddressableStorageClient::new(ch.clone())
+        .batch_update_blobs(with_token(req, Some(token)))
+        .await
+        .unwrap();
     assert_eq!(r.into_inner().responses[0].status.as_ref().unwrap().code, 0);
     d
 }
-
 
 #[test]
 fn bazel_over_tls_with_tokens_and_a_worker_with_its_credential() {
@@ -221,7 +238,11 @@ fn bazel_over_tls_with_tokens_and_a_worker_with_its_credential() {
     let ws = BazelWorkspace::new().with_tls();
     let header = |t: &str| format!("--remote_header=Authorization=Bearer {t}");
     let exec = |extra: &[String]| {
-        let mut v = vec![format!("--remote_executor={url}"), format!("--tls_certificate={ca_pem}"), "--remote_timeout=60".to_string()];
+        let mut v = vec![
+            format!("--remote_executor={url}"),
+            format!("--tls_certificate={ca_pem}"),
+            "--remote_timeout=60".to_string(),
+        ];
         v.extend(extra.iter().cloned());
         v.push("//:chain_c".into());
         v
@@ -240,7 +261,9 @@ fn bazel_over_tls_with_tokens_and_a_worker_with_its_credential() {
 
     // A developer with only a remote cache: local results are not uploaded (no write_ac),
     // and Bazel reports the refusal; CI's uploads go through.
-    let cache = |t: &str| vec![format!("--remote_cache={url}"), format!("--tls_certificate={ca_pem}"), header(t), "//:empty".to_string()];
+    let cache = |t: &str| {
+        vec![format!("--remote_cache={url}"), format!("--tls_certificate={ca_pem}"), header(t), "//:empty".to_string()]
+    };
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel("build", &cache(DEV));
     assert!(out.status.success(), "the build itself succeeds: {}", text(&out));

@@ -47,7 +47,10 @@ fn train_eval_plan_and_enqueue() {
     let out = gantry().args(["model", "eval", "--model"]).arg(&models).arg("--history").arg(&hist).output().unwrap();
     assert!(out.status.success());
     let report = String::from_utf8_lossy(&out.stdout);
-    assert!(report.contains("memory model") && report.contains("rmse_over") && report.contains("evaluated"), "{report}");
+    assert!(
+        report.contains("memory model") && report.contains("rmse_over") && report.contains("evaluated"),
+        "{report}"
+    );
 
     // Offline plan: every target exactly once, estimates present, JSONL as documented.
     let ctx = dir.path().join("ctx.json");

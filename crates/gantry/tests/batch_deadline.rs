@@ -33,7 +33,12 @@ const RUNNER_TOKEN: &str = "runner-token-0123456789";
 
 /// `secure`: the CA's PEM path; the server then has TLS and `[auth]` with one token for
 /// `gantry batch`/`builds` and one, from `[batch] token_file`, for the runner's Bazel.
-fn start_server_with(dir: &Path, deadline: &str, kill_grace: &str, secure: Option<(&str, &str, &str)>) -> (GantryServer, String) {
+fn start_server_with(
+    dir: &Path,
+    deadline: &str,
+    kill_grace: &str,
+    secure: Option<(&str, &str, &str)>,
+) -> (GantryServer, String) {
     let config = dir.join("gantry.toml");
     let mut startup = vec!["--nohome_rc".to_string(), "--noworkspace_rc".into(), "--max_idle_secs=60".into()];
     let mut extra = String::new();
@@ -135,10 +140,10 @@ impl PidWatcher {
         let thread = std::thread::spawn(move || {
             let file = output_base.join("server/server.pid.txt");
             while !s.load(Ordering::Relaxed) {
-                if let Some(pid) = std::fs::read_to_string(&file).ok().and_then(|t| t.trim().parse::<i32>().ok()) {
-                    if alive(pid) {
-                        p.lock().unwrap().insert(pid);
-                    }
+                if let Some(pid) = std::fs::read_to_string(&file).ok().and_then(|t| t.trim().parse::<i32>().ok())
+                    && alive(pid)
+                {
+                    p.lock().unwrap().insert(pid);
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -211,7 +216,11 @@ fn deadline_stops_bazel_and_reruns_once() {
         assert_eq!(b["state"], "DONE", "{b}");
         assert_eq!(b["outcome"], "DEADLINE_EXCEEDED", "{b}");
         let wall = b["wall_seconds"].as_f64().unwrap();
-        assert!(wall >= deadline.as_secs_f64() - 0.5 && wall < limit, "build {} ran {wall:.1}s; deadline {deadline:?} + grace {grace:?}", b["build_id"]);
+        assert!(
+            wall >= deadline.as_secs_f64() - 0.5 && wall < limit,
+            "build {} ran {wall:.1}s; deadline {deadline:?} + grace {grace:?}",
+            b["build_id"]
+        );
         assert!(b["message"].as_str().unwrap().contains("deadline"), "{b}");
     }
     assert_eq!(parent["retry_build_ids"], serde_json::json!([format!("{id}.r")]), "{parent}");
@@ -219,7 +228,11 @@ fn deadline_stops_bazel_and_reruns_once() {
     assert_eq!(rerun["retry_kind"], "DEADLINE_RERUN", "{rerun}");
     assert_eq!(sorted_targets(rerun), sorted_targets(parent));
     assert_eq!(sorted_targets(parent), ["//:quick", "//:slow"]);
-    assert_eq!(rerun["retry_build_ids"], serde_json::json!([]), "a rerun that missed its deadline is not run a third time: {rerun}");
+    assert_eq!(
+        rerun["retry_build_ids"],
+        serde_json::json!([]),
+        "a rerun that missed its deadline is not run a third time: {rerun}"
+    );
     // Both attempts together, far less than the 60 s the action would take.
     assert!(waited < Duration::from_secs(45), "batch --wait took {waited:?}");
 
@@ -228,7 +241,12 @@ fn deadline_stops_bazel_and_reruns_once() {
     assert!(!pids.is_empty(), "never saw the runner's Bazel server");
     let living: Vec<i32> = pids.iter().copied().filter(|p| alive(*p)).collect();
     assert!(living.is_empty(), "Bazel servers {living:?} of {pids:?} still run after their builds' deadlines");
-    eprintln!("RESULT deadline: batch --wait {:.1}s, walls {} / {} s, Bazel servers seen {pids:?}", waited.as_secs_f64(), parent["wall_seconds"], rerun["wall_seconds"]);
+    eprintln!(
+        "RESULT deadline: batch --wait {:.1}s, walls {} / {} s, Bazel servers seen {pids:?}",
+        waited.as_secs_f64(),
+        parent["wall_seconds"],
+        rerun["wall_seconds"]
+    );
     server.stop();
 }
 

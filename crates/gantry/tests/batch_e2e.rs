@@ -52,7 +52,12 @@ struct Numbers {
 }
 
 /// The invariants every stream must satisfy, and its numbers.
-fn check_stream(builds: &BTreeMap<String, Value>, all: &HashSet<String>, gpu: &HashSet<String>, wall_s: f64) -> Numbers {
+fn check_stream(
+    builds: &BTreeMap<String, Value>,
+    all: &HashSet<String>,
+    gpu: &HashSet<String>,
+    wall_s: f64,
+) -> Numbers {
     assert!(builds.values().all(|b| b["state"] == "DONE"), "watch ended before every build was done");
     // Every target exactly once across successful builds.
     let mut built: HashMap<String, usize> = HashMap::new();
@@ -76,7 +81,8 @@ fn check_stream(builds: &BTreeMap<String, Value>, all: &HashSet<String>, gpu: &H
         match b["outcome"].as_str().unwrap() {
             "OOM" if ls.len() > 1 => {
                 // Split in half, each half planned again, and every piece accounted for.
-                let kids: Vec<&Value> = b["retry_build_ids"].as_array().unwrap().iter().map(|id| &builds[id.as_str().unwrap()]).collect();
+                let kids: Vec<&Value> =
+                    b["retry_build_ids"].as_array().unwrap().iter().map(|id| &builds[id.as_str().unwrap()]).collect();
                 assert!(kids.len() >= 2, "OOM build {} was not split: {b}", b["build_id"]);
                 let mut got: Vec<String> = kids.iter().flat_map(|k| labels(k)).collect();
                 got.sort();
@@ -116,7 +122,13 @@ fn separation(builds: &[&Value], field: &str) -> (f64, f64) {
     let mut wins = 0.0;
     for &o in &oom {
         for &k in &ok {
-            wins += if o > k { 1.0 } else if o == k { 0.5 } else { 0.0 };
+            wins += if o > k {
+                1.0
+            } else if o == k {
+                0.5
+            } else {
+                0.0
+            };
         }
     }
     // An OOM build without the measurement cannot be told apart: it counts as a coin toss.
@@ -135,7 +147,8 @@ fn correlation(builds: &[&Value], field: &str, genrules: &HashMap<String, usize>
     let n = pts.len() as f64;
     let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
     let cov: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    let (vx, vy): (f64, f64) = (pts.iter().map(|p| (p.0 - mx).powi(2)).sum(), pts.iter().map(|p| (p.1 - my).powi(2)).sum());
+    let (vx, vy): (f64, f64) =
+        (pts.iter().map(|p| (p.0 - mx).powi(2)).sum(), pts.iter().map(|p| (p.1 - my).powi(2)).sum());
     cov / (vx * vy).sqrt()
 }
 
@@ -180,7 +193,11 @@ fn bootstrap_train_and_batch_with_real_bazel() {
     // Training before there is any history is refused, with the reason.
     let out = gantry().args(["model", "train", "--server", &url]).output().unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("min_history_builds"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("min_history_builds"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // 1. Bootstrap: no models, every build has the fallback size.
     let t = Instant::now();
@@ -198,9 +215,14 @@ fn bootstrap_train_and_batch_with_real_bazel() {
     let out = gantry().args(["model", "train", "--server", &url]).output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success());
-    let hist = gantry().args(["model", "export-history", "--config", config.to_str().unwrap(), "--data-dir"]).arg(&data).output().unwrap();
+    let hist = gantry()
+        .args(["model", "export-history", "--config", config.to_str().unwrap(), "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
     assert!(hist.status.success(), "{}", String::from_utf8_lossy(&hist.stderr));
-    let records: Vec<Value> = String::from_utf8_lossy(&hist.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let records: Vec<Value> =
+        String::from_utf8_lossy(&hist.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(records.len(), boot.len(), "every bootstrap build is in the history");
     assert!(records.iter().all(|r| r["peak_memory_bytes"].as_u64().unwrap() > 0));
 
@@ -211,7 +233,9 @@ fn bootstrap_train_and_batch_with_real_bazel() {
     let second = stream_builds(&url, &stream);
     let m = check_stream(&second, &all, &gpu, t.elapsed().as_secs_f64());
     assert!(
-        second.values().any(|v| v["reason"] != "MEMORY_ESTIMATE_ERROR" && v["memory_estimate_bytes"].as_u64().is_some()),
+        second
+            .values()
+            .any(|v| v["reason"] != "MEMORY_ESTIMATE_ERROR" && v["memory_estimate_bytes"].as_u64().is_some()),
         "the second stream was planned by the models"
     );
     assert!(m.builds < b.builds, "models made {} builds, the bootstrap size {}", m.builds, b.builds);
@@ -278,7 +302,9 @@ fn stuck_flags() -> Vec<String> {
 /// stuck in garbage collection since 41.3s into the build ...").
 fn stuck_since(message: &str) -> f64 {
     let rest = message.split_once(" since ").unwrap_or_else(|| panic!("no onset in {message:?}")).1;
-    rest.split_once("s into the build").and_then(|(n, _)| n.parse().ok()).unwrap_or_else(|| panic!("no onset in {message:?}"))
+    rest.split_once("s into the build")
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no onset in {message:?}"))
 }
 
 /// One stream of the whole target set on a fresh server (a cold Bazel, as calibrated);
@@ -287,7 +313,15 @@ fn stuck_since(message: &str) -> f64 {
 fn stuck_stream() -> (BTreeMap<String, Value>, String) {
     let dir = tempfile::tempdir().unwrap();
     let ws = dir.path().join("ws");
-    let shape = Shape { heavy_packages: 4, heavy_per_package: 4, fan_out: STUCK_FAN_OUT, light_packages: 0, light_per_package: 0, tests: 0, gpu_tests: 0 };
+    let shape = Shape {
+        heavy_packages: 4,
+        heavy_per_package: 4,
+        fan_out: STUCK_FAN_OUT,
+        light_packages: 0,
+        light_per_package: 0,
+        tests: 0,
+        gpu_tests: 0,
+    };
     let targets = generate(&ws, &shape);
     let all: HashSet<String> = targets.iter().map(|t| t.label.clone()).collect();
     let targets_file = dir.path().join("targets.txt");
@@ -335,10 +369,15 @@ fn a_bazel_stuck_in_gc_is_split_as_oom_long_before_its_deadline() {
         }
         // Every build the runner stopped as stuck (in GC, or idle after an
         // OutOfMemoryError) was classified within a minute of getting stuck.
-        for b in builds.values().filter(|b| b["message"].as_str().unwrap().starts_with("stopped: Bazel's server was stuck")) {
+        for b in
+            builds.values().filter(|b| b["message"].as_str().unwrap().starts_with("stopped: Bazel's server was stuck"))
+        {
             let wall = b["wall_seconds"].as_f64().unwrap();
             let since = stuck_since(b["message"].as_str().unwrap());
-            eprintln!("RESULT attempt {attempt}: build {} stuck ({}) from {since:.1}s, classified OOM at {wall:.1}s", b["build_id"], b["oom_signal"]);
+            eprintln!(
+                "RESULT attempt {attempt}: build {} stuck ({}) from {since:.1}s, classified OOM at {wall:.1}s",
+                b["build_id"], b["oom_signal"]
+            );
             assert!(wall - since <= 60.0, "classified {:.1}s after it got stuck: {b}", wall - since);
             // Builds are slower when the other test of this file runs alongside (up to
             // 93 s then, against 48-64 s alone).
@@ -350,7 +389,10 @@ fn a_bazel_stuck_in_gc_is_split_as_oom_long_before_its_deadline() {
             return;
         }
         let first = builds.values().find(|b| b["parent_build_id"] == "").unwrap();
-        eprintln!("RESULT attempt {attempt}: no build hung in GC (the whole set ended {} {}); trying a fresh server", first["outcome"], first["oom_signal"]);
+        eprintln!(
+            "RESULT attempt {attempt}: no build hung in GC (the whole set ended {} {}); trying a fresh server",
+            first["outcome"], first["oom_signal"]
+        );
     }
     panic!("no build hung in GC in {STUCK_ATTEMPTS} attempts: recalibrate STUCK_HEAP and STUCK_FAN_OUT");
 }

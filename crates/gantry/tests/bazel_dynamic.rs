@@ -8,10 +8,7 @@ mod common;
 use common::{http_get, BazelWorkspace, GantryServer};
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
 #[test]

@@ -8,7 +8,6 @@ use common::output_text as text;
 
 use common::{process_summary, BazelWorkspace, GantryServer};
 
-
 #[test]
 fn bazel_remote_execution_end_to_end() {
     let data = tempfile::tempdir().unwrap();

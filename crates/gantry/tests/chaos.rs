@@ -51,7 +51,7 @@ impl Rng {
 }
 
 /// What the server acknowledged: blobs, and action cache entries (action digest, result).
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Acked {
     blobs: Vec<(Digest, Vec<u8>)>,
     ac: Vec<(Digest, reapi::ActionResult)>,
@@ -149,10 +149,9 @@ async fn read_blob(channel: &Channel, d: &Digest) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_under_write_load_loses_no_acknowledged_write() {
-    let seed: u64 = std::env::var("GANTRY_CHAOS_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+    let seed: u64 = std::env::var("GANTRY_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
     eprintln!("chaos seed: {seed} (GANTRY_CHAOS_SEED={seed} replays the schedule)");
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();
@@ -171,17 +170,20 @@ async fn sigkill_under_write_load_loses_no_acknowledged_write() {
         let channel = Channel::from_shared(format!("http://{}", server.grpc)).unwrap().connect().await.unwrap();
         let startup = restart.elapsed();
         // Everything acknowledged so far, in every earlier cycle, reads back intact.
-        let (blobs, entries): (Vec<(Digest, Vec<u8>)>, Vec<(Digest, reapi::ActionResult)>) = {
-            let a = acked.lock().unwrap();
-            (a.blobs.clone(), a.ac.clone())
-        };
+        let Acked { blobs, ac: entries } = acked.lock().unwrap().clone();
         for (d, bytes) in &blobs {
-            assert!(read_blob(&channel, d).await == *bytes, "cycle {cycle}: acknowledged blob {d} differs (seed {seed})");
+            assert!(
+                read_blob(&channel, d).await == *bytes,
+                "cycle {cycle}: acknowledged blob {d} differs (seed {seed})"
+            );
         }
         let mut ac = ActionCacheClient::new(channel.clone());
         for (action, result) in &entries {
             let got = ac
-                .get_action_result(reapi::GetActionResultRequest { action_digest: Some(action.to_proto()), ..Default::default() })
+                .get_action_result(reapi::GetActionResultRequest {
+                    action_digest: Some(action.to_proto()),
+                    ..Default::default()
+                })
                 .await
                 .unwrap_or_else(|e| panic!("cycle {cycle}: acknowledged AC entry {action} is gone: {e} (seed {seed})"))
                 .into_inner();

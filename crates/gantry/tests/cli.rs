@@ -23,7 +23,10 @@ fn unknown_config_key_fails_with_file_and_key() {
 fn unusable_data_dir_fails_at_startup_with_reason() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("file"), "not a directory").unwrap();
-    let out = gantry(&["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir", "file/data"], dir.path());
+    let out = gantry(
+        &["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir", "file/data"],
+        dir.path(),
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     // The metadata database is opened first; either store may be the one to say so.

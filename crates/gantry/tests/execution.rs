@@ -62,7 +62,8 @@ async fn nested_inputs_outputs_streams_and_exit_codes() {
     assert_eq!(c.get(r.stderr_digest.as_ref().unwrap()).await, b"to-stderr\n");
     // the output directory as a Tree
     assert_eq!(r.output_directories.len(), 1);
-    let tree = reapi::Tree::decode(c.get(r.output_directories[0].tree_digest.as_ref().unwrap()).await.as_slice()).unwrap();
+    let tree =
+        reapi::Tree::decode(c.get(r.output_directories[0].tree_digest.as_ref().unwrap()).await.as_slice()).unwrap();
     let top = tree.root.unwrap();
     assert_eq!(top.directories.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), vec!["x"]);
     assert_eq!(top.symlinks[0].name, "link");
@@ -75,7 +76,14 @@ async fn nested_inputs_outputs_streams_and_exit_codes() {
     // metering metadata
     let md = r.execution_metadata.unwrap();
     assert!(md.worker.contains("-local-"), "{}", md.worker);
-    for t in [&md.queued_timestamp, &md.worker_start_timestamp, &md.input_fetch_start_timestamp, &md.execution_start_timestamp, &md.execution_completed_timestamp, &md.output_upload_completed_timestamp] {
+    for t in [
+        &md.queued_timestamp,
+        &md.worker_start_timestamp,
+        &md.input_fetch_start_timestamp,
+        &md.execution_start_timestamp,
+        &md.execution_completed_timestamp,
+        &md.output_upload_completed_timestamp,
+    ] {
         assert!(t.as_ref().is_some_and(|t| t.seconds > 0));
     }
 
@@ -106,7 +114,9 @@ async fn nested_inputs_outputs_streams_and_exit_codes() {
     let a = reapi::Action {
         command_digest: Some(cd.to_proto()),
         input_root_digest: Some(input.to_proto()),
-        platform: Some(reapi::Platform { properties: vec![reapi::platform::Property { name: "gpu".into(), value: "a100".into() }] }),
+        platform: Some(reapi::Platform {
+            properties: vec![reapi::platform::Property { name: "gpu".into(), value: "a100".into() }],
+        }),
         ..Default::default()
     };
     let ad = c.put(&a.encode_to_vec()).await;
@@ -126,7 +136,12 @@ async fn timeout_reports_deadline_exceeded_with_partial_output() {
     let c = Client::connect(&server.grpc).await;
     let input = c.tree(&root(vec![])).await;
     let action = c
-        .action(command(&["/bin/sh", "-c", "echo partial > out.txt; echo before-sleep; sleep 30"], &["out.txt"], &[]), input, 1, false)
+        .action(
+            command(&["/bin/sh", "-c", "echo partial > out.txt; echo before-sleep; sleep 30"], &["out.txt"], &[]),
+            input,
+            1,
+            false,
+        )
         .await;
     let start = Instant::now();
     let (_, _, resp) = c.execute(action, false).await;
@@ -156,7 +171,12 @@ async fn cancel_while_running_kills_the_process() {
     }
     let pid: u32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
     assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
-    let ops = c.operations().list_operations(gantry_core::google::longrunning::ListOperationsRequest::default()).await.unwrap().into_inner();
+    let ops = c
+        .operations()
+        .list_operations(gantry_core::google::longrunning::ListOperationsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     let name = ops.operations.iter().find(|o| !o.done).expect("a running operation").name.clone();
     c.operations().cancel_operation(CancelOperationRequest { name: name.clone() }).await.unwrap();
     let (op, _, resp) = tokio::time::timeout(Duration::from_secs(15), run).await.unwrap().unwrap();
@@ -174,10 +194,19 @@ async fn cancel_while_running_kills_the_process() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // the finished operation is still visible, then can be deleted
-    let got = c.operations().get_operation(gantry_core::google::longrunning::GetOperationRequest { name: name.clone() }).await.unwrap().into_inner();
+    let got = c
+        .operations()
+        .get_operation(gantry_core::google::longrunning::GetOperationRequest { name: name.clone() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(got.done);
-    c.operations().delete_operation(gantry_core::google::longrunning::DeleteOperationRequest { name: name.clone() }).await.unwrap();
-    let err = c.operations().get_operation(gantry_core::google::longrunning::GetOperationRequest { name }).await.unwrap_err();
+    c.operations()
+        .delete_operation(gantry_core::google::longrunning::DeleteOperationRequest { name: name.clone() })
+        .await
+        .unwrap();
+    let err =
+        c.operations().get_operation(gantry_core::google::longrunning::GetOperationRequest { name }).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound);
     server.stop();
 }
@@ -316,15 +345,33 @@ async fn metering_measures_the_action_not_the_server() {
     let input = c.tree(&root(vec![])).await;
     let small = c.action(command(&["/bin/sh", "-c", "true"], &[], &[]), input, 60, true).await;
     let big = c
-        .action(command(&["/bin/sh", "-c", "head -c 60000000 /dev/zero | python3 -c 'import sys; d=sys.stdin.buffer.read(); print(len(d))'"], &[], &[]), input, 60, true)
+        .action(
+            command(
+                &[
+                    "/bin/sh",
+                    "-c",
+                    "head -c 60000000 /dev/zero | python3 -c 'import sys; d=sys.stdin.buffer.read(); print(len(d))'",
+                ],
+                &[],
+                &[],
+            ),
+            input,
+            60,
+            true,
+        )
         .await;
     let (_, _, _) = c.execute(small, false).await;
     let (_, _, _) = c.execute(big, false).await;
     let server_rss = vm_rss_kib(server.child.id()) * 1024;
     // Read the metering back from the execution log through the CLI.
-    let out = Command::new(env!("CARGO_BIN_EXE_gantry")).args(["invocation", "", "--json", "--data-dir"]).arg(tmp.path().join("data")).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
+        .args(["invocation", "", "--json", "--data-dir"])
+        .arg(tmp.path().join("data"))
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let peaks: Vec<u64> = v["executions"].as_array().unwrap().iter().map(|e| e["peak_memory_bytes"].as_u64().unwrap()).collect();
+    let peaks: Vec<u64> =
+        v["executions"].as_array().unwrap().iter().map(|e| e["peak_memory_bytes"].as_u64().unwrap()).collect();
     assert_eq!(peaks.len(), 2, "{v}");
     eprintln!("server RSS {server_rss} B, action peaks {peaks:?}");
     assert!(peaks[0] < 16 << 20, "a shell running `true` is metered at {} B: the server's memory leaked in", peaks[0]);
@@ -341,7 +388,8 @@ async fn relative_data_dir_and_relative_program_path() {
     let server = GantryServer::start_in(Some(tmp.path()), std::path::Path::new("data"), &["--config", "gantry.toml"]);
     let c = Client::connect(&server.grpc).await;
     let script = "#!/bin/sh\necho from a relative tool\n";
-    let input = c.tree(&root(vec![("bin", dir(vec![("tool.sh", Node::File(script.as_bytes().to_vec(), true))]))])).await;
+    let input =
+        c.tree(&root(vec![("bin", dir(vec![("tool.sh", Node::File(script.as_bytes().to_vec(), true))]))])).await;
     let mut cmd = command(&["bin/tool.sh"], &[], &[]);
     cmd.working_directory = String::new();
     let action = c.action(cmd, input, 60, false).await;

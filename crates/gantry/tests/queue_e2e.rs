@@ -100,7 +100,8 @@ fn generate_repo(dir: &Path, specs: &[Spec]) {
     git(dir, &["config", "user.email", "dev@example.com"]);
     git(dir, &["config", "user.name", "dev"]);
     std::fs::write(dir.join("WORKSPACE"), "").unwrap();
-    let check = "#!/bin/sh\nfor f in \"$@\"; do\n  if grep -q BROKEN \"$f\"; then echo \"$f is BROKEN\"; exit 1; fi\ndone\n";
+    let check =
+        "#!/bin/sh\nfor f in \"$@\"; do\n  if grep -q BROKEN \"$f\"; then echo \"$f is BROKEN\"; exit 1; fi\ndone\n";
     let pair = "#!/bin/sh\nif grep -q ON \"$1\" && grep -q ON \"$2\"; then echo 'a and b are both ON'; exit 1; fi\n";
     for p in PACKAGES {
         std::fs::create_dir_all(dir.join(p)).unwrap();
@@ -157,7 +158,12 @@ fn history(url: &str) -> Value {
 }
 
 fn decided(h: &Value) -> usize {
-    h["changes"].as_array().unwrap().iter().filter(|c| ["LANDED", "REJECTED", "CANCELLED"].contains(&c["state"].as_str().unwrap())).count()
+    h["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| ["LANDED", "REJECTED", "CANCELLED"].contains(&c["state"].as_str().unwrap()))
+        .count()
 }
 
 fn wait_decided(url: &str, n: usize, limit: Duration) -> Value {
@@ -207,7 +213,8 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     // Twelve submissions in quick succession.
     let mut ids: BTreeMap<String, &'static str> = BTreeMap::new();
     for c in &specs {
-        let out = gantry().args(["queue", "submit", "--json", "--change", c.branch, "--server", &url]).output().unwrap();
+        let out =
+            gantry().args(["queue", "submit", "--json", "--change", c.branch, "--server", &url]).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["state"], "SUBMITTED");
@@ -216,7 +223,9 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     let branch_of = |id: &str| ids[id];
     let watcher = {
         let url = url.clone();
-        std::thread::spawn(move || gantry().args(["queue", "watch", "c1", "--json", "--server", &url]).output().unwrap())
+        std::thread::spawn(move || {
+            gantry().args(["queue", "watch", "c1", "--json", "--server", &url]).output().unwrap()
+        })
     };
 
     // Status shows position, predicted success and the builds under way.
@@ -225,8 +234,11 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
         let out = gantry().args(["queue", "status", "--json", "--server", &url]).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let s: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let pending: Vec<&Value> = s["changes"].as_array().unwrap().iter().filter(|c| c["state"] == "PENDING").collect();
-        if pending.len() >= 2 && pending.iter().any(|c| c["builds"].as_array().unwrap().iter().any(|b| b["state"] == "RUNNING")) {
+        let pending: Vec<&Value> =
+            s["changes"].as_array().unwrap().iter().filter(|c| c["state"] == "PENDING").collect();
+        if pending.len() >= 2
+            && pending.iter().any(|c| c["builds"].as_array().unwrap().iter().any(|b| b["state"] == "RUNNING"))
+        {
             break s;
         }
         assert!(start.elapsed() < Duration::from_secs(180), "no pending change with a running build: {s:#}");
@@ -254,7 +266,8 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     let h = wait_decided(&url, specs.len(), Duration::from_secs(420));
     let changes: Vec<&Value> = h["changes"].as_array().unwrap().iter().collect();
     let watch_out = watcher.join().unwrap();
-    let last_watch = String::from_utf8_lossy(&watch_out.stdout).lines().last().map(|l| serde_json::from_str::<Value>(l).unwrap());
+    let last_watch =
+        String::from_utf8_lossy(&watch_out.stdout).lines().last().map(|l| serde_json::from_str::<Value>(l).unwrap());
     let c1_state = changes.iter().find(|c| c["change_id"] == "c1").unwrap()["state"].clone();
     // The watch stream ended with the server's restart or with c1's decision.
     if let Some(w) = last_watch.filter(|w| w["state"] != "PENDING" && w["state"] != "SUBMITTED") {
@@ -278,7 +291,11 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     let m = wait_metrics(&server.http, Duration::from_secs(10), |m| {
         metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(expected.len() as f64)
     });
-    assert_eq!(metric_value(&m, "gantry_queue_changes{state=\"REJECTED\"}"), Some((specs.len() - expected.len()) as f64), "{m}");
+    assert_eq!(
+        metric_value(&m, "gantry_queue_changes{state=\"REJECTED\"}"),
+        Some((specs.len() - expected.len()) as f64),
+        "{m}"
+    );
     assert_eq!(metric_value(&m, "gantry_queue_changes{state=\"PENDING\"}"), Some(0.0), "{m}");
     assert_eq!(metric_value(&m, "gantry_queue_running_builds"), Some(0.0), "{m}");
     let builds_started = metric_value(&m, "gantry_queue_builds_started_total").unwrap();
@@ -290,8 +307,11 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     assert_eq!(decided_count, specs.len() as f64, "{m}");
 
     // Exactly the right changes landed.
-    let landed: BTreeSet<&str> =
-        changes.iter().filter(|c| c["state"] == "LANDED").map(|c| branch_of(c["change_id"].as_str().unwrap())).collect();
+    let landed: BTreeSet<&str> = changes
+        .iter()
+        .filter(|c| c["state"] == "LANDED")
+        .map(|c| branch_of(c["change_id"].as_str().unwrap()))
+        .collect();
     assert_eq!(landed, expected, "landed set differs from the reference");
     assert!(!(landed.contains("pair-a") && landed.contains("pair-b")), "the conflicting pair both landed");
     let clash = changes.iter().find(|c| branch_of(c["change_id"].as_str().unwrap()) == "p4-clash").unwrap();
@@ -310,7 +330,11 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     for w in moves.windows(2) {
         assert_eq!(w[1]["old_commit"], w[0]["new_commit"]);
         let parent = git(&repo, &["rev-parse", &format!("{}^", w[1]["new_commit"].as_str().unwrap())]);
-        assert_eq!(parent, w[1]["old_commit"].as_str().unwrap(), "each landing adds one commit on the previous mainline");
+        assert_eq!(
+            parent,
+            w[1]["old_commit"].as_str().unwrap(),
+            "each landing adds one commit on the previous mainline"
+        );
     }
     let head = git(&repo, &["rev-parse", "main"]);
     assert_eq!(head, moves.last().unwrap()["new_commit"].as_str().unwrap());
@@ -344,7 +368,12 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     };
     let deciding: Vec<(&Value, &Value)> = moves[1..]
         .iter()
-        .map(|m| (*changes.iter().find(|c| c["change_id"] == m["change_id"]).unwrap(), builds[m["build_id"].as_str().unwrap()]))
+        .map(|m| {
+            (
+                *changes.iter().find(|c| c["change_id"] == m["change_id"]).unwrap(),
+                builds[m["build_id"].as_str().unwrap()],
+            )
+        })
         .collect();
     let mut parallel = vec![];
     for (i, (a, ba)) in deciding.iter().enumerate() {
@@ -381,9 +410,19 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
             .current_dir(&wt)
             .output()
             .unwrap();
-        assert!(out.status.success(), "bazel test //... at version {} ({commit}): {}", m["version"], String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "bazel test //... at version {} ({commit}): {}",
+            m["version"],
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    let _ = Command::new("bazel").args(["--nohome_rc", "--noworkspace_rc"]).arg(format!("--output_base={}", recheck_base.display())).arg("shutdown").current_dir(&repo).output();
+    let _ = Command::new("bazel")
+        .args(["--nohome_rc", "--noworkspace_rc"])
+        .arg(format!("--output_base={}", recheck_base.display()))
+        .arg("shutdown")
+        .current_dir(&repo)
+        .output();
     server.stop();
     println!("queue_e2e took {:.1} s", t0.elapsed().as_secs_f64());
 }

@@ -161,7 +161,10 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let note = loop {
         let s = queue_json(&url, &["status"]);
         let running = s["changes"].as_array().unwrap().iter().find(|c| c["change_id"] == w.as_str()).and_then(|c| {
-            builds(c).into_iter().find(|b| b["state"] == "RUNNING" && b["message"].as_str().unwrap().contains("infrastructure error")).cloned()
+            builds(c)
+                .into_iter()
+                .find(|b| b["state"] == "RUNNING" && b["message"].as_str().unwrap().contains("infrastructure error"))
+                .cloned()
         });
         if let Some(b) = running {
             break b["message"].as_str().unwrap().to_string();
@@ -172,7 +175,9 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     assert!(note.contains("check.sh") && note.contains("No such file") && note.contains(", try "), "{note}");
     let appeared = Instant::now();
     write_build_script(&script, &gates);
-    let h = wait_history(&url, "w lands once its build command exists", Duration::from_secs(60), |h| state(h, &w) != "PENDING");
+    let h = wait_history(&url, "w lands once its build command exists", Duration::from_secs(60), |h| {
+        state(h, &w) != "PENDING"
+    });
     assert_eq!(state(&h, &w), "LANDED", "an infrastructure error is not the change's fault: {h:#}");
     println!("{w} landed {:.1} s after its build command appeared", appeared.elapsed().as_secs_f64());
     let wb = builds(change(&h, &w));
@@ -191,11 +196,20 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let z = submit(&url, "z-b-other");
     let d = submit(&url, "d-edit");
     let h = wait_history(&url, "every build under way", Duration::from_secs(120), |h| {
-        let running = |id: &str, with: &[&str]| builds(change(h, id)).iter().any(|b| b["state"] == "RUNNING" && assumed(b) == with);
+        let running = |id: &str, with: &[&str]| {
+            builds(change(h, id)).iter().any(|b| b["state"] == "RUNNING" && assumed(b) == with)
+        };
         running(&x, &[]) && running(&y, &[]) && running(&z, &[&y]) && running(&z, &[]) && running(&d, &[])
     });
     let independent = |a: &Value, b: &Value| {
-        let set = |c: &Value| c["affected_targets"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect::<Vec<_>>();
+        let set = |c: &Value| {
+            c["affected_targets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
         set(a).iter().all(|t| !set(b).contains(t))
     };
     assert!(independent(change(&h, &x), change(&h, &y)), "x and y are proven independent: {h:#}");
@@ -208,7 +222,8 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cancel = |id: &str| {
         rt.block_on(async {
-            let mut client = pb::submit_queue_client::SubmitQueueClient::connect(format!("http://{}", server.grpc)).await.unwrap();
+            let mut client =
+                pb::submit_queue_client::SubmitQueueClient::connect(format!("http://{}", server.grpc)).await.unwrap();
             client.cancel(pb::CancelRequest { change_id: id.to_string() }).await
         })
     };
@@ -231,7 +246,10 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let reason = yc["reason"].as_str().unwrap();
     assert!(reason.contains("combined-tree check failed") && reason.contains("a and b are both ON"), "{reason}");
     let yb = builds(yc);
-    assert!(yb.iter().any(|b| b["state"] == "PASSED" && b["base_version"] == 1 && assumed(b).is_empty()), "y's own build passed on version 1: {h:#}");
+    assert!(
+        yb.iter().any(|b| b["state"] == "PASSED" && b["base_version"] == 1 && assumed(b).is_empty()),
+        "y's own build passed on version 1: {h:#}"
+    );
     // The planner dropped y: z's build that assumed y is cancelled, and z is built
     // again on the real mainline (version 3 exists and holds no change).
     let zc = change(&h, &z);
@@ -264,11 +282,12 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let db = format!("sqlite://{}", data.join("metadata.db").display());
     rt.block_on(async {
         let pool = sqlx::sqlite::SqlitePool::connect(&db).await.unwrap();
-        let (seq, last): (i64, i64) =
-            sqlx::query_as("SELECT seq, (SELECT MAX(seq) FROM queue_events) FROM queue_events WHERE dedup_key = 'landing-failed:3'")
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let (seq, last): (i64, i64) = sqlx::query_as(
+            "SELECT seq, (SELECT MAX(seq) FROM queue_events) FROM queue_events WHERE dedup_key = 'landing-failed:3'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
         assert_eq!(seq, last, "y's landing failure is the last event journaled");
         sqlx::query("DELETE FROM queue_events WHERE seq = $1").bind(seq).execute(&pool).await.unwrap();
         pool.close().await;
@@ -285,7 +304,10 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     assert_eq!(running, [(3, vec![])], "after the restart z is built on the real mainline only: {h:#}");
     rt.block_on(async {
         let pool = sqlx::sqlite::SqlitePool::connect(&db).await.unwrap();
-        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM queue_events WHERE dedup_key = 'landing-failed:3'").fetch_one(&pool).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM queue_events WHERE dedup_key = 'landing-failed:3'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
         assert_eq!(n, 1, "the startup journaled y's landing failure again");
         pool.close().await;
     });
@@ -297,7 +319,11 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     assert_eq!(zc["landed_version"], 4, "{h:#}");
     let deciding = &h["mainline"][4]["build_id"];
     let zb = builds(zc).into_iter().find(|b| b["build_id"] == *deciding).unwrap();
-    assert_eq!((zb["base_version"].as_u64(), assumed(zb)), (Some(3), vec![]), "z was decided on the real mainline: {h:#}");
+    assert_eq!(
+        (zb["base_version"].as_u64(), assumed(zb)),
+        (Some(3), vec![]),
+        "z was decided on the real mainline: {h:#}"
+    );
     assert_eq!(h["mainline"][4]["how"], "fast-forward", "{h:#}");
     assert_ne!(state(&h, &d), "LANDED");
 
@@ -307,13 +333,29 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| (m["version"].as_u64().unwrap(), m["change_id"].as_str().unwrap().to_string(), m["state"].as_str().unwrap().to_string()))
+        .map(|m| {
+            (
+                m["version"].as_u64().unwrap(),
+                m["change_id"].as_str().unwrap().to_string(),
+                m["state"].as_str().unwrap().to_string(),
+            )
+        })
         .collect();
     let expect = |v: u64, c: &str, s: &str| (v, c.to_string(), s.to_string());
-    assert_eq!(moves, [expect(0, "", "DONE"), expect(1, &w, "DONE"), expect(2, &x, "DONE"), expect(3, &y, "FAILED"), expect(4, &z, "DONE")]);
+    assert_eq!(
+        moves,
+        [
+            expect(0, "", "DONE"),
+            expect(1, &w, "DONE"),
+            expect(2, &x, "DONE"),
+            expect(3, &y, "FAILED"),
+            expect(4, &z, "DONE")
+        ]
+    );
     let y_move = &h["mainline"][3];
     assert_eq!(y_move["old_commit"], y_move["new_commit"], "{y_move:#}");
-    let pointed: Vec<String> = git(&repo, &["log", "-g", "--format=%H", "refs/heads/main"]).lines().map(str::to_string).collect();
+    let pointed: Vec<String> =
+        git(&repo, &["log", "-g", "--format=%H", "refs/heads/main"]).lines().map(str::to_string).collect();
     assert_eq!(pointed.last(), Some(&initial));
     assert_eq!(pointed.len(), 4, "initial, w, x, z: {pointed:?}");
     for commit in &pointed {
@@ -326,7 +368,9 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
 
     // The metrics, rebuilt at the restart from the journal and the documents.
     let n_builds = h["changes"].as_array().unwrap().iter().map(|c| builds(c).len()).sum::<usize>() as f64;
-    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(3.0));
+    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| {
+        metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(3.0)
+    });
     let value = |series: &str| metric_value(&m, series).unwrap_or_else(|| panic!("no {series} in\n{m}"));
     for (state, n) in [("SUBMITTED", 0.0), ("PENDING", 0.0), ("LANDED", 3.0), ("REJECTED", 1.0), ("CANCELLED", 1.0)] {
         assert_eq!(value(&format!("gantry_queue_changes{{state=\"{state}\"}}")), n, "{state}\n{m}");

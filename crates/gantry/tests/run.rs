@@ -209,7 +209,8 @@ async fn local_win_cancels_the_remote_operation() {
     let name = r["operation"].as_str().expect("the remote branch reached Execute").to_string();
 
     // The server reports the operation done and CANCELLED, and the worker killed the command.
-    let channel = tonic::transport::Channel::from_shared(format!("http://{}", server.grpc)).unwrap().connect().await.unwrap();
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{}", server.grpc)).unwrap().connect().await.unwrap();
     let mut ops = OperationsClient::new(channel);
     let deadline = Instant::now() + Duration::from_secs(10);
     let op = loop {
@@ -241,7 +242,8 @@ fn a_hundred_races_with_flipping_winners_leave_no_temp_files_and_no_torn_outputs
     let p = Project::new(&server);
     // Run i: the even side is slow locally, the odd side is slow remotely. Every output
     // names its side and run, so a mix of two branches' outputs is detected.
-    let write = "mkdir -p tree/a; echo \"$side $1\" > out.txt; echo \"$side $1\" > tree/a/one; echo \"$side $1\" > tree/two";
+    let write =
+        "mkdir -p tree/a; echo \"$side $1\" > out.txt; echo \"$side $1\" > tree/a/one; echo \"$side $1\" > tree/two";
     let script = sided(
         p.path(),
         &format!("if [ $(($1 % 2)) -eq 0 ]; then sleep 0.6; fi; {write}"),
@@ -250,7 +252,8 @@ fn a_hundred_races_with_flipping_winners_leave_no_temp_files_and_no_torn_outputs
     let mut wins = std::collections::BTreeMap::<String, u32>::new();
     for i in 0..100 {
         let n = i.to_string();
-        let (o, r) = p.run(&["--inputs", "in.txt", "--outputs", "out.txt", "tree", "--local-delay", "0s"], &script, &[&n]);
+        let (o, r) =
+            p.run(&["--inputs", "in.txt", "--outputs", "out.txt", "tree", "--local-delay", "0s"], &script, &[&n]);
         assert!(o.status.success(), "run {i}: {}", stderr(&o));
         let side = r["winner"].as_str().unwrap().to_string();
         let want = format!("{side} {i}\n");
@@ -285,4 +288,3 @@ fn bad_input_is_refused_precisely() {
     assert_eq!(p.listing(), ["in.txt"]);
     server.stop();
 }
-

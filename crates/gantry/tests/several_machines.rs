@@ -21,8 +21,6 @@ use std::time::{Duration, Instant};
 use common::{free_addr, process_summary, BazelWorkspace, GantryServer, WorkerProcess};
 use gantry_testkit::{PgServer, S3Server, S3_KEY_ID, S3_SECRET_KEY};
 
-
-
 #[test]
 fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     let Some(pg) = PgServer::start() else { return };
@@ -43,7 +41,11 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
 
     let ws = BazelWorkspace::new();
     let via = |front: &GantryServer| {
-        vec![format!("--remote_executor=grpc://{}", front.grpc), "--remote_timeout=120".to_string(), "//...".to_string()]
+        vec![
+            format!("--remote_executor=grpc://{}", front.grpc),
+            "--remote_timeout=120".to_string(),
+            "//...".to_string(),
+        ]
     };
     let out = ws.bazel_with_strategy("test", &via(&a), "remote");
     assert!(out.status.success(), "build through frontend A failed:\n{}", text(&out));
@@ -55,8 +57,14 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     let executed: i64 = pg.psql("gantry", "SELECT COUNT(*) FROM action_executions").parse().unwrap();
     assert!(executed >= remote as i64, "{executed} executions recorded for {remote} remote actions");
     let worker_ids = pg.psql("gantry", "SELECT DISTINCT worker FROM action_executions");
-    assert!(worker_ids.lines().all(|w| w.contains("-local-")), "ran on the scheduler's in-process workers: {worker_ids}");
-    assert_eq!(pg.psql("gantry", "SELECT MAX(version) FROM _sqlx_migrations"), gantry_store::MetadataDb::latest_version().to_string());
+    assert!(
+        worker_ids.lines().all(|w| w.contains("-local-")),
+        "ran on the scheduler's in-process workers: {worker_ids}"
+    );
+    assert_eq!(
+        pg.psql("gantry", "SELECT MAX(version) FROM _sqlx_migrations"),
+        gantry_store::MetadataDb::latest_version().to_string()
+    );
 
     assert!(ws.bazel("clean", &[]).status.success());
     let out = ws.bazel_with_strategy("test", &via(&b), "remote");
@@ -73,7 +81,10 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
 /// Every action of a rebuild was a remote cache hit, at least `remote` of them.
 fn assert_all_cache_hits(out: &std::process::Output, remote: u64) {
     let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
-    assert!(summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"), "every action a cache hit: {summary:?}");
+    assert!(
+        summary.iter().all(|(k, _)| k == "remote cache hit" || k == "internal"),
+        "every action a cache hit: {summary:?}"
+    );
     assert!(summary.iter().any(|(k, n)| k == "remote cache hit" && *n >= remote), "{summary:?}");
 }
 
@@ -116,7 +127,9 @@ fn two_servers_share_an_s3_bucket_and_postgres_not_their_tiers() {
     let b = GantryServer::start_env(&tmp.path().join("b"), &["--config", &cfg], &env);
 
     let ws = BazelWorkspace::new();
-    let via = |s: &GantryServer| vec![format!("--remote_executor=grpc://{}", s.grpc), "--remote_timeout=120".to_string(), "//...".to_string()];
+    let via = |s: &GantryServer| {
+        vec![format!("--remote_executor=grpc://{}", s.grpc), "--remote_timeout=120".to_string(), "//...".to_string()]
+    };
     let out = ws.bazel_with_strategy("build", &via(&a), "remote");
     assert!(out.status.success(), "build through A failed:\n{}", text(&out));
     let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
@@ -125,11 +138,18 @@ fn two_servers_share_an_s3_bucket_and_postgres_not_their_tiers() {
     let first = tree(&ws.bin());
     assert!(first.get("big.txt").is_some_and(|b| b.len() == 5_550_000), "{:?}", first.keys().collect::<Vec<_>>());
     let objects = s3.list("gantry-cas");
-    assert!(objects.iter().filter(|k| k.starts_with("cas/sha256/")).count() >= remote as usize, "the outputs are in the bucket: {objects:?}");
+    assert!(
+        objects.iter().filter(|k| k.starts_with("cas/sha256/")).count() >= remote as usize,
+        "the outputs are in the bucket: {objects:?}"
+    );
     // B's tier holds no blob yet: what it serves must come from the bucket.
     let tier_blobs = |s: &str| {
         let dir = tmp.path().join(s).join("cas-local/sha256");
-        if dir.exists() { tree(&dir).len() } else { 0 }
+        if dir.exists() {
+            tree(&dir).len()
+        } else {
+            0
+        }
     };
     assert!(tier_blobs("a") >= remote as usize, "A kept its uploads in its own tier");
     assert_eq!(tier_blobs("b"), 0);
@@ -151,7 +171,11 @@ fn write_slow_package(ws: &Path, marker_dir: &Path) {
     std::fs::create_dir_all(&dir).unwrap();
     let mut build = String::new();
     for i in 0..4 {
-        let (srcs, cat) = if i == 0 { (String::new(), String::new()) } else { (format!("    srcs = [\":s{}\"],\n", i - 1), "cat $(SRCS) > $@; ".to_string()) };
+        let (srcs, cat) = if i == 0 {
+            (String::new(), String::new())
+        } else {
+            (format!("    srcs = [\":s{}\"],\n", i - 1), "cat $(SRCS) > $@; ".to_string())
+        };
         let mark = format!("touch {}/started-{i}-$$$$; ", marker_dir.display());
         build.push_str(&format!(
             "genrule(\n    name = \"s{i}\",\n{srcs}    outs = [\"s{i}.txt\"],\n    cmd = \"{mark}sleep 2; {cat}echo step {i} >> $@\",\n)\n\n"
@@ -184,7 +208,8 @@ fn scheduler_sigkill_mid_build_is_invisible_to_bazel() {
 
     let ws = BazelWorkspace::new();
     write_slow_package(&ws.ws(), &markers);
-    let flags = vec![format!("--remote_executor=grpc://{addr}"), "--remote_timeout=120".to_string(), "//slow:s3".to_string()];
+    let flags =
+        vec![format!("--remote_executor=grpc://{addr}"), "--remote_timeout=120".to_string(), "//slow:s3".to_string()];
     let build = std::thread::scope(|s| {
         let h = s.spawn(|| ws.bazel_with_strategy("build", &flags, "remote"));
         // Wait until the first action is running on the worker, then crash the scheduler.

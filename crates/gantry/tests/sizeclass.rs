@@ -47,7 +47,12 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
 
     // Needs ~200 MB: over class 1's 150 MiB address-space limit, under class 2's 300 MiB.
     let hungry = c
-        .action(command(&["/usr/bin/python3", "-c", "b = bytearray(200_000_000); print(len(b))"], &[], &[]), input, 120, true)
+        .action(
+            command(&["/usr/bin/python3", "-c", "b = bytearray(200_000_000); print(len(b))"], &[], &[]),
+            input,
+            120,
+            true,
+        )
         .await;
     let (class, message, exit) = run(&c, hungry).await;
     assert_eq!((class, exit), (2, 0), "the first run fails on class 1 and is retried on class 2");
@@ -74,7 +79,11 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
     // is twice as slow as class 2, beyond the acceptable 0.4 s x sqrt(2). It settles on 2.
     let parallel = c
         .action(
-            command(&["/usr/bin/python3", "-c", "import os, time; time.sleep(0.8 / len(os.sched_getaffinity(0)))"], &[], &[]),
+            command(
+                &["/usr/bin/python3", "-c", "import os, time; time.sleep(0.8 / len(os.sched_getaffinity(0)))"],
+                &[],
+                &[],
+            ),
             input,
             120,
             true,

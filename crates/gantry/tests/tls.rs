@@ -13,14 +13,12 @@ use common::output_text as text;
 use std::process::Command;
 
 use common::reapi::{command, Client, Node};
+use common::tls::Ca;
+use common::write_file as write;
 use common::{GantryServer, WorkerProcess};
 use gantry_core::reapi::capabilities_client::CapabilitiesClient;
 use gantry_core::reapi::GetCapabilitiesRequest;
-use common::tls::Ca;
-use common::write_file as write;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-
-
 
 async fn tls_channel(port: u16, ca: &str, client: Option<(&str, &str)>) -> Result<Channel, String> {
     let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
@@ -38,7 +36,11 @@ async fn tls_channel(port: u16, ca: &str, client: Option<(&str, &str)>) -> Resul
 
 async fn capabilities(port: u16, ca: &str, client: Option<(&str, &str)>) -> Result<(), String> {
     let channel = tls_channel(port, ca, client).await?;
-    CapabilitiesClient::new(channel).get_capabilities(GetCapabilitiesRequest::default()).await.map(|_| ()).map_err(|e| format!("{e:?}"))
+    CapabilitiesClient::new(channel)
+        .get_capabilities(GetCapabilitiesRequest::default())
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("{e:?}"))
 }
 
 #[test]
@@ -86,7 +88,11 @@ fn mutual_tls_for_clients_workers_and_metrics() {
         let ch = Channel::from_shared(format!("http://127.0.0.1:{port}")).unwrap().connect().await;
         match ch {
             Err(_) => Err(()),
-            Ok(ch) => CapabilitiesClient::new(ch).get_capabilities(GetCapabilitiesRequest::default()).await.map(|_| ()).map_err(|_| ()),
+            Ok(ch) => CapabilitiesClient::new(ch)
+                .get_capabilities(GetCapabilitiesRequest::default())
+                .await
+                .map(|_| ())
+                .map_err(|_| ()),
         }
     });
     assert!(plain.is_err(), "plaintext must not be served on the TLS port");
@@ -116,7 +122,8 @@ fn mutual_tls_for_clients_workers_and_metrics() {
         let mut files = std::collections::BTreeMap::new();
         files.insert("in.txt".to_string(), Node::File(b"over TLS\n".to_vec(), false));
         let input = c.tree(&files).await;
-        let action = c.action(command(&["/bin/sh", "-c", "cat in.txt > out.txt"], &["out.txt"], &[]), input, 60, false).await;
+        let action =
+            c.action(command(&["/bin/sh", "-c", "cat in.txt > out.txt"], &["out.txt"], &[]), input, 60, false).await;
         let (_, _, resp) = c.execute(action, true).await;
         assert_eq!(resp.status.as_ref().map_or(0, |s| s.code), 0, "{:?}", resp.status);
         let r = resp.result.unwrap();
@@ -138,7 +145,10 @@ fn mutual_tls_for_clients_workers_and_metrics() {
         assert!(start.elapsed() < std::time::Duration::from_secs(10), "the new certificate never took effect");
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    assert!(rt.block_on(capabilities(port, &ca.pem(), Some((&cli_cert, &cli_key)))).is_err(), "the old certificate is gone");
+    assert!(
+        rt.block_on(capabilities(port, &ca.pem(), Some((&cli_cert, &cli_key)))).is_err(),
+        "the old certificate is gone"
+    );
     // A broken file on SIGHUP keeps the working certificate.
     write(d, "server.key", "not a key");
     Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{Fleet, PolicyReport, TraceAction};
 use crate::{
-    ActionStats, ClassQueue, Execution, Outcome, QueueState, SelectionConfig, SelectionInput,
-    SelectionMetrics, SizeClass, SizeClasses, Timestamp, record, retry_on_largest, select,
+    record, retry_on_largest, select, ActionStats, ClassQueue, Execution, Outcome, QueueState, SelectionConfig,
+    SelectionInput, SelectionMetrics, SizeClass, SizeClasses, Timestamp,
 };
 
 /// Simulated time 0 as a wall-clock instant (arbitrary; keeps timestamps realistic).
@@ -42,11 +42,7 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 3] = [
-        Policy::Learned,
-        Policy::AlwaysLargest,
-        Policy::SmallestThenLargest,
-    ];
+    pub const ALL: [Policy; 3] = [Policy::Learned, Policy::AlwaysLargest, Policy::SmallestThenLargest];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -76,12 +72,7 @@ struct Job {
 #[derive(Debug)]
 enum EventKind {
     Arrival(usize),
-    Finish {
-        pool: usize,
-        job: Job,
-        outcome: Outcome,
-        run_s: f64,
-    },
+    Finish { pool: usize, job: Job, outcome: Outcome, run_s: f64 },
 }
 
 struct Event {
@@ -93,10 +84,7 @@ struct Event {
 // Min-heap order on (time, seq); seq makes simultaneous events deterministic.
 impl Ord for Event {
     fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .time
-            .total_cmp(&self.time)
-            .then_with(|| other.seq.cmp(&self.seq))
+        other.time.total_cmp(&self.time).then_with(|| other.seq.cmp(&self.seq))
     }
 }
 impl PartialOrd for Event {
@@ -123,10 +111,7 @@ struct Pool {
 pub(crate) fn execute(action: &TraceAction, class: SizeClass, timeout_s: f64) -> (Outcome, f64) {
     let d = action.duration_s[&class];
     if d > timeout_s {
-        return (
-            Outcome::TimedOut(Duration::from_secs_f64(timeout_s)),
-            timeout_s,
-        );
+        return (Outcome::TimedOut(Duration::from_secs_f64(timeout_s)), timeout_s);
     }
     if class < action.min_class {
         (Outcome::Failed, d)
@@ -150,18 +135,11 @@ struct Sim<'a> {
 impl Sim<'_> {
     fn push(&mut self, time: f64, kind: EventKind) {
         self.seq += 1;
-        self.heap.push(Event {
-            time,
-            seq: self.seq,
-            kind,
-        });
+        self.heap.push(Event { time, seq: self.seq, kind });
     }
 
     fn pool_of(&self, class: SizeClass) -> usize {
-        self.pools
-            .iter()
-            .position(|p| p.class == class)
-            .expect("decision is a fleet class")
+        self.pools.iter().position(|p| p.class == class).expect("decision is a fleet class")
     }
 
     fn enqueue(&mut self, now: f64, pool: usize, job: Job) {
@@ -175,20 +153,8 @@ impl Sim<'_> {
                 break;
             };
             self.pools[pool].busy += 1;
-            let (outcome, run_s) = execute(
-                &self.trace[job.action],
-                self.pools[pool].class,
-                job.timeout_s,
-            );
-            self.push(
-                now + run_s,
-                EventKind::Finish {
-                    pool,
-                    job,
-                    outcome,
-                    run_s,
-                },
-            );
+            let (outcome, run_s) = execute(&self.trace[job.action], self.pools[pool].class, job.timeout_s);
+            self.push(now + run_s, EventKind::Finish { pool, job, outcome, run_s });
         }
     }
 
@@ -197,18 +163,9 @@ impl Sim<'_> {
             .iter()
             .map(|p| {
                 let idle = p.workers - p.busy;
-                let wait = if idle > 0 {
-                    0.0
-                } else {
-                    (p.queue.len() + 1) as f64 * p.mean_run_s / f64::from(p.workers)
-                };
-                (
-                    p.class,
-                    ClassQueue {
-                        expected_wait: Duration::from_secs_f64(wait),
-                        idle_workers: idle,
-                    },
-                )
+                let wait =
+                    if idle > 0 { 0.0 } else { (p.queue.len() + 1) as f64 * p.mean_run_s / f64::from(p.workers) };
+                (p.class, ClassQueue { expected_wait: Duration::from_secs_f64(wait), idle_workers: idle })
             })
             .collect()
     }
@@ -231,13 +188,7 @@ pub(crate) fn run_policy(
     let largest = classes.largest();
     let pools = fleet
         .iter()
-        .map(|(class, workers)| Pool {
-            class,
-            workers,
-            busy: 0,
-            queue: VecDeque::new(),
-            mean_run_s: 0.0,
-        })
+        .map(|(class, workers)| Pool { class, workers, busy: 0, queue: VecDeque::new(), mean_run_s: 0.0 })
         .collect();
     let mut sim = Sim {
         trace,
@@ -291,22 +242,9 @@ pub(crate) fn run_policy(
                     }
                 };
                 let pool = sim.pool_of(class);
-                sim.enqueue(
-                    now,
-                    pool,
-                    Job {
-                        action: i,
-                        timeout_s,
-                        first: None,
-                    },
-                );
+                sim.enqueue(now, pool, Job { action: i, timeout_s, first: None });
             }
-            EventKind::Finish {
-                pool,
-                job,
-                outcome,
-                run_s,
-            } => {
+            EventKind::Finish { pool, job, outcome, run_s } => {
                 let class = sim.pools[pool].class;
                 {
                     let p = &mut sim.pools[pool];
@@ -340,24 +278,11 @@ pub(crate) fn run_policy(
                     }
                     if policy == Policy::Learned {
                         let execution = match job.first {
-                            Some((c, o)) => Execution {
-                                size_class: c,
-                                outcome: o,
-                                largest_outcome: Some(outcome),
-                            },
-                            None => Execution {
-                                size_class: class,
-                                outcome,
-                                largest_outcome: None,
-                            },
+                            Some((c, o)) => Execution { size_class: c, outcome: o, largest_outcome: Some(outcome) },
+                            None => Execution { size_class: class, outcome, largest_outcome: None },
                         };
-                        let summary = record(
-                            &mut stats[key_of[job.action]],
-                            params.selection,
-                            largest,
-                            &execution,
-                            now_ts(now),
-                        )?;
+                        let summary =
+                            record(&mut stats[key_of[job.action]], params.selection, largest, &execution, now_ts(now))?;
                         metrics.observe_record(&summary);
                     }
                 }
@@ -365,12 +290,7 @@ pub(crate) fn run_policy(
             }
         }
     }
-    Ok(PolicyReport::from_run(
-        sim.cost,
-        &mut sim.latencies,
-        sim.retries,
-        sim.failed,
-    ))
+    Ok(PolicyReport::from_run(sim.cost, &mut sim.latencies, sim.retries, sim.failed))
 }
 
 #[cfg(test)]
@@ -391,41 +311,21 @@ mod tests {
 
     #[test]
     fn execute_applies_min_class_and_timeouts() {
-        assert_eq!(
-            execute(&action(1, 5.0, 2.0), 1, 10.0),
-            (Outcome::Succeeded(Duration::from_secs(5)), 5.0)
-        );
-        assert_eq!(
-            execute(&action(8, 5.0, 2.0), 1, 10.0),
-            (Outcome::Failed, 5.0)
-        );
-        assert_eq!(
-            execute(&action(1, 50.0, 2.0), 1, 10.0),
-            (Outcome::TimedOut(Duration::from_secs(10)), 10.0)
-        );
+        assert_eq!(execute(&action(1, 5.0, 2.0), 1, 10.0), (Outcome::Succeeded(Duration::from_secs(5)), 5.0));
+        assert_eq!(execute(&action(8, 5.0, 2.0), 1, 10.0), (Outcome::Failed, 5.0));
+        assert_eq!(execute(&action(1, 50.0, 2.0), 1, 10.0), (Outcome::TimedOut(Duration::from_secs(10)), 10.0));
         // A failure that would only show after the timeout is a timeout.
-        assert_eq!(
-            execute(&action(8, 50.0, 2.0), 1, 10.0),
-            (Outcome::TimedOut(Duration::from_secs(10)), 10.0)
-        );
-        assert_eq!(
-            execute(&action(16, 5.0, 2.0), 8, 10.0),
-            (Outcome::Failed, 2.0)
-        );
+        assert_eq!(execute(&action(8, 50.0, 2.0), 1, 10.0), (Outcome::TimedOut(Duration::from_secs(10)), 10.0));
+        assert_eq!(execute(&action(16, 5.0, 2.0), 8, 10.0), (Outcome::Failed, 2.0));
     }
 
     #[test]
     fn events_pop_in_time_then_sequence_order() {
         let mut h = BinaryHeap::new();
         for (time, seq) in [(2.0, 1), (1.0, 3), (1.0, 2), (0.5, 4)] {
-            h.push(Event {
-                time,
-                seq,
-                kind: EventKind::Arrival(0),
-            });
+            h.push(Event { time, seq, kind: EventKind::Arrival(0) });
         }
-        let order: Vec<(f64, u64)> =
-            std::iter::from_fn(|| h.pop().map(|e| (e.time, e.seq))).collect();
+        let order: Vec<(f64, u64)> = std::iter::from_fn(|| h.pop().map(|e| (e.time, e.seq))).collect();
         assert_eq!(order, vec![(0.5, 4), (1.0, 2), (1.0, 3), (2.0, 1)]);
     }
 }

@@ -61,17 +61,9 @@ impl FromStr for Fleet {
 /// Parses `CLASS:COUNT[,CLASS:COUNT...]`. Whitespace around entries and
 /// numbers is ignored; classes may come in any order but not twice.
 pub fn parse_fleet(spec: &str) -> Result<Fleet, Error> {
-    let err = |entry: usize, text: &str, reason: String| Error::FleetSpec {
-        entry,
-        text: text.to_string(),
-        reason,
-    };
+    let err = |entry: usize, text: &str, reason: String| Error::FleetSpec { entry, text: text.to_string(), reason };
     if spec.trim().is_empty() {
-        return Err(err(
-            1,
-            spec,
-            "empty fleet spec; expected e.g. `1:48,2:24`".into(),
-        ));
+        return Err(err(1, spec, "empty fleet spec; expected e.g. `1:48,2:24`".into()));
     }
     let mut workers = BTreeMap::new();
     let mut seen_at: BTreeMap<SizeClass, usize> = BTreeMap::new();
@@ -82,26 +74,18 @@ pub fn parse_fleet(spec: &str) -> Result<Fleet, Error> {
             return Err(err(entry, text, "expected CLASS:COUNT".into()));
         };
         let (class_s, count_s) = (class_s.trim(), count_s.trim());
-        let class: SizeClass = class_s.parse().ok().filter(|c| *c > 0).ok_or_else(|| {
-            err(
-                entry,
-                text,
-                format!("size class `{class_s}` is not a positive integer"),
-            )
-        })?;
-        let count: u32 = count_s.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-            err(
-                entry,
-                text,
-                format!("worker count `{count_s}` is not a positive integer"),
-            )
-        })?;
+        let class: SizeClass = class_s
+            .parse()
+            .ok()
+            .filter(|c| *c > 0)
+            .ok_or_else(|| err(entry, text, format!("size class `{class_s}` is not a positive integer")))?;
+        let count: u32 = count_s
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| err(entry, text, format!("worker count `{count_s}` is not a positive integer")))?;
         if let Some(first) = seen_at.insert(class, entry) {
-            return Err(err(
-                entry,
-                text,
-                format!("size class {class} already given in entry {first}"),
-            ));
+            return Err(err(entry, text, format!("size class {class} already given in entry {first}")));
         }
         workers.insert(class, count);
     }
@@ -115,18 +99,12 @@ mod tests {
     #[test]
     fn parses_the_default_fleet() {
         let f = parse_fleet("1:48,2:24,4:16,8:64").unwrap();
-        assert_eq!(
-            f.iter().collect::<Vec<_>>(),
-            vec![(1, 48), (2, 24), (4, 16), (8, 64)]
-        );
+        assert_eq!(f.iter().collect::<Vec<_>>(), vec![(1, 48), (2, 24), (4, 16), (8, 64)]);
         assert_eq!(f.classes().as_slice(), &[1, 2, 4, 8]);
         assert_eq!(f.capacity_units(), 48 + 48 + 64 + 512);
         assert_eq!(f.to_string(), "1:48,2:24,4:16,8:64");
         assert_eq!(f, Fleet::default());
-        assert_eq!(
-            " 8 : 2 , 1:3".parse::<Fleet>().unwrap().to_string(),
-            "1:3,8:2"
-        );
+        assert_eq!(" 8 : 2 , 1:3".parse::<Fleet>().unwrap().to_string(), "1:3,8:2");
     }
 
     #[test]

@@ -15,9 +15,9 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use engine::Policy;
-pub use fleet::{DEFAULT_FLEET, Fleet, parse_fleet};
-pub use synth::{SyntheticConfig, generate as generate_synthetic};
-pub use trace::{TraceAction, parse_trace};
+pub use fleet::{parse_fleet, Fleet, DEFAULT_FLEET};
+pub use synth::{generate as generate_synthetic, SyntheticConfig};
+pub use trace::{parse_trace, TraceAction};
 
 use crate::{Error, SelectionConfig, SelectionMetrics};
 
@@ -81,23 +81,9 @@ impl PolicyReport {
     fn from_run(cost: f64, latencies: &mut [f64], retries: u64, failed: u64) -> Self {
         latencies.sort_unstable_by(f64::total_cmp);
         let n = latencies.len();
-        let p95 = if n == 0 {
-            0.0
-        } else {
-            latencies[(n * 95).div_ceil(100).max(1) - 1]
-        };
-        let mean = if n == 0 {
-            0.0
-        } else {
-            latencies.iter().sum::<f64>() / n as f64
-        };
-        PolicyReport {
-            cost_class_seconds: cost,
-            p95_latency_s: p95,
-            mean_latency_s: mean,
-            retries,
-            failed,
-        }
+        let p95 = if n == 0 { 0.0 } else { latencies[(n * 95).div_ceil(100).max(1) - 1] };
+        let mean = if n == 0 { 0.0 } else { latencies.iter().sum::<f64>() / n as f64 };
+        PolicyReport { cost_class_seconds: cost, p95_latency_s: p95, mean_latency_s: mean, retries, failed }
     }
 }
 
@@ -187,16 +173,8 @@ fn prepare_trace(mut trace: Vec<TraceAction>, fleet: &Fleet) -> Result<Vec<Trace
         return Err(Error::InvalidSim("trace has no actions".into()));
     }
     for (index, a) in trace.iter().enumerate() {
-        if let Some(class) = fleet
-            .classes()
-            .iter()
-            .find(|c| !a.duration_s.contains_key(c))
-        {
-            return Err(Error::TraceMissingClass {
-                index,
-                key: a.key.clone(),
-                class,
-            });
+        if let Some(class) = fleet.classes().iter().find(|c| !a.duration_s.contains_key(c)) {
+            return Err(Error::TraceMissingClass { index, key: a.key.clone(), class });
         }
     }
     trace.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
@@ -211,22 +189,14 @@ pub fn run_bench(config: &BenchConfig) -> Result<BenchReport, Error> {
         None => synth::generate(&config.synthetic, &config.fleet)?,
     };
     let trace = prepare_trace(trace, &config.fleet)?;
-    let params = engine::RunParams {
-        selection: &config.selection,
-        queue_aware: config.queue_aware,
-        seed: config.seed,
-    };
+    let params = engine::RunParams { selection: &config.selection, queue_aware: config.queue_aware, seed: config.seed };
     let mut learned_metrics = SelectionMetrics::default();
     let mut run = |p| engine::run_policy(p, &trace, &config.fleet, &params, &mut learned_metrics);
     let learned = run(Policy::Learned)?;
     let always_largest = run(Policy::AlwaysLargest)?;
     let smallest_then_largest = run(Policy::SmallestThenLargest)?;
     Ok(BenchReport {
-        policies: PolicyReports {
-            learned,
-            always_largest,
-            smallest_then_largest,
-        },
+        policies: PolicyReports { learned, always_largest, smallest_then_largest },
         actions: trace.len(),
         learned_metrics,
     })
@@ -249,11 +219,7 @@ mod tests {
     }
 
     fn bench(trace: Vec<TraceAction>, fleet: &str) -> BenchReport {
-        let cfg = BenchConfig {
-            fleet: parse_fleet(fleet).unwrap(),
-            trace: Some(trace),
-            ..Default::default()
-        };
+        let cfg = BenchConfig { fleet: parse_fleet(fleet).unwrap(), trace: Some(trace), ..Default::default() };
         run_bench(&cfg).unwrap()
     }
 
@@ -261,11 +227,7 @@ mod tests {
     fn baselines_on_a_hand_computed_trace() {
         // a: 10 s on class 1, 4 s on class 8. b: OOM on class 1 after 3 s, 5 s on 8.
         // c: broken everywhere, fails after 1 s on both.
-        let trace = vec![
-            act("a", 0.0, 10.0, 4.0, 1),
-            act("b", 0.0, 3.0, 5.0, 8),
-            act("c", 100.0, 1.0, 1.0, 16),
-        ];
+        let trace = vec![act("a", 0.0, 10.0, 4.0, 1), act("b", 0.0, 3.0, 5.0, 8), act("c", 100.0, 1.0, 1.0, 16)];
         let r = bench(trace, "1:1,8:1");
         let al = &r.policies.always_largest;
         assert_eq!(al.cost_class_seconds, 8.0 * (4.0 + 5.0 + 1.0));
@@ -276,10 +238,7 @@ mod tests {
         let st = &r.policies.smallest_then_largest;
         // a holds the only class-1 worker 0-10; b runs there 10-13, fails,
         // is retried on class 8 13-18; c fails on 1 (1 s) and again on 8 (1 s).
-        assert_eq!(
-            st.cost_class_seconds,
-            10.0 + 3.0 + 8.0 * 5.0 + 1.0 + 8.0 * 1.0
-        );
+        assert_eq!(st.cost_class_seconds, 10.0 + 3.0 + 8.0 * 5.0 + 1.0 + 8.0 * 1.0);
         assert_eq!((st.retries, st.failed), (2, 1));
         assert_eq!(st.p95_latency_s, 18.0);
         assert_eq!(r.actions, 3);
@@ -288,9 +247,7 @@ mod tests {
     #[test]
     fn learned_policy_learns_to_use_the_small_class() {
         // One single-threaded 20 s key, 300 runs spaced so they never overlap.
-        let trace: Vec<TraceAction> = (0..300)
-            .map(|i| act("k", f64::from(i) * 100.0, 20.0, 20.0, 1))
-            .collect();
+        let trace: Vec<TraceAction> = (0..300).map(|i| act("k", f64::from(i) * 100.0, 20.0, 20.0, 1)).collect();
         let r = bench(trace, "1:4,8:4");
         let l = &r.policies.learned;
         let al = &r.policies.always_largest;
@@ -299,28 +256,19 @@ mod tests {
         assert_eq!(l.failed, 0);
         // The first probe (10 s timeout) fails and is retried; little else is.
         assert!(l.retries >= 1 && l.retries < 15, "{r}");
-        assert!(
-            r.learned_metrics.selections.get(&1).copied().unwrap_or(0) > 250,
-            "{:?}",
-            r.learned_metrics
-        );
+        assert!(r.learned_metrics.selections.get(&1).copied().unwrap_or(0) > 250, "{:?}", r.learned_metrics);
     }
 
     #[test]
     fn learned_policy_keeps_big_memory_actions_on_the_largest_class() {
         // OOMs on class 1 after 5 s; 20 s on class 8.
-        let trace: Vec<TraceAction> = (0..200)
-            .map(|i| act("m", f64::from(i) * 100.0, 5.0, 20.0, 8))
-            .collect();
+        let trace: Vec<TraceAction> = (0..200).map(|i| act("m", f64::from(i) * 100.0, 5.0, 20.0, 8)).collect();
         let r = bench(trace, "1:4,8:4");
         let l = &r.policies.learned;
         assert_eq!(l.failed, 0);
         // Exploration may try class 1 now and then, but rarely.
         assert!(l.retries < 20, "{r}");
-        assert!(
-            l.cost_class_seconds < 1.1 * r.policies.always_largest.cost_class_seconds,
-            "{r}"
-        );
+        assert!(l.cost_class_seconds < 1.1 * r.policies.always_largest.cost_class_seconds, "{r}");
     }
 
     #[test]
@@ -334,16 +282,7 @@ mod tests {
             let p = pols[name].as_object().unwrap();
             let mut keys: Vec<&str> = p.keys().map(String::as_str).collect();
             keys.sort_unstable();
-            assert_eq!(
-                keys,
-                vec![
-                    "cost_class_seconds",
-                    "failed",
-                    "mean_latency_s",
-                    "p95_latency_s",
-                    "retries"
-                ]
-            );
+            assert_eq!(keys, vec!["cost_class_seconds", "failed", "mean_latency_s", "p95_latency_s", "retries"]);
         }
         let text = r.to_string();
         for name in ["learned", "always_largest", "smallest_then_largest", "goal"] {
@@ -358,44 +297,22 @@ mod tests {
             trace: Some(vec![act("a", 0.0, 1.0, 1.0, 1)]),
             ..Default::default()
         };
-        assert!(matches!(
-            run_bench(&cfg),
-            Err(Error::TraceMissingClass {
-                index: 0,
-                class: 4,
-                ..
-            })
-        ));
-        let cfg = BenchConfig {
-            trace: Some(vec![]),
-            ..Default::default()
-        };
+        assert!(matches!(run_bench(&cfg), Err(Error::TraceMissingClass { index: 0, class: 4, .. })));
+        let cfg = BenchConfig { trace: Some(vec![]), ..Default::default() };
         assert!(matches!(run_bench(&cfg), Err(Error::InvalidSim(_))));
     }
 
     #[test]
     fn unsorted_traces_are_replayed_in_arrival_order() {
-        let sorted = vec![
-            act("a", 0.0, 5.0, 5.0, 1),
-            act("b", 1.0, 5.0, 5.0, 1),
-            act("c", 2.0, 5.0, 5.0, 1),
-        ];
+        let sorted = vec![act("a", 0.0, 5.0, 5.0, 1), act("b", 1.0, 5.0, 5.0, 1), act("c", 2.0, 5.0, 5.0, 1)];
         let mut shuffled = sorted.clone();
         shuffled.reverse();
-        assert_eq!(
-            bench(sorted, "1:1,8:1").policies,
-            bench(shuffled, "1:1,8:1").policies
-        );
+        assert_eq!(bench(sorted, "1:1,8:1").policies, bench(shuffled, "1:1,8:1").policies);
     }
 
     fn small_synthetic(seed: u64, queue_aware: bool) -> BenchConfig {
         BenchConfig {
-            synthetic: SyntheticConfig {
-                actions: 20_000,
-                keys: 500,
-                seed,
-                ..Default::default()
-            },
+            synthetic: SyntheticConfig { actions: 20_000, keys: 500, seed, ..Default::default() },
             queue_aware,
             seed,
             ..Default::default()
@@ -407,11 +324,7 @@ mod tests {
         let a = run_bench(&small_synthetic(5, true)).unwrap();
         let b = run_bench(&small_synthetic(5, true)).unwrap();
         assert_eq!(a, b);
-        let c = run_bench(&BenchConfig {
-            seed: 6,
-            ..small_synthetic(5, true)
-        })
-        .unwrap();
+        let c = run_bench(&BenchConfig { seed: 6, ..small_synthetic(5, true) }).unwrap();
         assert_ne!(a.policies.learned, c.policies.learned);
         assert_eq!(a.policies.always_largest, c.policies.always_largest);
     }
@@ -421,25 +334,11 @@ mod tests {
         // A fleet with few small workers: without queue awareness the class-1
         // queue explodes while class 8 idles.
         let fleet = parse_fleet("1:16,2:8,4:8,8:64").unwrap();
-        let with = run_bench(&BenchConfig {
-            fleet: fleet.clone(),
-            ..small_synthetic(3, true)
-        })
-        .unwrap();
-        let without = run_bench(&BenchConfig {
-            fleet,
-            ..small_synthetic(3, false)
-        })
-        .unwrap();
+        let with = run_bench(&BenchConfig { fleet: fleet.clone(), ..small_synthetic(3, true) }).unwrap();
+        let without = run_bench(&BenchConfig { fleet, ..small_synthetic(3, false) }).unwrap();
         let (w, wo) = (&with.policies.learned, &without.policies.learned);
-        assert!(
-            w.p95_latency_s < 0.5 * wo.p95_latency_s,
-            "with {w:?} without {wo:?}"
-        );
-        assert!(
-            w.cost_class_seconds > wo.cost_class_seconds,
-            "spilling costs something"
-        );
+        assert!(w.p95_latency_s < 0.5 * wo.p95_latency_s, "with {w:?} without {wo:?}");
+        assert!(w.cost_class_seconds > wo.cost_class_seconds, "spilling costs something");
         assert!(with.learned_metrics.queue_adjusted > 0);
         assert_eq!(without.learned_metrics.queue_adjusted, 0);
     }
@@ -452,9 +351,6 @@ mod tests {
         assert!(r.goal_met(), "{r}");
         // The naive policy is cheap but its latency is far worse.
         let st = &r.policies.smallest_then_largest;
-        assert!(
-            st.p95_latency_s > 2.0 * r.policies.always_largest.p95_latency_s,
-            "{r}"
-        );
+        assert!(st.p95_latency_s > 2.0 * r.policies.always_largest.p95_latency_s, "{r}");
     }
 }

@@ -82,10 +82,9 @@ impl SyntheticConfig {
         if !(self.memory_per_class_unit_mb > 0.0 && self.memory_per_class_unit_mb.is_finite()) {
             return bad("memory_per_class_unit_mb must be > 0".into());
         }
-        for (name, v) in [
-            ("broken_key_fraction", self.broken_key_fraction),
-            ("broken_instance_rate", self.broken_instance_rate),
-        ] {
+        for (name, v) in
+            [("broken_key_fraction", self.broken_key_fraction), ("broken_instance_rate", self.broken_instance_rate)]
+        {
             if !(0.0..=1.0).contains(&v) {
                 return bad(format!("{name} must be in [0, 1], got {v}"));
             }
@@ -144,11 +143,7 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
             let p_raw = pareto(&mut rng, 1.0, 2.0).min(f64::from(largest));
             // Largest power of two <= p_raw (p_raw >= 1).
             let parallelism = 1u32 << (p_raw.log2().floor() as u32);
-            let serial = if parallelism > 1 {
-                uniform(&mut rng, 0.05, 0.25)
-            } else {
-                1.0
-            };
+            let serial = if parallelism > 1 { uniform(&mut rng, 0.05, 0.25) } else { 1.0 };
             let mut shape = Shape {
                 parallelism,
                 work_s: pareto(&mut rng, 2.0, 1.3) * f64::from(parallelism).sqrt(),
@@ -161,10 +156,8 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
                 shape.work_s *= 600.0 / t_largest;
             }
             let mem_mb = pareto(&mut rng, 20.0, 0.9).min(max_mem);
-            shape.min_class = classes
-                .iter()
-                .find(|c| f64::from(*c) * cfg.memory_per_class_unit_mb >= mem_mb)
-                .unwrap_or(largest);
+            shape.min_class =
+                classes.iter().find(|c| f64::from(*c) * cfg.memory_per_class_unit_mb >= mem_mb).unwrap_or(largest);
             shape.broken = rng.random::<f64>() < cfg.broken_key_fraction;
             shape
         })
@@ -185,11 +178,7 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
         let shape = &shapes[k];
         let shared = (0.1 * normal(&mut rng)).exp();
         let broken_now = shape.broken && rng.random::<f64>() < cfg.broken_instance_rate;
-        let min_class = if broken_now {
-            largest.saturating_mul(2)
-        } else {
-            shape.min_class
-        };
+        let min_class = if broken_now { largest.saturating_mul(2) } else { shape.min_class };
         let duration_s = classes
             .iter()
             .map(|c| {
@@ -212,8 +201,7 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
         });
     }
 
-    let mean_largest: f64 =
-        actions.iter().map(|a| a.duration_s[&largest]).sum::<f64>() / actions.len() as f64;
+    let mean_largest: f64 = actions.iter().map(|a| a.duration_s[&largest]).sum::<f64>() / actions.len() as f64;
     let rate = cfg.target_load * f64::from(fleet.workers(largest)) / mean_largest.max(1e-9);
     let mut t = 0.0;
     for a in &mut actions {
@@ -229,11 +217,7 @@ mod tests {
     use crate::sim::parse_fleet;
 
     fn small() -> SyntheticConfig {
-        SyntheticConfig {
-            actions: 20_000,
-            keys: 1_000,
-            ..Default::default()
-        }
+        SyntheticConfig { actions: 20_000, keys: 1_000, ..Default::default() }
     }
 
     #[test]
@@ -253,12 +237,7 @@ mod tests {
         assert_eq!(t.len(), 20_000);
         // Arrivals sorted, every fleet class has a duration.
         assert!(t.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
-        assert!(t.iter().all(|a| {
-            fleet
-                .classes()
-                .iter()
-                .all(|c| a.duration_s.contains_key(&c))
-        }));
+        assert!(t.iter().all(|a| { fleet.classes().iter().all(|c| a.duration_s.contains_key(&c)) }));
         // Most actions gain nothing from 8 cores; a few gain a lot.
         let speedup = |a: &TraceAction| a.duration_s[&1] / a.duration_s[&8];
         let ok: Vec<&TraceAction> = t.iter().filter(|a| a.min_class == 1).collect();
@@ -267,15 +246,8 @@ mod tests {
         assert!(flat > 0.6 && flat < 0.9, "single-threaded share {flat}");
         assert!(fast > 0.005 && fast < 0.15, "highly parallel share {fast}");
         // Memory: most fit class 1, a few need more.
-        let big_mem = t
-            .iter()
-            .filter(|a| a.min_class > 1 && a.min_class <= 8)
-            .count() as f64
-            / t.len() as f64;
-        assert!(
-            big_mem > 0.002 && big_mem < 0.06,
-            "big-memory share {big_mem}"
-        );
+        let big_mem = t.iter().filter(|a| a.min_class > 1 && a.min_class <= 8).count() as f64 / t.len() as f64;
+        assert!(big_mem > 0.002 && big_mem < 0.06, "big-memory share {big_mem}");
         // Broken executions exist but are rare.
         let broken = t.iter().filter(|a| a.min_class > 8).count() as f64 / t.len() as f64;
         assert!(broken > 0.0 && broken < 0.03, "broken share {broken}");
@@ -289,12 +261,7 @@ mod tests {
     #[test]
     fn offered_load_matches_target() {
         let fleet = parse_fleet("1:10,8:20").unwrap();
-        let cfg = SyntheticConfig {
-            actions: 50_000,
-            keys: 500,
-            target_load: 0.5,
-            ..Default::default()
-        };
+        let cfg = SyntheticConfig { actions: 50_000, keys: 500, target_load: 0.5, ..Default::default() };
         let t = generate(&cfg, &fleet).unwrap();
         let work: f64 = t.iter().map(|a| a.duration_s[&8]).sum();
         let span = t.last().unwrap().arrival_s;
@@ -306,18 +273,9 @@ mod tests {
     fn rejects_bad_parameters() {
         let fleet = Fleet::default();
         for cfg in [
-            SyntheticConfig {
-                actions: 0,
-                ..Default::default()
-            },
-            SyntheticConfig {
-                target_load: 0.0,
-                ..Default::default()
-            },
-            SyntheticConfig {
-                broken_key_fraction: 1.5,
-                ..Default::default()
-            },
+            SyntheticConfig { actions: 0, ..Default::default() },
+            SyntheticConfig { target_load: 0.0, ..Default::default() },
+            SyntheticConfig { broken_key_fraction: 1.5, ..Default::default() },
         ] {
             assert!(matches!(generate(&cfg, &fleet), Err(Error::InvalidSim(_))));
         }

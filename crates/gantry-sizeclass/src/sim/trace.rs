@@ -45,16 +45,10 @@ impl TraceAction {
 
     fn validate(&self) -> Result<(), String> {
         if !(self.arrival_s.is_finite() && self.arrival_s >= 0.0) {
-            return Err(format!(
-                "arrival_s must be finite and >= 0, got {}",
-                self.arrival_s
-            ));
+            return Err(format!("arrival_s must be finite and >= 0, got {}", self.arrival_s));
         }
         if !(self.requested_timeout_s.is_finite() && self.requested_timeout_s > 0.0) {
-            return Err(format!(
-                "requested_timeout_s must be finite and > 0, got {}",
-                self.requested_timeout_s
-            ));
+            return Err(format!("requested_timeout_s must be finite and > 0, got {}", self.requested_timeout_s));
         }
         if self.min_class == 0 {
             return Err("min_class must be a positive integer".into());
@@ -80,20 +74,13 @@ pub fn parse_trace<R: BufRead>(reader: R) -> Result<Vec<TraceAction>, Error> {
     let mut out = Vec::new();
     for (i, line) in reader.lines().enumerate() {
         let n = i + 1;
-        let line = line.map_err(|e| Error::TraceIo {
-            line: n,
-            message: e.to_string(),
-        })?;
+        let line = line.map_err(|e| Error::TraceIo { line: n, message: e.to_string() })?;
         if line.trim().is_empty() {
             continue;
         }
-        let action: TraceAction = serde_json::from_str(&line).map_err(|e| Error::TraceLine {
-            line: n,
-            reason: e.to_string(),
-        })?;
-        action
-            .validate()
-            .map_err(|reason| Error::TraceLine { line: n, reason })?;
+        let action: TraceAction =
+            serde_json::from_str(&line).map_err(|e| Error::TraceLine { line: n, reason: e.to_string() })?;
+        action.validate().map_err(|reason| Error::TraceLine { line: n, reason })?;
         out.push(action);
     }
     Ok(out)
@@ -126,41 +113,13 @@ mod tests {
     fn errors_carry_line_numbers() {
         let cases = [
             ("not json", 1, "expected"),
-            (
-                r#"{"key":"a","arrival_s":-1,"duration_s":{"1":1},"requested_timeout_s":5}"#,
-                1,
-                "arrival_s",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{},"requested_timeout_s":5}"#,
-                1,
-                "empty",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{"0":1},"requested_timeout_s":5}"#,
-                1,
-                "class 0",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{"1":-2},"requested_timeout_s":5}"#,
-                1,
-                "duration_s[1]",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"requested_timeout_s":0}"#,
-                1,
-                "requested_timeout_s",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"min_class":0,"requested_timeout_s":3}"#,
-                1,
-                "min_class",
-            ),
-            (
-                r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"requested_timeout_s":3,"extra":1}"#,
-                1,
-                "unknown field",
-            ),
+            (r#"{"key":"a","arrival_s":-1,"duration_s":{"1":1},"requested_timeout_s":5}"#, 1, "arrival_s"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{},"requested_timeout_s":5}"#, 1, "empty"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{"0":1},"requested_timeout_s":5}"#, 1, "class 0"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{"1":-2},"requested_timeout_s":5}"#, 1, "duration_s[1]"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"requested_timeout_s":0}"#, 1, "requested_timeout_s"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"min_class":0,"requested_timeout_s":3}"#, 1, "min_class"),
+            (r#"{"key":"a","arrival_s":1,"duration_s":{"1":2},"requested_timeout_s":3,"extra":1}"#, 1, "unknown field"),
         ];
         for (line, _, want) in cases {
             let input = format!("{EXAMPLE}\n{line}\n");

@@ -17,7 +17,11 @@ pub fn stream_builds(server: &str, stream: &str) -> BTreeMap<String, Value> {
 
 /// Like `stream_builds`, with the client's environment (`GANTRY_TOKEN`, `GANTRY_TLS_CA`).
 pub fn stream_builds_env(server: &str, stream: &str, env: &[(&str, &str)]) -> BTreeMap<String, Value> {
-    let out = gantry().envs(env.iter().copied()).args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream]).output().unwrap();
+    let out = gantry()
+        .envs(env.iter().copied())
+        .args(["builds", "--server", server, "--json", "--limit", "10000", "--stream", stream])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout)
         .lines()

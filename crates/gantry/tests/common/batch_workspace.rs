@@ -30,7 +30,11 @@ pub struct GenTarget {
 
 impl GenTarget {
     pub fn line(&self) -> String {
-        if self.gpu { format!("{} {} requires-gpu", self.label, self.kind) } else { format!("{} {}", self.label, self.kind) }
+        if self.gpu {
+            format!("{} {} requires-gpu", self.label, self.kind)
+        } else {
+            format!("{} {}", self.label, self.kind)
+        }
     }
 }
 
@@ -51,7 +55,12 @@ pub fn generate(root: &Path, shape: &Shape) -> Vec<GenTarget> {
         let mut build = String::from("load(\":defs.bzl\", \"fan\")\n\n");
         for t in 0..shape.heavy_per_package {
             writeln!(build, "fan(name = \"fan{t}\", n = {})", shape.fan_out).unwrap();
-            targets.push(GenTarget { label: format!("//heavy{p}:fan{t}"), kind: "filegroup", gpu: false, genrules: shape.fan_out });
+            targets.push(GenTarget {
+                label: format!("//heavy{p}:fan{t}"),
+                kind: "filegroup",
+                gpu: false,
+                genrules: shape.fan_out,
+            });
         }
         std::fs::write(dir.join("BUILD"), build).unwrap();
     }
@@ -60,7 +69,8 @@ pub fn generate(root: &Path, shape: &Shape) -> Vec<GenTarget> {
         std::fs::create_dir_all(&dir).unwrap();
         let mut build = String::new();
         for t in 0..shape.light_per_package {
-            writeln!(build, "genrule(name = \"g{t}\", outs = [\"g{t}.txt\"], cmd = \"echo light {p} {t} > $@\")").unwrap();
+            writeln!(build, "genrule(name = \"g{t}\", outs = [\"g{t}.txt\"], cmd = \"echo light {p} {t} > $@\")")
+                .unwrap();
             targets.push(GenTarget { label: format!("//light{p}:g{t}"), kind: "genrule", gpu: false, genrules: 1 });
         }
         std::fs::write(dir.join("BUILD"), build).unwrap();

@@ -45,7 +45,13 @@ impl GantryServer {
         Self::spawn_env(cwd, listen, data_dir, extra, &[])
     }
 
-    fn spawn_env(cwd: Option<&Path>, listen: &str, data_dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> GantryServer {
+    fn spawn_env(
+        cwd: Option<&Path>,
+        listen: &str,
+        data_dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> GantryServer {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gantry"));
         cmd.envs(env.iter().copied());
         if let Some(c) = cwd {
@@ -226,16 +232,16 @@ impl BazelWorkspace {
             .arg(command);
         if command != "clean" && command != "shutdown" {
             cmd.args(self.base_flags().into_iter().map(|f| {
-                if f.starts_with("--spawn_strategy=") { format!("--spawn_strategy={strategy}") } else { f }
+                if f.starts_with("--spawn_strategy=") {
+                    format!("--spawn_strategy={strategy}")
+                } else {
+                    f
+                }
             }));
         }
         cmd.args(extra).current_dir(self.ws()).stdin(Stdio::null());
         let out = cmd.output().expect("running bazel (is Debian's bazel-bootstrap installed? .ci/run installs it)");
-        eprintln!(
-            "---- bazel {command} {extra:?}: {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        eprintln!("---- bazel {command} {extra:?}: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
         out
     }
 

@@ -31,7 +31,11 @@ impl Client {
         let d = DigestFunction::Sha256.digest_of(data);
         let r = ContentAddressableStorageClient::new(self.channel.clone())
             .batch_update_blobs(reapi::BatchUpdateBlobsRequest {
-                requests: vec![batch_update_blobs_request::Request { digest: Some(d.to_proto()), data: data.to_vec(), compressor: 0 }],
+                requests: vec![batch_update_blobs_request::Request {
+                    digest: Some(d.to_proto()),
+                    data: data.to_vec(),
+                    compressor: 0,
+                }],
                 ..Default::default()
             })
             .await
@@ -58,7 +62,12 @@ impl Client {
                 match node {
                     Node::File(data, exec) => {
                         let d = self.put(data).await;
-                        dir.files.push(reapi::FileNode { name: name.clone(), digest: Some(d.to_proto()), is_executable: *exec, ..Default::default() });
+                        dir.files.push(reapi::FileNode {
+                            name: name.clone(),
+                            digest: Some(d.to_proto()),
+                            is_executable: *exec,
+                            ..Default::default()
+                        });
                     }
                     Node::Dir(sub) => {
                         let d = self.tree(sub).await;
@@ -71,12 +80,19 @@ impl Client {
     }
 
     /// Uploads the command and action; returns the action digest.
-    pub async fn action(&self, command: reapi::Command, input_root: Digest, timeout_s: i64, do_not_cache: bool) -> Digest {
+    pub async fn action(
+        &self,
+        command: reapi::Command,
+        input_root: Digest,
+        timeout_s: i64,
+        do_not_cache: bool,
+    ) -> Digest {
         let cd = self.put(&command.encode_to_vec()).await;
         let action = reapi::Action {
             command_digest: Some(cd.to_proto()),
             input_root_digest: Some(input_root.to_proto()),
-            timeout: (timeout_s > 0).then_some(gantry_core::google::protobuf::Duration { seconds: timeout_s, nanos: 0 }),
+            timeout: (timeout_s > 0)
+                .then_some(gantry_core::google::protobuf::Duration { seconds: timeout_s, nanos: 0 }),
             do_not_cache,
             ..Default::default()
         };
@@ -119,7 +135,10 @@ pub fn command(args: &[&str], outputs: &[&str], output_dirs: &[&str]) -> reapi::
     #[allow(deprecated)]
     reapi::Command {
         arguments: args.iter().map(|s| s.to_string()).collect(),
-        environment_variables: vec![reapi::command::EnvironmentVariable { name: "PATH".into(), value: "/bin:/usr/bin".into() }],
+        environment_variables: vec![reapi::command::EnvironmentVariable {
+            name: "PATH".into(),
+            value: "/bin:/usr/bin".into(),
+        }],
         output_files: outputs.iter().map(|s| s.to_string()).collect(),
         output_directories: output_dirs.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
