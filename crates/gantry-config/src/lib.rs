@@ -355,6 +355,9 @@ pub struct SizeClassConfig {
     pub timeout_multiplier: f64,
     /// Seed of the selection draws; unset draws from the OS. Set it for reproducible runs.
     pub seed: Option<u64>,
+    /// Action shapes whose statistics the scheduler keeps in memory; others are read from
+    /// the metadata database when next used. Default 100000.
+    pub cached_shapes: usize,
 }
 
 impl Default for SizeClassConfig {
@@ -366,6 +369,7 @@ impl Default for SizeClassConfig {
             acceptable_time_exponent: 0.5,
             timeout_multiplier: 1.5,
             seed: None,
+            cached_shapes: 100_000,
         }
     }
 }

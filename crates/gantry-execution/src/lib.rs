@@ -1,10 +1,14 @@
-//! gantry-execution owns remote execution on the server side: the `Scheduler` (queue,
-//! platform matching, dedup of identical in-flight actions, worker registry, re-queue of
-//! actions whose worker was lost), the REAPI Execution and google.longrunning Operations
-//! services on top of it, and the `WorkerService` endpoint that separate worker processes
-//! connect to. In-process workers talk to the same scheduler through channels. A frontend
-//! runs no scheduler: `forward` passes its Execution and Operations calls to one.
+//! gantry-execution owns remote execution on the server side: the `Scheduler` (operations,
+//! dedup of identical in-flight actions, worker registry, re-queue of actions whose worker
+//! was lost) over the `Dispatcher` (queues per platform and size class, matching them to
+//! free worker slots), size-class learning in `sizing`, the REAPI Execution and
+//! google.longrunning Operations services on top of it, and the `WorkerService` endpoint
+//! that separate worker processes connect to. In-process workers talk to the same scheduler through channels. A frontend
+//! runs no scheduler: `forward` passes its Execution and Operations calls to one. `bench`
+//! drives the scheduler with simulated workers for `gantry bench scheduler`.
 
+pub mod bench;
+pub mod dispatcher;
 pub mod forward;
 pub mod operations;
 pub mod platform;
@@ -12,4 +16,4 @@ pub mod scheduler;
 pub mod sizing;
 pub mod worker_service;
 
-pub use scheduler::{Scheduler, SchedulerConfig, WorkerLink};
+pub use scheduler::{Scheduler, SchedulerConfig, ToWorker, WorkerLink};

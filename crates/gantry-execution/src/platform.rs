@@ -24,14 +24,6 @@ pub fn satisfies(offered: &[Property], required: &[Property]) -> bool {
     required.iter().all(|r| offered.contains(r))
 }
 
-/// The first required property that no worker offers, for a precise error.
-pub fn first_unoffered<'a>(
-    offers: impl Iterator<Item = &'a [Property]> + Clone,
-    required: &'a [Property],
-) -> Option<&'a Property> {
-    required.iter().find(|r| !offers.clone().any(|o| o.contains(r)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,11 +40,6 @@ mod tests {
         assert!(satisfies(&worker, &[p("OSFamily", "linux"), p("pool", "gpu")]));
         assert!(!satisfies(&worker, &[p("OSFamily", "windows")]));
         assert!(!satisfies(&worker, &[p("pool", "gpu"), p("cores", "64")]));
-        let other = vec![p("OSFamily", "linux")];
-        let offers = [worker.as_slice(), other.as_slice()];
-        let req = [p("OSFamily", "linux"), p("cores", "64")];
-        assert_eq!(first_unoffered(offers.iter().copied(), &req), Some(&p("cores", "64")));
-        assert_eq!(first_unoffered(offers.iter().copied(), &req[..1]), None);
     }
 
     #[test]

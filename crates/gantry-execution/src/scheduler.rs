@@ -1,16 +1,21 @@
-//! The scheduler: actions wait in a queue ordered by (priority, arrival); a dispatch pass
-//! hands each to the first idle worker whose platform properties satisfy it. Identical
+//! The scheduler: operations, their watchers and owners, the worker registry, and what
+//! happens around an execution. Which queued action runs on which worker slot is the
+//! [`Dispatcher`]'s (queues per platform and size class, O(log n) per event). Identical
 //! in-flight actions (same instance and action digest) share one execution. A worker that
 //! disconnects or misses heartbeats loses its actions back to the queue, up to a limit.
 //! So does a worker that keeps heartbeating but sends no result for an action past its
-//! timeout plus a grace period: the scheduler cancels the action there and re-queues it,
-//! counted as a worker loss ([`overdue`]).
+//! timeout plus a grace period: the scheduler cancels the action there and re-queues it
+//! elsewhere, counted as a worker loss ([`overdue`]).
 //!
-//! All state sits behind one mutex, held only for in-memory bookkeeping; the awaits of a
-//! completion (action cache write, execution log) happen outside it.
+//! All state sits behind one mutex that is never held across an await, and a panic
+//! while it is held does not stop the scheduler (see `Scheduler::lock`). Each event is
+//! one locked state transition; a finished action's durable writes (size-class stats,
+//! action cache, execution log) happen after it, outside the lock, before its result is
+//! published. Workers get the scheduler's own [`ToWorker`] messages: the worker protocol
+//! is encoded at the session's wire, not under the lock.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, Weak};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gantry_core::google::rpc::Status as RpcStatus;
@@ -21,7 +26,9 @@ use gantry_proto::worker::v1 as wpb;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 
+use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId};
 use crate::platform::{self, Property};
+use crate::sizing::{Learned, Trial};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -143,6 +150,7 @@ pub struct Requester {
     pub configuration_id: String,
 }
 
+#[derive(Debug)]
 pub struct JobSpec {
     pub instance: String,
     pub action_digest: Digest,
@@ -155,15 +163,14 @@ pub struct JobSpec {
 }
 
 struct Job {
+    id: JobId,
     name: String,
     key: (String, Digest),
-    spec: JobSpec,
+    spec: Arc<JobSpec>,
     /// Identities whose Execute calls share this operation (requests for the same action
     /// are merged); only they, or an administrator, may list, cancel or delete it.
     owners: Vec<String>,
-    platform: Vec<Property>,
     timeout: Duration,
-    seq: u64,
     queued_at: SystemTime,
     worker: Option<String>,
     /// When the current worker was handed the action.
@@ -172,36 +179,63 @@ struct Job {
     cancel_requested: bool,
     /// Size class the action must run on (None: any worker).
     size_class: Option<u32>,
-    /// Whether the class was chosen by the learner (more than one class could run it),
-    /// so its outcome should be recorded.
-    learning: bool,
-    /// Largest class with workers when the action was submitted.
-    largest_class: u32,
-    requested_timeout: Duration,
-    shape_key: String,
-    /// A failed or timed-out run on a smaller class, waiting for the largest class's result.
-    first_try: Option<(u32, gantry_sizeclass::Outcome)>,
-    notes: Vec<String>,
+    /// The size-class learner's bookkeeping for this action (see `sizing::Trial`).
+    trial: Trial,
     tx: watch::Sender<OpState>,
+    /// Set when the scheduler is done with the action. Its final state may still be on its
+    /// way (the action cache and execution log are written first, outside the lock):
+    /// until it is published, identical requests join it.
     completed_at: Option<Instant>,
 }
 
-impl WorkerEntry {
-    /// Slots in use: running actions and overdue ones not yet reported.
-    fn busy(&self) -> usize {
-        self.running.len() + self.overdue.len()
+impl Job {
+    fn published(&self) -> bool {
+        self.tx.borrow().stage == Stage::Completed
+    }
+}
+
+/// What the scheduler sends a worker. Assignments carry the scheduler's own types;
+/// encoding to the worker protocol happens at the wire, outside the scheduler's lock.
+#[derive(Debug, Clone)]
+pub enum ToWorker {
+    Assign(Arc<Assignment>),
+    Cancel(String),
+}
+
+#[derive(Debug)]
+pub struct Assignment {
+    pub job_id: String,
+    pub spec: Arc<JobSpec>,
+    pub timeout: Duration,
+    pub queued_at: SystemTime,
+}
+
+impl ToWorker {
+    /// The worker protocol's form of this message.
+    pub fn to_wire(&self) -> wpb::SchedulerMessage {
+        let kind = match self {
+            ToWorker::Assign(a) => wpb::scheduler_message::Kind::Assignment(wpb::Assignment {
+                job_id: a.job_id.clone(),
+                instance_name: a.spec.instance.clone(),
+                digest_function: a.spec.action_digest.function.to_proto(),
+                action: a.spec.action.encode_to_vec(),
+                command: a.spec.command.encode_to_vec(),
+                action_digest: a.spec.action_digest.to_proto().encode_to_vec(),
+                timeout_ms: a.timeout.as_millis() as u64,
+                queued_unix_ms: now_ms(a.queued_at),
+            }),
+            ToWorker::Cancel(job_id) => wpb::scheduler_message::Kind::Cancel(wpb::Cancel { job_id: job_id.clone() }),
+        };
+        wpb::SchedulerMessage { kind: Some(kind) }
     }
 }
 
 struct WorkerEntry {
-    properties: Vec<Property>,
-    slots: usize,
-    running: HashSet<String>,
-    /// Actions taken back from this worker because it never reported them; each still
-    /// holds a slot until the worker reports it (its report is then dropped), so a stuck
-    /// worker is not handed more work than it has slots.
-    overdue: HashSet<String>,
-    tx: mpsc::UnboundedSender<wpb::SchedulerMessage>,
+    id: WorkerId,
+    /// Operations taken back from this worker because it never reported them; each still
+    /// holds a slot in the dispatcher until the worker reports it (its report is dropped).
+    overdue: HashMap<String, JobId>,
+    tx: mpsc::UnboundedSender<ToWorker>,
     last_seen: Instant,
     /// In-process workers cannot be lost to a network, so they are not timed out.
     local: bool,
@@ -211,12 +245,18 @@ struct WorkerEntry {
 
 #[derive(Default)]
 struct State {
-    jobs: HashMap<String, Job>,
-    /// (priority, seq, job name): lower priority values run first, FIFO within one.
-    queue: BTreeSet<(i32, u64, String)>,
+    /// Which queued action runs on which worker slot.
+    d: Dispatcher,
+    /// Every operation by name, until its retention ends. Boxed: a map of large entries
+    /// moves them all whenever it rehashes.
+    jobs: HashMap<String, Box<Job>>,
+    /// Operations the dispatcher holds (queued or running), by its id.
+    live: IdMap<String>,
     in_flight: HashMap<(String, Digest), String>,
     workers: HashMap<String, WorkerEntry>,
-    seq: u64,
+    worker_names: IdMap<String>,
+    /// Completed operations, oldest first, for retention.
+    completed: VecDeque<(Instant, String)>,
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: HashMap<u32, f64>,
 }
@@ -245,7 +285,7 @@ pub struct Scheduler {
 /// A registered worker's end of the scheduler: assignments and cancellations arrive here.
 pub struct WorkerLink {
     pub id: String,
-    pub messages: mpsc::UnboundedReceiver<wpb::SchedulerMessage>,
+    pub messages: mpsc::UnboundedReceiver<ToWorker>,
 }
 
 fn now_ms(t: SystemTime) -> i64 {
@@ -259,6 +299,136 @@ pub fn timestamp(t: SystemTime) -> gantry_core::google::protobuf::Timestamp {
 
 fn status(code: tonic::Code, message: impl Into<String>) -> RpcStatus {
     RpcStatus { code: code as i32, message: message.into(), details: vec![] }
+}
+
+/// What a finished report leads to, decided under the lock and carried out after it.
+enum After {
+    /// Nothing more: a stale or late report.
+    Nothing,
+    /// Re-queued on the largest size class; the failed try is logged.
+    Retried { record: Box<ActionRecord>, from_class: u32 },
+    /// The final result: write it durably, then publish it.
+    Final(Box<Finale>),
+}
+
+struct Finale {
+    record: ActionRecord,
+    instance: String,
+    digest: Digest,
+    do_not_cache: bool,
+    queued_at: SystemTime,
+    learn: Option<Learned>,
+    tx: watch::Sender<OpState>,
+}
+
+impl State {
+    /// Carries out the dispatcher's assignments: the operation moves to EXECUTING and its
+    /// worker is sent the action. A worker whose channel is closed is gone: it is removed
+    /// and its actions placed again.
+    fn apply(&mut self, config: &SchedulerConfig, assigns: Vec<Assign>) {
+        let mut todo: VecDeque<Assign> = assigns.into();
+        while let Some(a) = todo.pop_front() {
+            let (Some(name), Some(wname)) = (self.live.get(&a.job), self.worker_names.get(&a.worker)) else {
+                continue;
+            };
+            let job = self.jobs.get_mut(name).expect("live jobs exist");
+            if self.d.worker_of(a.job) != Some(a.worker) {
+                continue; // superseded by a later event in this same batch
+            }
+            let msg = ToWorker::Assign(Arc::new(Assignment {
+                job_id: job.name.clone(),
+                spec: job.spec.clone(),
+                timeout: job.timeout,
+                queued_at: job.queued_at,
+            }));
+            let w = self.workers.get(wname).expect("named workers exist");
+            if w.tx.send(msg).is_ok() {
+                job.worker = Some(wname.clone());
+                job.dispatched_at = Some(Instant::now());
+                job.tx.send_modify(|s| s.stage = Stage::Executing);
+            } else {
+                let wname = wname.clone();
+                todo.extend(self.remove_worker(config, &wname, "its channel is closed"));
+            }
+        }
+    }
+
+    /// Removes a worker; its actions are re-queued or failed. Returns the assignments
+    /// that follow (the caller applies them).
+    fn remove_worker(&mut self, config: &SchedulerConfig, worker: &str, why: &str) -> Vec<Assign> {
+        let Some(w) = self.workers.remove(worker) else { return Vec::new() };
+        self.worker_names.remove(&w.id);
+        let running = self.d.remove_worker(w.id);
+        tracing::warn!(worker, why, running = running.len(), "worker lost");
+        let mut out = Vec::new();
+        for j in running {
+            out.extend(self.lose_job(config, j, worker, why, None));
+        }
+        out
+    }
+
+    /// A detached action's worker is gone (or stuck): re-queue the action, or fail it with
+    /// UNAVAILABLE once it has lost workers more than `max_worker_losses` times.
+    fn lose_job(
+        &mut self,
+        config: &SchedulerConfig,
+        id: JobId,
+        worker: &str,
+        why: &str,
+        avoid: Option<WorkerId>,
+    ) -> Vec<Assign> {
+        let Some(name) = self.live.get(&id).cloned() else { return Vec::new() };
+        let job = self.jobs.get_mut(&name).expect("live jobs exist");
+        job.losses += 1;
+        job.worker = None;
+        job.dispatched_at = None;
+        if job.cancel_requested {
+            self.complete(&name, cancelled_response())
+        } else if job.losses > config.max_worker_losses {
+            let losses = job.losses;
+            let resp = ExecuteResponse {
+                status: Some(status(
+                    tonic::Code::Unavailable,
+                    format!("the action lost its worker {losses} times (last: {worker}, {why})"),
+                )),
+                ..Default::default()
+            };
+            self.complete(&name, resp)
+        } else {
+            job.tx.send_modify(|s| s.stage = Stage::Queued);
+            self.d.requeue(id, avoid)
+        }
+    }
+
+    /// Ends an operation and publishes its response at once (cancelled, failed by the
+    /// scheduler). Returns the assignments that follow from the freed slot.
+    fn complete(&mut self, name: &str, response: ExecuteResponse) -> Vec<Assign> {
+        let out = self.retire(name);
+        if let Some(job) = self.jobs.get(name) {
+            job.tx.send_modify(|s| {
+                s.stage = Stage::Completed;
+                s.response = Some(response);
+            });
+            if self.in_flight.get(&job.key).map(String::as_str) == Some(name) {
+                self.in_flight.remove(&job.key);
+            }
+        }
+        out
+    }
+
+    /// Takes an operation out of the dispatcher and starts its retention; publishing its
+    /// response is up to the caller.
+    fn retire(&mut self, name: &str) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+        if job.completed_at.is_some() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        job.completed_at = Some(now);
+        self.live.remove(&job.id);
+        self.completed.push_back((now, name.to_string()));
+        self.d.finish(job.id)
+    }
 }
 
 impl Scheduler {
@@ -305,7 +475,7 @@ impl Scheduler {
                 s.check_workers_and_gc();
             }
         });
-        *s.monitor.lock().expect("poisoned") = Some(guard);
+        *s.monitor.lock().unwrap_or_else(PoisonError::into_inner) = Some(guard);
         s
     }
 
@@ -313,12 +483,36 @@ impl Scheduler {
         &self.config
     }
 
+    /// The state, even after a panic while it was held: a panic in one request must not
+    /// stop the scheduler for good. Every state change is completed before anything that
+    /// can panic, and the invariants stay checkable ([`Scheduler::check_invariants`]); a
+    /// recovered lock is logged with what that check finds.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(poisoned) => {
+                let g = poisoned.into_inner();
+                self.state.clear_poison();
+                let check = check_state(&g);
+                tracing::error!(?check, "the scheduler's lock was poisoned by a panic; continuing");
+                g
+            }
+        }
+    }
+
+    /// Checks the scheduler's invariants (see [`Dispatcher::check`]); O(everything).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        check_state(&self.lock())
+    }
+
     /// Queues an action (or joins an identical one in flight) and returns the operation
     /// name and a receiver of its state changes.
     pub async fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
-        let shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
-        // With one size class there is nothing to choose or learn: skip the stats read.
-        if let Some(sizing) = self.sizing.as_ref().filter(|_| self.class_count() > 1) {
+        // With one size class, or no learner, there is nothing to choose or learn: skip
+        // the shape key (a SHA-256) and the stats read.
+        let mut shape_key = String::new();
+        if let Some(sizing) = self.sizing.as_ref().filter(|_| self.lock().d.class_count() > 1) {
+            shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
             sizing.load(&shape_key).await?;
         }
         // Bazel puts platform properties in both Action.platform and the (deprecated)
@@ -328,50 +522,52 @@ impl Scheduler {
         required.extend(platform::from_platform(spec.action.platform.as_ref()));
         required.sort();
         required.dedup();
+        let required: Properties = required.into();
         let timeout =
             resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
         let key = (spec.instance.clone(), spec.action_digest);
         // REAPI: in-flight requests for a do_not_cache action may not be merged.
         let mergeable = !spec.action.do_not_cache;
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable).cloned() {
             let job = st.jobs.get_mut(&name).expect("in-flight jobs exist");
-            if let Some(o) = spec.owner
-                && !job.owners.contains(&o)
-            {
-                job.owners.push(o);
+            if !job.published() {
+                if let Some(o) = spec.owner
+                    && !job.owners.contains(&o)
+                {
+                    job.owners.push(o);
+                }
+                return Ok((name, job.tx.subscribe()));
             }
-            return Ok((name, job.tx.subscribe()));
+            st.in_flight.remove(&key);
         }
-        if !st.workers.is_empty() {
-            let offers = st.workers.values().map(|w| w.properties.as_slice());
-            if let Some(p) = platform::first_unoffered(offers.clone(), &required) {
-                return Err(Error::FailedPrecondition(format!(
-                    "platform property {}={} is offered by no worker",
-                    p.name, p.value
-                )));
-            }
-            if !st.workers.values().any(|w| platform::satisfies(&w.properties, &required)) {
-                return Err(Error::FailedPrecondition(format!(
-                    "no worker offers all of the platform properties {}",
-                    required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
-                )));
-            }
+        if st.d.has_workers()
+            && let Some(p) = st.d.first_unoffered(&required)
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "platform property {}={} is offered by no worker",
+                p.name, p.value
+            )));
         }
         // Size classes with a worker that can run this action.
-        let classes: BTreeSet<u32> = st
-            .workers
-            .values()
-            .filter(|w| platform::satisfies(&w.properties, &required))
-            .map(|w| w.size_class)
-            .collect();
+        let classes = st.d.classes_for(&required);
+        if st.d.has_workers() && classes.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "no worker offers all of the platform properties {}",
+                required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
+            )));
+        }
         let largest_class = classes.iter().next_back().copied().unwrap_or(1);
         let requested_timeout = timeout;
+        // The classes may have changed since the key was (not) made.
+        if self.sizing.is_some() && classes.len() > 1 && shape_key.is_empty() {
+            shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
+        }
         let learning = self.sizing.is_some() && classes.len() > 1;
         let (size_class, timeout) = match (&self.sizing, classes.len()) {
             (Some(sizing), n) if n > 1 => {
                 let set = gantry_sizeclass::SizeClasses::new(classes.iter().copied()).expect("non-empty, non-zero");
-                let queues = self.queue_state(&st, &classes);
+                let queues = queue_state(&st, &classes);
                 match sizing.choose(&shape_key, &set, timeout, Some(&queues)) {
                     Some(d) => (Some(d.size_class), d.timeout),
                     None => (Some(largest_class), timeout),
@@ -381,125 +577,42 @@ impl Scheduler {
             _ => (None, timeout),
         };
         let name = format!("operations/{}", uuid::Uuid::new_v4());
-        st.seq += 1;
-        let seq = st.seq;
         let state =
             OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
-        st.queue.insert((spec.priority, seq, name.clone()));
+        let (id, assigns) = st.d.submit(spec.priority, required, size_class);
         if mergeable {
             st.in_flight.insert(key.clone(), name.clone());
         }
+        st.live.insert(id, name.clone());
         st.jobs.insert(
             name.clone(),
-            Job {
+            Box::new(Job {
+                id,
                 name: name.clone(),
                 key,
                 owners: spec.owner.iter().cloned().collect(),
-                spec,
-                platform: required,
+                spec: Arc::new(spec),
                 timeout,
-                seq,
                 queued_at: SystemTime::now(),
                 worker: None,
                 dispatched_at: None,
                 losses: 0,
                 cancel_requested: false,
                 size_class,
-                learning,
-                largest_class,
-                requested_timeout,
-                shape_key,
-                first_try: None,
-                notes: Vec::new(),
+                trial: Trial::new(learning, largest_class, requested_timeout, shape_key),
                 tx,
                 completed_at: None,
-            },
+            }),
         );
-        self.dispatch(&mut st);
+        st.apply(&self.config, assigns);
+        self.update_gauges(&st);
         Ok((name, rx))
     }
 
-    /// Hands queued actions to idle workers that can run them.
-    fn dispatch(&self, st: &mut State) {
-        let mut assigned = Vec::new();
-        for (prio, seq, name) in st.queue.iter() {
-            if !st.workers.values().any(|w| w.busy() < w.slots) {
-                break;
-            }
-            let job = &st.jobs[name];
-            // Among the idle workers that can run it, prefer the least loaded.
-            let pick = st
-                .workers
-                .iter()
-                .filter(|(_, w)| {
-                    w.busy() < w.slots
-                        && !w.overdue.contains(name)
-                        && platform::satisfies(&w.properties, &job.platform)
-                        && job.size_class.is_none_or(|c| w.size_class == c)
-                })
-                .min_by_key(|(id, w)| (w.busy() * 1000 / w.slots.max(1), (*id).clone()))
-                .map(|(id, _)| id.clone());
-            if let Some(wid) = pick {
-                let msg = wpb::SchedulerMessage {
-                    kind: Some(wpb::scheduler_message::Kind::Assignment(wpb::Assignment {
-                        job_id: name.clone(),
-                        instance_name: job.spec.instance.clone(),
-                        digest_function: job.spec.action_digest.function.to_proto(),
-                        action: job.spec.action.encode_to_vec(),
-                        command: job.spec.command.encode_to_vec(),
-                        action_digest: job.spec.action_digest.to_proto().encode_to_vec(),
-                        timeout_ms: job.timeout.as_millis() as u64,
-                        queued_unix_ms: now_ms(job.queued_at),
-                    })),
-                };
-                let w = st.workers.get_mut(&wid).expect("picked");
-                if w.tx.send(msg).is_ok() {
-                    w.running.insert(name.clone());
-                    assigned.push(((*prio, *seq, name.clone()), wid));
-                }
-            }
-        }
-        for (k, wid) in assigned {
-            st.queue.remove(&k);
-            let job = st.jobs.get_mut(&k.2).expect("queued job exists");
-            job.worker = Some(wid);
-            job.dispatched_at = Some(Instant::now());
-            job.tx.send_modify(|s| s.stage = Stage::Executing);
-        }
-        self.update_gauges(st);
-    }
-
-    /// Distinct size classes among registered workers.
-    fn class_count(&self) -> usize {
-        let st = self.state.lock().expect("poisoned");
-        st.workers.values().map(|w| w.size_class).collect::<BTreeSet<_>>().len()
-    }
-
-    /// Expected wait and idle workers per size class, for queue-aware selection.
-    fn queue_state(&self, st: &State, classes: &BTreeSet<u32>) -> gantry_sizeclass::QueueState {
-        let mut q = gantry_sizeclass::QueueState::new();
-        for &c in classes {
-            let workers: Vec<&WorkerEntry> = st.workers.values().filter(|w| w.size_class == c).collect();
-            let slots: usize = workers.iter().map(|w| w.slots).sum();
-            let idle: usize = workers.iter().map(|w| w.slots.saturating_sub(w.busy())).sum();
-            let queued = st.queue.iter().filter(|(_, _, n)| st.jobs[n].size_class == Some(c)).count();
-            let avg = st.class_avg_seconds.get(&c).copied().unwrap_or(1.0);
-            let wait = if idle > 0 { 0.0 } else { (queued + 1) as f64 * avg / slots.max(1) as f64 };
-            q.set(
-                c,
-                gantry_sizeclass::ClassQueue {
-                    expected_wait: Duration::from_secs_f64(wait),
-                    idle_workers: idle as u32,
-                },
-            );
-        }
-        q
-    }
-
     fn update_gauges(&self, st: &State) {
-        self.gauges.queued.set(st.queue.len() as i64);
-        self.gauges.running.set(st.workers.values().map(|w| w.running.len() as i64).sum());
+        self.gauges.queued.set(st.d.queued() as i64);
+        self.gauges.running.set(st.d.running() as i64);
         self.gauges.workers.set(st.workers.len() as i64);
     }
 
@@ -513,66 +626,77 @@ impl Scheduler {
             reg.properties.iter().map(|p| Property { name: p.name.clone(), value: p.value.clone() }).collect();
         props.sort();
         props.dedup();
-        let mut st = self.state.lock().expect("poisoned");
+        let size_class = reg.size_class.max(1);
+        let mut st = self.lock();
         if st.workers.contains_key(&reg.worker_id) {
             return Err(Error::FailedPrecondition(format!("worker id {} is already registered", reg.worker_id)));
         }
+        let (id, assigns) = st.d.add_worker(props.into(), size_class, reg.slots.max(1) as usize);
+        st.worker_names.insert(id, reg.worker_id.clone());
         st.workers.insert(
             reg.worker_id.clone(),
             WorkerEntry {
-                properties: props,
-                slots: reg.slots.max(1) as usize,
-                running: HashSet::new(),
-                overdue: HashSet::new(),
+                id,
+                overdue: HashMap::new(),
                 tx,
                 last_seen: Instant::now(),
                 local,
-                size_class: reg.size_class.max(1),
+                size_class,
                 metering: reg.metering.clone(),
             },
         );
         tracing::info!(worker = %reg.worker_id, slots = reg.slots, local, "worker registered");
-        self.dispatch(&mut st);
+        st.apply(&self.config, assigns);
+        self.update_gauges(&st);
         Ok(WorkerLink { id: reg.worker_id, messages: rx })
     }
 
-    /// Registers an in-process worker and bridges its reports into the scheduler. The
-    /// worker reads assignments from the returned receiver and reports on the sender; the
-    /// bridge task lives as long as the guard.
+    /// Registers an in-process worker and bridges it to the scheduler. The worker reads
+    /// assignments from the returned receiver and reports on the sender; the bridge task
+    /// lives as long as the guard.
     pub fn attach_local(
         self: &Arc<Self>,
         reg: wpb::Register,
     ) -> Result<(mpsc::UnboundedReceiver<wpb::SchedulerMessage>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)>
     {
-        let link = self.register(reg, true)?;
-        let (tx, mut rx) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
+        let mut link = self.register(reg, true)?;
+        let (report_tx, mut reports) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
+        let (to_worker, worker_rx) = mpsc::unbounded_channel::<wpb::SchedulerMessage>();
         let s = self.clone();
         let id = link.id.clone();
         let guard = spawn_named("local-worker-bridge", async move {
-            while let Some(m) = rx.recv().await {
-                match m.kind {
-                    Some(wpb::worker_message::Kind::Started(x)) => s.started(&id, &x.job_id),
-                    Some(wpb::worker_message::Kind::Finished(f)) => {
-                        // Detached, like remote sessions: a result is always saved.
-                        let (s, id) = (s.clone(), id.clone());
-                        tokio::spawn(async move { s.finished(&id, f).await });
-                    }
-                    _ => s.heartbeat(&id),
+            loop {
+                tokio::select! {
+                    m = link.messages.recv() => match m {
+                        Some(m) if to_worker.send(m.to_wire()).is_ok() => {}
+                        _ => break,
+                    },
+                    r = reports.recv() => match r.and_then(|m| m.kind) {
+                        Some(wpb::worker_message::Kind::Started(x)) => s.started(&id, &x.job_id),
+                        Some(wpb::worker_message::Kind::Finished(f)) => {
+                            // Detached, like remote sessions: a result is always saved.
+                            let (s, id) = (s.clone(), id.clone());
+                            tokio::spawn(async move { s.finished(&id, f).await });
+                        }
+                        Some(_) => s.heartbeat(&id),
+                        None if reports.is_closed() => break,
+                        None => s.heartbeat(&id),
+                    },
                 }
             }
             s.worker_lost(&id, "in-process worker stopped");
         });
-        Ok((link.messages, tx, guard))
+        Ok((worker_rx, report_tx, guard))
     }
 
     pub fn heartbeat(&self, worker: &str) {
-        if let Some(w) = self.state.lock().expect("poisoned").workers.get_mut(worker) {
+        if let Some(w) = self.lock().workers.get_mut(worker) {
             w.last_seen = Instant::now();
         }
     }
 
     pub fn started(&self, worker: &str, job_id: &str) {
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         if let Some(w) = st.workers.get_mut(worker) {
             w.last_seen = Instant::now();
         }
@@ -581,52 +705,11 @@ impl Scheduler {
         }
     }
 
-    /// A worker reports a finished (or failed, timed-out, cancelled) execution.
+    /// A worker reports a finished (or failed, timed-out, cancelled) execution. The
+    /// scheduler's part is one locked state transition; the durable writes (size-class
+    /// stats, action cache, execution log) follow outside the lock, in that order, and
+    /// only then is the result published.
     pub async fn finished(&self, worker: &str, f: wpb::ExecutionFinished) {
-        let (spec_instance, digest, do_not_cache, record, queued_at) = {
-            let mut st = self.state.lock().expect("poisoned");
-            let size_class = st.workers.get(worker).map_or(1, |w| w.size_class);
-            if let Some(w) = st.workers.get_mut(worker) {
-                w.last_seen = Instant::now();
-                if w.overdue.remove(&f.job_id) {
-                    // The late report of an action taken back: its slot is free again,
-                    // the action itself is queued or running elsewhere.
-                    self.dispatch(&mut st);
-                    return;
-                }
-                w.running.remove(&f.job_id);
-            }
-            let current =
-                st.jobs.get(&f.job_id).is_some_and(|j| j.worker.as_deref() == Some(worker) && j.completed_at.is_none());
-            if !current {
-                // A stale report from a worker the action was taken away from.
-                return;
-            }
-            let m = f.metering.clone().unwrap_or_default();
-            let avg = st.class_avg_seconds.entry(size_class).or_insert(m.wall_seconds.max(0.001));
-            *avg = 0.8 * *avg + 0.2 * m.wall_seconds;
-            let job = &st.jobs[&f.job_id];
-            let record = ActionRecord {
-                operation: job.name.clone(),
-                instance: job.spec.instance.clone(),
-                action_digest: job.spec.action_digest.to_string(),
-                tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
-                action_mnemonic: job.spec.requester.action_mnemonic.clone(),
-                target_id: job.spec.requester.target_id.clone(),
-                worker: worker.to_string(),
-                size_class,
-                exit_code: 0,
-                status_code: f.status_code,
-                peak_memory_bytes: m.peak_memory_bytes,
-                user_cpu_seconds: m.user_cpu_seconds,
-                system_cpu_seconds: m.system_cpu_seconds,
-                wall_seconds: m.wall_seconds,
-                queued_seconds: 0.0,
-                metering: m.method,
-                completed_unix_ms: now_ms(SystemTime::now()),
-            };
-            (job.spec.instance.clone(), job.spec.action_digest, job.spec.action.do_not_cache, record, job.queued_at)
-        };
         let mut result = match f.action_result.as_deref() {
             None => None,
             Some(bytes) => match ActionResult::decode(bytes) {
@@ -643,83 +726,34 @@ impl Scheduler {
             code = tonic::Code::Internal as i32;
             message = "worker returned no result".into();
         }
+        let m = f.metering.clone().unwrap_or_default();
+        let wall = Duration::from_secs_f64(m.wall_seconds.max(0.0));
+        let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall);
+        let after = self.transition(worker, &f.job_id, code, &m, this_outcome, result.as_ref().map(|r| r.exit_code));
+        let fin = match after {
+            After::Nothing => return,
+            After::Retried { record, from_class } => {
+                if let Some(s) = &self.sizing {
+                    s.retries.with_label_values(&[&from_class.to_string()]).inc();
+                }
+                if let Err(e) = self.log.record(&record).await {
+                    tracing::error!(action = %record.action_digest, error = %e, "could not record the execution");
+                }
+                return;
+            }
+            After::Final(fin) => fin,
+        };
+        let Finale { mut record, instance, digest, do_not_cache, queued_at, learn, tx } = *fin;
         if let Some(r) = result.as_mut() {
             let md = r.execution_metadata.get_or_insert_with(Default::default);
             md.worker = worker.to_string();
             md.queued_timestamp = Some(timestamp(queued_at));
         }
-        let mut record = record;
         record.exit_code = result.as_ref().map_or(-1, |r| r.exit_code);
-        let wall = Duration::from_secs_f64(f.metering.as_ref().map_or(0.0, |m| m.wall_seconds).max(0.0));
-        let ran_on = record.size_class;
-        let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall);
-        // A failure or timeout on a smaller class is retried on the largest class with the
-        // original timeout; the client sees one execution.
-        let retry = {
-            let mut st = self.state.lock().expect("poisoned");
-            let Some(job) = st.jobs.get_mut(&f.job_id) else { return };
-            let smaller = job.learning && job.size_class.is_some_and(|c| c < job.largest_class);
-            // Only a run that happened says something about the class: not a missing input
-            // or another infrastructure error.
-            let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
-            if smaller && ran && !this_outcome.is_success() && !job.cancel_requested {
-                job.first_try = Some((ran_on, this_outcome));
-                job.notes.push(format!(
-                    "{} on size class {ran_on} after {:.1}s; retried on size class {}",
-                    match this_outcome {
-                        gantry_sizeclass::Outcome::TimedOut(_) => "timed out",
-                        _ => "failed",
-                    },
-                    wall.as_secs_f64(),
-                    job.largest_class
-                ));
-                job.size_class = Some(job.largest_class);
-                job.timeout = job.requested_timeout;
-                job.worker = None;
-                job.tx.send_modify(|s| s.stage = Stage::Queued);
-                let key = (job.spec.priority, job.seq, job.name.clone());
-                st.queue.insert(key);
-                true
-            } else {
-                false
-            }
-        };
-        if retry {
-            if let Some(s) = &self.sizing {
-                s.retries.with_label_values(&[&ran_on.to_string()]).inc();
-            }
-            if let Err(e) = self.log.record(&record).await {
-                tracing::error!(action = %digest, error = %e, "could not record the execution");
-            }
-            let mut st = self.state.lock().expect("poisoned");
-            self.dispatch(&mut st);
-            return;
-        }
-        let learn = {
-            let st = self.state.lock().expect("poisoned");
-            st.jobs.get(&f.job_id).and_then(|job| {
-                let learn = job.learning && code != tonic::Code::Cancelled as i32;
-                learn.then(|| {
-                    let execution = match job.first_try {
-                        Some((c0, o0)) => gantry_sizeclass::Execution {
-                            size_class: c0,
-                            outcome: o0,
-                            largest_outcome: Some(this_outcome),
-                        },
-                        None => gantry_sizeclass::Execution {
-                            size_class: ran_on,
-                            outcome: this_outcome,
-                            largest_outcome: None,
-                        },
-                    };
-                    (job.shape_key.clone(), job.largest_class, execution, job.notes.join("; "))
-                })
-            })
-        };
         let mut notes = String::new();
-        if let (Some(sizing), Some((key, largest, execution, n))) = (&self.sizing, learn) {
-            sizing.record(&key, largest, execution).await;
-            notes = n;
+        if let (Some(sizing), Some(l)) = (&self.sizing, learn) {
+            sizing.record(&l.shape_key, l.largest_class, l.execution).await;
+            notes = l.notes;
         }
         if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref())
             && let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp)
@@ -728,7 +762,7 @@ impl Scheduler {
         }
         // Only successful runs are cached: a failure may be flaky or environmental.
         let cacheable = code == 0 && result.as_ref().is_some_and(|r| r.exit_code == 0) && !do_not_cache;
-        if cacheable && let Err(e) = self.ac.put(&spec_instance, &digest, result.as_ref().expect("cacheable")).await {
+        if cacheable && let Err(e) = self.ac.put(&instance, &digest, result.as_ref().expect("cacheable")).await {
             tracing::error!(action = %digest, error = %e, "could not store the action result");
             message = format!("{message}{}result not cached: {e}", if message.is_empty() { "" } else { "; " });
         }
@@ -755,106 +789,136 @@ impl Scheduler {
         let response = ExecuteResponse {
             result,
             cached_result: false,
-            status: Some(RpcStatus { code, message: message.clone(), details }),
+            status: Some(RpcStatus { code, message, details }),
             server_logs: Default::default(),
             message: human,
         };
-        let mut st = self.state.lock().expect("poisoned");
-        self.complete(&mut st, &f.job_id, response);
-        self.dispatch(&mut st);
-    }
-
-    fn complete(&self, st: &mut State, name: &str, response: ExecuteResponse) {
-        let Some(job) = st.jobs.get_mut(name) else { return };
-        if job.completed_at.is_some() {
-            return;
-        }
-        job.completed_at = Some(Instant::now());
-        let key = job.key.clone();
-        job.tx.send_modify(|s| {
+        tx.send_modify(|s| {
             s.stage = Stage::Completed;
             s.response = Some(response);
         });
-        st.queue.remove(&(job.spec.priority, job.seq, job.name.clone()));
-        if st.in_flight.get(&key).map(String::as_str) == Some(name) {
-            st.in_flight.remove(&key);
+    }
+
+    /// The locked part of [`Scheduler::finished`].
+    fn transition(
+        &self,
+        worker: &str,
+        job_id: &str,
+        code: i32,
+        m: &wpb::Metering,
+        this_outcome: gantry_sizeclass::Outcome,
+        exit_code: Option<i32>,
+    ) -> After {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(w) = st.workers.get_mut(worker) else { return After::Nothing };
+        w.last_seen = Instant::now();
+        let (wid, size_class) = (w.id, w.size_class);
+        if let Some(id) = w.overdue.remove(job_id) {
+            // The late report of an action taken back: its slot is free again, the action
+            // itself is queued or running elsewhere.
+            let assigns = st.d.late_report(wid, id).unwrap_or_default();
+            st.apply(&self.config, assigns);
+            self.update_gauges(st);
+            return After::Nothing;
         }
+        let Some(job) = st.jobs.get_mut(job_id) else { return After::Nothing };
+        if job.worker.as_deref() != Some(worker) || job.completed_at.is_some() || st.d.worker_of(job.id) != Some(wid) {
+            // A stale report from a worker the action was taken away from.
+            return After::Nothing;
+        }
+        let avg = st.class_avg_seconds.entry(size_class).or_insert(m.wall_seconds.max(0.001));
+        *avg = 0.8 * *avg + 0.2 * m.wall_seconds;
+        let record = ActionRecord {
+            operation: job.name.clone(),
+            instance: job.spec.instance.clone(),
+            action_digest: job.spec.action_digest.to_string(),
+            tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
+            action_mnemonic: job.spec.requester.action_mnemonic.clone(),
+            target_id: job.spec.requester.target_id.clone(),
+            worker: worker.to_string(),
+            size_class,
+            exit_code: exit_code.unwrap_or(-1),
+            status_code: code,
+            peak_memory_bytes: m.peak_memory_bytes,
+            user_cpu_seconds: m.user_cpu_seconds,
+            system_cpu_seconds: m.system_cpu_seconds,
+            wall_seconds: m.wall_seconds,
+            queued_seconds: 0.0,
+            metering: m.method.clone(),
+            completed_unix_ms: now_ms(SystemTime::now()),
+        };
+        if let Some(class) =
+            job.trial.retry_after(job.size_class, size_class, code, this_outcome, m.wall_seconds, job.cancel_requested)
+        {
+            job.size_class = Some(class);
+            job.timeout = job.trial.requested_timeout;
+            job.worker = None;
+            job.dispatched_at = None;
+            job.tx.send_modify(|s| s.stage = Stage::Queued);
+            let mut assigns = st.d.detach(job.id);
+            assigns.extend(st.d.set_class(job.id, job.size_class));
+            st.apply(&self.config, assigns);
+            self.update_gauges(st);
+            return After::Retried { record: Box::new(record), from_class: size_class };
+        }
+        let learn = job.trial.learned(size_class, code, this_outcome);
+        let fin = Finale {
+            record,
+            instance: job.spec.instance.clone(),
+            digest: job.spec.action_digest,
+            do_not_cache: job.spec.action.do_not_cache,
+            queued_at: job.queued_at,
+            learn,
+            tx: job.tx.clone(),
+        };
+        let name = job.name.clone();
+        let assigns = st.retire(&name);
+        st.apply(&self.config, assigns);
+        self.update_gauges(st);
+        After::Final(Box::new(fin))
     }
 
     /// Removes a worker and re-queues what it was running.
     pub fn worker_lost(&self, worker: &str, why: &str) {
-        let mut st = self.state.lock().expect("poisoned");
-        let Some(w) = st.workers.remove(worker) else { return };
-        tracing::warn!(worker, why, running = w.running.len(), "worker lost");
-        for name in w.running {
-            self.lose_job(&mut st, &name, worker, why);
-        }
-        self.dispatch(&mut st);
-    }
-
-    /// An action's worker is gone (or stuck): re-queue the action, or fail it with
-    /// UNAVAILABLE once it has lost workers more than `max_worker_losses` times.
-    fn lose_job(&self, st: &mut State, name: &str, worker: &str, why: &str) {
-        let Some(job) = st.jobs.get_mut(name) else { return };
-        if job.completed_at.is_some() {
-            return;
-        }
-        job.losses += 1;
-        job.worker = None;
-        job.dispatched_at = None;
-        if job.cancel_requested {
-            self.complete(st, name, cancelled_response());
-        } else if job.losses > self.config.max_worker_losses {
-            let losses = job.losses;
-            let resp = ExecuteResponse {
-                status: Some(status(
-                    tonic::Code::Unavailable,
-                    format!("the action lost its worker {losses} times (last: {worker}, {why})"),
-                )),
-                ..Default::default()
-            };
-            self.complete(st, name, resp);
-        } else {
-            job.tx.send_modify(|s| s.stage = Stage::Queued);
-            let key = (job.spec.priority, job.seq, name.to_string());
-            st.queue.insert(key);
-        }
+        let mut st = self.lock();
+        let assigns = st.remove_worker(&self.config, worker, why);
+        st.apply(&self.config, assigns);
+        self.update_gauges(&st);
     }
 
     /// Takes back every action whose worker is still connected but has not reported it
     /// past its timeout plus the grace: the worker is told to cancel it, and the action is
-    /// re-queued as if the worker had been lost.
+    /// re-queued as if the worker had been lost (but never to that worker again).
     fn reclaim_overdue(&self, now: Instant) {
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         let grace = self.config.timeout_grace;
-        let late: Vec<(String, String, Duration)> = st
-            .jobs
-            .values()
-            .filter(|j| j.completed_at.is_none())
-            .filter_map(|j| match (&j.worker, j.dispatched_at) {
-                (Some(w), Some(at)) if overdue(at, j.timeout, grace, now) => {
-                    Some((j.name.clone(), w.clone(), j.timeout))
-                }
-                _ => None,
+        let late: Vec<(JobId, String, String, Duration)> = st
+            .workers
+            .iter()
+            .flat_map(|(wname, w)| st.d.running_on(w.id).map(move |j| (j, wname)))
+            .filter_map(|(id, wname)| {
+                let job = &st.jobs[&st.live[&id]];
+                let at = job.dispatched_at?;
+                overdue(at, job.timeout, grace, now).then(|| (id, job.name.clone(), wname.clone(), job.timeout))
             })
             .collect();
         if late.is_empty() {
             return;
         }
-        for (name, worker, timeout) in late {
+        let mut assigns = Vec::new();
+        for (id, name, worker, timeout) in late {
+            let avoid = st.d.take_back(id);
             if let Some(w) = st.workers.get_mut(&worker) {
-                if w.running.remove(&name) {
-                    w.overdue.insert(name.clone());
-                }
-                let _ = w.tx.send(wpb::SchedulerMessage {
-                    kind: Some(wpb::scheduler_message::Kind::Cancel(wpb::Cancel { job_id: name.clone() })),
-                });
+                w.overdue.insert(name.clone(), id);
+                let _ = w.tx.send(ToWorker::Cancel(name.clone()));
             }
             let why = format!("no result {:.0?} after its {timeout:.0?} timeout", grace);
             tracing::warn!(worker = %worker, operation = %name, "{why}; taking the action back");
-            self.lose_job(&mut st, &name, &worker, &why);
+            assigns.extend(st.lose_job(&self.config, id, &worker, &why, avoid));
         }
-        self.dispatch(&mut st);
+        st.apply(&self.config, assigns);
+        self.update_gauges(&st);
     }
 
     /// Cancels an operation: a queued one completes as CANCELLED at once, a running one
@@ -862,7 +926,7 @@ impl Scheduler {
     /// its own operations (None: an administrator). An operation another identity shares
     /// keeps running for that identity; the caller only lets go of it.
     pub fn cancel(&self, name: &str, by: Option<&str>) -> Result<()> {
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         let job = st.jobs.get_mut(name).filter(|j| may_touch(j, by)).ok_or_else(|| not_found(name))?;
         if job.completed_at.is_some() {
             return Ok(());
@@ -875,21 +939,20 @@ impl Scheduler {
         }
         job.cancel_requested = true;
         let key = job.key.clone();
+        let (id, worker) = (job.id, job.worker.clone());
         // New requests for the same action start afresh instead of joining a cancelled one.
         if st.in_flight.get(&key).map(String::as_str) == Some(name) {
             st.in_flight.remove(&key);
         }
-        let job = st.jobs.get_mut(name).expect("checked above");
-        match job.worker.clone() {
+        match worker.filter(|_| st.d.worker_of(id).is_some()) {
             None => {
-                self.complete(&mut st, name, cancelled_response());
+                let assigns = st.complete(name, cancelled_response());
+                st.apply(&self.config, assigns);
                 self.update_gauges(&st);
             }
             Some(w) => {
                 if let Some(w) = st.workers.get(&w) {
-                    let _ = w.tx.send(wpb::SchedulerMessage {
-                        kind: Some(wpb::scheduler_message::Kind::Cancel(wpb::Cancel { job_id: name.to_string() })),
-                    });
+                    let _ = w.tx.send(ToWorker::Cancel(name.to_string()));
                 }
             }
         }
@@ -910,14 +973,14 @@ impl Scheduler {
     }
 
     pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
-        self.state.lock().expect("poisoned").jobs.get(name).map(|j| j.tx.subscribe())
+        self.lock().jobs.get(name).map(|j| j.tx.subscribe())
     }
 
     /// Operations in submission order: all of them, or those `owner` shares.
     pub fn list(&self, owner: Option<&str>) -> Vec<OpState> {
-        let st = self.state.lock().expect("poisoned");
+        let st = self.lock();
         let mut v: Vec<_> =
-            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.seq, j.tx.borrow().clone())).collect();
+            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.id, j.tx.borrow().clone())).collect();
         v.sort_by_key(|(s, _)| *s);
         v.into_iter().map(|(_, s)| s).collect()
     }
@@ -925,10 +988,10 @@ impl Scheduler {
     /// Forgets a finished operation. Running ones cannot be deleted (cancel them first).
     /// `by` as for [`Scheduler::cancel`].
     pub fn delete(&self, name: &str, by: Option<&str>) -> Result<()> {
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         match st.jobs.get(name).filter(|j| may_touch(j, by)) {
             None => Err(not_found(name)),
-            Some(j) if j.completed_at.is_none() => Err(Error::FailedPrecondition(format!(
+            Some(j) if !j.published() => Err(Error::FailedPrecondition(format!(
                 "operation {} is still running; cancel it first",
                 shown_name(name)
             ))),
@@ -940,18 +1003,18 @@ impl Scheduler {
     }
 
     pub fn worker_count(&self) -> usize {
-        self.state.lock().expect("poisoned").workers.len()
+        self.lock().workers.len()
     }
 
     /// Metering method of each registered worker (for status and logs).
     pub fn worker_metering(&self) -> Vec<(String, String)> {
-        let st = self.state.lock().expect("poisoned");
+        let st = self.lock();
         st.workers.iter().map(|(id, w)| (id.clone(), w.metering.clone())).collect()
     }
 
     fn check_workers_and_gc(&self) {
         let lost: Vec<String> = {
-            let st = self.state.lock().expect("poisoned");
+            let st = self.lock();
             st.workers
                 .iter()
                 .filter(|(_, w)| !w.local && w.last_seen.elapsed() > self.config.heartbeat_timeout)
@@ -962,10 +1025,54 @@ impl Scheduler {
             self.worker_lost(&w, "missed heartbeats");
         }
         self.reclaim_overdue(Instant::now());
-        let mut st = self.state.lock().expect("poisoned");
+        let mut st = self.lock();
         let keep = self.config.completed_retention;
-        st.jobs.retain(|_, j| j.completed_at.is_none_or(|t| t.elapsed() < keep));
+        while let Some((at, _)) = st.completed.front()
+            && at.elapsed() >= keep
+        {
+            let (_, name) = st.completed.pop_front().expect("front exists");
+            if let Some(job) = st.jobs.remove(&name)
+                && st.in_flight.get(&job.key) == Some(&name)
+            {
+                st.in_flight.remove(&job.key);
+            }
+        }
+        st.d.compact();
     }
+}
+
+/// Expected wait and idle slots per size class, for queue-aware class choice.
+fn queue_state(st: &State, classes: &BTreeSet<u32>) -> gantry_sizeclass::QueueState {
+    let loads = st.d.class_loads();
+    let mut q = gantry_sizeclass::QueueState::new();
+    for &c in classes {
+        let l = loads.get(&c).copied().unwrap_or_default();
+        let avg = st.class_avg_seconds.get(&c).copied().unwrap_or(1.0);
+        let wait = if l.idle > 0 { 0.0 } else { (l.queued + 1) as f64 * avg / l.slots.max(1) as f64 };
+        q.set(
+            c,
+            gantry_sizeclass::ClassQueue { expected_wait: Duration::from_secs_f64(wait), idle_workers: l.idle as u32 },
+        );
+    }
+    q
+}
+
+/// The dispatcher's invariants, and that the scheduler's maps agree with it.
+fn check_state(st: &State) -> std::result::Result<(), String> {
+    st.d.check()?;
+    for (id, name) in &st.live {
+        let job = st.jobs.get(name).ok_or(format!("live operation {name} is missing"))?;
+        if job.id != *id || job.completed_at.is_some() {
+            return Err(format!("live operation {name} is out of step"));
+        }
+        if !st.d.is_queued(*id) && st.d.worker_of(*id).is_none() {
+            return Err(format!("operation {name} is neither queued nor running"));
+        }
+    }
+    if st.d.queued() + st.d.running() != st.live.len() {
+        return Err(format!("{} live operations, dispatcher holds {}", st.live.len(), st.d.queued() + st.d.running()));
+    }
+    Ok(())
 }
 
 fn cancelled_response() -> ExecuteResponse {
@@ -1027,8 +1134,8 @@ mod tests {
     fn assigned(link: &mut WorkerLink) -> Vec<String> {
         let mut v = Vec::new();
         while let Ok(m) = link.messages.try_recv() {
-            if let Some(wpb::scheduler_message::Kind::Assignment(a)) = m.kind {
-                v.push(a.job_id);
+            if let ToWorker::Assign(a) = m {
+                v.push(a.job_id.clone());
             }
         }
         v
@@ -1154,7 +1261,7 @@ mod tests {
         assert_eq!(assigned(&mut w), vec![r.clone()]);
         s.cancel(&r, None).unwrap();
         let m = w.messages.try_recv().unwrap();
-        assert!(matches!(m.kind, Some(wpb::scheduler_message::Kind::Cancel(c)) if c.job_id == r));
+        assert!(matches!(m, ToWorker::Cancel(c) if c == r));
         assert!(s.delete(&r, None).is_err(), "running operations cannot be deleted");
         assert!(s.delete(&q, None).is_ok());
         assert!(s.watch(&q).is_none());
@@ -1237,7 +1344,7 @@ mod tests {
         assert_eq!(rx.borrow().stage, Stage::Executing);
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let m = stuck.messages.try_recv().expect("the stuck worker is told to cancel");
-        assert!(matches!(m.kind, Some(wpb::scheduler_message::Kind::Cancel(c)) if c.job_id == n));
+        assert!(matches!(m, ToWorker::Cancel(c) if c == n));
         assert_eq!(assigned(&mut other), vec![n.clone()], "re-queued and run elsewhere");
         assert_eq!(s.worker_count(), 2, "a heartbeating worker is not dropped");
         // The stuck worker's late report is ignored; the new worker's result completes it.

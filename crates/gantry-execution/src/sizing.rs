@@ -6,7 +6,7 @@
 //! feeds them inputs (stats, classes with workers, queue state, a random draw, the clock).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use gantry_core::reapi;
@@ -21,7 +21,10 @@ use rand::{Rng, SeedableRng};
 pub struct Sizing {
     pub config: SelectionConfig,
     store: Arc<dyn SizeClassStore>,
+    /// Statistics of recently used shapes. Bounded: a shape evicted from here is read
+    /// from the store again on its next use.
     cache: Mutex<HashMap<String, ActionStats>>,
+    cache_capacity: usize,
     rng: Mutex<rand_chacha::ChaCha8Rng>,
     pub selections: prometheus::IntCounterVec,
     pub retries: prometheus::IntCounterVec,
@@ -50,6 +53,7 @@ impl Sizing {
         config: SelectionConfig,
         store: Arc<dyn SizeClassStore>,
         seed: Option<u64>,
+        cache_capacity: usize,
         registry: &prometheus::Registry,
     ) -> gantry_core::Result<Self> {
         config.validate().map_err(|e| gantry_core::Error::invalid(format!("[execution.size_classes]: {e}")))?;
@@ -76,12 +80,20 @@ impl Sizing {
                     ^ ((std::process::id() as u64) << 32),
             ),
         };
-        Ok(Sizing { config, store, cache: Mutex::default(), rng: Mutex::new(rng), selections, retries })
+        Ok(Sizing {
+            config,
+            store,
+            cache: Mutex::default(),
+            cache_capacity: cache_capacity.max(1),
+            rng: Mutex::new(rng),
+            selections,
+            retries,
+        })
     }
 
     /// Loads a key's statistics into the cache (from the store on first use).
     pub async fn load(&self, key: &str) -> gantry_core::Result<()> {
-        if self.cache.lock().expect("poisoned").contains_key(key) {
+        if self.cache.lock().unwrap_or_else(PoisonError::into_inner).contains_key(key) {
             return Ok(());
         }
         let stats = match self.store.get(key).await? {
@@ -91,7 +103,12 @@ impl Sizing {
             }),
             None => ActionStats::new(),
         };
-        self.cache.lock().expect("poisoned").entry(key.to_string()).or_insert(stats);
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        while cache.len() >= self.cache_capacity && !cache.contains_key(key) {
+            let Some(victim) = cache.keys().next().cloned() else { break };
+            cache.remove(&victim);
+        }
+        cache.entry(key.to_string()).or_insert(stats);
         Ok(())
     }
 
@@ -103,8 +120,8 @@ impl Sizing {
         requested: Duration,
         queues: Option<&QueueState>,
     ) -> Option<Decision> {
-        let stats = self.cache.lock().expect("poisoned").get(key).cloned().unwrap_or_default();
-        let draw: f64 = self.rng.lock().expect("poisoned").random();
+        let stats = self.cache.lock().unwrap_or_else(PoisonError::into_inner).get(key).cloned().unwrap_or_default();
+        let draw: f64 = self.rng.lock().unwrap_or_else(PoisonError::into_inner).random();
         let input = SelectionInput { stats: &stats, classes, requested_timeout: requested, queues, draw, now: now() };
         match select(&self.config, &input) {
             Ok(d) => {
@@ -120,8 +137,14 @@ impl Sizing {
 
     /// Records a finished execution and persists the key's statistics.
     pub async fn record(&self, key: &str, largest: u32, execution: Execution) {
+        // The key may have been evicted since its action was submitted: start from the
+        // stored statistics, not from nothing, or the store would lose its history.
+        if let Err(e) = self.load(key).await {
+            tracing::error!(key, error = %e, "could not read size class stats; outcome not recorded");
+            return;
+        }
         let json = {
-            let mut cache = self.cache.lock().expect("poisoned");
+            let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
             let stats = cache.entry(key.to_string()).or_default();
             if let Err(e) = record(stats, &self.config, largest, &execution, now()) {
                 tracing::warn!(key, error = %e, "could not record a size class outcome");
@@ -132,6 +155,86 @@ impl Sizing {
         if let Err(e) = self.store.put(key, &json).await {
             tracing::error!(key, error = %e, "could not persist size class stats");
         }
+    }
+}
+
+/// A job's size-class bookkeeping, from submission to its final result: whether the
+/// learner chose its class, the class and timeout a retry gets, and its first try.
+#[derive(Debug, Clone)]
+pub struct Trial {
+    /// The class was chosen by the learner (more than one class could run it), so its
+    /// outcome is recorded.
+    pub learning: bool,
+    /// Largest class with workers when the action was submitted.
+    pub largest_class: u32,
+    /// The timeout the client asked for (a smaller class may run with a shorter one).
+    pub requested_timeout: Duration,
+    pub shape_key: String,
+    /// A failed or timed-out run on a smaller class, waiting for the largest class's result.
+    pub first_try: Option<(u32, Outcome)>,
+    /// What happened, for the client's ExecuteResponse.message.
+    pub notes: Vec<String>,
+}
+
+/// What to record once an action's final result is known.
+#[derive(Debug, Clone)]
+pub struct Learned {
+    pub shape_key: String,
+    pub largest_class: u32,
+    pub execution: Execution,
+    pub notes: String,
+}
+
+impl Trial {
+    pub fn new(learning: bool, largest_class: u32, requested_timeout: Duration, shape_key: String) -> Self {
+        Trial { learning, largest_class, requested_timeout, shape_key, first_try: None, notes: Vec::new() }
+    }
+
+    /// After a run on class `ran_on` (the job was placed on `placed`) ended with the
+    /// status `code`: the class to retry on, if any. A failure or timeout on a smaller
+    /// class is retried on the largest class with the original timeout, so the client
+    /// sees one execution. Only a run that happened says something about the class: not
+    /// a missing input or another infrastructure error, and not a cancellation.
+    pub fn retry_after(
+        &mut self,
+        placed: Option<u32>,
+        ran_on: u32,
+        code: i32,
+        outcome: Outcome,
+        wall_seconds: f64,
+        cancel_requested: bool,
+    ) -> Option<u32> {
+        let smaller = self.learning && placed.is_some_and(|c| c < self.largest_class);
+        let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
+        if !smaller || !ran || outcome.is_success() || cancel_requested {
+            return None;
+        }
+        self.first_try = Some((ran_on, outcome));
+        self.notes.push(format!(
+            "{} on size class {ran_on} after {:.1}s; retried on size class {}",
+            if matches!(outcome, Outcome::TimedOut(_)) { "timed out" } else { "failed" },
+            wall_seconds.max(0.0),
+            self.largest_class
+        ));
+        Some(self.largest_class)
+    }
+
+    /// What the learner records of the final run on `ran_on` (None: nothing, as the
+    /// class was not learned or the action was cancelled).
+    pub fn learned(&self, ran_on: u32, code: i32, outcome: Outcome) -> Option<Learned> {
+        if !self.learning || code == tonic::Code::Cancelled as i32 {
+            return None;
+        }
+        let execution = match self.first_try {
+            Some((c0, o0)) => Execution { size_class: c0, outcome: o0, largest_outcome: Some(outcome) },
+            None => Execution { size_class: ran_on, outcome, largest_outcome: None },
+        };
+        Some(Learned {
+            shape_key: self.shape_key.clone(),
+            largest_class: self.largest_class,
+            execution,
+            notes: self.notes.join("; "),
+        })
     }
 }
 
@@ -166,6 +269,69 @@ mod tests {
             ..a.clone()
         };
         assert_ne!(shape_key(&a, ""), shape_key(&p, ""));
+    }
+
+    #[test]
+    fn a_failure_on_a_smaller_class_is_retried_once_on_the_largest_and_learned_as_both() {
+        let w = Duration::from_secs(3);
+        let mut t = Trial::new(true, 8, Duration::from_secs(60), "k".into());
+        let deadline = tonic::Code::DeadlineExceeded as i32;
+        assert_eq!(t.retry_after(Some(2), 2, deadline, Outcome::TimedOut(w), 3.0, false), Some(8));
+        assert!(t.notes[0].contains("timed out on size class 2 after 3.0s; retried on size class 8"), "{:?}", t.notes);
+        // On the largest class there is nothing larger: the result is final.
+        assert_eq!(t.retry_after(Some(8), 8, 0, Outcome::Succeeded(w), 3.0, false), None);
+        let l = t.learned(8, 0, Outcome::Succeeded(w)).unwrap();
+        assert_eq!((l.execution.size_class, l.execution.outcome), (2, Outcome::TimedOut(w)));
+        assert_eq!(l.execution.largest_outcome, Some(Outcome::Succeeded(w)));
+        assert_eq!(l.notes, t.notes[0]);
+    }
+
+    #[test]
+    fn no_retry_for_infrastructure_errors_cancellations_or_unlearned_classes() {
+        let w = Duration::from_secs(1);
+        let mut t = Trial::new(true, 8, Duration::from_secs(60), "k".into());
+        let internal = tonic::Code::Internal as i32;
+        assert_eq!(t.retry_after(Some(2), 2, internal, Outcome::Failed, 1.0, false), None, "did not run");
+        assert_eq!(t.retry_after(Some(2), 2, 0, Outcome::Failed, 1.0, true), None, "cancelled");
+        assert_eq!(t.retry_after(Some(2), 2, 0, Outcome::Succeeded(w), 1.0, false), None, "passed");
+        assert!(t.learned(2, tonic::Code::Cancelled as i32, Outcome::Failed).is_none());
+        let mut fixed = Trial::new(false, 8, Duration::from_secs(60), String::new());
+        assert_eq!(fixed.retry_after(Some(2), 2, 0, Outcome::Failed, 1.0, false), None);
+        assert!(fixed.learned(2, 0, Outcome::Failed).is_none());
+    }
+
+    #[tokio::test]
+    async fn the_stats_cache_is_bounded_and_an_evicted_shape_keeps_its_history() {
+        #[derive(Default)]
+        struct Store(Mutex<HashMap<String, String>>);
+        #[async_trait::async_trait]
+        impl SizeClassStore for Store {
+            async fn get(&self, key: &str) -> gantry_core::Result<Option<String>> {
+                Ok(self.0.lock().unwrap().get(key).cloned())
+            }
+            async fn put(&self, key: &str, json: &str) -> gantry_core::Result<()> {
+                self.0.lock().unwrap().insert(key.into(), json.into());
+                Ok(())
+            }
+            async fn keys(&self, limit: usize) -> gantry_core::Result<Vec<String>> {
+                Ok(self.0.lock().unwrap().keys().take(limit).cloned().collect())
+            }
+        }
+        let store = Arc::new(Store::default());
+        let s =
+            Sizing::new(SelectionConfig::default(), store.clone(), Some(1), 2, &prometheus::Registry::new()).unwrap();
+        let run =
+            |c| Execution { size_class: c, outcome: Outcome::Succeeded(Duration::from_secs(1)), largest_outcome: None };
+        s.record("a", 4, run(4)).await;
+        for k in ["b", "c", "d"] {
+            s.load(k).await.unwrap();
+        }
+        assert!(s.cache.lock().unwrap().len() <= 2, "bounded");
+        let before = ActionStats::from_json(&store.0.lock().unwrap()["a"]).unwrap();
+        s.record("a", 4, run(4)).await;
+        let after = ActionStats::from_json(&store.0.lock().unwrap()["a"]).unwrap();
+        assert_ne!(before.to_json(), after.to_json());
+        assert!(after.to_json().len() > before.to_json().len(), "the second outcome joined the first, not replaced it");
     }
 
     #[test]

@@ -83,8 +83,9 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
         });
         // At shutdown the session ends with UNAVAILABLE: the worker reconnects with backoff
         // (to this scheduler restarted) instead of stopping, and the server can drain.
+        // Encoded here, in the session's stream, outside the scheduler's lock.
         let out = UnboundedReceiverStream::new(link.messages)
-            .map(Ok)
+            .map(|m| Ok(m.to_wire()))
             .take_until(self.scheduler.stopped())
             .chain(futures::stream::once(async {
                 Err(Status::unavailable("the scheduler is shutting down; reconnect"))

@@ -41,6 +41,9 @@ pub enum BenchCommand {
     /// Submit queue: simulate every policy (sq, single, optimistic, speculate-all,
     /// oracle) on a trace or on generated streams, normalised to the oracle.
     Queue(crate::bench_queue::QueueBenchArgs),
+    /// The scheduler alone, in process with simulated workers: assignments per second at
+    /// a steady backlog, arrival-to-assignment latency with a free slot, and memory.
+    Scheduler(crate::bench_scheduler::SchedulerBenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -270,6 +273,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Sizeclass(args) => tokio::task::spawn_blocking(move || sizeclass(args)).await?,
         BenchCommand::Queue(args) => tokio::task::spawn_blocking(move || crate::bench_queue::run(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
+        BenchCommand::Scheduler(args) => crate::bench_scheduler::run(args).await,
         BenchCommand::Run(args) => {
             let (target, _server) = bench_server(&args.target.clone(), Some(4), &None).await?;
             crate::bench_run::run(args, target).await

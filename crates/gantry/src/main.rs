@@ -6,6 +6,7 @@ mod batch;
 mod bench;
 mod bench_queue;
 mod bench_run;
+mod bench_scheduler;
 mod builds;
 mod invocation;
 mod model;

@@ -98,6 +98,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
         selection_config(sc),
         Arc::new(SqlSizeClassStore::new(db.clone())),
         sc.seed,
+        sc.cached_shapes,
         services.metrics.registry(),
     )?;
     let scheduler = Scheduler::new(SchedulerConfig::from(e), ac, log, services.metrics.registry(), Some(sizing));
