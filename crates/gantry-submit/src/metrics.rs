@@ -27,9 +27,6 @@ pub struct QueueMetrics {
     observed: std::sync::Mutex<HashSet<String>>,
 }
 
-const STATES: [ChangeState; 5] =
-    [ChangeState::Submitted, ChangeState::Pending, ChangeState::Landed, ChangeState::Rejected, ChangeState::Cancelled];
-
 impl QueueMetrics {
     pub fn new(registry: &Registry) -> Result<QueueMetrics, SubmitError> {
         let counter = |name: &str, help: &str| IntCounter::new(name, help);
@@ -83,19 +80,19 @@ impl QueueMetrics {
         landing_failures: u64,
         changes: impl IntoIterator<Item = &'a ChangeDoc>,
     ) {
-        let mut by_state = [0i64; STATES.len()];
+        let mut by_state = [0i64; ChangeState::ALL.len()];
         let mut observed = self.observed.lock().expect("not poisoned");
         for doc in changes {
-            by_state[STATES.iter().position(|&st| st == doc.state).expect("every state is listed")] += 1;
+            by_state[ChangeState::ALL.iter().position(|&st| st == doc.state).expect("every state is listed")] += 1;
             if let (true, Some(decided)) = (doc.state.decided(), doc.decided_ms)
                 && observed.insert(doc.id.clone())
             {
                 let seconds = (decided - doc.submitted_ms).max(0) as f64 / 1000.0;
-                self.turnaround.with_label_values(&[doc.state.name()]).observe(seconds);
+                self.turnaround.with_label_values(&[doc.state.as_str()]).observe(seconds);
             }
         }
-        for (state, n) in STATES.iter().zip(by_state) {
-            self.changes.with_label_values(&[state.name()]).set(n);
+        for (state, n) in ChangeState::ALL.iter().zip(by_state) {
+            self.changes.with_label_values(&[state.as_str()]).set(n);
         }
         self.running_builds.set(running_builds as i64);
         advance(&self.builds_started, stats.builds_started);

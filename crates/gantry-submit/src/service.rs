@@ -51,7 +51,7 @@ use crate::error::SubmitError;
 use crate::git::Repo;
 use crate::metrics::QueueMetrics;
 
-pub use self::journal::{BuildDoc, ChangeDoc, ChangeState};
+pub use self::journal::{BuildDoc, BuildState, ChangeDoc, ChangeState, LandingState, UnknownState};
 
 type Result<T, E = SubmitError> = std::result::Result<T, E>;
 
@@ -170,7 +170,7 @@ impl QueueService {
                     change_id: String::new(),
                     old_commit: head.clone(),
                     new_commit: head.clone(),
-                    state: "DONE".into(),
+                    state: LandingState::Done.as_str().into(),
                     document: serde_json::to_string(&doc)?,
                 };
                 store.put_landing(&row).await?;
@@ -256,9 +256,9 @@ impl QueueService {
         loop {
             {
                 let inner = self.inner.lock().await;
-                let failed = inner.landings.values().filter(|r| r.state == "FAILED").count() as u64;
+                let failed = inner.landings.values().filter(|r| LandingState::of(r) == Some(LandingState::Failed));
                 let running = inner.planner.running_count();
-                self.metrics.refresh(inner.planner.stats(), running, failed, inner.changes.values());
+                self.metrics.refresh(inner.planner.stats(), running, failed.count() as u64, inner.changes.values());
             }
             if updates.changed().await.is_err() {
                 return;
@@ -295,7 +295,7 @@ impl QueueService {
             full_build: false,
         };
         // Durable before the caller hears of it: a submitted change is never lost.
-        self.store.put_change(&doc_row(&doc.id, seq, doc.state.name(), &doc)?).await?;
+        self.store.put_change(&doc_row(&doc.id, seq, doc.state.as_str(), &doc)?).await?;
         inner.changes.insert(doc.id.clone(), doc.clone());
         drop(inner);
         self.wake_analyzer.notify_one();
@@ -322,14 +322,14 @@ impl QueueService {
                 }
                 self.apply(&mut inner, Event::Cancel { change }, Some(format!("cancel:{id}"))).await?;
             }
-            s => return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already {}", s.name()))),
+            s => return Err(SubmitError::FailedPrecondition(format!("change_id {id}: already {}", s.as_str()))),
         }
         let now = inner.tick() as i64;
         let c = inner.changes.get_mut(id).expect("checked above");
         c.state = ChangeState::Cancelled;
         c.reason = "cancelled by request".into();
         c.decided_ms = Some(now);
-        self.store.put_change(&doc_row(id, c.seq, c.state.name(), c)?).await?;
+        self.store.put_change(&doc_row(id, c.seq, c.state.as_str(), c)?).await?;
         drop(inner);
         self.updates.send_modify(|n| *n += 1);
         self.change(id).await
@@ -352,7 +352,7 @@ impl QueueService {
             merge_base: doc.merge_base.clone(),
             priority: doc.priority,
             author: doc.author.clone(),
-            state: doc.state.name().into(),
+            state: doc.state.as_str().into(),
             reason: doc.reason.clone(),
             affected_targets: doc.affected.clone(),
             alters_graph: doc.alters_graph,
@@ -449,7 +449,7 @@ impl QueueService {
                         return;
                     }
                 };
-                let decided = matches!(c.state.as_str(), "LANDED" | "REJECTED" | "CANCELLED");
+                let decided = c.state.parse().is_ok_and(ChangeState::decided);
                 if last.as_ref() != Some(&c) {
                     if tx.send(Ok(c.clone())).await.is_err() {
                         return;
@@ -472,7 +472,7 @@ fn build_proto(b: &BuildDoc) -> pb::Build {
         base_version: b.spec.base_version,
         assumed: b.spec.assumed.iter().map(|c| c.0.clone()).collect(),
         attempt: b.spec.attempt,
-        state: b.state.clone(),
+        state: b.state.as_str().into(),
         commit: b.commit.clone(),
         started_unix_ms: b.started_ms,
         finished_unix_ms: b.finished_ms.unwrap_or(0),

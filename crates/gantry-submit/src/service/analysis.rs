@@ -72,7 +72,7 @@ impl QueueService {
                 doc.state = ChangeState::Rejected;
                 doc.reason = format!("patch does not apply: {why}");
                 doc.decided_ms = Some(inner.tick() as i64);
-                self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.name(), &doc)?).await?;
+                self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.as_str(), &doc)?).await?;
                 inner_doc_update(&mut inner, &doc);
                 self.updates.send_modify(|n| *n += 1);
                 return Ok(());
@@ -119,7 +119,7 @@ impl QueueService {
         doc.state = ChangeState::Pending;
         let event = Event::Enqueue { change: ChangeId(doc.id.clone()), features, analysis };
         self.apply(&mut inner, event, Some(format!("enqueue:{}", doc.id))).await?;
-        self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.name(), &doc)?).await?;
+        self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.as_str(), &doc)?).await?;
         inner_doc_update(&mut inner, &doc);
         tracing::info!(change = %doc.id, affected = doc.affected.len(), alters_graph = doc.alters_graph, "change enqueued");
         Ok(())

@@ -15,7 +15,7 @@ use gantry_builds::runner::{RunReport, RunSpec, Runner};
 use gantry_queue::{BuildOutcome, BuildSpec, Event};
 use tokio::sync::mpsc;
 
-use super::journal::doc_row;
+use super::journal::{doc_row, BuildState};
 use super::{ChangeDoc, QueueService, Result};
 use crate::git::short;
 
@@ -135,11 +135,11 @@ impl QueueService {
     async fn note_build(&self, id: u64, message: String) -> Result<()> {
         let mut inner = self.inner.lock().await;
         let Some(doc) = inner.builds.get_mut(&id) else { return Ok(()) };
-        if doc.state != "RUNNING" {
+        if doc.state != BuildState::Running {
             return Ok(());
         }
         doc.message = message;
-        self.store.put_build(&doc_row(&id.to_string(), id as i64, &doc.state, doc)?).await?;
+        self.store.put_build(&doc_row(&id.to_string(), id as i64, doc.state.as_str(), doc)?).await?;
         drop(inner);
         self.updates.send_modify(|n| *n += 1);
         Ok(())
@@ -252,15 +252,15 @@ impl QueueService {
         inner.tasks.remove(&f.id);
         let now = inner.tick() as i64;
         let Some(doc) = inner.builds.get_mut(&f.id) else { return Ok(()) };
-        if doc.state != "RUNNING" {
+        if doc.state != BuildState::Running {
             return Ok(()); // cancelled while it finished
         }
-        doc.state = if f.outcome == BuildOutcome::Passed { "PASSED" } else { "FAILED" }.into();
+        doc.state = if f.outcome == BuildOutcome::Passed { BuildState::Passed } else { BuildState::Failed };
         doc.commit = f.commit;
         doc.targets = f.targets;
         doc.message = f.message;
         doc.finished_ms = Some(now);
-        self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, &doc.state, doc)?).await?;
+        self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, doc.state.as_str(), doc)?).await?;
         let build = gantry_queue::BuildId(f.id);
         self.apply(&mut inner, Event::BuildFinished { build, outcome: f.outcome }, Some(format!("finished:{}", f.id)))
             .await

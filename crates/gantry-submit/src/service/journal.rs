@@ -18,29 +18,121 @@ use serde::{Deserialize, Serialize};
 use super::{Inner, QueueService, Result};
 use crate::git::Patch;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum ChangeState {
-    Submitted,
-    Pending,
-    Landed,
-    Rejected,
-    Cancelled,
+/// A state enum whose stored form is a fixed string. The macro is the one place where a
+/// variant and its string are paired: the rows' `state` column, the documents' JSON and the
+/// API all use them, and rows written by earlier versions must keep reading, so the strings
+/// never change and are never spelled out anywhere else.
+macro_rules! stored_state {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every state, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The stored string.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text,)+
+                }
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownState;
+
+            fn from_str(s: &str) -> std::result::Result<Self, UnknownState> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(UnknownState { kind: stringify!($name), text: s.to_string() }),
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let s = std::borrow::Cow::<'de, str>::deserialize(d)?;
+                s.parse().map_err(|_| serde::de::Error::unknown_variant(&s, &[$($text),+]))
+            }
+        }
+    };
+}
+
+/// A stored state string that no state enum knows.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {kind} {text:?}")]
+pub struct UnknownState {
+    kind: &'static str,
+    text: String,
+}
+
+stored_state! {
+    pub enum ChangeState {
+        Submitted = "SUBMITTED",
+        Pending = "PENDING",
+        Landed = "LANDED",
+        Rejected = "REJECTED",
+        Cancelled = "CANCELLED",
+    }
 }
 
 impl ChangeState {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            ChangeState::Submitted => "SUBMITTED",
-            ChangeState::Pending => "PENDING",
-            ChangeState::Landed => "LANDED",
-            ChangeState::Rejected => "REJECTED",
-            ChangeState::Cancelled => "CANCELLED",
-        }
-    }
-
     pub(crate) fn decided(self) -> bool {
         matches!(self, ChangeState::Landed | ChangeState::Rejected | ChangeState::Cancelled)
+    }
+}
+
+stored_state! {
+    /// A queue build's state.
+    pub enum BuildState {
+        Running = "RUNNING",
+        Passed = "PASSED",
+        /// Failed, whether conclusively or not: the planner keeps the difference.
+        Failed = "FAILED",
+        /// Cancelled by the planner, or found running at a start without the planner
+        /// counting it as running.
+        Cancelled = "CANCELLED",
+    }
+}
+
+stored_state! {
+    /// A landing's state, in `LandingRow::state` (a string in the store's row, which
+    /// does not interpret it).
+    pub enum LandingState {
+        /// About to move the mainline: recorded before the compare-and-swap.
+        Intent = "INTENT",
+        Done = "DONE",
+        /// The mainline did not move.
+        Failed = "FAILED",
+    }
+}
+
+impl LandingState {
+    /// A landing row's state; `None` for a string no version wrote, which every reader
+    /// treats like an intent (not finished).
+    pub(super) fn of(row: &LandingRow) -> Option<LandingState> {
+        row.state.parse().ok()
+    }
+
+    /// The landing is over, whether the mainline moved or not.
+    pub(super) fn finished(self) -> bool {
+        matches!(self, LandingState::Done | LandingState::Failed)
     }
 }
 
@@ -82,8 +174,7 @@ impl ChangeDoc {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BuildDoc {
     pub spec: BuildSpec,
-    /// RUNNING, PASSED, FAILED or CANCELLED.
-    pub state: String,
+    pub state: BuildState,
     pub commit: String,
     pub targets: Vec<String>,
     pub started_ms: i64,
@@ -132,9 +223,9 @@ impl QueueService {
         // Builds the planner still counts as running died with the previous process.
         let running: BTreeSet<u64> = inner.planner.running_builds().iter().map(|b| b.id.0).collect();
         for (id, doc) in inner.builds.iter_mut() {
-            if doc.state == "RUNNING" && !running.contains(id) {
-                doc.state = "CANCELLED".into();
-                self.store.put_build(&doc_row(&id.to_string(), *id as i64, &doc.state, doc)?).await?;
+            if doc.state == BuildState::Running && !running.contains(id) {
+                doc.state = BuildState::Cancelled;
+                self.store.put_build(&doc_row(&id.to_string(), *id as i64, doc.state.as_str(), doc)?).await?;
             }
         }
         for spec in inner.planner.running_builds() {
@@ -150,7 +241,7 @@ impl QueueService {
             self.apply(&mut inner, Event::SetCapacity { capacity }, None).await?;
         }
         for doc in inner.changes.values().cloned().collect::<Vec<_>>() {
-            self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.name(), &doc)?).await?;
+            self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.as_str(), &doc)?).await?;
         }
         if !events.is_empty() {
             tracing::info!(
@@ -193,14 +284,14 @@ impl QueueService {
                 if !inner.builds.contains_key(&id) {
                     let doc = BuildDoc {
                         spec: build.clone(),
-                        state: "RUNNING".into(),
+                        state: BuildState::Running,
                         commit: String::new(),
                         targets: Vec::new(),
                         started_ms: inner.last_ms as i64,
                         finished_ms: None,
                         message: String::new(),
                     };
-                    self.store.put_build(&doc_row(&id.to_string(), id as i64, "RUNNING", &doc)?).await?;
+                    self.store.put_build(&doc_row(&id.to_string(), id as i64, doc.state.as_str(), &doc)?).await?;
                     inner.builds.insert(id, doc);
                 }
                 if !replay {
@@ -211,11 +302,11 @@ impl QueueService {
                 inner.tasks.remove(&id.0);
                 let now = inner.last_ms as i64;
                 if let Some(doc) = inner.builds.get_mut(&id.0)
-                    && doc.state == "RUNNING"
+                    && doc.state == BuildState::Running
                 {
-                    doc.state = "CANCELLED".into();
+                    doc.state = BuildState::Cancelled;
                     doc.finished_ms = Some(now);
-                    self.store.put_build(&doc_row(&id.0.to_string(), id.0 as i64, "CANCELLED", doc)?).await?;
+                    self.store.put_build(&doc_row(&id.0.to_string(), id.0 as i64, doc.state.as_str(), doc)?).await?;
                 }
             }
             Action::Land { change, proof } => {
@@ -238,7 +329,7 @@ impl QueueService {
                     doc.state = ChangeState::Rejected;
                     doc.reason = format!("build {} on {on} failed {} time(s): {why}", reason.build.id, reason.attempts);
                     doc.decided_ms = Some(now);
-                    self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.name(), doc)?).await?;
+                    self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.as_str(), doc)?).await?;
                 }
             }
         }
@@ -254,11 +345,56 @@ pub(super) fn versions_of(landings: &BTreeMap<u64, LandingRow>) -> Vec<String> {
         if version != v.len() as u64 {
             break;
         }
-        match r.state.as_str() {
-            "DONE" => v.push(r.new_commit.clone()),
-            "FAILED" => v.push(r.old_commit.clone()),
+        match LandingState::of(r) {
+            Some(LandingState::Done) => v.push(r.new_commit.clone()),
+            Some(LandingState::Failed) => v.push(r.old_commit.clone()),
             _ => break,
         }
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_keep_the_strings_already_stored() {
+        assert_eq!(
+            ChangeState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+            ["SUBMITTED", "PENDING", "LANDED", "REJECTED", "CANCELLED"]
+        );
+        assert_eq!(
+            BuildState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+            ["RUNNING", "PASSED", "FAILED", "CANCELLED"]
+        );
+        assert_eq!(LandingState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>(), ["INTENT", "DONE", "FAILED"]);
+        for &s in ChangeState::ALL {
+            assert_eq!(s.as_str().parse(), Ok(s));
+            assert_eq!(serde_json::to_string(&s).unwrap(), format!("\"{s}\""));
+        }
+        for &s in BuildState::ALL {
+            assert_eq!(s.as_str().parse(), Ok(s));
+            assert_eq!(serde_json::to_string(&s).unwrap(), format!("\"{s}\""));
+        }
+        for &s in LandingState::ALL {
+            assert_eq!(s.as_str().parse(), Ok(s));
+        }
+        assert!("landed".parse::<ChangeState>().is_err());
+        assert!(serde_json::from_str::<BuildState>("\"DONE\"").is_err());
+    }
+
+    #[test]
+    fn documents_written_before_the_state_enums_read_and_write_back_byte_for_byte() {
+        let change = r#"{"id":"c3","seq":3,"change_ref":"feature","commit":"abc","merge_base":"def","priority":0,"author":"dev@example.com","state":"PENDING","reason":"","submitted_ms":1000,"decided_ms":null,"landed_commit":"","landed_version":0,"affected":["//a:a"],"test_targets":["//a:a_test"],"alters_graph":false,"full_build":false}"#;
+        let doc: ChangeDoc = serde_json::from_str(change).unwrap();
+        assert_eq!(doc.state, ChangeState::Pending);
+        assert_eq!(serde_json::to_string(&doc).unwrap(), change);
+        let build = r#"{"spec":{"id":7,"change":"c3","base_version":2,"assumed":["c1"],"attempt":1},"state":"RUNNING","commit":"","targets":[],"started_ms":1000,"finished_ms":null,"message":""}"#;
+        let doc: BuildDoc = serde_json::from_str(build).unwrap();
+        assert_eq!(doc.state, BuildState::Running);
+        assert_eq!(serde_json::to_string(&doc).unwrap(), build);
+        let row = doc_row("7", 7, doc.state.as_str(), &doc).unwrap();
+        assert_eq!((row.state.as_str(), row.document.as_str()), ("RUNNING", build));
+    }
 }

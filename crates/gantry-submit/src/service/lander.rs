@@ -14,7 +14,7 @@ use gantry_queue::{ChangeId, Event, LandProof};
 use tokio::sync::mpsc;
 
 use super::builds::Verdict;
-use super::journal::{doc_row, versions_of, LandingDoc};
+use super::journal::{doc_row, versions_of, LandingDoc, LandingState};
 use super::{blocking, unix_ms, ChangeDoc, ChangeState, Inner, QueueService, Result};
 use crate::error::SubmitError;
 use crate::git::short;
@@ -49,7 +49,7 @@ impl QueueService {
         };
         let repo = self.repo.clone();
         let row = match existing {
-            Some(r) if r.state == "DONE" || r.state == "FAILED" => return Ok(()),
+            Some(r) if LandingState::of(&r).is_some_and(LandingState::finished) => return Ok(()),
             Some(intent) => {
                 // Crashed between recording the intent and recording the result.
                 let (old, new) = (intent.old_commit.clone(), intent.new_commit.clone());
@@ -62,7 +62,7 @@ impl QueueService {
                     return self
                         .finish_landing(
                             intent,
-                            "FAILED",
+                            LandingState::Failed,
                             format!("the mainline moved outside the queue (to {})", short(&head)),
                             &doc,
                         )
@@ -81,7 +81,7 @@ impl QueueService {
                     change_id: change.0.clone(),
                     old_commit: old.clone(),
                     new_commit: old.clone(),
-                    state: "INTENT".into(),
+                    state: LandingState::Intent.as_str().into(),
                     document: String::new(),
                 };
                 let tested = build.map(|b| b.commit).unwrap_or_default();
@@ -92,7 +92,7 @@ impl QueueService {
                     }
                     Move::Refuse(why) => {
                         row.document = serde_json::to_string(&landing_doc)?;
-                        return self.finish_landing(row, "FAILED", why, &doc).await;
+                        return self.finish_landing(row, LandingState::Failed, why, &doc).await;
                     }
                     // Nothing is recorded yet; the journal's replay emits this Land again.
                     Move::Stopping => return Ok(()),
@@ -102,13 +102,18 @@ impl QueueService {
                 let (o, n) = (old.clone(), row.new_commit.clone());
                 if let Err(e) = blocking(move || repo.move_mainline(&o, &n)).await {
                     return self
-                        .finish_landing(row, "FAILED", format!("moving {}: {e}", self.settings.mainline), &doc)
+                        .finish_landing(
+                            row,
+                            LandingState::Failed,
+                            format!("moving {}: {e}", self.settings.mainline),
+                            &doc,
+                        )
                         .await;
                 }
                 row
             }
         };
-        self.finish_landing(row, "DONE", String::new(), &doc).await
+        self.finish_landing(row, LandingState::Done, String::new(), &doc).await
     }
 
     /// The commit the mainline moves to when `doc` lands on `old`, given the commit its
@@ -178,12 +183,12 @@ impl QueueService {
     async fn finish_landing(
         self: &Arc<Self>,
         mut row: LandingRow,
-        state: &str,
+        state: LandingState,
         why: String,
         doc: &ChangeDoc,
     ) -> Result<()> {
-        row.state = state.into();
-        if state == "FAILED" {
+        row.state = state.as_str().into();
+        if state == LandingState::Failed {
             row.new_commit = row.old_commit.clone();
             let mut d: LandingDoc = serde_json::from_str(&row.document).unwrap_or_default();
             d.message = why.clone();
@@ -195,8 +200,8 @@ impl QueueService {
         inner.landings.insert(row.version as u64, row.clone());
         self.versions.send_replace(versions_of(&inner.landings));
         self.record_landing_in_change(&mut inner, &row, &why).await?;
-        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state, "landing recorded");
-        if state == "FAILED" {
+        tracing::info!(change = %doc.id, version = row.version, commit = short(&row.new_commit), state = state.as_str(), "landing recorded");
+        if state == LandingState::Failed {
             // The planner counted the change as landed when it said Land; it must now
             // re-plan the changes behind it. A crash before this point is caught up at
             // the next start (`reconcile_landings`).
@@ -210,20 +215,20 @@ impl QueueService {
     async fn record_landing_in_change(&self, inner: &mut Inner, row: &LandingRow, why: &str) -> Result<()> {
         let now = inner.tick() as i64;
         let Some(c) = inner.changes.get_mut(&row.change_id) else { return Ok(()) };
-        match row.state.as_str() {
-            "DONE" if c.state != ChangeState::Landed => {
+        match LandingState::of(row) {
+            Some(LandingState::Done) if c.state != ChangeState::Landed => {
                 c.state = ChangeState::Landed;
                 c.landed_commit = row.new_commit.clone();
                 c.landed_version = row.version as u64;
             }
-            "FAILED" if c.state != ChangeState::Rejected => {
+            Some(LandingState::Failed) if c.state != ChangeState::Rejected => {
                 c.state = ChangeState::Rejected;
                 c.reason = format!("passed its build but the mainline did not move: {why}");
             }
             _ => return Ok(()),
         }
         c.decided_ms.get_or_insert(now);
-        self.store.put_change(&doc_row(&c.id, c.seq, c.state.name(), c)?).await?;
+        self.store.put_change(&doc_row(&c.id, c.seq, c.state.as_str(), c)?).await?;
         Ok(())
     }
 
@@ -247,13 +252,13 @@ impl QueueService {
         let finished: Vec<LandingRow> = inner
             .landings
             .values()
-            .filter(|r| r.version > 0 && (r.state == "DONE" || r.state == "FAILED"))
+            .filter(|r| r.version > 0 && LandingState::of(r).is_some_and(LandingState::finished))
             .cloned()
             .collect();
         for row in finished {
             let why = serde_json::from_str::<LandingDoc>(&row.document).map(|d| d.message).unwrap_or_default();
             self.record_landing_in_change(inner, &row, &why).await?;
-            if row.state == "FAILED" {
+            if LandingState::of(&row) == Some(LandingState::Failed) {
                 self.planner_landing_failed(inner, &row).await?;
             }
         }
