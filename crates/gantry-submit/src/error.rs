@@ -16,7 +16,7 @@ pub enum SubmitError {
     #[error("{0}")]
     Unavailable(String),
     #[error("git: {0}")]
-    Git(String),
+    Git(#[from] crate::git::GitError),
     #[error(transparent)]
     Store(#[from] gantry_core::Error),
     #[error("planner: {0}")]

@@ -11,9 +11,49 @@
 //! Blocking: call from `spawn_blocking`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus, Output};
 
 pub use gantry_builds::workspace::git;
+use thiserror::Error;
+
+/// Why a git operation failed. The messages end up in front of people (a rejected change's
+/// reason, the log, a refused submission), so each keeps what it takes to act on it: the
+/// command, how git exited and what it said, or, for a conflict, the files.
+#[derive(Debug, Error)]
+pub enum GitError {
+    /// git could not be started at all.
+    #[error("running git {command}: {source}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// git ran and exited unsuccessfully.
+    #[error("git {command} ({status}): {stderr}")]
+    Failed { command: String, status: ExitStatus, stderr: String },
+    /// The submitted ref cannot be queued; the message is for whoever submitted it.
+    #[error("{0}")]
+    BadRef(String),
+    /// The patch conflicts with the commit it was applied on.
+    #[error("{patch} does not apply on {}: conflicts in {}", short(parent), files.join(", "))]
+    Conflict { patch: String, parent: String, files: Vec<String> },
+    /// git succeeded but its output is not what was asked for.
+    #[error("reading {what}: {output:?}")]
+    Unexpected { what: String, output: String },
+    /// The blocking task running git panicked or was cancelled.
+    #[error("git task: {0}")]
+    Task(String),
+}
+
+impl GitError {
+    fn failed(command: String, out: &Output) -> GitError {
+        GitError::Failed {
+            command,
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        }
+    }
+}
 
 /// What a change is: its head and where it left the mainline.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,8 +75,19 @@ impl Repo {
         Repo { path: path.to_path_buf(), mainline: mainline.to_string() }
     }
 
-    fn git(&self, args: &[&str]) -> Result<String, String> {
-        git(&self.path, args)
+    /// `git args` in the repository: its trimmed output, or what went wrong with the command.
+    fn git(&self, args: &[&str]) -> Result<String, GitError> {
+        let command = args.join(" ");
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&self.path)
+            .args(args)
+            .output()
+            .map_err(|source| GitError::Spawn { command: command.clone(), source })?;
+        if !out.status.success() {
+            return Err(GitError::failed(command, &out));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 
     pub fn mainline_ref(&self) -> String {
@@ -44,75 +95,85 @@ impl Repo {
     }
 
     /// The mainline's current commit.
-    pub fn head(&self) -> Result<String, String> {
+    pub fn head(&self) -> Result<String, GitError> {
         self.git(&["rev-parse", "--verify", &format!("{}^{{commit}}", self.mainline_ref())])
     }
 
     /// Resolves a submitted ref to (its commit, its merge base with the mainline).
-    pub fn resolve(&self, reference: &str) -> Result<(String, String), String> {
+    pub fn resolve(&self, reference: &str) -> Result<(String, String), GitError> {
         if reference.is_empty() || reference.starts_with('-') {
-            return Err(format!("change_ref {reference:?} is not a branch or commit"));
+            return Err(GitError::BadRef(format!("change_ref {reference:?} is not a branch or commit")));
         }
         let commit = self
             .git(&["rev-parse", "--verify", "--end-of-options", &format!("{reference}^{{commit}}")])
-            .map_err(|_| format!("change_ref {reference:?} is not a branch or commit in {}", self.path.display()))?;
-        let base = self
-            .git(&["merge-base", &commit, &self.mainline_ref()])
-            .map_err(|_| format!("change_ref {reference:?} shares no history with {}", self.mainline))?;
+            .map_err(|_| {
+                GitError::BadRef(format!(
+                    "change_ref {reference:?} is not a branch or commit in {}",
+                    self.path.display()
+                ))
+            })?;
+        let base = self.git(&["merge-base", &commit, &self.mainline_ref()]).map_err(|_| {
+            GitError::BadRef(format!("change_ref {reference:?} shares no history with {}", self.mainline))
+        })?;
         if base == commit {
-            return Err(format!("change_ref {reference:?} is already on {} (nothing to land)", self.mainline));
+            return Err(GitError::BadRef(format!(
+                "change_ref {reference:?} is already on {} (nothing to land)",
+                self.mainline
+            )));
         }
         Ok((commit, base))
     }
 
-    pub fn tree(&self, commit: &str) -> Result<String, String> {
+    pub fn tree(&self, commit: &str) -> Result<String, GitError> {
         self.git(&["rev-parse", &format!("{commit}^{{tree}}")])
     }
 
-    pub fn parent(&self, commit: &str) -> Result<String, String> {
+    pub fn parent(&self, commit: &str) -> Result<String, GitError> {
         self.git(&["rev-parse", &format!("{commit}^1")])
     }
 
     /// `patch` applied on `parent` as a new commit, or why it does not apply.
-    pub fn apply(&self, patch: &Patch, parent: &str) -> Result<String, String> {
+    pub fn apply(&self, patch: &Patch, parent: &str) -> Result<String, GitError> {
+        let merge_base = format!("--merge-base={}", patch.merge_base);
+        let args =
+            ["merge-tree", "--write-tree", "--no-messages", "--name-only", merge_base.as_str(), parent, &patch.head];
         let out = Command::new("git")
             .arg("-C")
             .arg(&self.path)
-            .args(["merge-tree", "--write-tree", "--no-messages", "--name-only"])
-            .arg(format!("--merge-base={}", patch.merge_base))
-            .args([parent, &patch.head])
+            .args(args)
             .output()
-            .map_err(|e| format!("running git merge-tree: {e}"))?;
+            .map_err(|source| GitError::Spawn { command: args.join(" "), source })?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let mut lines = stdout.lines();
         let tree = lines.next().unwrap_or_default().trim().to_string();
         match out.status.code() {
             Some(0) => {}
             Some(1) => {
-                let files: Vec<&str> = lines.filter(|l| !l.is_empty()).collect();
-                return Err(format!(
-                    "{} does not apply on {}: conflicts in {}",
-                    patch.name,
-                    short(parent),
-                    files.join(", ")
-                ));
+                return Err(GitError::Conflict {
+                    patch: patch.name.clone(),
+                    parent: parent.to_string(),
+                    files: lines.filter(|l| !l.is_empty()).map(str::to_string).collect(),
+                });
             }
-            _ => return Err(format!("git merge-tree: {}", String::from_utf8_lossy(&out.stderr).trim())),
+            _ => return Err(GitError::failed(args.join(" "), &out)),
         }
         self.commit_like(&patch.head, &tree, parent)
     }
 
     /// A commit with `tree` and `parent` whose author, committer and message are those of
     /// `like` (deterministic: same inputs, same id).
-    pub fn commit_like(&self, like: &str, tree: &str, parent: &str) -> Result<String, String> {
+    pub fn commit_like(&self, like: &str, tree: &str, parent: &str) -> Result<String, GitError> {
         let meta = self.git(&["log", "-1", "--format=%an%x00%ae%x00%ad", "--date=raw", like])?;
         let f: Vec<&str> = meta.split('\0').collect();
-        let [name, email, date] = f[..] else { return Err(format!("reading the author of {like}: {meta:?}")) };
+        let [name, email, date] = f[..] else {
+            return Err(GitError::Unexpected { what: format!("the author of {like}"), output: meta });
+        };
         let message = self.git(&["log", "-1", "--format=%B", like])?;
+        let args = ["commit-tree", tree, "-p", parent, "-F", "-"];
         let out = Command::new("git")
             .arg("-C")
             .arg(&self.path)
-            .args(["commit-tree", tree, "-p", parent, "-F", "-"])
+            .args(args)
             .env("GIT_AUTHOR_NAME", name)
             .env("GIT_AUTHOR_EMAIL", email)
             .env("GIT_AUTHOR_DATE", date)
@@ -128,20 +189,20 @@ impl Repo {
                 child.stdin.take().expect("piped").write_all(message.as_bytes())?;
                 child.wait_with_output()
             })
-            .map_err(|e| format!("running git commit-tree: {e}"))?;
+            .map_err(|source| GitError::Spawn { command: args.join(" "), source })?;
         if !out.status.success() {
-            return Err(format!("git commit-tree: {}", String::from_utf8_lossy(&out.stderr).trim()));
+            return Err(GitError::failed(args.join(" "), &out));
         }
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     }
 
     /// Moves the mainline from `old` to `new` only if it still points at `old`.
-    pub fn move_mainline(&self, old: &str, new: &str) -> Result<(), String> {
+    pub fn move_mainline(&self, old: &str, new: &str) -> Result<(), GitError> {
         self.git(&["update-ref", "-m", "gantry queue: land", &self.mainline_ref(), new, old]).map(|_| ())
     }
 
     /// (files changed, lines added + removed) of a patch.
-    pub fn diff_size(&self, patch: &Patch) -> Result<(u32, u32), String> {
+    pub fn diff_size(&self, patch: &Patch) -> Result<(u32, u32), GitError> {
         let out = self.git(&["diff", "--numstat", &patch.merge_base, &patch.head])?;
         let mut files = 0;
         let mut lines = 0;
@@ -156,17 +217,17 @@ impl Repo {
     }
 
     /// Paths a patch touches.
-    pub fn changed_paths(&self, patch: &Patch) -> Result<Vec<String>, String> {
+    pub fn changed_paths(&self, patch: &Patch) -> Result<Vec<String>, GitError> {
         Ok(self.git(&["diff", "--name-only", &patch.merge_base, &patch.head])?.lines().map(str::to_string).collect())
     }
 
-    pub fn author(&self, commit: &str) -> Result<String, String> {
+    pub fn author(&self, commit: &str) -> Result<String, GitError> {
         self.git(&["log", "-1", "--format=%ae", commit])
     }
 
     /// Blob id of every file of a commit, by path: the source-file digests of the
     /// conflict analyzer.
-    pub fn file_digests(&self, commit: &str) -> Result<std::collections::HashMap<String, String>, String> {
+    pub fn file_digests(&self, commit: &str) -> Result<std::collections::HashMap<String, String>, GitError> {
         let out = self.git(&["ls-tree", "-r", "--full-tree", commit])?;
         Ok(out
             .lines()
@@ -223,7 +284,15 @@ mod tests {
         assert_eq!(git(&r.path, &["show", &format!("{cab}:b.txt")]).unwrap(), "y");
         assert_eq!(git(&r.path, &["show", &format!("{cab}:a.txt")]).unwrap(), "1\n2\n3\nA");
         r.move_mainline(&main0, &ca).unwrap();
-        assert!(r.move_mainline(&main0, &cab).is_err(), "stale old value is refused");
+        // A stale old value is refused, and the error says which command, how git exited
+        // and what it said.
+        let e = r.move_mainline(&main0, &cab).unwrap_err();
+        let GitError::Failed { command, status, stderr } = &e else { panic!("{e:?}") };
+        assert!(command.starts_with("update-ref ") && command.contains(&cab), "{e}");
+        assert!(!status.success() && !stderr.is_empty(), "{e}");
+        let message = e.to_string();
+        assert!(message.starts_with("git update-ref ") && message.contains(stderr), "{message}");
+        assert!(message.contains(&status.to_string()), "{message}");
         assert_eq!(r.head().unwrap(), ca);
         assert_eq!(r.diff_size(&a).unwrap(), (1, 1));
         assert_eq!(r.file_digests(&cab).unwrap().len(), 2);
@@ -237,9 +306,14 @@ mod tests {
         let b = branch(&r, "b", "a.txt", "1\nB\n3\n");
         let ca = r.apply(&a, &main0).unwrap();
         let err = r.apply(&b, &ca).unwrap_err();
-        assert!(err.contains("does not apply") && err.contains("a.txt"), "{err}");
-        assert!(r.resolve("nope").unwrap_err().contains("not a branch or commit"));
-        assert!(r.resolve("main").unwrap_err().contains("nothing to land"));
-        assert!(r.resolve("--all").is_err());
+        assert!(matches!(&err, GitError::Conflict { files, .. } if files == &["a.txt"]), "{err:?}");
+        assert_eq!(err.to_string(), format!("b does not apply on {}: conflicts in a.txt", short(&ca)));
+        let bad_ref = |reference| match r.resolve(reference) {
+            Err(GitError::BadRef(why)) => why,
+            other => panic!("{reference}: {other:?}"),
+        };
+        assert!(bad_ref("nope").contains("not a branch or commit"));
+        assert!(bad_ref("main").contains("nothing to land"));
+        assert!(bad_ref("--all").contains("not a branch or commit"));
     }
 }

@@ -48,7 +48,7 @@ use self::analysis::Graphs;
 use self::builds::Finished;
 use self::journal::{doc_row, versions_of, LandingDoc};
 use crate::error::SubmitError;
-use crate::git::Repo;
+use crate::git::{GitError, Repo};
 use crate::metrics::QueueMetrics;
 
 pub use self::journal::{BuildDoc, BuildState, ChangeDoc, ChangeState, LandingState, UnknownState};
@@ -116,8 +116,31 @@ pub struct QueueService {
     metrics: QueueMetrics,
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| format!("git task: {e}"))?
+/// Runs blocking work (git) off the async threads. The task's own failure (a panic) comes
+/// back as an error of the work's own type, so callers handle it like any other.
+async fn blocking<T, E>(f: impl FnOnce() -> Result<T, E> + Send + 'static) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: TaskFailed + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.map_err(E::task_failed)?
+}
+
+/// An error type that can report a blocking task that did not finish.
+trait TaskFailed {
+    fn task_failed(e: tokio::task::JoinError) -> Self;
+}
+
+impl TaskFailed for String {
+    fn task_failed(e: tokio::task::JoinError) -> String {
+        format!("git task: {e}")
+    }
+}
+
+impl TaskFailed for GitError {
+    fn task_failed(e: tokio::task::JoinError) -> GitError {
+        GitError::Task(e.to_string())
+    }
 }
 
 impl QueueService {
@@ -272,7 +295,8 @@ impl QueueService {
 
     pub async fn submit(self: &Arc<Self>, change_ref: &str, priority: i32) -> Result<pb::Change> {
         let (repo, r) = (self.repo.clone(), change_ref.to_string());
-        let (commit, merge_base) = blocking(move || repo.resolve(&r)).await.map_err(SubmitError::InvalidArgument)?;
+        let (commit, merge_base) =
+            blocking(move || repo.resolve(&r)).await.map_err(|e| SubmitError::InvalidArgument(e.to_string()))?;
         let mut inner = self.inner.lock().await;
         let seq = inner.changes.values().map(|c| c.seq).max().unwrap_or(0) + 1;
         let doc = ChangeDoc {

@@ -18,8 +18,7 @@ use gantry_queue::{ChangeAnalysis, ChangeFeatures, ChangeId, ConflictAnalyzer, E
 use super::journal::doc_row;
 use super::{blocking, ChangeDoc, ChangeState, Inner, QueueService, Result};
 use crate::analyzer;
-use crate::error::SubmitError;
-use crate::git::short;
+use crate::git::{short, GitError};
 
 impl QueueService {
     pub(super) async fn analyzer_loop(self: Arc<Self>) {
@@ -52,10 +51,9 @@ impl QueueService {
             let (files, lines) = repo.diff_size(&patch)?;
             let paths = repo.changed_paths(&patch)?;
             let author = repo.author(&patch.head)?;
-            Ok((repo.apply(&patch, &h), files, lines, paths, author))
+            Ok::<_, GitError>((repo.apply(&patch, &h), files, lines, paths, author))
         })
-        .await
-        .map_err(SubmitError::Git)?;
+        .await?;
         let (applied, files, lines, paths, author) = applied;
         let inner_doc_update = |inner: &mut Inner, doc: &ChangeDoc| {
             if let Some(c) = inner.changes.get_mut(&doc.id) {
@@ -156,7 +154,7 @@ impl QueueService {
         let (repo, c, dir) = (self.repo.clone(), commit.to_string(), aux.dir().to_path_buf());
         let (tree, files) = blocking(move || {
             let tree = gantry_builds::workspace::checkout(&repo.path, &c, &dir)?;
-            Ok((tree, repo.file_digests(&c)?))
+            Ok::<_, String>((tree, repo.file_digests(&c).map_err(|e| e.to_string())?))
         })
         .await?;
         let s = &self.settings.runner;

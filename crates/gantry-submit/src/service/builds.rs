@@ -199,7 +199,7 @@ impl QueueService {
                     // and a conclusive one (the same tree never applies on a retry).
                     commit = repo
                         .apply(&d.patch(), &commit)
-                        .map_err(|message| done(BuildOutcome::FailedConclusively, String::new(), t.clone(), message))?;
+                        .map_err(|e| done(BuildOutcome::FailedConclusively, String::new(), t.clone(), e.to_string()))?;
                 }
                 let tree = gantry_builds::workspace::checkout(&repo.path, &commit, lease.runner().dir())
                     .map_err(|e| Attempt::Infra(format!("checking out {}: {e}", short(&commit))))?;

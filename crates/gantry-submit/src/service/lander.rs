@@ -17,7 +17,7 @@ use super::builds::Verdict;
 use super::journal::{doc_row, versions_of, LandingDoc, LandingState};
 use super::{blocking, unix_ms, ChangeDoc, ChangeState, Inner, QueueService, Result};
 use crate::error::SubmitError;
-use crate::git::short;
+use crate::git::{short, GitError};
 
 /// What the lander may do for one landing.
 enum Move {
@@ -53,11 +53,11 @@ impl QueueService {
             Some(intent) => {
                 // Crashed between recording the intent and recording the result.
                 let (old, new) = (intent.old_commit.clone(), intent.new_commit.clone());
-                let head = blocking(move || repo.head()).await.map_err(SubmitError::Git)?;
+                let head = blocking(move || repo.head()).await?;
                 if head == old {
                     let repo = self.repo.clone();
                     let (o, n) = (old.clone(), new.clone());
-                    blocking(move || repo.move_mainline(&o, &n)).await.map_err(SubmitError::Git)?;
+                    blocking(move || repo.move_mainline(&o, &n)).await?;
                 } else if head != new {
                     return self
                         .finish_landing(
@@ -127,7 +127,7 @@ impl QueueService {
             return Move::Refuse("the deciding build left no commit".into());
         }
         let (repo, o, t, like) = (self.repo.clone(), old.to_string(), tested.to_string(), doc.commit.clone());
-        let quick = blocking(move || {
+        let quick: Result<_, GitError> = blocking(move || {
             let parent = repo.parent(&t)?;
             if parent == o {
                 return Ok(Some((t, "fast-forward".to_string())));
@@ -142,12 +142,12 @@ impl QueueService {
         match quick {
             Ok(Some((commit, how))) => return Move::To { commit, how },
             Ok(None) => {}
-            Err(why) => return Move::Refuse(why),
+            Err(why) => return Move::Refuse(why.to_string()),
         }
         let (repo, o, patch) = (self.repo.clone(), old.to_string(), doc.patch());
         let candidate = match blocking(move || repo.apply(&patch, &o)).await {
             Ok(c) => c,
-            Err(why) => return Move::Refuse(why),
+            Err(why) => return Move::Refuse(why.to_string()),
         };
         let targets = Self::targets_of(std::slice::from_ref(doc));
         let mut retry = 0;
