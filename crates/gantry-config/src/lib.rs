@@ -1073,6 +1073,24 @@ impl Config {
 }
 
 impl S3StoreConfig {
+    /// `bucket` with every other setting at its default: the one place those defaults
+    /// are written for code that opens a bucket without a config file (tests, tools).
+    pub fn with_bucket(bucket: impl Into<String>) -> Self {
+        S3StoreConfig {
+            bucket: bucket.into(),
+            endpoint: None,
+            region: default_region(),
+            prefix: String::new(),
+            max_concurrent_requests: default_s3_concurrency(),
+            presence_ttl: default_presence_ttl(),
+            presence_entries: default_presence_entries(),
+            absence_ttl: default_absence_ttl(),
+            local: None,
+            expire_after: None,
+            min_blob_lifetime: default_min_blob_lifetime(),
+        }
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         // Bucket naming rules of S3 itself, so a typo fails here and not at the first upload.
         let b = &self.bucket;

@@ -58,14 +58,23 @@ pub struct SelectionConfig {
     pub queue_tolerance: f64,
 }
 
+/// The settings users can change come from `[execution.size_classes]`'s defaults, kept
+/// in one place: gantry-config.
 impl Default for SelectionConfig {
     fn default() -> Self {
+        Self::from_config(&gantry_config::SizeClassConfig::default())
+    }
+}
+
+impl SelectionConfig {
+    /// `[execution.size_classes]`; the settings it does not expose keep their defaults.
+    pub fn from_config(c: &gantry_config::SizeClassConfig) -> Self {
         Self {
-            history_size: 32,
-            failure_cache_duration: Duration::from_secs(24 * 3600),
-            minimum_execution_timeout: Duration::from_secs(10),
-            acceptable_time_exponent: 0.5,
-            timeout_multiplier: 1.5,
+            history_size: c.history_size,
+            failure_cache_duration: c.failure_cache_duration,
+            minimum_execution_timeout: c.minimum_execution_timeout,
+            acceptable_time_exponent: c.acceptable_time_exponent,
+            timeout_multiplier: c.timeout_multiplier,
             success_threshold: 0.5,
             exploration_factor: 0.1,
             prior_successes: 1.0,

@@ -100,26 +100,14 @@ pub struct S3Options {
 }
 
 impl S3Options {
+    /// `bucket` with `[cas]`'s defaults for the rest (they are written in gantry-config).
     pub fn new(bucket: impl Into<String>) -> Self {
-        S3Options {
-            bucket: bucket.into(),
-            endpoint: None,
-            region: "us-east-1".into(),
-            prefix: String::new(),
-            max_concurrent_requests: 64,
-            presence_ttl: Duration::from_secs(600),
-            presence_entries: 1_000_000,
-            absence_ttl: Duration::from_secs(30),
-            credentials: S3Credentials::Environment,
-            max_retries: 3,
-            retry_timeout: Duration::from_secs(10),
-            expire_after: None,
-            min_blob_lifetime: Duration::from_secs(6 * 3600),
-        }
+        S3Options::from_config(&gantry_config::S3StoreConfig::with_bucket(bucket))
     }
 
     pub fn from_config(c: &gantry_config::S3StoreConfig) -> Self {
         S3Options {
+            bucket: c.bucket.clone(),
             endpoint: c.endpoint.clone(),
             region: c.region.clone(),
             prefix: c.prefix.clone(),
@@ -129,7 +117,10 @@ impl S3Options {
             absence_ttl: c.absence_ttl,
             expire_after: c.expire_after,
             min_blob_lifetime: c.min_blob_lifetime,
-            ..S3Options::new(c.bucket.clone())
+            // Not settings: how the store talks to S3 (see the fields' docs).
+            credentials: S3Credentials::Environment,
+            max_retries: 3,
+            retry_timeout: Duration::from_secs(10),
         }
     }
 

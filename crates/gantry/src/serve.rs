@@ -95,7 +95,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     }
     let sc = &e.size_classes;
     let sizing = Sizing::new(
-        selection_config(sc),
+        gantry_sizeclass::SelectionConfig::from_config(sc),
         Arc::new(SqlSizeClassStore::new(db.clone())),
         sc.seed,
         sc.cached_shapes,
@@ -103,18 +103,6 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     )?;
     let scheduler = Scheduler::new(SchedulerConfig::from(e), ac, log, services.metrics.registry(), Some(sizing));
     Ok(services.with_scheduler(scheduler))
-}
-
-/// The size-class selection settings of `[execution.size_classes]`.
-pub fn selection_config(sc: &gantry_config::SizeClassConfig) -> gantry_sizeclass::SelectionConfig {
-    gantry_sizeclass::SelectionConfig {
-        history_size: sc.history_size,
-        failure_cache_duration: sc.failure_cache_duration,
-        minimum_execution_timeout: sc.minimum_execution_timeout,
-        acceptable_time_exponent: sc.acceptable_time_exponent,
-        timeout_multiplier: sc.timeout_multiplier,
-        ..Default::default()
-    }
 }
 
 /// Starts the in-process workers; they run until the returned guards are dropped.

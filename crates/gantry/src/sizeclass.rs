@@ -29,7 +29,7 @@ pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
     let db = gantry_store::open_metadata(&config).await.context("opening the size class store")?;
     let store = gantry_store::SqlSizeClassStore::new(db);
     use gantry_core::SizeClassStore as _;
-    let selection = crate::serve::selection_config(&config.execution.size_classes);
+    let selection = gantry_sizeclass::SelectionConfig::from_config(&config.execution.size_classes);
     let keys = match &args.key {
         Some(k) => vec![k.clone()],
         None => store.keys(args.limit).await?,
