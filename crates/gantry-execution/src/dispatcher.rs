@@ -430,6 +430,11 @@ impl Dispatcher {
         self.change_busy(worker, |w| {
             w.overdue.remove(&job);
         });
+        // The worker has let go of it: it may run the job again (it may be the only
+        // worker that can).
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.avoid.retain(|&w| w != worker);
+        }
         let mut out = Vec::new();
         self.fill(worker, &mut out);
         Some(out)
@@ -559,6 +564,11 @@ impl Dispatcher {
                     if on_workers.get(&jid) != Some(&w) {
                         return Err(format!("job {jid} says it runs on {w}, which does not run it"));
                     }
+                    let p = &self.pools[&self.workers[&w].pool];
+                    let fits = j.class.is_none_or(|c| c == p.class) && platform::satisfies(&p.offered, &j.required);
+                    if !fits || j.avoid.contains(&w) {
+                        return Err(format!("job {jid} runs on worker {w}, which cannot or may not run it"));
+                    }
                 }
                 Place::Detached => {}
             }
@@ -571,6 +581,12 @@ impl Dispatcher {
             ));
         }
         for (&pid, p) in &self.pools {
+            for &(load, wid) in &p.free {
+                let w = self.workers.get(&wid).ok_or(format!("pool {pid} lists removed worker {wid} as free"))?;
+                if w.pool != pid || w.load() != load {
+                    return Err(format!("pool {pid} lists worker {wid} with a stale load"));
+                }
+            }
             let ws: Vec<&Worker> = self.workers.values().filter(|w| w.pool == pid).collect();
             let busy: usize = ws.iter().map(|w| w.busy()).sum();
             let slots: usize = ws.iter().map(|w| w.slots).sum();
@@ -640,9 +656,17 @@ mod tests {
         let (j, _) = d.submit(0, props(&[]), None);
         assert_eq!(d.take_back(j), Some(stuck));
         assert!(d.requeue(j, Some(stuck)).is_empty(), "the stuck worker's slot is still held");
-        assert!(d.late_report(stuck, j).unwrap().is_empty(), "and it never gets that job again");
+        let (j2, _) = d.submit(0, props(&[]), None);
         let (other, got) = d.add_worker(props(&[]), 1, 1);
-        assert_eq!(got, vec![Assign { job: j, worker: other }]);
+        assert_eq!(got, vec![Assign { job: j, worker: other }], "it runs elsewhere first");
+        d.check().unwrap();
+        // Taken back from `other` too: it may not go back to `other` while `other` holds
+        // it, and once the stuck worker reports, the stuck worker may run it again.
+        assert_eq!(d.take_back(j), Some(other));
+        assert!(d.requeue(j, Some(other)).is_empty());
+        assert_eq!(d.late_report(stuck, j).unwrap(), vec![Assign { job: j, worker: stuck }], "before the later j2");
+        assert!(d.is_queued(j2));
+        assert_eq!(d.late_report(other, j).unwrap(), vec![Assign { job: j2, worker: other }]);
         d.check().unwrap();
     }
 
@@ -663,14 +687,24 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Submit { prio: i32, plat: usize, class: Option<u32> },
-        Join { plat: usize, class: u32, slots: usize },
+        Submit {
+            prio: i32,
+            plat: usize,
+            class: Option<u32>,
+        },
+        Join {
+            plat: usize,
+            class: u32,
+            slots: usize,
+        },
         Leave(usize),
         Finish(usize),
         Cancel(usize),
         TakeBack(usize),
         LateReport(usize),
         Retry(usize),
+        /// A run on a smaller class failed: off its worker, onto a larger class.
+        Detach(usize),
         Compact,
     }
 
@@ -687,6 +721,7 @@ mod tests {
             1 => any::<usize>().prop_map(Op::TakeBack),
             1 => any::<usize>().prop_map(Op::LateReport),
             1 => any::<usize>().prop_map(Op::Retry),
+            1 => any::<usize>().prop_map(Op::Detach),
             1 => Just(Op::Compact),
         ]
     }
@@ -704,6 +739,8 @@ mod tests {
             let mut overdue: Vec<(WorkerId, JobId)> = Vec::new();
             let pick = |v: &[u64], i: usize| (!v.is_empty()).then(|| v[i % v.len()]);
             for op in ops {
+                let before: HashMap<JobId, WorkerId> =
+                    live.iter().filter_map(|&j| d.worker_of(j).map(|w| (j, w))).collect();
                 let out = match op {
                     Op::Submit { prio, plat, class } => {
                         let (j, out) = d.submit(prio, props(PLATFORMS[plat]), class);
@@ -750,8 +787,23 @@ mod tests {
                         let Some(j) = pick(&queued, i) else { continue };
                         d.set_class(j, Some(3))
                     }
+                    Op::Detach(i) => {
+                        let running: Vec<JobId> = live.iter().copied().filter(|&j| d.worker_of(j).is_some()).collect();
+                        let Some(j) = pick(&running, i) else { continue };
+                        let mut out = d.detach(j);
+                        out.extend(d.set_class(j, Some(3)));
+                        out
+                    }
                     Op::Compact => { d.compact(); Vec::new() }
                 };
+                // Every job that started running in this step was reported in `out`.
+                for &j in &live {
+                    if let Some(w) = d.worker_of(j)
+                        && before.get(&j) != Some(&w)
+                    {
+                        prop_assert!(out.contains(&Assign { job: j, worker: w }), "job {} started unreported", j);
+                    }
+                }
                 for a in &out {
                     prop_assert_eq!(d.worker_of(a.job), Some(a.worker));
                 }

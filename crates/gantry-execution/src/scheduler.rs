@@ -379,7 +379,11 @@ impl State {
     ) -> Vec<Assign> {
         let Some(name) = self.live.get(&id).cloned() else { return Vec::new() };
         let job = self.jobs.get_mut(&name).expect("live jobs exist");
-        job.losses += 1;
+        // An action placed on the worker but never delivered to it (its channel closed
+        // first) did not lose a worker: it never had one.
+        if job.worker.is_some() {
+            job.losses += 1;
+        }
         job.worker = None;
         job.dispatched_at = None;
         if job.cancel_requested {
@@ -530,8 +534,9 @@ impl Scheduler {
         let mergeable = !spec.action.do_not_cache;
         let mut st = self.lock();
         if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable).cloned() {
-            let job = st.jobs.get_mut(&name).expect("in-flight jobs exist");
-            if !job.published() {
+            // Joined until its result is published; after that (or once it is deleted)
+            // the entry is stale and a new execution starts.
+            if let Some(job) = st.jobs.get_mut(&name).filter(|j| !j.published()) {
                 if let Some(o) = spec.owner
                     && !job.owners.contains(&o)
                 {
@@ -996,7 +1001,11 @@ impl Scheduler {
                 shown_name(name)
             ))),
             Some(_) => {
-                st.jobs.remove(name);
+                if let Some(job) = st.jobs.remove(name)
+                    && st.in_flight.get(&job.key).map(String::as_str) == Some(name)
+                {
+                    st.in_flight.remove(&job.key);
+                }
                 Ok(())
             }
         }
@@ -1246,6 +1255,40 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         assert_eq!(assigned(&mut local), vec![n], "moved after missed heartbeats");
         assert_eq!(s.worker_count(), 1);
+    }
+
+    /// A finished operation that was deleted is not joined by a new request for the same
+    /// action: that request starts afresh (it used to find a dangling in-flight entry).
+    #[tokio::test]
+    async fn a_deleted_operation_is_not_joined() {
+        let s = scheduler(3).await;
+        let mut w = s.register(reg("w", 1, &[]), true).unwrap();
+        let (n1, mut rx) = s.submit(spec("again", 0, &[])).await.unwrap();
+        assert_eq!(assigned(&mut w), vec![n1.clone()]);
+        let mut failed = finished_ok(&n1);
+        failed.action_result = Some(ActionResult { exit_code: 1, ..Default::default() }.encode_to_vec());
+        s.finished("w", failed).await;
+        rx.wait_for(|st| st.stage == Stage::Completed).await.unwrap();
+        s.delete(&n1, None).unwrap();
+        let (n2, _) = s.submit(spec("again", 0, &[])).await.unwrap();
+        assert_ne!(n2, n1);
+        assert_eq!(assigned(&mut w), vec![n2]);
+        s.check_invariants().unwrap();
+    }
+
+    /// An action placed on a worker whose channel had already closed never reached it:
+    /// it goes to another worker without counting a loss.
+    #[tokio::test]
+    async fn an_undelivered_assignment_is_not_a_worker_loss() {
+        let s = scheduler(0).await;
+        let gone = s.register(reg("gone", 1, &[]), false).unwrap();
+        drop(gone);
+        let (n, mut rx) = s.submit(spec("x", 0, &[])).await.unwrap();
+        assert_eq!(rx.borrow_and_update().stage, Stage::Queued, "not failed with max_worker_losses = 0");
+        assert_eq!(s.worker_count(), 0, "the closed worker is removed");
+        let mut w = s.register(reg("w", 1, &[]), true).unwrap();
+        assert_eq!(assigned(&mut w), vec![n]);
+        s.check_invariants().unwrap();
     }
 
     #[tokio::test]
