@@ -352,17 +352,17 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
             Some(spec) => spec,
             None => d.spec(p),
         };
-        let (_, rx) = s.submit(spec).await?;
-        if rx.borrow().stage == crate::scheduler::Stage::Executing {
-            // Assigned at once to an idle worker (with learning, a class can have idle
-            // slots while others queue): find it, so that it finishes in its turn.
-            for (id, link) in links.iter_mut() {
-                while let Ok(m) = link.messages.try_recv() {
-                    std::hint::black_box(m.to_wire());
-                    if let ToWorker::Assign(a) = m {
-                        running.push_back((id.clone(), a.job_id.clone()));
-                        assigned += 1;
-                    }
+        let (name, _) = s.submit(spec).await?;
+        // Assigned at once to an idle worker (with learning, a class can have idle slots
+        // while others queue): take it from that worker, so that it finishes in its turn.
+        if let Some(id) = s.worker_of(&name)
+            && let Some(link) = links.get_mut(&id)
+        {
+            while let Ok(m) = link.messages.try_recv() {
+                std::hint::black_box(m.to_wire());
+                if let ToWorker::Assign(a) = m {
+                    running.push_back((id.clone(), a.job_id.clone()));
+                    assigned += 1;
                 }
             }
         }

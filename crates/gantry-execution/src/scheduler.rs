@@ -1011,6 +1011,11 @@ impl Scheduler {
         }
     }
 
+    /// The worker an operation's action is on, if it is running.
+    pub fn worker_of(&self, name: &str) -> Option<String> {
+        self.lock().jobs.get(name).and_then(|j| j.worker.clone())
+    }
+
     pub fn worker_count(&self) -> usize {
         self.lock().workers.len()
     }
