@@ -1,7 +1,8 @@
 //! gantry-core owns the vocabulary shared by every gantry crate: content digests and the
-//! hash functions behind them, the error type (which maps to gRPC codes and keeps its details), ByteStream resource
-//! names, the storage traits (`BlobStore`, `ActionCache`, `ExecutionLog`, `BuildStore`, `QueueStore`),
-//! and `client::connect`, the one way to open a channel to a gantry.
+//! hash functions behind them, the error type (which maps to gRPC codes and keeps its
+//! details), ByteStream resource names, every storage trait (`BlobStore` with its
+//! `BlobWriter`, `ActionCache`, `ExecutionLog`, `SizeClassStore`, `BuildStore`,
+//! `QueueStore`), and `client::connect`, the one way to open a channel to a gantry.
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
