@@ -346,13 +346,16 @@ pub struct SizeClassConfig {
     /// After a failure on the largest class, run the shape there for this long. Default "24h".
     #[serde(with = "humantime_serde")]
     pub failure_cache_duration: Duration,
-    /// Timeout of probes and floor of smaller-class timeouts. Default "10s".
+    /// When a new shape's first run, on a class taken from similar shapes, is hedged on
+    /// the largest class. Default "10s".
     #[serde(with = "humantime_serde")]
     pub minimum_execution_timeout: Duration,
-    /// x in acceptable time = median on largest x (largest/S)^x. Default 0.5.
+    /// The knob that trades cost for tail latency: class S is accepted when it completes
+    /// within (largest-class completion) x (largest/S)^x. 0 accepts no slowdown. Default 0.1.
     pub acceptable_time_exponent: f64,
-    /// Smaller-class timeout = acceptable time x this. Default 1.5.
-    pub timeout_multiplier: f64,
+    /// A run on a smaller class still going at its acceptable time x this gets a second
+    /// copy on the largest class; the first to finish wins. Default 1.2.
+    pub hedge_multiplier: f64,
     /// Seed of the selection draws; unset draws from the OS. Set it for reproducible runs.
     pub seed: Option<u64>,
     /// Action shapes whose statistics the scheduler keeps in memory; others are read from
@@ -366,8 +369,8 @@ impl Default for SizeClassConfig {
             history_size: 32,
             failure_cache_duration: Duration::from_secs(24 * 3600),
             minimum_execution_timeout: Duration::from_secs(10),
-            acceptable_time_exponent: 0.5,
-            timeout_multiplier: 1.5,
+            acceptable_time_exponent: 0.1,
+            hedge_multiplier: 1.2,
             seed: None,
             cached_shapes: 100_000,
         }

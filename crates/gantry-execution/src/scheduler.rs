@@ -574,7 +574,9 @@ impl Scheduler {
                 let set = gantry_sizeclass::SizeClasses::new(classes.iter().copied()).expect("non-empty, non-zero");
                 let queues = queue_state(&st, &classes);
                 match sizing.choose(&shape_key, &set, timeout, Some(&queues)) {
-                    Some(d) => (Some(d.size_class), d.timeout),
+                    // The scheduler does not hedge yet (issue #17): a run still going at its
+                    // hedge time is stopped there and retried on the largest class, as before.
+                    Some(d) => (Some(d.size_class), d.hedge_after.unwrap_or(d.timeout)),
                     None => (Some(largest_class), timeout),
                 }
             }

@@ -122,7 +122,17 @@ impl Sizing {
     ) -> Option<Decision> {
         let stats = self.cache.lock().unwrap_or_else(PoisonError::into_inner).get(key).cloned().unwrap_or_default();
         let draw: f64 = self.rng.lock().unwrap_or_else(PoisonError::into_inner).random();
-        let input = SelectionInput { stats: &stats, classes, requested_timeout: requested, queues, draw, now: now() };
+        // Similar shapes are not tracked by the scheduler yet (issue #17): new shapes measure
+        // their baseline on the largest class.
+        let input = SelectionInput {
+            stats: &stats,
+            prior: None,
+            classes,
+            requested_timeout: requested,
+            queues,
+            draw,
+            now: now(),
+        };
         match select(&self.config, &input) {
             Ok(d) => {
                 self.selections.with_label_values(&[&d.size_class.to_string(), d.reason.as_str()]).inc();

@@ -23,26 +23,25 @@ pub struct SelectionConfig {
     #[serde(with = "secs_f64", rename = "failure_cache_duration_s")]
     pub failure_cache_duration: Duration,
 
-    /// Floor for timeouts on smaller classes and the timeout of probes.
-    /// Default 10 s.
+    /// Hedge time of a new shape's first run on a class taken from similar
+    /// shapes. Default 10 s.
     #[serde(with = "secs_f64", rename = "minimum_execution_timeout_s")]
     pub minimum_execution_timeout: Duration,
 
     /// Exponent `x` in `T_acceptable = T_largest * (S_largest / S)^x`.
-    /// 0 tolerates no slowdown, 1 expects linear scaling. Default 0.5.
+    /// 0 tolerates no slowdown, 1 expects linear scaling. Default 0.1.
     pub acceptable_time_exponent: f64,
 
-    /// Smaller-class timeout = acceptable time × this, so runs close to the
-    /// acceptable time are not killed. Default 1.5.
-    pub timeout_multiplier: f64,
+    /// A run on a smaller class is hedged on the largest class at its
+    /// acceptable time × this, so runs close to it are not duplicated. Default 1.2.
+    pub hedge_multiplier: f64,
 
-    /// A smaller class is a full candidate when its smoothed success
+    /// A smaller class fits the action's memory when its smoothed fit
     /// probability is at least this. Default 0.5 (see `select` module docs).
     pub success_threshold: f64,
 
-    /// Classes below the threshold are still taken with probability
-    /// `p × exploration_factor`, so their history keeps being refreshed
-    /// when an action's behaviour changes. 0 disables. Default 0.1.
+    /// Probability of retrying the fitting class just below the chosen one,
+    /// so a shape whose behaviour changed is noticed. 0 disables. Default 0.05.
     pub exploration_factor: f64,
 
     /// Beta prior pseudo-successes (α). Default 1 (Laplace smoothing).
@@ -50,12 +49,6 @@ pub struct SelectionConfig {
 
     /// Beta prior pseudo-failures (β). Default 1 (Laplace smoothing).
     pub prior_failures: f64,
-
-    /// Queue awareness: a smaller class is skipped when its expected
-    /// completion (queue wait + expected run time) exceeds
-    /// `acceptable time × queue_tolerance` while a larger class has idle
-    /// workers and would finish sooner. Default 1.0.
-    pub queue_tolerance: f64,
 }
 
 /// The settings users can change come from `[execution.size_classes]`'s defaults, kept
@@ -74,12 +67,11 @@ impl SelectionConfig {
             failure_cache_duration: c.failure_cache_duration,
             minimum_execution_timeout: c.minimum_execution_timeout,
             acceptable_time_exponent: c.acceptable_time_exponent,
-            timeout_multiplier: c.timeout_multiplier,
+            hedge_multiplier: c.hedge_multiplier,
             success_threshold: 0.5,
-            exploration_factor: 0.1,
+            exploration_factor: 0.05,
             prior_successes: 1.0,
             prior_failures: 1.0,
-            queue_tolerance: 1.0,
         }
     }
 }
@@ -99,8 +91,8 @@ impl SelectionConfig {
         check(!self.minimum_execution_timeout.is_zero(), "minimum_execution_timeout", || "must be positive".into())?;
         let x = self.acceptable_time_exponent;
         check(x.is_finite() && x >= 0.0, "acceptable_time_exponent", || format!("must be finite and >= 0, got {x}"))?;
-        let m = self.timeout_multiplier;
-        check(m.is_finite() && m >= 1.0, "timeout_multiplier", || format!("must be finite and >= 1, got {m}"))?;
+        let m = self.hedge_multiplier;
+        check(m.is_finite() && m >= 1.0, "hedge_multiplier", || format!("must be finite and >= 1, got {m}"))?;
         let t = self.success_threshold;
         check((0.0..=1.0).contains(&t), "success_threshold", || format!("must be in [0, 1], got {t}"))?;
         let e = self.exploration_factor;
@@ -109,8 +101,6 @@ impl SelectionConfig {
         check(a.is_finite() && a > 0.0, "prior_successes", || format!("must be finite and > 0, got {a}"))?;
         let b = self.prior_failures;
         check(b.is_finite() && b > 0.0, "prior_failures", || format!("must be finite and > 0, got {b}"))?;
-        let q = self.queue_tolerance;
-        check(q.is_finite() && q > 0.0, "queue_tolerance", || format!("must be finite and > 0, got {q}"))?;
         Ok(())
     }
 }
@@ -125,8 +115,8 @@ mod tests {
         assert_eq!(c.history_size, 32);
         assert_eq!(c.failure_cache_duration, Duration::from_secs(86_400));
         assert_eq!(c.minimum_execution_timeout, Duration::from_secs(10));
-        assert_eq!(c.acceptable_time_exponent, 0.5);
-        assert_eq!(c.timeout_multiplier, 1.5);
+        assert_eq!(c.acceptable_time_exponent, 0.1);
+        assert_eq!(c.hedge_multiplier, 1.2);
         c.validate().unwrap();
     }
 
@@ -139,12 +129,11 @@ mod tests {
                 "minimum_execution_timeout",
             ),
             (SelectionConfig { acceptable_time_exponent: -0.1, ..Default::default() }, "acceptable_time_exponent"),
-            (SelectionConfig { timeout_multiplier: 0.9, ..Default::default() }, "timeout_multiplier"),
+            (SelectionConfig { hedge_multiplier: 0.9, ..Default::default() }, "hedge_multiplier"),
             (SelectionConfig { success_threshold: 1.5, ..Default::default() }, "success_threshold"),
             (SelectionConfig { exploration_factor: f64::NAN, ..Default::default() }, "exploration_factor"),
             (SelectionConfig { prior_successes: 0.0, ..Default::default() }, "prior_successes"),
             (SelectionConfig { prior_failures: f64::INFINITY, ..Default::default() }, "prior_failures"),
-            (SelectionConfig { queue_tolerance: 0.0, ..Default::default() }, "queue_tolerance"),
         ];
         for (cfg, field) in cases {
             match cfg.validate() {

@@ -1,6 +1,7 @@
 //! `gantry-sizeclass`: automatic worker size class selection for gantry's
-//! scheduler, after Buildbarn ADR #7, plus queue awareness and a replay
-//! simulator.
+//! scheduler, after Buildbarn ADR #7 and past its future work: hedging on
+//! the largest class instead of killing, learning across classes, priors
+//! from similar shapes, queue-aware choice, and a replay simulator.
 //!
 //! Pure logic: no I/O, clocks, gRPC or databases. The caller computes the
 //! action-shape key (a reduced action digest), loads and stores
@@ -8,10 +9,12 @@
 //! time and a random draw, and enforces decisions.
 //!
 //! Typical use by the scheduler:
-//! 1. `let d = select(&cfg, &SelectionInput { stats, classes, requested_timeout, queues, draw, now })?;`
-//!    run on `d.size_class` with `d.timeout`.
-//! 2. On completion, `retry_on_largest(class, outcome, classes, requested_timeout)`;
-//!    if it returns a [`Retry`], run again there.
+//! 1. `let d = select(&cfg, &SelectionInput { stats, prior, classes, requested_timeout, queues, draw, now })?;`
+//!    run on `d.size_class` with `d.timeout`; if still unfinished `d.hedge_after`
+//!    after queueing, start a copy on the largest class; the first to finish wins.
+//! 2. On a failure with no hedge running, `retry_on_largest(class, outcome, classes, requested_timeout)`;
+//!    if it returns a [`Retry`], run again there. A cancelled hedge loser is
+//!    reported as `TimedOut(how long it ran)`.
 //! 3. When the final result is known, `record(&mut stats, &cfg, largest, &Execution { .. }, now)?`
 //!    and persist `stats`.
 //!
@@ -39,8 +42,8 @@ pub use error::Error;
 pub use metrics::{ClassHistoryView, KeyStatsView, SelectionMetrics};
 pub use retry::{record, retry_on_largest, Attribution, Execution, RecordSummary, Retry};
 pub use select::{
-    acceptable_time, count_trials, select, smaller_class_timeout, smoothed_probability, ClassEstimate, ClassQueue,
-    Decision, QueueState, Reason, SelectionInput,
+    acceptable_time, best_class, estimates, fit_probabilities, select, smoothed_probability, speedup_curve, Basis,
+    ClassEstimate, ClassQueue, Decision, Prior, QueueState, Reason, SelectionInput,
 };
 pub use stats::{ActionStats, Outcome, STATS_FORMAT_VERSION};
 pub use types::{SizeClass, SizeClasses, Timestamp};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::select::{acceptable_time, count_trials, smoothed_probability};
+use crate::select::estimates;
 use crate::{
     ActionStats, Attribution, Decision, Outcome, Reason, RecordSummary, SelectionConfig, SizeClass, SizeClasses,
     Timestamp,
@@ -27,8 +27,8 @@ pub struct SelectionMetrics {
     pub dropped_action_fault: u64,
     /// Smaller-class failures not counted because the retry never finished.
     pub dropped_retry_unknown: u64,
-    /// Learned decisions where queue awareness demoted at least one class.
-    pub queue_adjusted: u64,
+    /// Decisions hedged on the largest class if still running at their hedge time.
+    pub hedged_decisions: u64,
 }
 
 impl SelectionMetrics {
@@ -36,8 +36,8 @@ impl SelectionMetrics {
     pub fn observe_decision(&mut self, d: &Decision) {
         *self.selections.entry(d.size_class).or_default() += 1;
         *self.reasons.entry(d.reason).or_default() += 1;
-        if d.estimates.iter().any(|e| e.queue_demoted) {
-            self.queue_adjusted += 1;
+        if d.hedge_after.is_some() {
+            self.hedged_decisions += 1;
         }
     }
 
@@ -78,7 +78,7 @@ impl SelectionMetrics {
         }
         self.dropped_action_fault += other.dropped_action_fault;
         self.dropped_retry_unknown += other.dropped_retry_unknown;
-        self.queue_adjusted += other.queue_adjusted;
+        self.hedged_decisions += other.hedged_decisions;
     }
 }
 
@@ -100,8 +100,8 @@ impl fmt::Display for SelectionMetrics {
         writeln!(f, "reasons: {}", reasons.join(" "))?;
         write!(
             f,
-            "dropped smaller-class outcomes: action_fault={} retry_unknown={}; queue-adjusted decisions: {}",
-            self.dropped_action_fault, self.dropped_retry_unknown, self.queue_adjusted
+            "dropped smaller-class outcomes: action_fault={} retry_unknown={}; hedged decisions: {}",
+            self.dropped_action_fault, self.dropped_retry_unknown, self.hedged_decisions
         )
     }
 }
@@ -116,10 +116,11 @@ pub struct ClassHistoryView {
     pub timeouts: usize,
     pub failures: usize,
     pub median_success: Option<Duration>,
-    /// Acceptable time and smoothed success probability, when a baseline
-    /// on the largest class exists and this is a smaller class.
+    /// Expected run time, acceptable time and memory fit probability, for
+    /// available classes of a shape with history (see `select`).
+    pub expected_run: Option<Duration>,
     pub acceptable_time: Option<Duration>,
-    pub success_probability: Option<f64>,
+    pub fit_probability: Option<f64>,
     /// The recorded outcomes, oldest first.
     pub history: Vec<Outcome>,
 }
@@ -150,21 +151,14 @@ impl KeyStatsView {
         let largest_median = stats.median_success(largest);
         let boosted =
             stats.last_largest_failure().is_some_and(|t| now.saturating_since(t) < config.failure_cache_duration);
+        let estimates = estimates(config, stats, classes, None).unwrap_or_default();
         let all: std::collections::BTreeSet<SizeClass> = classes.iter().chain(stats.classes()).collect();
         let rows = all
             .into_iter()
             .map(|c| {
                 let history: Vec<Outcome> = stats.outcomes(c).collect();
                 let count = |pred: fn(&Outcome) -> bool| history.iter().filter(|o| pred(o)).count();
-                let (acceptable, p) = match largest_median {
-                    Some(t_l) if c < largest => {
-                        let a = acceptable_time(t_l, largest, c, config.acceptable_time_exponent);
-                        let (s, n) = count_trials(history.iter().copied(), a);
-                        let p = smoothed_probability(s, n, config.prior_successes, config.prior_failures);
-                        (Some(a), Some(p))
-                    }
-                    _ => (None, None),
-                };
+                let e = estimates.iter().find(|e| e.size_class == c);
                 ClassHistoryView {
                     size_class: c,
                     available: classes.contains(c),
@@ -172,8 +166,9 @@ impl KeyStatsView {
                     timeouts: count(|o| matches!(o, Outcome::TimedOut(_))),
                     failures: count(|o| matches!(o, Outcome::Failed)),
                     median_success: stats.median_success(c),
-                    acceptable_time: acceptable,
-                    success_probability: p,
+                    expected_run: e.map(|e| e.expected_run),
+                    acceptable_time: e.map(|e| e.acceptable_time),
+                    fit_probability: e.map(|e| e.fit_probability),
                     history,
                 }
             })
@@ -215,21 +210,22 @@ impl fmt::Display for KeyStatsView {
         writeln!(f, "; largest-class median {}", secs(self.largest_median))?;
         writeln!(
             f,
-            "{:>6} {:>4} {:>4} {:>4} {:>9} {:>11} {:>7}  history (oldest first, seconds)",
-            "class", "ok", "to", "fail", "median", "acceptable", "p"
+            "{:>6} {:>4} {:>4} {:>4} {:>9} {:>9} {:>11} {:>7}  history (oldest first, seconds)",
+            "class", "ok", "to", "fail", "median", "expected", "acceptable", "fit"
         )?;
         for r in &self.classes {
-            let p = r.success_probability.map_or_else(|| "-".to_string(), |p| format!("{p:.3}"));
+            let p = r.fit_probability.map_or_else(|| "-".to_string(), |p| format!("{p:.3}"));
             let hist: Vec<String> = r.history.iter().map(compact).collect();
             writeln!(
                 f,
-                "{:>5}{} {:>4} {:>4} {:>4} {:>9} {:>11} {:>7}  {}",
+                "{:>5}{} {:>4} {:>4} {:>4} {:>9} {:>9} {:>11} {:>7}  {}",
                 r.size_class,
                 if r.available { " " } else { "*" },
                 r.successes,
                 r.timeouts,
                 r.failures,
                 secs(r.median_success),
+                secs(r.expected_run),
                 secs(r.acceptable_time),
                 p,
                 hist.join(" ")
@@ -261,6 +257,7 @@ mod tests {
         let mut m = SelectionMetrics::default();
         let input = SelectionInput {
             stats: &stats,
+            prior: None,
             classes: &cls,
             requested_timeout: s(60),
             queues: None,
@@ -274,8 +271,8 @@ mod tests {
         m.observe_record(&record(&mut stats, &cfg, 8, &ex, NOW).unwrap());
         let ex = Execution { size_class: 1, outcome: Outcome::Failed, largest_outcome: None };
         m.observe_record(&record(&mut stats, &cfg, 8, &ex, NOW).unwrap());
-        assert_eq!(m.selections.get(&1), Some(&1));
-        assert_eq!(m.reasons.get(&Reason::Probe), Some(&1));
+        assert_eq!(m.selections.get(&8), Some(&1));
+        assert_eq!(m.reasons.get(&Reason::LargestBaseline), Some(&1));
         assert_eq!(m.total_retries(), 1);
         assert_eq!((m.dropped_action_fault, m.dropped_retry_unknown), (1, 1));
 
@@ -286,10 +283,10 @@ mod tests {
         assert_eq!(total.dropped_action_fault, 2);
 
         let text = m.to_string();
-        assert!(text.contains("reasons: probe=1"), "{text}");
+        assert!(text.contains("reasons: largest_baseline=1"), "{text}");
         assert!(text.contains("action_fault=1 retry_unknown=1"), "{text}");
         let json = serde_json::to_string(&m).unwrap();
-        assert!(json.contains(r#""reasons":{"probe":1}"#), "{json}");
+        assert!(json.contains(r#""reasons":{"largest_baseline":1}"#), "{json}");
         assert_eq!(serde_json::from_str::<SelectionMetrics>(&json).unwrap(), m);
     }
 
@@ -313,11 +310,16 @@ mod tests {
         assert_eq!(rows, vec![1, 2, 4, 8]);
         let r1 = &v.classes[0];
         assert_eq!((r1.successes, r1.timeouts, r1.failures), (1, 1, 1));
-        // 1 success of 2 trials (the 10 s timeout is censored): (1+1)/(2+2).
-        assert_eq!(r1.success_probability, Some(0.5));
-        assert!((r1.acceptable_time.unwrap().as_secs_f64() - 169.7).abs() < 0.05);
+        // 1 success and 1 attributed failure on class 1: (1+1)/(2+2).
+        assert_eq!(r1.fit_probability, Some(0.5));
+        // Median of the success (100 s) and the censored run (at least 10 s) is 55 s,
+        // raised to the largest class's 60 s: a smaller class is never faster.
+        assert_eq!(r1.expected_run, Some(s(60)));
+        let x = cfg.acceptable_time_exponent;
+        assert!((r1.acceptable_time.unwrap().as_secs_f64() - 60.0 * 8f64.powf(x)).abs() < 0.05);
         assert!(!v.classes[2].available);
-        assert_eq!(v.classes[3].success_probability, None);
+        assert_eq!(v.classes[2].fit_probability, None);
+        assert_eq!(v.classes[3].fit_probability, Some(1.0));
 
         let text = v.to_string();
         assert!(text.contains("key k17"), "{text}");

@@ -116,25 +116,31 @@ pub struct AcBenchArgs {
 #[derive(clap::Args)]
 pub struct SizeclassBenchArgs {
     /// Trace of actions, one JSON object per line (see README). Default: a synthetic
-    /// trace of 100,000 actions with Pareto-distributed resource needs.
-    #[arg(long)]
+    /// trace of 100,000 actions from build-like families of shapes.
+    #[arg(long, conflicts_with_all = ["seeds", "workload"])]
     trace: Option<std::path::PathBuf>,
-    /// Fleet as class:count pairs.
-    #[arg(long, default_value = "1:48,2:24,4:16,8:64")]
-    fleet: String,
+    /// Fleet as class:count pairs (repeatable). Default: 1:48,2:24,4:16,8:64, and with
+    /// --seeds also 1:8,2:16,4:16,8:8,16:16.
+    #[arg(long)]
+    fleet: Vec<String>,
     /// Seed of the synthetic trace and of the selection draws.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Acceptable-time exponent x of the learned policy [default: the production 0.5].
+    /// Run the goals suite over these seeds ("1-5" or "1,3,7"): every workload x fleet x
+    /// seed, then the goals table.
+    #[arg(long)]
+    seeds: Option<String>,
+    /// Synthetic workload (repeatable): default, or shifted (test-heavy, more new shapes
+    /// and drift, busier). Default: default, and with --seeds both.
+    #[arg(long, value_parser = ["default", "shifted"])]
+    workload: Vec<String>,
+    /// Acceptable-time exponent x of the learned policy [default: the production default].
     #[arg(long)]
     exponent: Option<f64>,
-    /// Probability of success a smaller class needs to be chosen [default: 0.5].
+    /// Hedge multiplier of the learned policy [default: the production default].
     #[arg(long)]
-    threshold: Option<f64>,
-    /// Queue awareness tolerance (1.0 = pass over a class whose queue makes it later than acceptable).
-    #[arg(long)]
-    queue_tolerance: Option<f64>,
-    /// Print `{"policies":{...}}` as JSON.
+    hedge_multiplier: Option<f64>,
+    /// Print the reports as JSON.
     #[arg(long)]
     json: bool,
 }
@@ -1192,24 +1198,62 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
 }
 
 fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
-    use gantry_sizeclass::sim::{parse_fleet, parse_trace, run_bench, BenchConfig};
-    let mut cfg =
-        BenchConfig { fleet: parse_fleet(&args.fleet).context("--fleet")?, seed: args.seed, ..BenchConfig::default() };
-    cfg.synthetic.seed = args.seed;
+    use gantry_sizeclass::sim::{
+        goals_table, parse_fleet, parse_trace, run_bench, run_suite, BenchConfig, SyntheticConfig, DEFAULT_FLEET,
+        SECOND_FLEET,
+    };
+    let mut selection = gantry_sizeclass::SelectionConfig::default();
     if let Some(x) = args.exponent {
-        cfg.selection.acceptable_time_exponent = x;
+        selection.acceptable_time_exponent = x;
     }
-    if let Some(t) = args.threshold {
-        cfg.selection.success_threshold = t;
+    if let Some(h) = args.hedge_multiplier {
+        selection.hedge_multiplier = h;
     }
-    if let Some(q) = args.queue_tolerance {
-        cfg.selection.queue_tolerance = q;
+    let workload = |name: &str| match name {
+        "shifted" => SyntheticConfig::shifted(),
+        _ => SyntheticConfig::default(),
+    };
+    let start = Instant::now();
+    if let Some(spec) = &args.seeds {
+        let seeds = parse_seeds(spec).context("--seeds")?;
+        let fleets = if args.fleet.is_empty() { vec![DEFAULT_FLEET.into(), SECOND_FLEET.into()] } else { args.fleet };
+        let fleets = fleets.iter().map(|f| parse_fleet(f)).collect::<Result<Vec<_>, _>>().context("--fleet")?;
+        let names = if args.workload.is_empty() { vec!["default".into(), "shifted".into()] } else { args.workload };
+        let workloads: Vec<(String, SyntheticConfig)> = names.iter().map(|n| (n.clone(), workload(n))).collect();
+        let total = workloads.len() * fleets.len() * seeds.len();
+        let mut done = 0;
+        let runs = run_suite(&workloads, &fleets, &seeds, &selection, |r| {
+            done += 1;
+            eprintln!("[{done}/{total}] {} on {}, seed {}: {}", r.workload, r.fleet, r.seed, goal_line(&r.report));
+        })?;
+        if args.json {
+            println!("{}", serde_json::to_string(&runs)?);
+        } else {
+            print!("{}", goals_table(&runs));
+            println!(
+                "(x = {}, hedge multiplier = {}, {:.1} s)",
+                selection.acceptable_time_exponent,
+                selection.hedge_multiplier,
+                start.elapsed().as_secs_f64()
+            );
+        }
+        return Ok(());
     }
+    let fleet = args.fleet.first().map_or(DEFAULT_FLEET, String::as_str);
+    let mut cfg = BenchConfig {
+        fleet: parse_fleet(fleet).context("--fleet")?,
+        synthetic: SyntheticConfig {
+            seed: args.seed,
+            ..workload(args.workload.first().map_or("default", String::as_str))
+        },
+        selection,
+        seed: args.seed,
+        ..BenchConfig::default()
+    };
     if let Some(path) = &args.trace {
         let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
         cfg.trace = Some(parse_trace(std::io::BufReader::new(f)).with_context(|| format!("trace {}", path.display()))?);
     }
-    let start = Instant::now();
     let report = run_bench(&cfg)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -1218,4 +1262,27 @@ fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
         println!("(x = {}, {:.1} s)", cfg.selection.acceptable_time_exponent, start.elapsed().as_secs_f64());
     }
     Ok(())
+}
+
+fn goal_line(r: &gantry_sizeclass::sim::BenchReport) -> String {
+    use gantry_sizeclass::sim::Policy;
+    let l = Policy::Learned;
+    format!(
+        "cost {:.3} (oracle {:.3}), p95 {:.3}, mean {:.3}, lost {}",
+        r.cost_ratio(l),
+        r.cost_ratio(Policy::Oracle),
+        r.p95_ratio(l),
+        r.mean_ratio(l),
+        r.policies.learned.lost
+    )
+}
+
+/// "1-5" or "1,3,7".
+fn parse_seeds(spec: &str) -> anyhow::Result<Vec<u64>> {
+    let seeds: Vec<u64> = match spec.split_once('-') {
+        Some((a, b)) => (a.trim().parse()?..=b.trim().parse()?).collect(),
+        None => spec.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?,
+    };
+    anyhow::ensure!(!seeds.is_empty(), "no seeds in {spec:?}");
+    Ok(seeds)
 }

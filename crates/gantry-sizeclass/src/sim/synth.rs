@@ -1,32 +1,39 @@
 //! Seeded synthetic workload: a trace shaped like a real build cluster's,
 //! for benchmarking when no recorded trace is given.
 //!
-//! Model (per action-shape key, then per execution):
-//! * **Keys**: `keys` shapes; executions pick a key with Zipf popularity
-//!   (exponent `key_popularity_exponent`), so popular shapes repeat a lot
-//!   and a long tail is seen only a few times, as in real builds.
-//! * **Parallelism** `P` (cores the action can use): Pareto(x_m = 1,
-//!   α = 2) rounded down to a power of two and capped at the largest class:
-//!   about 75% single-threaded, 19% two cores, 5% four, 1-2% eight.
-//! * **Work**: single-core run time Pareto(x_m = 2 s, α = 1.3) × √P
-//!   (parallel actions tend to be bigger: links, test suites), capped so the
-//!   largest-class run stays under 600 s (well under the 900 s timeout).
-//! * **Scaling**: Amdahl with a serial fraction `s` ~ U(0.05, 0.25):
-//!   `T(C) = work × (s + (1 - s) / min(C, P))`; single-threaded actions run
-//!   no faster on bigger classes.
-//! * **Memory**: Pareto(x_m = 20 MB, α = 0.9), capped to fit the largest
-//!   class: ~76% under 100 MB, ~1.5% over 2 GiB. `min_class` is the smallest
-//!   fleet class with `class × memory_per_class_unit_mb` of memory; below
-//!   it the run is OOM-killed after U(0.2, 1) of its run time.
+//! Model (per action shape, then per execution):
+//! * **Families**: every shape has a mnemonic and a program basename, and the
+//!   family sets how parallel and how hungry it tends to be: C++ compiles are
+//!   single-threaded and small, `lld` links use a few threads and much memory,
+//!   `javac` runs a multi-threaded JVM with a memory floor of its own, tests
+//!   are anything. Shapes of one family are similar, not equal.
+//! * **Popularity**: executions pick a shape with Zipf popularity (exponent
+//!   `key_popularity_exponent`), so popular shapes repeat a lot and a long
+//!   tail is seen only a few times, as in real builds.
+//! * **Scaling**: Amdahl with a parallelism `P` and a serial fraction `s`
+//!   ~ U(0.05, 0.25): `T(C) = work × (s + (1 - s) / min(C, P))`; a
+//!   single-threaded action runs no faster on bigger classes.
+//! * **Work**: single-core run time Pareto(x_m = 2 s, α = 1.3) × √P × the
+//!   family's scale, capped so the largest-class run stays under 600 s.
+//! * **Memory floors**: Pareto per family, capped to fit the largest class;
+//!   `min_class` is the smallest class with `class × memory_per_class_unit_mb`
+//!   of memory. Below it the run is OOM-killed after U(0.2, 1) of its time.
 //! * **Noise**: every execution scales by exp(N(0, 0.1)) shared by all
 //!   classes and exp(N(0, 0.03)) per class.
-//! * **Broken shapes**: a `broken_key_fraction` of keys are being edited;
-//!   each of their executions fails everywhere with probability
-//!   `broken_instance_rate` (a compile error: fails fast, after U(0.05, 0.3)
-//!   of the run time), expressed as `min_class` above the largest class.
+//! * **New shapes**: a `late_shape_fraction` of shapes appear only from a
+//!   random point in the trace on (new code), so some start mid-trace.
+//! * **Drift**: a `drift_fraction` of shapes change at a random point: twice
+//!   or half as parallel and three times the memory (a dependency upgrade).
+//! * **Broken shapes**: a `broken_key_fraction` of shapes are being edited;
+//!   each execution fails everywhere with probability `broken_instance_rate`
+//!   (a compile error, after U(0.05, 0.3) of the run time), expressed as
+//!   `min_class` above the largest class.
 //! * **Arrivals**: Poisson, with the rate set so that running everything on
-//!   the largest class would keep those workers `target_load` busy: the
-//!   baseline is loaded but not overloaded.
+//!   the largest class would keep those workers `target_load` busy. From the
+//!   middle of the trace, for `burst_fraction` of it, a burst of
+//!   single-threaded compiles raises that to `burst_peak_load`: the baseline
+//!   is still not overloaded, but on a fleet whose smallest class is sized for
+//!   the usual load (such as [`super::SECOND_FLEET`]) the smallest class saturates.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -47,6 +54,15 @@ pub struct SyntheticConfig {
     pub memory_per_class_unit_mb: f64,
     pub broken_key_fraction: f64,
     pub broken_instance_rate: f64,
+    pub late_shape_fraction: f64,
+    pub drift_fraction: f64,
+    /// Utilisation of the largest-class workers during the burst if every action ran
+    /// there (at most `target_load`: no burst).
+    pub burst_peak_load: f64,
+    /// Share of the trace's span the burst lasts.
+    pub burst_fraction: f64,
+    /// Weights of the families (see [`FAMILIES`]) in the shape mix, in that order.
+    pub family_weights: Vec<f64>,
     pub requested_timeout_s: f64,
     pub seed: u64,
 }
@@ -61,6 +77,11 @@ impl Default for SyntheticConfig {
             memory_per_class_unit_mb: 2048.0,
             broken_key_fraction: 0.02,
             broken_instance_rate: 0.3,
+            late_shape_fraction: 0.25,
+            drift_fraction: 0.05,
+            burst_peak_load: 0.95,
+            burst_fraction: 0.05,
+            family_weights: FAMILIES.iter().map(|f| f.weight).collect(),
             requested_timeout_s: 900.0,
             seed: 42,
         }
@@ -68,6 +89,23 @@ impl Default for SyntheticConfig {
 }
 
 impl SyntheticConfig {
+    /// A workload unlike the default, for scoring what was tuned on the
+    /// default: test-heavy and more parallel, more new shapes, more drift, a
+    /// longer and stronger burst, flatter popularity and a busier fleet.
+    pub fn shifted() -> Self {
+        Self {
+            keys: 3_000,
+            key_popularity_exponent: 0.7,
+            target_load: 0.8,
+            late_shape_fraction: 0.4,
+            drift_fraction: 0.1,
+            burst_peak_load: 0.97,
+            burst_fraction: 0.08,
+            family_weights: vec![0.25, 0.1, 0.15, 0.1, 0.35, 0.05],
+            ..Self::default()
+        }
+    }
+
     fn validate(&self) -> Result<(), Error> {
         let bad = |m: String| Err(Error::InvalidSim(m));
         if self.actions == 0 || self.keys == 0 {
@@ -82,12 +120,25 @@ impl SyntheticConfig {
         if !(self.memory_per_class_unit_mb > 0.0 && self.memory_per_class_unit_mb.is_finite()) {
             return bad("memory_per_class_unit_mb must be > 0".into());
         }
-        for (name, v) in
-            [("broken_key_fraction", self.broken_key_fraction), ("broken_instance_rate", self.broken_instance_rate)]
-        {
+        for (name, v) in [
+            ("broken_key_fraction", self.broken_key_fraction),
+            ("broken_instance_rate", self.broken_instance_rate),
+            ("late_shape_fraction", self.late_shape_fraction),
+            ("drift_fraction", self.drift_fraction),
+            ("burst_fraction", self.burst_fraction),
+        ] {
             if !(0.0..=1.0).contains(&v) {
                 return bad(format!("{name} must be in [0, 1], got {v}"));
             }
+        }
+        if !(self.burst_peak_load >= 0.0 && self.burst_peak_load.is_finite()) {
+            return bad(format!("burst_peak_load must be finite and >= 0, got {}", self.burst_peak_load));
+        }
+        if self.family_weights.len() != FAMILIES.len()
+            || self.family_weights.iter().any(|w| !(w.is_finite() && *w >= 0.0))
+            || self.family_weights.iter().sum::<f64>() <= 0.0
+        {
+            return bad(format!("family_weights must be {} non-negative weights, not all 0", FAMILIES.len()));
         }
         if !(self.requested_timeout_s > 0.0 && self.requested_timeout_s.is_finite()) {
             return bad("requested_timeout_s must be > 0".into());
@@ -96,11 +147,89 @@ impl SyntheticConfig {
     }
 }
 
-struct Shape {
+/// A family of similar shapes.
+pub struct Family {
+    pub mnemonic: &'static str,
+    /// Program basenames; a shape takes one.
+    pub commands: &'static [&'static str],
+    /// Share of shapes in the default mix.
+    pub weight: f64,
+    /// Weights of parallelism 1, 2, 4, 8 and 16.
+    pub parallelism: [f64; 5],
+    /// Memory floor: Pareto(x_m MB, α).
+    pub memory_mb: (f64, f64),
+    /// Work scale against a compile.
+    pub work_scale: f64,
+}
+
+/// The families of the synthetic workload.
+pub const FAMILIES: [Family; 6] = [
+    Family {
+        mnemonic: "CppCompile",
+        commands: &["clang", "gcc"],
+        weight: 0.55,
+        parallelism: [0.95, 0.05, 0.0, 0.0, 0.0],
+        memory_mb: (40.0, 1.3),
+        work_scale: 1.0,
+    },
+    Family {
+        mnemonic: "CppLink",
+        commands: &["ld.lld", "ld.gold"],
+        weight: 0.08,
+        parallelism: [0.3, 0.3, 0.3, 0.1, 0.0],
+        memory_mb: (300.0, 1.0),
+        work_scale: 2.0,
+    },
+    Family {
+        mnemonic: "Javac",
+        commands: &["javac"],
+        weight: 0.12,
+        parallelism: [0.1, 0.5, 0.4, 0.0, 0.0],
+        memory_mb: (600.0, 1.5),
+        work_scale: 1.5,
+    },
+    Family {
+        mnemonic: "GoCompile",
+        commands: &["compile"],
+        weight: 0.08,
+        parallelism: [0.4, 0.4, 0.2, 0.0, 0.0],
+        memory_mb: (50.0, 1.2),
+        work_scale: 1.0,
+    },
+    Family {
+        mnemonic: "TestRunner",
+        commands: &["test-unit", "test-integration", "test-e2e", "pytest"],
+        weight: 0.12,
+        parallelism: [0.55, 0.2, 0.12, 0.08, 0.05],
+        memory_mb: (20.0, 0.9),
+        work_scale: 3.0,
+    },
+    Family {
+        mnemonic: "Genrule",
+        commands: &["bash", "python3"],
+        weight: 0.05,
+        parallelism: [0.8, 0.1, 0.05, 0.05, 0.0],
+        memory_mb: (20.0, 1.0),
+        work_scale: 1.0,
+    },
+];
+
+#[derive(Clone, Copy)]
+struct Behaviour {
     parallelism: u32,
     work_s: f64,
     serial: f64,
     min_class: SizeClass,
+}
+
+struct Shape {
+    family: usize,
+    command: usize,
+    before: Behaviour,
+    /// Behaviour from `drift_at` (a share of the trace) on.
+    after: Option<(f64, Behaviour)>,
+    /// Share of the trace from which the shape exists.
+    born_at: f64,
     broken: bool,
 }
 
@@ -123,10 +252,26 @@ fn uniform(rng: &mut ChaCha8Rng, lo: f64, hi: f64) -> f64 {
     lo + (hi - lo) * rng.random::<f64>()
 }
 
-/// Amdahl run time of a shape on `class`.
-fn run_time(shape: &Shape, class: SizeClass) -> f64 {
-    let cores = f64::from(class.min(shape.parallelism));
-    shape.work_s * (shape.serial + (1.0 - shape.serial) / cores)
+fn pick(rng: &mut ChaCha8Rng, weights: &[f64]) -> usize {
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i;
+        }
+        u -= w;
+    }
+    weights.iter().rposition(|w| *w > 0.0).unwrap_or(0)
+}
+
+/// Amdahl run time of a behaviour on `class`.
+fn run_time(b: &Behaviour, class: SizeClass) -> f64 {
+    let cores = f64::from(class.min(b.parallelism));
+    b.work_s * (b.serial + (1.0 - b.serial) / cores)
+}
+
+fn min_class_for(classes: &crate::SizeClasses, unit_mb: f64, mem_mb: f64) -> SizeClass {
+    classes.iter().find(|c| f64::from(*c) * unit_mb >= mem_mb).unwrap_or(classes.largest())
 }
 
 /// Generates the synthetic trace for `fleet` (durations for every fleet
@@ -138,28 +283,32 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
 
     let max_mem = f64::from(largest) * cfg.memory_per_class_unit_mb * 0.9;
+    let behaviour = |rng: &mut ChaCha8Rng, parallelism: u32, work_s: f64, mem_mb: f64| {
+        let parallelism = parallelism.min(largest).max(1);
+        let serial = if parallelism > 1 { uniform(rng, 0.05, 0.25) } else { 1.0 };
+        let mut b = Behaviour { parallelism, work_s, serial, min_class: 1 };
+        let t_largest = run_time(&b, largest);
+        if t_largest > 600.0 {
+            b.work_s *= 600.0 / t_largest;
+        }
+        b.min_class = min_class_for(&classes, cfg.memory_per_class_unit_mb, mem_mb.min(max_mem));
+        b
+    };
     let shapes: Vec<Shape> = (0..cfg.keys)
         .map(|_| {
-            let p_raw = pareto(&mut rng, 1.0, 2.0).min(f64::from(largest));
-            // Largest power of two <= p_raw (p_raw >= 1).
-            let parallelism = 1u32 << (p_raw.log2().floor() as u32);
-            let serial = if parallelism > 1 { uniform(&mut rng, 0.05, 0.25) } else { 1.0 };
-            let mut shape = Shape {
-                parallelism,
-                work_s: pareto(&mut rng, 2.0, 1.3) * f64::from(parallelism).sqrt(),
-                serial,
-                min_class: 1,
-                broken: false,
-            };
-            let t_largest = run_time(&shape, largest);
-            if t_largest > 600.0 {
-                shape.work_s *= 600.0 / t_largest;
-            }
-            let mem_mb = pareto(&mut rng, 20.0, 0.9).min(max_mem);
-            shape.min_class =
-                classes.iter().find(|c| f64::from(*c) * cfg.memory_per_class_unit_mb >= mem_mb).unwrap_or(largest);
-            shape.broken = rng.random::<f64>() < cfg.broken_key_fraction;
-            shape
+            let family = pick(&mut rng, &cfg.family_weights);
+            let f = &FAMILIES[family];
+            let command = rng.random_range(0..f.commands.len());
+            let parallelism = 1u32 << pick(&mut rng, &f.parallelism);
+            let work_s = pareto(&mut rng, 2.0, 1.3) * f64::from(parallelism).sqrt() * f.work_scale;
+            let mem_mb = pareto(&mut rng, f.memory_mb.0, f.memory_mb.1);
+            let before = behaviour(&mut rng, parallelism, work_s, mem_mb);
+            let after = (rng.random::<f64>() < cfg.drift_fraction).then(|| {
+                let p = if rng.random::<bool>() { parallelism * 2 } else { (parallelism / 2).max(1) };
+                (uniform(&mut rng, 0.3, 0.7), behaviour(&mut rng, p, work_s, mem_mb * 3.0))
+            });
+            let born_at = if rng.random::<f64>() < cfg.late_shape_fraction { uniform(&mut rng, 0.1, 0.9) } else { 0.0 };
+            Shape { family, command, before, after, born_at, broken: rng.random::<f64>() < cfg.broken_key_fraction }
         })
         .collect();
 
@@ -170,35 +319,54 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
         total += 1.0 / ((k + 1) as f64).powf(cfg.key_popularity_exponent);
         cdf.push(total);
     }
+    let first_born = shapes.iter().position(|s| s.born_at == 0.0).unwrap_or(0);
 
-    let mut actions = Vec::with_capacity(cfg.actions);
-    for _ in 0..cfg.actions {
-        let u = rng.random::<f64>() * total;
-        let k = cdf.partition_point(|&c| c <= u).min(cfg.keys - 1);
+    let execution = |rng: &mut ChaCha8Rng, k: usize, at: f64| {
         let shape = &shapes[k];
-        let shared = (0.1 * normal(&mut rng)).exp();
+        let b = match shape.after {
+            Some((when, after)) if at >= when => after,
+            _ => shape.before,
+        };
+        let shared = (0.1 * normal(rng)).exp();
         let broken_now = shape.broken && rng.random::<f64>() < cfg.broken_instance_rate;
-        let min_class = if broken_now { largest.saturating_mul(2) } else { shape.min_class };
+        let min_class = if broken_now { largest.saturating_mul(2) } else { b.min_class };
         let duration_s = classes
             .iter()
             .map(|c| {
-                let mut d = run_time(shape, c) * shared * (0.03 * normal(&mut rng)).exp();
+                let mut d = run_time(&b, c) * shared * (0.03 * normal(rng)).exp();
                 if broken_now {
-                    d *= uniform(&mut rng, 0.05, 0.3);
+                    d *= uniform(rng, 0.05, 0.3);
                 } else if c < min_class {
-                    d *= uniform(&mut rng, 0.2, 1.0);
+                    d *= uniform(rng, 0.2, 1.0);
                 }
                 // Millisecond resolution keeps JSONL dumps short and exact.
                 (c, (d * 1000.0).round() / 1000.0)
             })
             .collect();
-        actions.push(TraceAction {
+        let f = &FAMILIES[shape.family];
+        TraceAction {
             key: format!("k{k}"),
             arrival_s: 0.0,
             duration_s,
             min_class,
             requested_timeout_s: cfg.requested_timeout_s,
-        });
+            mnemonic: Some(f.mnemonic.to_string()),
+            command: Some(f.commands[shape.command].to_string()),
+        }
+    };
+
+    let mut actions = Vec::with_capacity(cfg.actions);
+    for i in 0..cfg.actions {
+        let at = i as f64 / cfg.actions as f64;
+        // A shape not born yet is drawn again: popularity among the living.
+        let k = (0..32)
+            .map(|_| {
+                let u = rng.random::<f64>() * total;
+                cdf.partition_point(|&c| c <= u).min(cfg.keys - 1)
+            })
+            .find(|&k| shapes[k].born_at <= at)
+            .unwrap_or(first_born);
+        actions.push(execution(&mut rng, k, at));
     }
 
     let mean_largest: f64 = actions.iter().map(|a| a.duration_s[&largest]).sum::<f64>() / actions.len() as f64;
@@ -208,6 +376,32 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
         t += -unit_open(&mut rng).ln() / rate;
         a.arrival_s = (t * 1000.0).round() / 1000.0;
     }
+
+    // The burst: single-threaded compiles (the family that lives on the smallest class).
+    let compiles: Vec<usize> = (0..cfg.keys)
+        .filter(|&k| shapes[k].family == 0 && shapes[k].before.parallelism == 1 && shapes[k].born_at == 0.0)
+        .filter(|&k| !shapes[k].broken && shapes[k].after.is_none())
+        .collect();
+    if cfg.burst_peak_load > cfg.target_load && cfg.burst_fraction > 0.0 && !compiles.is_empty() {
+        let span = t;
+        let (start, end) = (0.5 * span, (0.5 + cfg.burst_fraction) * span);
+        let mean_s: f64 =
+            compiles.iter().map(|&k| run_time(&shapes[k].before, largest)).sum::<f64>() / compiles.len() as f64;
+        let extra = (cfg.burst_peak_load - cfg.target_load) * f64::from(fleet.workers(largest));
+        let burst_rate = extra / mean_s.max(1e-9);
+        let mut bt = start;
+        loop {
+            bt += -unit_open(&mut rng).ln() / burst_rate;
+            if bt >= end {
+                break;
+            }
+            let k = compiles[rng.random_range(0..compiles.len())];
+            let mut a = execution(&mut rng, k, bt / span.max(1e-9));
+            a.arrival_s = (bt * 1000.0).round() / 1000.0;
+            actions.push(a);
+        }
+    }
+    actions.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
     Ok(actions)
 }
 
@@ -234,7 +428,8 @@ mod tests {
     fn workload_has_the_documented_shape() {
         let fleet = Fleet::default();
         let t = generate(&small(), &fleet).unwrap();
-        assert_eq!(t.len(), 20_000);
+        // The burst adds actions to the 20,000.
+        assert!(t.len() > 20_000 && t.len() < 24_000, "{}", t.len());
         // Arrivals sorted, every fleet class has a duration.
         assert!(t.windows(2).all(|w| w[0].arrival_s <= w[1].arrival_s));
         assert!(t.iter().all(|a| { fleet.classes().iter().all(|c| a.duration_s.contains_key(&c)) }));
@@ -256,12 +451,52 @@ mod tests {
         assert!(keys.len() > 300 && keys.len() <= 1_000, "{}", keys.len());
         // Largest-class run times stay below the timeout.
         assert!(t.iter().all(|a| a.duration_s[&8] < 900.0));
+        // Every action has a family; shapes of a family share its mnemonic.
+        assert!(t.iter().all(|a| a.mnemonic.is_some() && a.command.is_some()));
+        let mnemonics: std::collections::HashSet<&str> = t.iter().filter_map(|a| a.mnemonic.as_deref()).collect();
+        assert_eq!(mnemonics.len(), FAMILIES.len());
+        // Some shapes appear only after the first tenth of the trace.
+        let first_tenth: std::collections::HashSet<&str> = t[..t.len() / 10].iter().map(|a| a.key.as_str()).collect();
+        let late = t[t.len() / 2..].iter().filter(|a| !first_tenth.contains(a.key.as_str())).count();
+        assert!(late > 500, "{late}");
+    }
+
+    #[test]
+    fn the_burst_raises_the_offered_load_to_its_peak() {
+        let fleet = parse_fleet("1:10,8:20").unwrap();
+        let cfg = SyntheticConfig {
+            actions: 50_000,
+            keys: 500,
+            target_load: 0.5,
+            burst_peak_load: 0.9,
+            burst_fraction: 0.1,
+            ..Default::default()
+        };
+        let t = generate(&cfg, &fleet).unwrap();
+        let span = t.last().unwrap().arrival_s;
+        let load_in = |from: f64, to: f64| {
+            let work: f64 = t
+                .iter()
+                .filter(|a| a.arrival_s >= from * span && a.arrival_s < to * span)
+                .map(|a| a.duration_s[&8])
+                .sum();
+            work / ((to - from) * span) / 20.0
+        };
+        let (before, during) = (load_in(0.1, 0.45), load_in(0.5, 0.58));
+        assert!((before - 0.5).abs() < 0.08, "before {before}");
+        assert!((during - 0.9).abs() < 0.15, "during {during}");
     }
 
     #[test]
     fn offered_load_matches_target() {
         let fleet = parse_fleet("1:10,8:20").unwrap();
-        let cfg = SyntheticConfig { actions: 50_000, keys: 500, target_load: 0.5, ..Default::default() };
+        let cfg = SyntheticConfig {
+            actions: 50_000,
+            keys: 500,
+            target_load: 0.5,
+            burst_peak_load: 0.0,
+            ..Default::default()
+        };
         let t = generate(&cfg, &fleet).unwrap();
         let work: f64 = t.iter().map(|a| a.duration_s[&8]).sum();
         let span = t.last().unwrap().arrival_s;

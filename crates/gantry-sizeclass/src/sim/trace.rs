@@ -31,6 +31,12 @@ pub struct TraceAction {
     pub min_class: SizeClass,
     /// The client's execution timeout in seconds.
     pub requested_timeout_s: f64,
+    /// The action's mnemonic (`CppCompile`), which groups similar shapes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mnemonic: Option<String>,
+    /// The basename of the action's program (`clang`), a finer group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
 }
 
 fn one() -> SizeClass {
