@@ -246,38 +246,19 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     let cfg = SchedulerConfig { completed_retention: Duration::from_secs(2), ..Default::default() };
     let s = Scheduler::new(cfg, stores.clone(), stores.clone(), &registry, sizing);
 
-    // Workers: the rare platform gets `rare_slots`, the rest share the remainder; each
-    // platform's slots are spread over the size classes.
+    // Workers: see `worker_layout`.
     let mut links: HashMap<String, WorkerLink> = HashMap::new();
     let rare = opts.platforms - 1;
-    let common_slots = opts.slots - opts.rare_slots;
-    for p in 0..opts.platforms {
-        let slots = if opts.platforms == 1 {
-            opts.slots
-        } else if p == rare {
-            opts.rare_slots
-        } else {
-            common_slots / (opts.platforms - 1) + usize::from(p < common_slots % (opts.platforms - 1))
+    for w in worker_layout(&opts) {
+        let id = format!("w-p{}-c{}-{}", w.platform, w.class, w.index);
+        let reg = wpb::Register {
+            worker_id: id.clone(),
+            properties: vec![wpb::Property { name: "pool".into(), value: format!("p{}", w.platform) }],
+            slots: w.slots as u32,
+            size_class: w.class,
+            metering: "bench".into(),
         };
-        for c in 0..opts.classes {
-            let class_slots = slots / opts.classes as usize + usize::from((c as usize) < slots % opts.classes as usize);
-            let mut left = class_slots;
-            let mut n = 0;
-            while left > 0 {
-                let take = left.min(opts.slots_per_worker);
-                left -= take;
-                n += 1;
-                let id = format!("w-p{p}-c{}-{n}", c + 1);
-                let reg = wpb::Register {
-                    worker_id: id.clone(),
-                    properties: vec![wpb::Property { name: "pool".into(), value: format!("p{p}") }],
-                    slots: take as u32,
-                    size_class: c + 1,
-                    metering: "bench".into(),
-                };
-                links.insert(id, s.register(reg, true)?);
-            }
-        }
+        links.insert(id, s.register(reg, true)?);
     }
     let workers = links.len();
     let commands =
@@ -434,6 +415,44 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     })
 }
 
+/// One simulated worker of the bench's fleet.
+struct WorkerSpec {
+    platform: usize,
+    class: u32,
+    /// 1-based within its platform and class.
+    index: usize,
+    slots: usize,
+}
+
+/// The bench's fleet: the rare platform gets `rare_slots`, the rest share the remainder;
+/// each platform's slots are spread over the size classes, in workers of at most
+/// `slots_per_worker`. The full scheduler run and [`core_only`] measure the same fleet.
+fn worker_layout(opts: &BenchOptions) -> Vec<WorkerSpec> {
+    let rare = opts.platforms - 1;
+    let common_slots = opts.slots - opts.rare_slots;
+    let mut workers = Vec::new();
+    for platform in 0..opts.platforms {
+        let slots = if opts.platforms == 1 {
+            opts.slots
+        } else if platform == rare {
+            opts.rare_slots
+        } else {
+            common_slots / (opts.platforms - 1) + usize::from(platform < common_slots % (opts.platforms - 1))
+        };
+        for c in 0..opts.classes {
+            let mut left = slots / opts.classes as usize + usize::from((c as usize) < slots % opts.classes as usize);
+            let mut index = 0;
+            while left > 0 {
+                let take = left.min(opts.slots_per_worker);
+                left -= take;
+                index += 1;
+                workers.push(WorkerSpec { platform, class: c + 1, index, slots: take });
+            }
+        }
+    }
+    workers
+}
+
 /// The steady-backlog measurement on the [`Dispatcher`] alone: any class runs any action,
 /// one finish and one arrival per step. Returns assignments per second and ns per step.
 fn core_only(opts: &BenchOptions) -> Result<(f64, f64)> {
@@ -442,23 +461,8 @@ fn core_only(opts: &BenchOptions) -> Result<(f64, f64)> {
     let plat = |p: usize| -> Properties { vec![Property { name: "pool".into(), value: format!("p{p}") }].into() };
     let plats: Vec<Properties> = (0..opts.platforms).map(plat).collect();
     let rare = opts.platforms - 1;
-    let common_slots = opts.slots - opts.rare_slots;
-    for (p, props) in plats.iter().enumerate() {
-        let slots = if opts.platforms == 1 {
-            opts.slots
-        } else if p == rare {
-            opts.rare_slots
-        } else {
-            common_slots / (opts.platforms - 1) + usize::from(p < common_slots % (opts.platforms - 1))
-        };
-        for c in 0..opts.classes {
-            let mut left = slots / opts.classes as usize + usize::from((c as usize) < slots % opts.classes as usize);
-            while left > 0 {
-                let take = left.min(opts.slots_per_worker);
-                left -= take;
-                d.add_worker(props.clone(), c + 1, take);
-            }
-        }
+    for w in worker_layout(opts) {
+        d.add_worker(plats[w.platform].clone(), w.class, w.slots);
     }
     let pick = |rng: &mut Rng| {
         if opts.platforms == 1 || rng.unit() < opts.rare_fraction {

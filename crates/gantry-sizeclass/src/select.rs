@@ -101,8 +101,9 @@ impl QueueState {
         self.classes.get(&class).copied()
     }
 
-    fn wait_s(&self, class: SizeClass) -> f64 {
-        self.get(class).map_or(0.0, |q| q.expected_wait.as_secs_f64())
+    /// Expected wait of `class`; zero when unknown.
+    fn wait(&self, class: SizeClass) -> Duration {
+        self.get(class).map_or(Duration::ZERO, |q| q.expected_wait)
     }
 }
 
@@ -417,7 +418,7 @@ pub fn estimates(
     let curve = speedup_curve(stats, classes)?;
     let fits = fit_probabilities(stats, classes, config);
     let largest = classes.largest();
-    let wait = |c| queues.map_or(0.0, |q| q.wait_s(c));
+    let wait = |c| queues.map_or(0.0, |q| q.wait(c).as_secs_f64());
     let t_largest = curve.last().expect("classes are never empty").1;
     let reference = wait(largest) + t_largest;
     Some(
@@ -482,7 +483,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let stats = input.stats;
     let largest = classes.largest();
     let requested = input.requested_timeout;
-    let wait = |c| input.queues.map_or(Duration::ZERO, |q| q.get(c).map_or(Duration::ZERO, |q| q.expected_wait));
+    let wait = |c| input.queues.map_or(Duration::ZERO, |q| q.wait(c));
     let on_largest =
         |reason, estimates| Decision { size_class: largest, timeout: requested, hedge_after: None, reason, estimates };
 

@@ -364,6 +364,11 @@ async fn migrations_upgrade_old_databases_and_refuse_newer_ones() {
 }
 
 /// Records `version` as applied, as a newer gantry's migrator would have.
+/// The first column of every row `sql` returns.
+async fn column_set(db: &MetadataDb, sql: &str) -> BTreeSet<String> {
+    sqlx::query(sql).fetch_all(db.pool()).await.unwrap().iter().map(|r| r.get(0)).collect()
+}
+
 async fn record_version(db: &MetadataDb, version: i64) {
     sqlx::query(
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
@@ -505,21 +510,9 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         assert_eq!(ac.get("", &old_action).await.unwrap(), None, "{name}");
         assert_eq!(ac.get("", &new_action).await.unwrap(), Some(result(2)), "{name}");
         // The count bound kept the newest 4 of the 5 fresh records.
-        let ops: BTreeSet<String> = sqlx::query("SELECT operation FROM action_executions")
-            .fetch_all(db.pool())
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let ops = column_set(&db, "SELECT operation FROM action_executions").await;
         assert_eq!(ops, ["new0", "new1", "new2", "new3"].into_iter().map(String::from).collect(), "{name}");
-        let left: BTreeSet<String> = sqlx::query("SELECT build_id FROM batch_builds")
-            .fetch_all(db.pool())
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+        let left = column_set(&db, "SELECT build_id FROM batch_builds").await;
         assert_eq!(
             left,
             ["b4", "b5", "running"].into_iter().map(String::from).collect(),

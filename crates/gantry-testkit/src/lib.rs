@@ -166,23 +166,19 @@ impl PgServer {
         format!("postgres://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// psql connected to database `db` as the test user, stopping at the first error.
+    fn psql_command(&self, db: &str) -> Command {
+        let mut c = Command::new(self.bin.join("psql"));
+        c.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", PG_USER, "-d", db, "-v", "ON_ERROR_STOP=1"])
+            .env("PGPASSWORD", PG_PASSWORD);
+        c
+    }
+
     /// Creates a fresh, empty database and returns its URL.
     pub fn create_database(&self, name: &str) -> String {
-        let out = Command::new(self.bin.join("psql"))
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                PG_USER,
-                "-d",
-                "postgres",
-                "-v",
-                "ON_ERROR_STOP=1",
-            ])
+        let out = self
+            .psql_command("postgres")
             .args(["-c", &format!("CREATE DATABASE \"{name}\"")])
-            .env("PGPASSWORD", PG_PASSWORD)
             .output()
             .expect("running psql");
         assert!(out.status.success(), "CREATE DATABASE {name}: {}", String::from_utf8_lossy(&out.stderr));
@@ -191,24 +187,7 @@ impl PgServer {
 
     /// Runs SQL in database `db` with psql, returning its unaligned output.
     pub fn psql(&self, db: &str, sql: &str) -> String {
-        let out = Command::new(self.bin.join("psql"))
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                PG_USER,
-                "-d",
-                db,
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-At",
-            ])
-            .args(["-c", sql])
-            .env("PGPASSWORD", PG_PASSWORD)
-            .output()
-            .expect("running psql");
+        let out = self.psql_command(db).args(["-At", "-c", sql]).output().expect("running psql");
         assert!(out.status.success(), "psql {sql}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }

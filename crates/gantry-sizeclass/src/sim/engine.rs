@@ -321,6 +321,9 @@ impl Learner<'_> {
     ) -> Result<(), crate::Error> {
         let summary = record(&mut self.stats[key], self.params.selection, classes.largest(), execution, now_ts(now))?;
         metrics.observe_record(&summary);
+        if !self.params.priors {
+            return Ok(()); // nobody reads the groups' priors
+        }
         let best = best_class(self.params.selection, &self.stats[key], classes);
         if best != self.best[key] {
             for g in self.groups_of[key].into_iter().flatten() {
