@@ -250,6 +250,7 @@ async fn local_branch(
     let (out, err) = (stage.join("stdout"), stage.join("stderr"));
     let spec = process::Spec {
         limits: Default::default(),
+        cgroups: None,
         meter: None,
         args: &built.command.arguments,
         env: &env,

@@ -272,12 +272,14 @@ pub struct ExecutionConfig {
     /// Default: the number of cores. 0 runs no local workers, only `gantry worker` processes.
     pub workers: Option<Workers>,
     /// Memory an action may use per unit of size class, enforced on in-process workers as
-    /// an address-space limit (RLIMIT_AS) when no cgroup v2 hierarchy is delegated. Unset:
-    /// actions are metered only.
+    /// `limits` says. Unset: actions are metered only.
     pub memory_per_size_class: Option<ByteSize>,
-    /// CPUs an action is pinned to per unit of size class (sched_setaffinity). Unset: no
-    /// pinning.
+    /// CPUs an action may use per unit of size class: it is pinned to that many
+    /// (sched_setaffinity, which tools read to size their thread pools) and, with cgroups,
+    /// held to that much CPU time. Unset: neither.
     pub cpus_per_size_class: Option<usize>,
+    /// How in-process workers enforce the limits above and meter actions. Default "auto".
+    pub limits: LimitEnforcement,
     /// How the scheduler learns each action shape's size class.
     pub size_classes: SizeClassConfig,
     /// Platform properties of the in-process workers, on top of OSFamily=linux and
@@ -309,6 +311,36 @@ pub struct ExecutionConfig {
     /// Finished operations stay visible to GetOperation/WaitExecution this long. Default "10m".
     #[serde(with = "humantime_serde")]
     pub completed_retention: Duration,
+}
+
+/// How a worker enforces its size class's memory and CPU limits (`[execution] limits`,
+/// `gantry worker --limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LimitEnforcement {
+    /// A cgroup per action where this machine allows one (v2 where a hierarchy with the
+    /// memory controller is delegated to gantry, else v1 `memory` and `cpu` under the
+    /// worker's own cgroups), else RLIMIT_AS as the last resort, with a warning at startup.
+    #[default]
+    Auto,
+    /// cgroups only: a worker that cannot use them does not start.
+    Cgroup,
+    /// An address-space limit (RLIMIT_AS) and CPU pinning, without cgroups. Breaks
+    /// runtimes that reserve address space up front (the JVM, Go).
+    Rlimit,
+}
+
+impl std::str::FromStr for LimitEnforcement {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(LimitEnforcement::Auto),
+            "cgroup" => Ok(LimitEnforcement::Cgroup),
+            "rlimit" => Ok(LimitEnforcement::Rlimit),
+            _ => Err(format!("'{s}' is not one of auto, cgroup, rlimit")),
+        }
+    }
 }
 
 /// `workers = 4` or `workers = [{size_class = 1, count = 2}, ...]`.
@@ -384,6 +416,7 @@ impl Default for ExecutionConfig {
             workers: None,
             memory_per_size_class: None,
             cpus_per_size_class: None,
+            limits: LimitEnforcement::Auto,
             size_classes: SizeClassConfig::default(),
             properties: Default::default(),
             work_dir: None,
@@ -1251,6 +1284,21 @@ mod tests {
             .to_string()
             .contains("size_class"));
         assert!(parse("[execution.size_classes]\nexponent = 0.2").is_err());
+    }
+
+    #[test]
+    fn limit_enforcement_in_config_and_on_the_command_line() {
+        assert_eq!(parse("").unwrap().execution.limits, LimitEnforcement::Auto);
+        for (text, want) in [
+            ("auto", LimitEnforcement::Auto),
+            ("cgroup", LimitEnforcement::Cgroup),
+            ("rlimit", LimitEnforcement::Rlimit),
+        ] {
+            assert_eq!(parse(&format!("[execution]\nlimits = \"{text}\"")).unwrap().execution.limits, want);
+            assert_eq!(text.parse::<LimitEnforcement>(), Ok(want));
+        }
+        assert!(parse("[execution]\nlimits = \"cgroups\"").is_err());
+        assert!("RLIMIT_AS".parse::<LimitEnforcement>().unwrap_err().contains("auto, cgroup, rlimit"));
     }
 
     #[test]

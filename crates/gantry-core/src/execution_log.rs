@@ -26,7 +26,7 @@ pub struct ActionRecord {
     pub system_cpu_seconds: f64,
     pub wall_seconds: f64,
     pub queued_seconds: f64,
-    /// How memory was measured: "rusage" or "cgroup-v2".
+    /// How memory was measured: "cgroup-v2", "cgroup-v1" or "rusage".
     pub metering: String,
     pub completed_unix_ms: i64,
 }

@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId};
 use crate::platform::{self, Property};
-use crate::sizing::{Learned, Trial};
+use crate::sizing::{Learned, RunEnd, Trial};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -735,8 +735,8 @@ impl Scheduler {
         }
         let m = f.metering.clone().unwrap_or_default();
         let wall = Duration::from_secs_f64(m.wall_seconds.max(0.0));
-        let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall);
-        let after = self.transition(worker, &f.job_id, code, &m, this_outcome, result.as_ref().map(|r| r.exit_code));
+        let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall, f.out_of_memory);
+        let after = self.transition(worker, &f, code, &m, this_outcome, result.as_ref().map(|r| r.exit_code));
         let fin = match after {
             After::Nothing => return,
             After::Retried { record, from_class } => {
@@ -777,6 +777,7 @@ impl Scheduler {
             tracing::error!(action = %digest, error = %e, "could not record the execution");
         }
         let outcome = match (code, result.as_ref().map(|r| r.exit_code)) {
+            (0, _) if f.out_of_memory => "out_of_memory",
             (0, Some(0)) => "success",
             (0, _) => "nonzero_exit",
             (c, _) if c == tonic::Code::DeadlineExceeded as i32 => "timeout",
@@ -810,12 +811,13 @@ impl Scheduler {
     fn transition(
         &self,
         worker: &str,
-        job_id: &str,
+        f: &wpb::ExecutionFinished,
         code: i32,
         m: &wpb::Metering,
         this_outcome: gantry_sizeclass::Outcome,
         exit_code: Option<i32>,
     ) -> After {
+        let job_id = f.job_id.as_str();
         let mut st = self.lock();
         let st = &mut *st;
         let Some(w) = st.workers.get_mut(worker) else { return After::Nothing };
@@ -855,9 +857,14 @@ impl Scheduler {
             metering: m.method.clone(),
             completed_unix_ms: now_ms(SystemTime::now()),
         };
-        if let Some(class) =
-            job.trial.retry_after(job.size_class, size_class, code, this_outcome, m.wall_seconds, job.cancel_requested)
-        {
+        let run = RunEnd {
+            class: size_class,
+            code,
+            outcome: this_outcome,
+            wall_seconds: m.wall_seconds,
+            out_of_memory: f.out_of_memory,
+        };
+        if let Some(class) = job.trial.retry_after(job.size_class, &run, job.cancel_requested) {
             job.size_class = Some(class);
             job.timeout = job.trial.requested_timeout;
             job.worker = None;
@@ -869,7 +876,7 @@ impl Scheduler {
             self.update_gauges(st);
             return After::Retried { record: Box::new(record), from_class: size_class };
         }
-        let learn = job.trial.learned(size_class, code, this_outcome);
+        let learn = job.trial.learned(&run);
         let fin = Finale {
             record,
             instance: job.spec.instance.clone(),

@@ -200,44 +200,41 @@ impl Trial {
         Trial { learning, largest_class, requested_timeout, shape_key, first_try: None, notes: Vec::new() }
     }
 
-    /// After a run on class `ran_on` (the job was placed on `placed`) ended with the
-    /// status `code`: the class to retry on, if any. A failure or timeout on a smaller
-    /// class is retried on the largest class with the original timeout, so the client
-    /// sees one execution. Only a run that happened says something about the class: not
-    /// a missing input or another infrastructure error, and not a cancellation.
-    pub fn retry_after(
-        &mut self,
-        placed: Option<u32>,
-        ran_on: u32,
-        code: i32,
-        outcome: Outcome,
-        wall_seconds: f64,
-        cancel_requested: bool,
-    ) -> Option<u32> {
+    /// After `run` (the job was placed on `placed`): the class to retry on, if any. A
+    /// failure or timeout on a smaller class (an out-of-memory kill among the failures) is
+    /// retried on the largest class with the original timeout, so the client sees one
+    /// execution. Only a run that happened says something about the class: not a missing
+    /// input or another infrastructure error, and not a cancellation.
+    pub fn retry_after(&mut self, placed: Option<u32>, run: &RunEnd, cancel_requested: bool) -> Option<u32> {
         let smaller = self.learning && placed.is_some_and(|c| c < self.largest_class);
-        let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
-        if !smaller || !ran || outcome.is_success() || cancel_requested {
+        let ran = run.code == 0 || run.code == tonic::Code::DeadlineExceeded as i32;
+        if !smaller || !ran || run.outcome.is_success() || cancel_requested {
             return None;
         }
-        self.first_try = Some((ran_on, outcome));
+        self.first_try = Some((run.class, run.outcome));
+        let what = match run.outcome {
+            Outcome::TimedOut(_) => "timed out",
+            _ if run.out_of_memory => "ran out of memory",
+            _ => "failed",
+        };
         self.notes.push(format!(
-            "{} on size class {ran_on} after {:.1}s; retried on size class {}",
-            if matches!(outcome, Outcome::TimedOut(_)) { "timed out" } else { "failed" },
-            wall_seconds.max(0.0),
+            "{what} on size class {} after {:.1}s; retried on size class {}",
+            run.class,
+            run.wall_seconds.max(0.0),
             self.largest_class
         ));
         Some(self.largest_class)
     }
 
-    /// What the learner records of the final run on `ran_on` (None: nothing, as the
-    /// class was not learned or the action was cancelled).
-    pub fn learned(&self, ran_on: u32, code: i32, outcome: Outcome) -> Option<Learned> {
-        if !self.learning || code == tonic::Code::Cancelled as i32 {
+    /// What the learner records of the final `run` (None: nothing, as the class was not
+    /// learned or the action was cancelled).
+    pub fn learned(&self, run: &RunEnd) -> Option<Learned> {
+        if !self.learning || run.code == tonic::Code::Cancelled as i32 {
             return None;
         }
         let execution = match self.first_try {
-            Some((c0, o0)) => Execution { size_class: c0, outcome: o0, largest_outcome: Some(outcome) },
-            None => Execution { size_class: ran_on, outcome, largest_outcome: None },
+            Some((c0, o0)) => Execution { size_class: c0, outcome: o0, largest_outcome: Some(run.outcome) },
+            None => Execution { size_class: run.class, outcome: run.outcome, largest_outcome: None },
         };
         Some(Learned {
             shape_key: self.shape_key.clone(),
@@ -248,11 +245,26 @@ impl Trial {
     }
 }
 
-/// The learner's view of how an execution ended.
-pub fn outcome(status_code: i32, exit_code: Option<i32>, wall: Duration) -> Outcome {
+/// How one run on a worker ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunEnd {
+    /// The size class it ran on.
+    pub class: u32,
+    /// Its status: 0 for a completed run whatever its exit code, DEADLINE_EXCEEDED for a
+    /// timeout, else cancelled or an infrastructure error.
+    pub code: i32,
+    pub outcome: Outcome,
+    pub wall_seconds: f64,
+    /// The worker reported an out-of-memory kill (ExecutionFinished.out_of_memory).
+    pub out_of_memory: bool,
+}
+
+/// The learner's view of how an execution ended. An out-of-memory kill is a failure
+/// whatever the exit code it left: the class was too small to run it.
+pub fn outcome(status_code: i32, exit_code: Option<i32>, wall: Duration, out_of_memory: bool) -> Outcome {
     if status_code == tonic::Code::DeadlineExceeded as i32 {
         Outcome::TimedOut(wall)
-    } else if status_code == 0 && exit_code == Some(0) {
+    } else if status_code == 0 && exit_code == Some(0) && !out_of_memory {
         Outcome::Succeeded(wall)
     } else {
         Outcome::Failed
@@ -281,19 +293,45 @@ mod tests {
         assert_ne!(shape_key(&a, ""), shape_key(&p, ""));
     }
 
+    fn ended(class: u32, code: i32, outcome: Outcome, wall_seconds: f64) -> RunEnd {
+        RunEnd { class, code, outcome, wall_seconds, out_of_memory: false }
+    }
+
     #[test]
     fn a_failure_on_a_smaller_class_is_retried_once_on_the_largest_and_learned_as_both() {
         let w = Duration::from_secs(3);
         let mut t = Trial::new(true, 8, Duration::from_secs(60), "k".into());
         let deadline = tonic::Code::DeadlineExceeded as i32;
-        assert_eq!(t.retry_after(Some(2), 2, deadline, Outcome::TimedOut(w), 3.0, false), Some(8));
+        assert_eq!(t.retry_after(Some(2), &ended(2, deadline, Outcome::TimedOut(w), 3.0), false), Some(8));
         assert!(t.notes[0].contains("timed out on size class 2 after 3.0s; retried on size class 8"), "{:?}", t.notes);
         // On the largest class there is nothing larger: the result is final.
-        assert_eq!(t.retry_after(Some(8), 8, 0, Outcome::Succeeded(w), 3.0, false), None);
-        let l = t.learned(8, 0, Outcome::Succeeded(w)).unwrap();
+        let last = ended(8, 0, Outcome::Succeeded(w), 3.0);
+        assert_eq!(t.retry_after(Some(8), &last, false), None);
+        let l = t.learned(&last).unwrap();
         assert_eq!((l.execution.size_class, l.execution.outcome), (2, Outcome::TimedOut(w)));
         assert_eq!(l.execution.largest_outcome, Some(Outcome::Succeeded(w)));
         assert_eq!(l.notes, t.notes[0]);
+    }
+
+    #[test]
+    fn an_out_of_memory_kill_on_a_smaller_class_is_a_failure_retried_on_the_largest() {
+        let w = Duration::from_secs(2);
+        // The worker's report: status OK, exit 137 (SIGKILL), out_of_memory.
+        let o = outcome(0, Some(137), w, true);
+        assert_eq!(o, Outcome::Failed);
+        let mut t = Trial::new(true, 4, Duration::from_secs(60), "k".into());
+        let oom = RunEnd { out_of_memory: true, ..ended(1, 0, o, 2.0) };
+        assert_eq!(t.retry_after(Some(1), &oom, false), Some(4));
+        assert!(
+            t.notes[0].contains("ran out of memory on size class 1 after 2.0s; retried on size class 4"),
+            "{:?}",
+            t.notes
+        );
+        let l = t.learned(&ended(4, 0, Outcome::Succeeded(w), 1.0)).unwrap();
+        assert_eq!((l.execution.size_class, l.execution.outcome), (1, Outcome::Failed), "class 1 is blamed");
+        // Even a run that exited 0 after an OOM kill of one of its processes, if reported
+        // so, does not count as a success.
+        assert_eq!(outcome(0, Some(0), w, true), Outcome::Failed);
     }
 
     #[test]
@@ -301,13 +339,13 @@ mod tests {
         let w = Duration::from_secs(1);
         let mut t = Trial::new(true, 8, Duration::from_secs(60), "k".into());
         let internal = tonic::Code::Internal as i32;
-        assert_eq!(t.retry_after(Some(2), 2, internal, Outcome::Failed, 1.0, false), None, "did not run");
-        assert_eq!(t.retry_after(Some(2), 2, 0, Outcome::Failed, 1.0, true), None, "cancelled");
-        assert_eq!(t.retry_after(Some(2), 2, 0, Outcome::Succeeded(w), 1.0, false), None, "passed");
-        assert!(t.learned(2, tonic::Code::Cancelled as i32, Outcome::Failed).is_none());
+        assert_eq!(t.retry_after(Some(2), &ended(2, internal, Outcome::Failed, 1.0), false), None, "did not run");
+        assert_eq!(t.retry_after(Some(2), &ended(2, 0, Outcome::Failed, 1.0), true), None, "cancelled");
+        assert_eq!(t.retry_after(Some(2), &ended(2, 0, Outcome::Succeeded(w), 1.0), false), None, "passed");
+        assert!(t.learned(&ended(2, tonic::Code::Cancelled as i32, Outcome::Failed, 1.0)).is_none());
         let mut fixed = Trial::new(false, 8, Duration::from_secs(60), String::new());
-        assert_eq!(fixed.retry_after(Some(2), 2, 0, Outcome::Failed, 1.0, false), None);
-        assert!(fixed.learned(2, 0, Outcome::Failed).is_none());
+        assert_eq!(fixed.retry_after(Some(2), &ended(2, 0, Outcome::Failed, 1.0), false), None);
+        assert!(fixed.learned(&ended(2, 0, Outcome::Failed, 1.0)).is_none());
     }
 
     #[tokio::test]
@@ -347,9 +385,10 @@ mod tests {
     #[test]
     fn outcomes() {
         let w = Duration::from_secs(2);
-        assert_eq!(outcome(0, Some(0), w), Outcome::Succeeded(w));
-        assert_eq!(outcome(0, Some(1), w), Outcome::Failed);
-        assert_eq!(outcome(tonic::Code::DeadlineExceeded as i32, Some(-1), w), Outcome::TimedOut(w));
-        assert_eq!(outcome(tonic::Code::Internal as i32, None, w), Outcome::Failed);
+        assert_eq!(outcome(0, Some(0), w, false), Outcome::Succeeded(w));
+        assert_eq!(outcome(0, Some(1), w, false), Outcome::Failed);
+        assert_eq!(outcome(0, Some(137), w, true), Outcome::Failed);
+        assert_eq!(outcome(tonic::Code::DeadlineExceeded as i32, Some(-1), w, false), Outcome::TimedOut(w));
+        assert_eq!(outcome(tonic::Code::Internal as i32, None, w, false), Outcome::Failed);
     }
 }

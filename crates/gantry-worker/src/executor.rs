@@ -12,6 +12,7 @@ use gantry_proto::worker::v1 as wpb;
 use gantry_store::FsStore;
 use prost::Message;
 
+use crate::cgroup::Cgroups;
 use crate::materialize::Materializer;
 use crate::outputs::{Declared, Uploader};
 use crate::process::{self, Ending};
@@ -22,11 +23,13 @@ pub struct Executor {
     pub cache: Arc<FsStore>,
     /// Each action runs in `{work_root}/{job}`; removed afterwards.
     pub work_root: PathBuf,
-    pub metering: &'static str,
     /// The gantry binary, used as the metering trampoline (see meter.rs).
     pub meter: Option<PathBuf>,
-    /// Limits of this worker's size class (enforced through the trampoline).
+    /// Limits of this worker's size class.
     pub limits: process::Limits,
+    /// Where actions get their cgroup (`cgroup::setup`); None: limits are enforced with
+    /// RLIMIT_AS and pinning.
+    pub cgroups: Option<Arc<Cgroups>>,
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -60,6 +63,11 @@ pub fn remove_tree(dir: &std::path::Path) {
     }
 }
 
+/// Bytes as MiB, for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
 fn safe_relative(p: &str, what: &str) -> Result<()> {
     if p.starts_with('/') || p.split('/').any(|s| s == "..") {
         return Err(Error::invalid(format!("{what} '{p}' must be a relative path inside the input root")));
@@ -89,6 +97,7 @@ impl Executor {
                 status_message: e.to_string(),
                 metering: None,
                 message: format!("worker {}: {e}", self.worker_id),
+                out_of_memory: false,
                 missing_blobs: match &e {
                     Error::MissingBlobs { digests, .. } => {
                         digests.iter().map(gantry_core::resource::missing_subject).collect()
@@ -152,6 +161,7 @@ impl Executor {
         let outcome = process::run(
             process::Spec {
                 limits: self.limits,
+                cgroups: self.cgroups.as_deref(),
                 meter: self.meter.as_deref(),
                 args: &command.arguments,
                 env: &env,
@@ -175,7 +185,7 @@ impl Executor {
         md.output_upload_completed_timestamp = Some(ts());
         md.worker_completed_timestamp = Some(ts());
 
-        let (code, message) = match outcome.ending {
+        let (code, mut message) = match outcome.ending {
             Ending::Exited(c) => {
                 result.exit_code = c;
                 (0, String::new())
@@ -193,6 +203,18 @@ impl Executor {
                 (tonic::Code::Cancelled as i32, "cancelled".to_string())
             }
         };
+        if outcome.out_of_memory {
+            // Still a completed run (status OK, the exit code it died with), but the
+            // scheduler must know the class was too small rather than the action broken.
+            let limit = self
+                .limits
+                .memory_bytes
+                .map_or_else(|| "the machine's memory limit".to_string(), |b| format!("its size class's {}", mib(b)));
+            message = format!(
+                "out of memory: the kernel killed it at {limit} (peak {}), {message}",
+                mib(outcome.peak_memory_bytes)
+            );
+        }
         result.execution_metadata = Some(md);
         Ok(wpb::ExecutionFinished {
             job_id: a.job_id.clone(),
@@ -204,10 +226,11 @@ impl Executor {
                 user_cpu_seconds: outcome.user_cpu_seconds,
                 system_cpu_seconds: outcome.system_cpu_seconds,
                 wall_seconds: outcome.wall_seconds,
-                method: self.metering.to_string(),
+                method: crate::cgroup::metering(self.cgroups.as_deref()).to_string(),
             }),
             message,
             missing_blobs: vec![],
+            out_of_memory: outcome.out_of_memory,
         })
     }
 }

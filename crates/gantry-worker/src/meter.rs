@@ -1,9 +1,4 @@
-//! The metering trampoline,
-//! `gantry __meter RESULT_FILE [--memory-limit BYTES] [--cpus N] -- PROGRAM ARGS...`.
-//!
-//! It also applies a size class's limits where no cgroup v2 hierarchy is delegated: an
-//! address-space limit (RLIMIT_AS, so an allocation past it fails) and CPU pinning
-//! (sched_setaffinity to N CPUs), both inherited by the command.
+//! The metering trampoline, `gantry __meter RESULT_FILE -- PROGRAM ARGS...`.
 //!
 //! Why it exists: a child spawned directly from the server inherits the server's address
 //! space until it execs, and Linux folds that address space's high-water RSS into the
@@ -12,6 +7,11 @@
 //! footprint, and the rusage it reaps (the command and all descendants it waited for) is
 //! written to RESULT_FILE as `maxrss_kib utime_s stime_s`. It then exits the way the
 //! command did, so the worker sees the command's exit status.
+//!
+//! The size class's limits (cgroup, or RLIMIT_AS, and CPU pinning) are applied by the
+//! worker to the trampoline itself before it execs (process.rs), and the command inherits
+//! them; with a cgroup, the worker takes peak memory from the cgroup and only CPU time
+//! from here.
 
 use std::io::Write;
 
@@ -20,40 +20,14 @@ pub const SUBCOMMAND: &str = "__meter";
 
 /// Runs the trampoline with `args` = [RESULT_FILE, "--", PROGRAM, ARGS...]. Never returns.
 pub fn meter_main(args: &[String]) -> ! {
-    let usage = || -> ! {
-        eprintln!("usage: gantry {SUBCOMMAND} RESULT_FILE [--memory-limit BYTES] [--cpus N] -- PROGRAM [ARGS...]");
-        std::process::exit(2);
+    let cmd = match args {
+        [_, sep, cmd @ ..] if sep == "--" && !cmd.is_empty() => cmd,
+        _ => {
+            eprintln!("usage: gantry {SUBCOMMAND} RESULT_FILE -- PROGRAM [ARGS...]");
+            std::process::exit(2);
+        }
     };
-    let Some((result_file, mut rest)) = args.split_first() else { usage() };
-    let (mut memory, mut cpus) = (None::<u64>, None::<usize>);
-    loop {
-        match rest {
-            [flag, value, tail @ ..] if flag == "--memory-limit" => {
-                memory = Some(value.parse().unwrap_or_else(|_| usage()));
-                rest = tail;
-            }
-            [flag, value, tail @ ..] if flag == "--cpus" => {
-                cpus = Some(value.parse().unwrap_or_else(|_| usage()));
-                rest = tail;
-            }
-            [sep, cmd @ ..] if sep == "--" && !cmd.is_empty() => {
-                rest = cmd;
-                break;
-            }
-            _ => usage(),
-        }
-    }
-    let cmd = rest;
-    if let Some(limit) = memory {
-        let rl = libc::rlimit { rlim_cur: limit as libc::rlim_t, rlim_max: limit as libc::rlim_t };
-        // SAFETY: setrlimit with a valid struct; applies to us and is inherited.
-        if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) } != 0 {
-            eprintln!("gantry: could not set the memory limit: {}", std::io::Error::last_os_error());
-        }
-    }
-    if let Some(n) = cpus {
-        pin_to_cpus(n);
-    }
+    let result_file = &args[0];
     // The worker asked the kernel to send us SIGTERM if it dies (PR_SET_PDEATHSIG, see
     // process.rs). Nobody would then wait for the action or kill it at its timeout, so
     // take the whole process group (us, the command, everything it started) down with
@@ -101,31 +75,6 @@ extern "C" fn kill_own_group(_: libc::c_int) {
     // SAFETY: kill(0, ...) signals our own process group; no memory is touched.
     unsafe {
         libc::kill(0, libc::SIGKILL);
-    }
-}
-
-/// Restricts this process (and what it spawns) to the first `n` CPUs it may use.
-fn pin_to_cpus(n: usize) {
-    // SAFETY: cpu_set_t is plain data, manipulated with the libc macros' equivalents.
-    unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
-            return;
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let mut taken = 0;
-        for cpu in 0..libc::CPU_SETSIZE as usize {
-            if taken == n {
-                break;
-            }
-            if libc::CPU_ISSET(cpu, &allowed) {
-                libc::CPU_SET(cpu, &mut set);
-                taken += 1;
-            }
-        }
-        if taken > 0 {
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        }
     }
 }
 

@@ -1,15 +1,23 @@
 //! Running one command: its own process group (so a timeout or cancel kills everything it
-//! started), stdout/stderr to files, and `wait4` on its pid for the rusage of the process
-//! and the descendants it reaped: peak RSS of the largest of them, user and system CPU.
+//! started), stdout/stderr to files, its size class's limits, and its metering.
 //!
-//! While the command runs, the peak RSS (VmHWM) of every process in its group is also
-//! sampled from /proc. A command killed at its timeout or cancelled never reports its
-//! own rusage, and the processes it left are not reaped by anyone we wait for: the
-//! samples, taken last just before the kill, are then its peak memory instead of 0.
+//! With cgroups (cgroup.rs) the command runs in a group of its own, joined between fork
+//! and exec: the kernel enforces its memory and CPU time over the whole process tree, its
+//! peak memory is the group's, an OOM kill is recognised, and whatever it leaves running,
+//! even outside its process group, is killed with the group.
 //!
-//! cgroup v2 would measure the whole tree's peak, but needs a delegated cgroup2
-//! hierarchy; `metering_method()` says which one this machine allows.
+//! Without them, memory is limited by RLIMIT_AS (the last resort: it fails the JVM and
+//! Go) and metered from `wait4` on the pid: the rusage of the process and the descendants
+//! it reaped, peak RSS of the largest of them. The peak RSS (VmHWM) of every process in
+//! the group is also sampled from /proc while it runs: a command killed at its timeout or
+//! cancelled never reports its own rusage, and the processes it left are not reaped by
+//! anyone we wait for, so the samples, taken last just before the kill, are its peak
+//! memory instead of 0.
+//!
+//! CPU time comes from rusage either way, and the command is pinned to its class's CPUs
+//! either way: tools size their thread pools from the affinity mask.
 
+use std::ffi::CString;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -19,6 +27,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gantry_core::{Error, Result};
+
+use crate::cgroup::{ActionCgroup, Cgroups, Oom};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -36,13 +46,9 @@ pub struct RunOutcome {
     pub user_cpu_seconds: f64,
     pub system_cpu_seconds: f64,
     pub wall_seconds: f64,
-}
-
-/// How actions are metered: always rusage of the reaped processes today. Metering
-/// through a cgroup v2 child group is not implemented (the machines gantry is developed
-/// on delegate no cgroup2 hierarchy to test it on), so it is never claimed.
-pub fn metering_method() -> &'static str {
-    "rusage"
+    /// The command failed, and the kernel killed a process of it for want of memory (its
+    /// cgroup's OOM kill counter moved): a resource failure. Only known with cgroups.
+    pub out_of_memory: bool,
 }
 
 /// Kills the process group if the future running it is dropped (a worker session that
@@ -60,7 +66,7 @@ impl Drop for GroupGuard {
     }
 }
 
-/// Resource limits of a size class (applied through the trampoline).
+/// Resource limits of a size class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Limits {
     pub memory_bytes: Option<u64>,
@@ -69,8 +75,11 @@ pub struct Limits {
 
 pub struct Spec<'a> {
     pub limits: Limits,
+    /// Where this machine makes action cgroups (see cgroup.rs). None: `limits` are
+    /// enforced with RLIMIT_AS and pinning, and memory is metered from rusage and samples.
+    pub cgroups: Option<&'a Cgroups>,
     /// A binary that understands `__meter` (gantry itself); without it the command is
-    /// spawned directly and its peak memory includes this process's (see meter.rs).
+    /// spawned directly and its rusage peak memory includes this process's (see meter.rs).
     pub meter: Option<&'a Path>,
     pub args: &'a [String],
     pub env: &'a [(String, String)],
@@ -137,6 +146,75 @@ fn kill_group(pgid: i32) {
     }
 }
 
+/// Writes the calling process's pid to the cgroup.procs file `procs`, which moves it into
+/// that group. Runs between fork and exec, so only async-signal-safe calls and no
+/// allocation: the pid is formatted on the stack.
+fn join_cgroup(procs: &CString) -> std::io::Result<()> {
+    // SAFETY: getpid, open, write and close are async-signal-safe; the buffers live on
+    // this stack frame and `procs` is a valid C string.
+    unsafe {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        let mut pid = libc::getpid() as u32;
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (pid % 10) as u8;
+            pid /= 10;
+            if pid == 0 {
+                break;
+            }
+        }
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let len = digits.len() - at;
+        let written = libc::write(fd, digits[at..].as_ptr().cast(), len);
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        if written != len as isize {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// Limits the address space of the calling process (and what it starts) to `bytes`.
+fn limit_address_space(bytes: u64) -> std::io::Result<()> {
+    let rl = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
+    // SAFETY: setrlimit with a valid struct; async-signal-safe.
+    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Restricts the calling process (and what it starts) to the first `n` CPUs it may use.
+/// Async-signal-safe: two syscalls on stack memory.
+fn pin_to_cpus(n: usize) {
+    // SAFETY: cpu_set_t is plain data, manipulated with the libc macros' equivalents.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
+            return;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let mut taken = 0;
+        for cpu in 0..libc::CPU_SETSIZE as usize {
+            if taken == n {
+                break;
+            }
+            if libc::CPU_ISSET(cpu, &allowed) {
+                libc::CPU_SET(cpu, &mut set);
+                taken += 1;
+            }
+        }
+        if taken > 0 {
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+}
+
 /// Runs the command to completion, timeout or cancellation.
 pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) -> Result<RunOutcome> {
     let program = &spec.args[0];
@@ -156,14 +234,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
             // Resolve the program now: the trampoline does no PATH magic of its own
             // beyond what the action's environment gives it.
             let mut c = std::process::Command::new(meter);
-            c.arg(crate::meter::SUBCOMMAND).arg(&result_file);
-            if let Some(m) = spec.limits.memory_bytes {
-                c.arg("--memory-limit").arg(m.to_string());
-            }
-            if let Some(n) = spec.limits.cpus {
-                c.arg("--cpus").arg(n.to_string());
-            }
-            c.arg("--").arg(&program_path).args(&spec.args[1..]);
+            c.arg(crate::meter::SUBCOMMAND).arg(&result_file).arg("--").arg(&program_path).args(&spec.args[1..]);
             c
         }
         None => {
@@ -179,15 +250,31 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         .stdout(File::create(spec.stdout).map_err(|e| Error::io("creating stdout file", e))?)
         .stderr(File::create(spec.stderr).map_err(|e| Error::io("creating stderr file", e))?)
         .process_group(0);
+    // Made before the fork and joined by the child before it execs: nothing of the action
+    // runs outside its group. Dropped (on any early return), it is removed again.
+    let cgroup: Option<ActionCgroup> = spec.cgroups.map(|c| c.create(spec.limits)).transpose()?;
+    let join = cgroup.as_ref().map(ActionCgroup::procs_files).unwrap_or_default();
+    let address_space = if cgroup.is_none() { spec.limits.memory_bytes } else { None };
+    let cpus = spec.limits.cpus;
     // If this worker dies (SIGKILL, OOM kill), nobody would supervise the action: ask the
     // kernel to signal it then. The trampoline turns SIGTERM into a kill of the whole
     // process group (meter.rs); a command started directly can only be killed itself.
     let on_parent_death = if spec.meter.is_some() { libc::SIGTERM } else { libc::SIGKILL };
     // SAFETY: getpid before the fork; the closure runs between fork and exec and calls
-    // only async-signal-safe functions (prctl, getppid).
+    // only async-signal-safe functions (prctl, getppid, open/write/close, setrlimit,
+    // sched_*affinity) on memory allocated before the fork.
     let parent = unsafe { libc::getpid() };
     unsafe {
         cmd.pre_exec(move || {
+            for procs in &join {
+                join_cgroup(procs)?;
+            }
+            if let Some(bytes) = address_space {
+                limit_address_space(bytes)?;
+            }
+            if let Some(n) = cpus {
+                pin_to_cpus(n);
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, on_parent_death as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -206,13 +293,19 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
     drop(child);
     let mut guard = GroupGuard { pgid: pid, armed: true };
+    // The group's peak covers every process, killed or not; samples are for without one.
     let sampled = Arc::new(AtomicU64::new(0));
-    let sampler = sample_group(pid, sampled.clone());
+    let sampler = cgroup.is_none().then(|| sample_group(pid, sampled.clone()));
     let mut wait = tokio::task::spawn_blocking(move || crate::meter::wait_child(pid));
     tokio::pin!(cancel);
     let mut forced = None;
     // The last figures before a forced kill: afterwards there is nothing left to read.
-    let last_sample = || sampled.fetch_max(group_peak(pid), Ordering::Relaxed);
+    let sampling = sampler.is_some();
+    let last_sample = || {
+        if sampling {
+            sampled.fetch_max(group_peak(pid), Ordering::Relaxed);
+        }
+    };
     let (r, status, ru) = tokio::select! {
         res = &mut wait => res.map_err(|e| Error::internal(format!("wait task: {e}")))?,
         _ = tokio::time::sleep(spec.timeout) => {
@@ -232,6 +325,19 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     // Whatever the command left running in its group goes with it.
     kill_group(pid);
     guard.armed = false;
+    // Read the group's figures, then kill what is left in it (also what left the process
+    // group) and remove it; rmdir waits for the killed to exit, so off the runtime.
+    let from_cgroup = match cgroup {
+        Some(g) => tokio::task::spawn_blocking(move || {
+            let figures = (g.peak_memory(), g.oom());
+            g.remove();
+            figures
+        })
+        .await
+        .map_err(|e| Error::internal(format!("cgroup task: {e}")))
+        .map(Some)?,
+        None => None,
+    };
     if r == -1 {
         return Err(Error::internal(format!("wait4({pid}): {}", std::io::Error::last_os_error())));
     }
@@ -243,6 +349,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         Ending::Exited(-1)
     });
     let secs = crate::meter::secs;
+    // Linux reports ru_maxrss in KiB.
     let (mut peak, mut user, mut sys) = (ru.ru_maxrss.max(0) as u64 * 1024, secs(ru.ru_utime), secs(ru.ru_stime));
     if spec.meter.is_some() {
         // The trampoline's own numbers are polluted the same way; its report on the
@@ -258,13 +365,28 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         // command's children, when the trampoline died first): the samples cover them.
         peak = peak.max(sampled.load(Ordering::Relaxed));
     }
+    let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
+    let mut out_of_memory = false;
+    if let Some((group_peak, oom)) = from_cgroup {
+        peak = group_peak.unwrap_or(peak);
+        // A failure is an OOM failure when the kernel OOM-killed a process of it (old v1
+        // kernels only say the limit was hit: then the command must have died of SIGKILL,
+        // which is what the OOM killer sends). A run that exited 0 despite a killed
+        // child succeeded, and a timeout is a timeout.
+        out_of_memory = failed
+            && match oom {
+                Oom::Killed => true,
+                Oom::HitLimit => ending == Ending::Signaled(libc::SIGKILL),
+                Oom::No => false,
+            };
+    }
     Ok(RunOutcome {
         ending,
-        // Linux reports ru_maxrss in KiB.
         peak_memory_bytes: peak,
         user_cpu_seconds: user,
         system_cpu_seconds: sys,
         wall_seconds: start.elapsed().as_secs_f64(),
+        out_of_memory,
     })
 }
 
@@ -275,6 +397,7 @@ mod tests {
     fn spec<'a>(dir: &'a Path, args: &'a [String], timeout: Duration) -> Spec<'a> {
         Spec {
             limits: Limits::default(),
+            cgroups: None,
             meter: None,
             args,
             env: &[],

@@ -128,17 +128,16 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             .await
             .with_context(|| format!("opening the worker cache in {}", dir.display()))?,
     );
-    let metering = gantry_worker::process::metering_method();
-    if metering == "rusage" {
-        tracing::info!("no delegated cgroup v2 hierarchy: actions are metered with rusage of their reaped processes");
-        if config.execution.memory_per_size_class.is_some() || config.execution.cpus_per_size_class.is_some() {
-            tracing::info!("size class limits are enforced as an address-space limit (RLIMIT_AS) and CPU pinning");
-        } else {
-            tracing::info!(
-                "no memory_per_size_class or cpus_per_size_class set: size classes are metered only, not enforced"
-            );
-        }
+    let e = &config.execution;
+    let cgroups =
+        gantry_worker::cgroup::setup(e.limits, e.memory_per_size_class.is_some() || e.cpus_per_size_class.is_some())
+            .context("[execution] limits")?;
+    if e.memory_per_size_class.is_none() && e.cpus_per_size_class.is_none() {
+        tracing::info!(
+            "no memory_per_size_class or cpus_per_size_class set: size classes are metered only, not enforced"
+        );
     }
+    let metering = gantry_worker::cgroup::metering(cgroups.as_deref());
     let mut properties: Vec<wpb::Property> = gantry_worker::base_properties()
         .into_iter()
         .chain(config.execution.properties.clone())
@@ -163,9 +162,9 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             cas: services.cas.clone(),
             cache: cache.clone(),
             work_root,
-            metering,
             meter: std::env::current_exe().ok(),
             limits,
+            cgroups: cgroups.clone(),
         });
         let reg = wpb::Register {
             worker_id: id,

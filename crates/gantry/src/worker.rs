@@ -34,12 +34,17 @@ pub struct WorkerArgs {
     /// Size class of this worker.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     size_class: u32,
-    /// Address-space limit per action (RLIMIT_AS), e.g. 4GiB. Default: none (meter only).
+    /// Memory per action, e.g. 4GiB, enforced as --limits says. Default: none (meter only).
     #[arg(long)]
     memory_limit: Option<ByteSize>,
-    /// Pin each action to this many CPUs. Default: no pinning.
+    /// CPUs per action: pinned to that many, and with cgroups held to that much CPU time.
+    /// Default: neither.
     #[arg(long)]
     cpus: Option<usize>,
+    /// How limits are enforced: auto (a cgroup per action where the machine allows, else
+    /// RLIMIT_AS with a warning), cgroup (cgroups or no start), or rlimit.
+    #[arg(long, env = "GANTRY_LIMITS", default_value = "auto")]
+    limits: gantry_config::LimitEnforcement,
 }
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
@@ -61,15 +66,17 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let work_root = work_dir.join("actions");
     gantry_worker::executor::remove_tree(&work_root);
     std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
-    let metering = gantry_worker::process::metering_method();
+    let cgroups = gantry_worker::cgroup::setup(args.limits, args.memory_limit.is_some() || args.cpus.is_some())
+        .context("--limits")?;
+    let metering = gantry_worker::cgroup::metering(cgroups.as_deref());
     let executor = Arc::new(Executor {
         worker_id: id.clone(),
         cas: Arc::new(GrpcStore::new(channel.clone(), "")),
         cache,
         work_root,
-        metering,
         meter: std::env::current_exe().ok(),
         limits: gantry_worker::process::Limits { memory_bytes: args.memory_limit.map(|m| m.as_u64()), cpus: args.cpus },
+        cgroups,
     });
     let properties: Vec<wpb::Property> = gantry_worker::base_properties()
         .into_iter()

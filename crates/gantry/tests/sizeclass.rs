@@ -45,7 +45,7 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
     let c = Client::connect(&server.grpc).await;
     let input = c.tree(&Default::default()).await;
 
-    // Needs ~200 MB: over class 1's 150 MiB address-space limit, under class 2's 300 MiB.
+    // Needs ~200 MB: over class 1's 150 MiB, under class 2's 300 MiB.
     let hungry = c
         .action(
             command(&["/usr/bin/python3", "-c", "b = bytearray(200_000_000); print(len(b))"], &[], &[]),
@@ -60,6 +60,11 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
     let (class, message, exit) = run(&c, hungry).await;
     assert_eq!((class, exit), (2, 0), "the second run tries class 1, fails there and is retried on class 2");
     assert!(message.contains("retried on size class 2"), "the retry is reported: {message}");
+    // With cgroups the kernel OOM-kills it on class 1, and the worker says so; under
+    // RLIMIT_AS its allocation fails, an ordinary failure.
+    if gantry_worker::cgroup::detect().is_ok() {
+        assert!(message.contains("ran out of memory on size class 1"), "a resource failure: {message}");
+    }
     for _ in 0..3 {
         let (class, message, _) = run(&c, hungry).await;
         assert_eq!(class, 2, "then it goes to class 2 directly");
