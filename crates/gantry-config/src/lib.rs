@@ -388,6 +388,9 @@ pub struct SizeClassConfig {
     /// A run on a smaller class still going at its acceptable time x this gets a second
     /// copy on the largest class; the first to finish wins. Default 1.2.
     pub hedge_multiplier: f64,
+    /// Probability of running a shape on the fitting class just below its learned one,
+    /// so that a shape whose behaviour changed is noticed; 0 turns it off. Default 0.05.
+    pub exploration_factor: f64,
     /// Seed of the selection draws; unset draws from the OS. Set it for reproducible runs.
     pub seed: Option<u64>,
     /// Action shapes whose statistics the scheduler keeps in memory; others are read from
@@ -403,6 +406,7 @@ impl Default for SizeClassConfig {
             minimum_execution_timeout: Duration::from_secs(10),
             acceptable_time_exponent: 0.1,
             hedge_multiplier: 1.2,
+            exploration_factor: 0.05,
             seed: None,
             cached_shapes: 100_000,
         }

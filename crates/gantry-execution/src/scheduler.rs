@@ -7,6 +7,13 @@
 //! timeout plus a grace period: the scheduler cancels the action there and re-queues it
 //! elsewhere, counted as a worker loss ([`overdue`]).
 //!
+//! An action placed on a smaller size class and still running at its hedge time (the
+//! selection's, counted from submission) gets a second copy on the largest class while
+//! the first keeps running; one still queued then is moved to the largest class instead.
+//! The first copy to succeed wins, and the other is cancelled on its worker, which kills
+//! its process group. A run on the largest class decides whatever its outcome; a first
+//! run that fails leaves the decision to its copy, which takes the operation over.
+//!
 //! All state sits behind one mutex that is never held across an await, and a panic
 //! while it is held does not stop the scheduler (see `Scheduler::lock`). Each event is
 //! one locked state transition; a finished action's durable writes (size-class stats,
@@ -181,6 +188,13 @@ struct Job {
     size_class: Option<u32>,
     /// The size-class learner's bookkeeping for this action (see `sizing::Trial`).
     trial: Trial,
+    /// The platform properties it needs (a hedge copy needs them too).
+    required: Properties,
+    /// That copy, while both run. The first to finish wins and the other is cancelled.
+    hedge: Option<HedgeRun>,
+    /// The copy took over from the first run (which failed, was lost or lost the race):
+    /// the action's run is the copy, known to workers by its [`wire_id`].
+    promoted: bool,
     tx: watch::Sender<OpState>,
     /// Set when the scheduler is done with the action. Its final state may still be on its
     /// way (the action cache and execution log are written first, outside the lock):
@@ -191,6 +205,39 @@ struct Job {
 impl Job {
     fn published(&self) -> bool {
         self.tx.borrow().stage == Stage::Completed
+    }
+
+    /// The job id workers know the action's run (or its hedge copy) by.
+    fn wire(&self, hedge: bool) -> String {
+        wire_id(&self.name, hedge || self.promoted)
+    }
+}
+
+/// A hedge copy of a running action, on the largest size class.
+struct HedgeRun {
+    id: JobId,
+    worker: Option<String>,
+    dispatched_at: Option<Instant>,
+}
+
+/// Appended to an operation's name to make its hedge copy's job id: both runs may be
+/// on the same worker, which tells them apart (and cancels one) by job id.
+const HEDGE_SUFFIX: &str = "#hedge";
+
+/// The job id of an operation's run (`hedge`: of its copy on the largest class).
+pub fn wire_id(name: &str, hedge: bool) -> String {
+    if hedge {
+        format!("{name}{HEDGE_SUFFIX}")
+    } else {
+        name.to_string()
+    }
+}
+
+/// The operation a job id belongs to, and whether it names a hedge copy.
+pub fn split_wire_id(job_id: &str) -> (&str, bool) {
+    match job_id.strip_suffix(HEDGE_SUFFIX) {
+        Some(name) => (name, true),
+        None => (job_id, false),
     }
 }
 
@@ -252,6 +299,10 @@ struct State {
     jobs: HashMap<String, Box<Job>>,
     /// Operations the dispatcher holds (queued or running), by its id.
     live: IdMap<String>,
+    /// Hedge copies the dispatcher holds, by their id: the operation each belongs to.
+    hedges: IdMap<String>,
+    /// Operations whose hedge time is still to come: (that time, their dispatcher id).
+    hedge_due: BTreeSet<(Instant, JobId)>,
     in_flight: HashMap<(String, Digest), String>,
     workers: HashMap<String, WorkerEntry>,
     worker_names: IdMap<String>,
@@ -307,6 +358,9 @@ enum After {
     Nothing,
     /// Re-queued on the largest size class; the failed try is logged.
     Retried { record: Box<ActionRecord>, from_class: u32 },
+    /// A run that is not the action's result (a first run whose hedge copy now decides,
+    /// a hedge copy that could not run): logged only.
+    Logged(Box<ActionRecord>),
     /// The final result: write it durably, then publish it.
     Final(Box<Finale>),
 }
@@ -328,24 +382,36 @@ impl State {
     fn apply(&mut self, config: &SchedulerConfig, assigns: Vec<Assign>) {
         let mut todo: VecDeque<Assign> = assigns.into();
         while let Some(a) = todo.pop_front() {
-            let (Some(name), Some(wname)) = (self.live.get(&a.job), self.worker_names.get(&a.worker)) else {
-                continue;
+            let Some(wname) = self.worker_names.get(&a.worker) else { continue };
+            let (name, hedge) = match (self.live.get(&a.job), self.hedges.get(&a.job)) {
+                (Some(name), _) => (name, false),
+                (None, Some(name)) => (name, true),
+                (None, None) => continue,
             };
             let job = self.jobs.get_mut(name).expect("live jobs exist");
             if self.d.worker_of(a.job) != Some(a.worker) {
                 continue; // superseded by a later event in this same batch
             }
             let msg = ToWorker::Assign(Arc::new(Assignment {
-                job_id: job.name.clone(),
+                job_id: job.wire(hedge),
                 spec: job.spec.clone(),
-                timeout: job.timeout,
+                // A hedge copy runs on the largest class, with the client's timeout.
+                timeout: if hedge { job.trial.requested_timeout } else { job.timeout },
                 queued_at: job.queued_at,
             }));
             let w = self.workers.get(wname).expect("named workers exist");
             if w.tx.send(msg).is_ok() {
-                job.worker = Some(wname.clone());
-                job.dispatched_at = Some(Instant::now());
-                job.tx.send_modify(|s| s.stage = Stage::Executing);
+                match job.hedge.as_mut().filter(|_| hedge) {
+                    Some(h) => {
+                        h.worker = Some(wname.clone());
+                        h.dispatched_at = Some(Instant::now());
+                    }
+                    None => {
+                        job.worker = Some(wname.clone());
+                        job.dispatched_at = Some(Instant::now());
+                        job.tx.send_modify(|s| s.stage = Stage::Executing);
+                    }
+                }
             } else {
                 let wname = wname.clone();
                 todo.extend(self.remove_worker(config, &wname, "its channel is closed"));
@@ -362,9 +428,61 @@ impl State {
         tracing::warn!(worker, why, running = running.len(), "worker lost");
         let mut out = Vec::new();
         for j in running {
-            out.extend(self.lose_job(config, j, worker, why, None));
+            if let Some(name) = self.hedges.get(&j).cloned() {
+                // A lost copy: the first run goes on alone.
+                out.extend(self.drop_hedge(&name, false));
+            } else {
+                out.extend(self.lose_job(config, j, worker, why, None));
+            }
         }
         out
+    }
+
+    /// Ends an operation's hedge copy: it is cancelled on its worker when `cancel` and it
+    /// runs there (the slot stays taken until the worker reports it, as for an overdue
+    /// run), else it just leaves the dispatcher. The first run goes on.
+    fn drop_hedge(&mut self, name: &str, cancel: bool) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+        let Some(h) = job.hedge.take() else { return Vec::new() };
+        self.hedges.remove(&h.id);
+        let wire = job.wire(true);
+        self.end_run(h.id, h.worker.as_deref(), wire, cancel)
+    }
+
+    /// The hedge copy takes over the operation: its first run failed, was lost, or lost
+    /// the race (`cancel`: it is still running, and is cancelled).
+    fn promote_hedge(&mut self, name: &str, cancel: bool) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+        let Some(h) = job.hedge.take() else { return Vec::new() };
+        let (old, old_wire, old_worker) = (job.id, job.wire(false), job.worker.take());
+        job.id = h.id;
+        job.worker = h.worker;
+        job.dispatched_at = h.dispatched_at;
+        job.promoted = true;
+        job.size_class = Some(job.trial.largest_class);
+        job.timeout = job.trial.requested_timeout;
+        if job.worker.is_none() {
+            job.tx.send_modify(|s| s.stage = Stage::Queued);
+        }
+        self.hedges.remove(&h.id);
+        self.live.remove(&old);
+        self.live.insert(h.id, name.to_string());
+        self.end_run(old, old_worker.as_deref(), old_wire, cancel)
+    }
+
+    /// Takes a run out of the dispatcher; a running one is cancelled on its worker first
+    /// when `cancel` (its slot is freed by the worker's report: see `late_report`).
+    fn end_run(&mut self, id: JobId, worker: Option<&str>, wire: String, cancel: bool) -> Vec<Assign> {
+        if cancel
+            && let Some(wname) = worker
+            && self.d.worker_of(id).is_some()
+            && let Some(w) = self.workers.get_mut(wname)
+        {
+            self.d.take_back(id);
+            let _ = w.tx.send(ToWorker::Cancel(wire.clone()));
+            w.overdue.insert(wire, id);
+        }
+        self.d.finish(id)
     }
 
     /// A detached action's worker is gone (or stuck): re-queue the action, or fail it with
@@ -379,6 +497,10 @@ impl State {
     ) -> Vec<Assign> {
         let Some(name) = self.live.get(&id).cloned() else { return Vec::new() };
         let job = self.jobs.get_mut(&name).expect("live jobs exist");
+        if job.hedge.is_some() {
+            // Its copy on the largest class carries on: nothing is lost.
+            return self.promote_hedge(&name, false);
+        }
         // An action placed on the worker but never delivered to it (its channel closed
         // first) did not lose a worker: it never had one.
         if job.worker.is_some() {
@@ -429,9 +551,12 @@ impl State {
         }
         let now = Instant::now();
         job.completed_at = Some(now);
-        self.live.remove(&job.id);
+        let id = job.id;
+        self.live.remove(&id);
         self.completed.push_back((now, name.to_string()));
-        self.d.finish(job.id)
+        let mut out = self.drop_hedge(name, true);
+        out.extend(self.d.finish(id));
+        out
     }
 }
 
@@ -472,11 +597,15 @@ impl Scheduler {
         });
         let weak: Weak<Scheduler> = Arc::downgrade(&s);
         let guard = spawn_named("scheduler-monitor", async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
+            // Hedge times are kept to a tenth of a second; the rest is checked every half.
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            for n in 0u64.. {
                 tick.tick().await;
                 let Some(s) = weak.upgrade() else { return };
-                s.check_workers_and_gc();
+                s.start_hedges(Instant::now());
+                if n % 5 == 0 {
+                    s.check_workers_and_gc();
+                }
             }
         });
         *s.monitor.lock().unwrap_or_else(PoisonError::into_inner) = Some(guard);
@@ -515,9 +644,16 @@ impl Scheduler {
         // With one size class, or no learner, there is nothing to choose or learn: skip
         // the shape key (a SHA-256) and the stats read.
         let mut shape_key = String::new();
+        let mut groups = Vec::new();
         if let Some(sizing) = self.sizing.as_ref().filter(|_| self.lock().d.class_count() > 1) {
             shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
+            groups = crate::sizing::shape_groups(
+                &spec.requester.action_mnemonic,
+                spec.command.arguments.first().map_or("", String::as_str),
+                &spec.requester.configuration_id,
+            );
             sizing.load(&shape_key).await?;
+            sizing.load_priors(&shape_key, &groups).await?;
         }
         // Bazel puts platform properties in both Action.platform and the (deprecated)
         // Command.platform; older clients only in the latter, so both are honoured.
@@ -569,25 +705,28 @@ impl Scheduler {
             shape_key = crate::sizing::shape_key(&spec.action, &spec.requester.configuration_id);
         }
         let learning = self.sizing.is_some() && classes.len() > 1;
-        let (size_class, timeout) = match (&self.sizing, classes.len()) {
+        let (size_class, timeout, hedge_after) = match (&self.sizing, classes.len()) {
             (Some(sizing), n) if n > 1 => {
                 let set = gantry_sizeclass::SizeClasses::new(classes.iter().copied()).expect("non-empty, non-zero");
                 let queues = queue_state(&st, &classes);
-                match sizing.choose(&shape_key, &set, timeout, Some(&queues)) {
-                    // The scheduler does not hedge yet (issue #17): a run still going at its
-                    // hedge time is stopped there and retried on the largest class, as before.
-                    Some(d) => (Some(d.size_class), d.hedge_after.unwrap_or(d.timeout)),
-                    None => (Some(largest_class), timeout),
+                match sizing.choose(&shape_key, &groups, &set, timeout, Some(&queues)) {
+                    Some(d) => (Some(d.size_class), d.timeout, d.hedge_after),
+                    None => (Some(largest_class), timeout, None),
                 }
             }
-            (_, 1) => (classes.iter().next().copied(), timeout),
-            _ => (None, timeout),
+            (_, 1) => (classes.iter().next().copied(), timeout, None),
+            _ => (None, timeout, None),
         };
+        // A run on a smaller class still going at this time gets a copy on the largest.
+        let hedge_at = hedge_after.filter(|_| size_class < Some(largest_class)).map(|h| Instant::now() + h);
         let name = format!("operations/{}", uuid::Uuid::new_v4());
         let state =
             OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
-        let (id, assigns) = st.d.submit(spec.priority, required, size_class);
+        let (id, assigns) = st.d.submit(spec.priority, required.clone(), size_class);
+        if let Some(at) = hedge_at {
+            st.hedge_due.insert((at, id));
+        }
         if mergeable {
             st.in_flight.insert(key.clone(), name.clone());
         }
@@ -607,7 +746,14 @@ impl Scheduler {
                 losses: 0,
                 cancel_requested: false,
                 size_class,
-                trial: Trial::new(learning, largest_class, requested_timeout, shape_key),
+                trial: Trial {
+                    groups,
+                    classes: classes.iter().copied().collect(),
+                    ..Trial::new(learning, largest_class, requested_timeout, shape_key)
+                },
+                required,
+                hedge: None,
+                promoted: false,
                 tx,
                 completed_at: None,
             }),
@@ -707,7 +853,7 @@ impl Scheduler {
         if let Some(w) = st.workers.get_mut(worker) {
             w.last_seen = Instant::now();
         }
-        if let Some(job) = st.jobs.get(job_id).filter(|j| j.worker.as_deref() == Some(worker)) {
+        if let Some(job) = st.jobs.get(split_wire_id(job_id).0).filter(|j| j.worker.as_deref() == Some(worker)) {
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
     }
@@ -748,6 +894,12 @@ impl Scheduler {
                 }
                 return;
             }
+            After::Logged(record) => {
+                if let Err(e) = self.log.record(&record).await {
+                    tracing::error!(action = %record.action_digest, error = %e, "could not record the execution");
+                }
+                return;
+            }
             After::Final(fin) => fin,
         };
         let Finale { mut record, instance, digest, do_not_cache, queued_at, learn, tx } = *fin;
@@ -759,7 +911,7 @@ impl Scheduler {
         record.exit_code = result.as_ref().map_or(-1, |r| r.exit_code);
         let mut notes = String::new();
         if let (Some(sizing), Some(l)) = (&self.sizing, learn) {
-            sizing.record(&l.shape_key, l.largest_class, l.execution).await;
+            sizing.record(&l.shape_key, l.largest_class, l.execution, &l.groups, &l.classes).await;
             notes = l.notes;
         }
         if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref())
@@ -831,8 +983,17 @@ impl Scheduler {
             self.update_gauges(st);
             return After::Nothing;
         }
-        let Some(job) = st.jobs.get_mut(job_id) else { return After::Nothing };
-        if job.worker.as_deref() != Some(worker) || job.completed_at.is_some() || st.d.worker_of(job.id) != Some(wid) {
+        let (name, is_hedge) = split_wire_id(job_id);
+        let Some(job) = st.jobs.get_mut(name) else { return After::Nothing };
+        let primary =
+            is_hedge == job.promoted && job.worker.as_deref() == Some(worker) && st.d.worker_of(job.id) == Some(wid);
+        let hedge = is_hedge
+            && !job.promoted
+            && job
+                .hedge
+                .as_ref()
+                .is_some_and(|h| h.worker.as_deref() == Some(worker) && st.d.worker_of(h.id) == Some(wid));
+        if job.completed_at.is_some() || !(primary || hedge) {
             // A stale report from a worker the action was taken away from.
             return After::Nothing;
         }
@@ -864,6 +1025,38 @@ impl Scheduler {
             wall_seconds: m.wall_seconds,
             out_of_memory: f.out_of_memory,
         };
+        let ran = code == 0 || code == tonic::Code::DeadlineExceeded as i32;
+        if hedge && !ran {
+            // The copy could not run (an input went missing, its worker failed): the first
+            // run goes on alone.
+            let assigns = st.drop_hedge(name, false);
+            st.apply(&self.config, assigns);
+            self.update_gauges(st);
+            return After::Logged(Box::new(record));
+        }
+        if hedge {
+            // The copy on the largest class decides, whatever its outcome: the first run is
+            // cancelled, and has taken at least as long as it ran.
+            let first_class = job.size_class.unwrap_or(size_class);
+            let ran_for = job.dispatched_at.map(|t| t.elapsed()).unwrap_or_default();
+            job.trial.hedge_won(first_class, ran_for);
+            let assigns = st.promote_hedge(name, true);
+            st.apply(&self.config, assigns);
+        } else if job.hedge.is_some() {
+            if this_outcome.is_success() {
+                job.trial.first_won(size_class);
+                let assigns = st.drop_hedge(name, true);
+                st.apply(&self.config, assigns);
+            } else {
+                // The first run failed (or could not run): the copy decides.
+                job.trial.retry_after(job.size_class, &run, job.cancel_requested);
+                let assigns = st.promote_hedge(name, false);
+                st.apply(&self.config, assigns);
+                self.update_gauges(st);
+                return After::Logged(Box::new(record));
+            }
+        }
+        let job = st.jobs.get_mut(name).expect("checked above");
         if let Some(class) = job.trial.retry_after(job.size_class, &run, job.cancel_requested) {
             job.size_class = Some(class);
             job.timeout = job.trial.requested_timeout;
@@ -893,6 +1086,48 @@ impl Scheduler {
         After::Final(Box::new(fin))
     }
 
+    /// Every action on a smaller class still going at its hedge time gets a copy on the
+    /// largest class; one still queued there is moved to the largest class instead.
+    fn start_hedges(&self, now: Instant) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(&(first, _)) = st.hedge_due.first() else { return };
+        if first > now {
+            return;
+        }
+        let later = st.hedge_due.split_off(&(now, JobId::MAX));
+        let due = std::mem::replace(&mut st.hedge_due, later);
+        let mut assigns = Vec::new();
+        for (_, id) in due {
+            let Some(name) = st.live.get(&id) else { continue };
+            let job = st.jobs.get_mut(name).expect("live jobs exist");
+            let largest = job.trial.largest_class;
+            let Some(class) = job.size_class.filter(|&c| c < largest) else { continue };
+            if job.hedge.is_some() || job.promoted || job.cancel_requested || job.completed_at.is_some() {
+                continue;
+            }
+            let after = job.queued_at.elapsed().unwrap_or_default();
+            let queued = st.d.is_queued(id);
+            if queued {
+                job.size_class = Some(largest);
+                assigns.extend(st.d.set_class(id, Some(largest)));
+            } else if st.d.worker_of(id).is_some() {
+                let (hid, placed) = st.d.submit(job.spec.priority, job.required.clone(), Some(largest));
+                job.hedge = Some(HedgeRun { id: hid, worker: None, dispatched_at: None });
+                st.hedges.insert(hid, name.clone());
+                assigns.extend(placed);
+            } else {
+                continue;
+            }
+            job.trial.hedge(class, after, queued);
+            if let Some(s) = &self.sizing {
+                s.hedges.with_label_values(&[class.to_string().as_str(), if queued { "move" } else { "copy" }]).inc();
+            }
+        }
+        st.apply(&self.config, assigns);
+        self.update_gauges(st);
+    }
+
     /// Removes a worker and re-queues what it was running.
     pub fn worker_lost(&self, worker: &str, why: &str) {
         let mut st = self.lock();
@@ -907,28 +1142,40 @@ impl Scheduler {
     fn reclaim_overdue(&self, now: Instant) {
         let mut st = self.lock();
         let grace = self.config.timeout_grace;
-        let late: Vec<(JobId, String, String, Duration)> = st
+        let late: Vec<(JobId, String, String, Duration, bool)> = st
             .workers
             .iter()
             .flat_map(|(wname, w)| st.d.running_on(w.id).map(move |j| (j, wname)))
             .filter_map(|(id, wname)| {
-                let job = &st.jobs[&st.live[&id]];
-                let at = job.dispatched_at?;
-                overdue(at, job.timeout, grace, now).then(|| (id, job.name.clone(), wname.clone(), job.timeout))
+                let (hedge, name) = match st.live.get(&id) {
+                    Some(name) => (false, name),
+                    None => (true, st.hedges.get(&id)?),
+                };
+                let job = &st.jobs[name];
+                let (at, timeout) = match &job.hedge {
+                    Some(h) if hedge => (h.dispatched_at?, job.trial.requested_timeout),
+                    _ => (job.dispatched_at?, job.timeout),
+                };
+                overdue(at, timeout, grace, now).then(|| (id, job.name.clone(), wname.clone(), timeout, hedge))
             })
             .collect();
         if late.is_empty() {
             return;
         }
         let mut assigns = Vec::new();
-        for (id, name, worker, timeout) in late {
+        for (id, name, worker, timeout, hedge) in late {
+            let why = format!("no result {:.0?} after its {timeout:.0?} timeout", grace);
+            tracing::warn!(worker = %worker, operation = %name, hedge, "{why}; taking the action back");
+            if hedge {
+                assigns.extend(st.drop_hedge(&name, true));
+                continue;
+            }
+            let wire = st.jobs[&name].wire(false);
             let avoid = st.d.take_back(id);
             if let Some(w) = st.workers.get_mut(&worker) {
-                w.overdue.insert(name.clone(), id);
-                let _ = w.tx.send(ToWorker::Cancel(name.clone()));
+                w.overdue.insert(wire.clone(), id);
+                let _ = w.tx.send(ToWorker::Cancel(wire));
             }
-            let why = format!("no result {:.0?} after its {timeout:.0?} timeout", grace);
-            tracing::warn!(worker = %worker, operation = %name, "{why}; taking the action back");
             assigns.extend(st.lose_job(&self.config, id, &worker, &why, avoid));
         }
         st.apply(&self.config, assigns);
@@ -953,23 +1200,22 @@ impl Scheduler {
         }
         job.cancel_requested = true;
         let key = job.key.clone();
-        let (id, worker) = (job.id, job.worker.clone());
+        let (id, worker, wire) = (job.id, job.worker.clone(), job.wire(false));
+        let mut assigns = st.drop_hedge(name, true);
         // New requests for the same action start afresh instead of joining a cancelled one.
         if st.in_flight.get(&key).map(String::as_str) == Some(name) {
             st.in_flight.remove(&key);
         }
         match worker.filter(|_| st.d.worker_of(id).is_some()) {
-            None => {
-                let assigns = st.complete(name, cancelled_response());
-                st.apply(&self.config, assigns);
-                self.update_gauges(&st);
-            }
+            None => assigns.extend(st.complete(name, cancelled_response())),
             Some(w) => {
                 if let Some(w) = st.workers.get(&w) {
-                    let _ = w.tx.send(ToWorker::Cancel(name.to_string()));
+                    let _ = w.tx.send(ToWorker::Cancel(wire));
                 }
             }
         }
+        st.apply(&self.config, assigns);
+        self.update_gauges(&st);
         Ok(())
     }
 
@@ -1092,8 +1338,18 @@ fn check_state(st: &State) -> std::result::Result<(), String> {
             return Err(format!("operation {name} is neither queued nor running"));
         }
     }
-    if st.d.queued() + st.d.running() != st.live.len() {
-        return Err(format!("{} live operations, dispatcher holds {}", st.live.len(), st.d.queued() + st.d.running()));
+    for (id, name) in &st.hedges {
+        let job = st.jobs.get(name).ok_or(format!("hedged operation {name} is missing"))?;
+        if job.hedge.as_ref().map(|h| h.id) != Some(*id) || job.completed_at.is_some() || job.promoted {
+            return Err(format!("hedge copy of {name} is out of step"));
+        }
+        if !st.d.is_queued(*id) && st.d.worker_of(*id).is_none() {
+            return Err(format!("hedge copy of {name} is neither queued nor running"));
+        }
+    }
+    let held = st.live.len() + st.hedges.len();
+    if st.d.queued() + st.d.running() != held {
+        return Err(format!("{held} live runs, dispatcher holds {}", st.d.queued() + st.d.running()));
     }
     Ok(())
 }
@@ -1458,5 +1714,174 @@ mod tests {
         let huge = "é".repeat(1 << 19);
         let shown = shown_name(&huge);
         assert!(shown.len() < 300 && shown.contains(&format!("{} bytes", 1 << 20)), "{shown}");
+    }
+
+    /// A scheduler that learns, with one class-1 and one class-2 worker, whose shape
+    /// (every `spec`'s) has a 1 s baseline on class 2: the next action explores class 1
+    /// with a hedge. Returns the operation running on class 1.
+    async fn hedging() -> (Arc<Scheduler>, WorkerLink, WorkerLink, String, watch::Receiver<OpState>) {
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db.clone()));
+        let store = Arc::new(gantry_store::SqlSizeClassStore::new(db));
+        let config = gantry_sizeclass::SelectionConfig { exploration_factor: 0.0, ..Default::default() };
+        let reg_ = prometheus::Registry::new();
+        let sizing = crate::sizing::Sizing::new(config, store, Some(1), 16, &reg_).unwrap();
+        let key = crate::sizing::shape_key(&spec("x", 0, &[]).action, "");
+        let baseline = gantry_sizeclass::Execution {
+            size_class: 2,
+            outcome: gantry_sizeclass::Outcome::Succeeded(Duration::from_secs(1)),
+            largest_outcome: None,
+        };
+        sizing.record(&key, 2, baseline, &[], &[1, 2]).await;
+        let s = Scheduler::new(SchedulerConfig::default(), ac, log, &reg_, Some(sizing));
+        let mut small = s.register(wpb::Register { size_class: 1, ..reg("small", 1, &[]) }, false).unwrap();
+        let big = s.register(wpb::Register { size_class: 2, ..reg("big", 1, &[]) }, false).unwrap();
+        let (name, rx) = s.submit(spec("x", 0, &[])).await.unwrap();
+        assert_eq!(assigned(&mut small), vec![name.clone()], "explores class 1");
+        (s, small, big, name, rx)
+    }
+
+    fn cancels(link: &mut WorkerLink) -> Vec<String> {
+        let mut v = Vec::new();
+        while let Ok(m) = link.messages.try_recv() {
+            if let ToWorker::Cancel(c) = m {
+                v.push(c);
+            }
+        }
+        v
+    }
+
+    fn finished_with(job: &str, code: tonic::Code, exit: i32) -> wpb::ExecutionFinished {
+        wpb::ExecutionFinished {
+            status_code: code as i32,
+            action_result: (code == tonic::Code::Ok)
+                .then(|| ActionResult { exit_code: exit, ..Default::default() }.encode_to_vec()),
+            ..Default::default()
+        }
+        .with_job(job)
+    }
+
+    trait WithJob {
+        fn with_job(self, job: &str) -> Self;
+    }
+    impl WithJob for wpb::ExecutionFinished {
+        fn with_job(mut self, job: &str) -> Self {
+            self.job_id = job.into();
+            self
+        }
+    }
+
+    fn idle(s: &Scheduler) -> bool {
+        let st = s.lock();
+        st.d.running() == 0
+            && st.d.queued() == 0
+            && st.hedges.is_empty()
+            && st.workers.values().all(|w| w.overdue.is_empty())
+    }
+
+    async fn completed(rx: &mut watch::Receiver<OpState>) -> ExecuteResponse {
+        let st = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|s| s.stage == Stage::Completed))
+            .await
+            .expect("completes")
+            .unwrap()
+            .clone();
+        st.response.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_hedge_starts_at_its_time_and_the_copy_that_finishes_first_wins() {
+        // The copy wins: the first run is cancelled, and its late report frees its slot.
+        let (s, mut small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now());
+        assert!(assigned(&mut big).is_empty(), "not before the hedge time");
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        let copy = wire_id(&name, true);
+        assert_eq!(assigned(&mut big), vec![copy.clone()], "a copy on class 2; the first run goes on");
+        s.check_invariants().unwrap();
+        s.finished("big", finished_ok(&copy)).await;
+        assert_eq!(cancels(&mut small), vec![name.clone()], "the loser is cancelled");
+        let resp = completed(&mut rx).await;
+        assert!(resp.message.contains("hedged on size class 2"), "{}", resp.message);
+        assert!(resp.message.contains("the copy on size class 2 finished first"), "{}", resp.message);
+        s.check_invariants().unwrap();
+        assert!(!idle(&s), "the cancelled run holds its slot until its worker reports it");
+        s.finished("small", finished_with(&name, tonic::Code::Cancelled, -1)).await;
+        assert!(idle(&s));
+        s.check_invariants().unwrap();
+
+        // The first run wins: the copy is cancelled.
+        let (s, mut small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        let copy = wire_id(&name, true);
+        assert_eq!(assigned(&mut big), vec![copy.clone()]);
+        s.finished("small", finished_ok(&name)).await;
+        assert_eq!(cancels(&mut big), vec![copy.clone()]);
+        assert!(cancels(&mut small).is_empty());
+        let resp = completed(&mut rx).await;
+        assert!(resp.message.contains("the run on size class 1 finished first"), "{}", resp.message);
+        s.finished("big", finished_with(&copy, tonic::Code::Cancelled, -1)).await;
+        assert!(idle(&s));
+        s.check_invariants().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_lost_first_run_leaves_the_result_to_its_copy() {
+        // The first run fails: no retry, no cancel; the copy's result is the action's.
+        let (s, mut small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        let copy = wire_id(&name, true);
+        assert_eq!(assigned(&mut big), vec![copy.clone()]);
+        s.finished("small", finished_with(&name, tonic::Code::Ok, 1)).await;
+        s.check_invariants().unwrap();
+        assert!(rx.borrow().response.is_none(), "the copy decides");
+        assert!(cancels(&mut big).is_empty() && assigned(&mut big).is_empty(), "no second copy");
+        s.finished("big", finished_ok(&copy)).await;
+        let resp = completed(&mut rx).await;
+        assert_eq!(resp.result.unwrap().exit_code, 0);
+        assert!(resp.message.contains("failed on size class 1"), "{}", resp.message);
+        assert!(idle(&s));
+        s.check_invariants().unwrap();
+        assert!(cancels(&mut small).is_empty());
+
+        // The first run's worker is lost: the copy carries on, and no loss is counted.
+        let (s, _small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        let copy = wire_id(&name, true);
+        assert_eq!(assigned(&mut big), vec![copy.clone()]);
+        s.worker_lost("small", "test");
+        s.check_invariants().unwrap();
+        assert!(assigned(&mut big).is_empty(), "not placed again");
+        s.finished("big", finished_ok(&copy)).await;
+        assert_eq!(completed(&mut rx).await.result.unwrap().exit_code, 0);
+        assert!(idle(&s));
+
+        // The copy's worker is lost: the first run goes on alone.
+        let (s, _small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        assert_eq!(assigned(&mut big), vec![wire_id(&name, true)]);
+        s.worker_lost("big", "test");
+        s.check_invariants().unwrap();
+        s.finished("small", finished_ok(&name)).await;
+        assert_eq!(completed(&mut rx).await.result.unwrap().exit_code, 0);
+        assert!(idle(&s));
+    }
+
+    #[tokio::test]
+    async fn cancelling_a_hedged_action_cancels_both_runs() {
+        let (s, mut small, mut big, name, mut rx) = hedging().await;
+        s.start_hedges(Instant::now() + Duration::from_secs(60));
+        let copy = wire_id(&name, true);
+        assert_eq!(assigned(&mut big), vec![copy.clone()]);
+        s.cancel(&name, None).unwrap();
+        assert_eq!(cancels(&mut big), vec![copy.clone()]);
+        assert_eq!(cancels(&mut small), vec![name.clone()]);
+        s.check_invariants().unwrap();
+        s.finished("big", finished_with(&copy, tonic::Code::Cancelled, -1)).await;
+        s.finished("small", finished_with(&name, tonic::Code::Cancelled, -1)).await;
+        let resp = completed(&mut rx).await;
+        assert_eq!(resp.status.unwrap().code, tonic::Code::Cancelled as i32);
+        assert!(idle(&s));
+        s.check_invariants().unwrap();
     }
 }

@@ -69,7 +69,7 @@ impl SelectionConfig {
             acceptable_time_exponent: c.acceptable_time_exponent,
             hedge_multiplier: c.hedge_multiplier,
             success_threshold: 0.5,
-            exploration_factor: 0.05,
+            exploration_factor: c.exploration_factor,
             prior_successes: 1.0,
             prior_failures: 1.0,
         }

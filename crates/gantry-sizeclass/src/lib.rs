@@ -43,7 +43,7 @@ pub use metrics::{ClassHistoryView, KeyStatsView, SelectionMetrics};
 pub use retry::{record, retry_on_largest, Attribution, Execution, RecordSummary, Retry};
 pub use select::{
     acceptable_time, best_class, estimates, fit_probabilities, select, smoothed_probability, speedup_curve, Basis,
-    ClassEstimate, ClassQueue, Decision, Prior, QueueState, Reason, SelectionInput,
+    ClassEstimate, ClassQueue, Decision, Prior, QueueState, Reason, SelectionInput, PRIOR_MIN_SHAPES,
 };
 pub use stats::{ActionStats, Outcome, STATS_FORMAT_VERSION};
 pub use types::{SizeClass, SizeClasses, Timestamp};

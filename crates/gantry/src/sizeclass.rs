@@ -32,7 +32,13 @@ pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
     let selection = gantry_sizeclass::SelectionConfig::from_config(&config.execution.size_classes);
     let keys = match &args.key {
         Some(k) => vec![k.clone()],
-        None => store.keys(args.limit).await?,
+        // Group priors share the store; only shapes are listed.
+        None => store
+            .keys(args.limit)
+            .await?
+            .into_iter()
+            .filter(|k| !k.starts_with(gantry_execution::sizing::GROUP_KEY_PREFIX))
+            .collect(),
     };
     if keys.is_empty() {
         println!("no size class statistics yet");

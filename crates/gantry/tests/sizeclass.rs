@@ -13,6 +13,8 @@ memory_per_size_class = "150MiB"
 cpus_per_size_class = 1
 [execution.size_classes]
 seed = 1
+# No random retries of the class below the learned one: the settled classes are exact.
+exploration_factor = 0.0
 "#;
 
 /// Runs the action (never cached) and returns (size class it finished on, message).
@@ -85,7 +87,7 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
 
     // Parallel: it sleeps 0.8 s divided by the CPUs it is pinned to, so class 1 (one CPU)
     // is twice as slow as class 2, beyond the acceptable 0.4 s x 2^0.1. Its run there is
-    // stopped at the hedge time and retried on class 2; it settles on 2.
+    // hedged on class 2 at the hedge time; it settles on 2.
     let parallel = c
         .action(
             command(
@@ -119,5 +121,74 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
     let (class, message, _) = run(&c, hungry).await;
     assert_eq!(class, 2, "the memory-hungry action goes straight to class 2 after the restart");
     assert!(!message.contains("retried"), "{message}");
+    server.stop();
+}
+
+/// Whether a process is gone (or a zombie waiting to be reaped, which runs nothing).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_run_on_class_1_is_hedged_on_class_2_and_the_loser_is_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("gantry.toml");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let server = GantryServer::start(&tmp.path().join("data"), &["--config", cfg.to_str().unwrap()]);
+    let c = Client::connect(&server.grpc).await;
+    let input = c.tree(&Default::default()).await;
+
+    // Fast on two CPUs (class 2). On one CPU (class 1) it starts a child in its process
+    // group, says where, and then takes a minute.
+    let pid_file = tmp.path().join("child.pid");
+    let script = r#"
+import os, subprocess, sys, time
+if len(os.sched_getaffinity(0)) == 1:
+    child = subprocess.Popen(["sleep", "300"])
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(child.pid))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(60)
+else:
+    time.sleep(0.5)
+"#;
+    let slow = c
+        .action(command(&["/usr/bin/python3", "-c", script, pid_file.to_str().unwrap()], &[], &[]), input, 120, true)
+        .await;
+    let (class, message, _) = run(&c, slow).await;
+    assert_eq!(class, 2, "a new shape measures its baseline on the largest class: {message}");
+
+    // Next it explores class 1 (untried, so guessed as fast), with a hedge after about
+    // 0.5 s x 2^0.1 x 1.2. The copy on class 2 wins long before the minute is up.
+    let started = std::time::Instant::now();
+    let (_, _, resp) = c.execute(slow, true).await;
+    let took = started.elapsed();
+    assert_eq!(resp.status.as_ref().map_or(0, |s| s.code), 0, "{:?}", resp.status);
+    let result = resp.result.expect("one result");
+    assert_eq!(result.exit_code, 0);
+    let worker = result.execution_metadata.unwrap().worker;
+    assert!(worker.ends_with("-local-1"), "the copy on class 2 won: {worker}; {}", resp.message);
+    assert!(resp.message.contains("still running for size class 1"), "{}", resp.message);
+    assert!(resp.message.contains("hedged on size class 2"), "{}", resp.message);
+    assert!(resp.message.contains("finished first; the run on size class 1 was cancelled"), "{}", resp.message);
+    assert!(took < std::time::Duration::from_secs(30), "the client did not wait for the slow run: {took:?}");
+    assert!(metric(&server.http, "gantry_sizeclass_hedges_total{from_class=\"1\",kind=\"copy\"}") >= 1.0);
+
+    // The loser's whole process group is killed, its child included.
+    let pid: i32 = std::fs::read_to_string(&pid_file).expect("the run on class 1 started").trim().parse().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !gone(pid) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(gone(pid), "the cancelled run's child {pid} still runs");
+
+    // Class 1 is free again: the loser's slot came back when its worker reported it.
+    let quick = c.action(command(&["/bin/true"], &[], &[]), input, 120, true).await;
+    for _ in 0..3 {
+        run(&c, quick).await;
+    }
     server.stop();
 }
