@@ -748,7 +748,8 @@ impl Scheduler {
                 size_class,
                 trial: Trial {
                     groups,
-                    classes: classes.iter().copied().collect(),
+                    // Only a learned class updates its groups' priors.
+                    classes: if learning { classes.iter().copied().collect() } else { Vec::new() },
                     ..Trial::new(learning, largest_class, requested_timeout, shape_key)
                 },
                 required,
@@ -981,7 +982,11 @@ impl Scheduler {
             let assigns = st.d.late_report(wid, id).unwrap_or_default();
             st.apply(&self.config, assigns);
             self.update_gauges(st);
-            return After::Nothing;
+            // Its cost was spent all the same (a hedge's loser, an overdue run): logged.
+            return match st.jobs.get(split_wire_id(job_id).0) {
+                Some(job) => After::Logged(Box::new(run_record(job, worker, size_class, code, exit_code, m))),
+                None => After::Nothing,
+            };
         }
         let (name, is_hedge) = split_wire_id(job_id);
         let Some(job) = st.jobs.get_mut(name) else { return After::Nothing };
@@ -999,25 +1004,7 @@ impl Scheduler {
         }
         let avg = st.class_avg_seconds.entry(size_class).or_insert(m.wall_seconds.max(0.001));
         *avg = 0.8 * *avg + 0.2 * m.wall_seconds;
-        let record = ActionRecord {
-            operation: job.name.clone(),
-            instance: job.spec.instance.clone(),
-            action_digest: job.spec.action_digest.to_string(),
-            tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
-            action_mnemonic: job.spec.requester.action_mnemonic.clone(),
-            target_id: job.spec.requester.target_id.clone(),
-            worker: worker.to_string(),
-            size_class,
-            exit_code: exit_code.unwrap_or(-1),
-            status_code: code,
-            peak_memory_bytes: m.peak_memory_bytes,
-            user_cpu_seconds: m.user_cpu_seconds,
-            system_cpu_seconds: m.system_cpu_seconds,
-            wall_seconds: m.wall_seconds,
-            queued_seconds: 0.0,
-            metering: m.method.clone(),
-            completed_unix_ms: now_ms(SystemTime::now()),
-        };
+        let record = run_record(job, worker, size_class, code, exit_code, m);
         let run = RunEnd {
             class: size_class,
             code,
@@ -1307,6 +1294,36 @@ impl Scheduler {
             }
         }
         st.d.compact();
+    }
+}
+
+/// The execution log's record of one run of `job` on `worker`.
+fn run_record(
+    job: &Job,
+    worker: &str,
+    size_class: u32,
+    code: i32,
+    exit_code: Option<i32>,
+    m: &wpb::Metering,
+) -> ActionRecord {
+    ActionRecord {
+        operation: job.name.clone(),
+        instance: job.spec.instance.clone(),
+        action_digest: job.spec.action_digest.to_string(),
+        tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
+        action_mnemonic: job.spec.requester.action_mnemonic.clone(),
+        target_id: job.spec.requester.target_id.clone(),
+        worker: worker.to_string(),
+        size_class,
+        exit_code: exit_code.unwrap_or(-1),
+        status_code: code,
+        peak_memory_bytes: m.peak_memory_bytes,
+        user_cpu_seconds: m.user_cpu_seconds,
+        system_cpu_seconds: m.system_cpu_seconds,
+        wall_seconds: m.wall_seconds,
+        queued_seconds: 0.0,
+        metering: m.method.clone(),
+        completed_unix_ms: now_ms(SystemTime::now()),
     }
 }
 
