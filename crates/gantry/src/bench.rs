@@ -140,6 +140,10 @@ pub struct SizeclassBenchArgs {
     /// Hedge multiplier of the learned policy [default: the production default].
     #[arg(long)]
     hedge_multiplier: Option<f64>,
+    /// The learned policy ignores the queues (expected waits and idle slots), to measure
+    /// what counting them buys.
+    #[arg(long)]
+    queue_blind: bool,
     /// Print the reports as JSON.
     #[arg(long)]
     json: bool,
@@ -1222,7 +1226,7 @@ fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
         let workloads: Vec<(String, SyntheticConfig)> = names.iter().map(|n| (n.clone(), workload(n))).collect();
         let total = workloads.len() * fleets.len() * seeds.len();
         let mut done = 0;
-        let runs = run_suite(&workloads, &fleets, &seeds, &selection, |r| {
+        let runs = run_suite(&workloads, &fleets, &seeds, &selection, !args.queue_blind, |r| {
             done += 1;
             eprintln!("[{done}/{total}] {} on {}, seed {}: {}", r.workload, r.fleet, r.seed, goal_line(&r.report));
         })?;
@@ -1248,6 +1252,7 @@ fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
         },
         selection,
         seed: args.seed,
+        queue_aware: !args.queue_blind,
         ..BenchConfig::default()
     };
     if let Some(path) = &args.trace {

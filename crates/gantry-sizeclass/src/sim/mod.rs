@@ -258,12 +258,14 @@ pub struct SuiteRun {
 }
 
 /// The benchmark over named synthetic workloads × fleets × seeds, with the
-/// same selection config. Each seed seeds both the trace and the draws.
+/// same selection config (and queue awareness on or off). Each seed seeds
+/// both the trace and the draws.
 pub fn run_suite(
     workloads: &[(String, SyntheticConfig)],
     fleets: &[Fleet],
     seeds: &[u64],
     selection: &SelectionConfig,
+    queue_aware: bool,
     mut progress: impl FnMut(&SuiteRun),
 ) -> Result<Vec<SuiteRun>, Error> {
     let mut runs = Vec::new();
@@ -275,6 +277,7 @@ pub fn run_suite(
                     synthetic: SyntheticConfig { seed, ..synthetic.clone() },
                     selection: selection.clone(),
                     seed,
+                    queue_aware,
                     ..BenchConfig::default()
                 };
                 let run = SuiteRun { workload: name.clone(), fleet: fleet.to_string(), seed, report: run_bench(&cfg)? };
