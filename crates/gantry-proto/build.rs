@@ -7,6 +7,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "gantry/worker/v1/worker.proto",
         "gantry/queue/v1/queue.proto",
         "google/rpc/error_details.proto",
+        "google/devtools/build/v1/build_status.proto",
+        "google/devtools/build/v1/build_events.proto",
+        "google/devtools/build/v1/publish_build_event.proto",
+        "build_event_stream/build_event_stream.proto",
     ];
     let fds = protox::compile(protos, ["proto"])?;
     tonic_prost_build::configure().compile_fds(fds)?;

@@ -8,6 +8,7 @@
 pub mod action_cache;
 pub mod auth;
 pub mod batcher;
+pub mod build_events;
 pub mod bytestream;
 pub mod capabilities;
 pub mod cas;
@@ -85,6 +86,8 @@ pub struct Services {
     pub auth: Option<Arc<auth::Authenticator>>,
     /// The submit queue's endpoint; the queue attaches after the server starts.
     pub queue: Arc<gantry_submit::QueueEndpoint>,
+    /// The Build Event Service, when invocations have a store.
+    pub build_events: Option<Arc<build_events::BuildEventService>>,
 }
 
 impl Services {
@@ -112,6 +115,7 @@ impl Services {
             forwarder: None,
             auth: None,
             queue: Default::default(),
+            build_events: None,
         }
     }
 
@@ -125,6 +129,12 @@ impl Services {
     /// caches itself and forwards Execution and Operations calls.
     pub fn with_forwarder(mut self, forwarder: gantry_execution::forward::Forwarder) -> Self {
         self.forwarder = Some(forwarder);
+        self
+    }
+
+    /// Adds the Build Event Service, storing invocations in `store`.
+    pub fn with_build_events(mut self, store: Arc<dyn gantry_core::InvocationStore>) -> Self {
+        self.build_events = Some(Arc::new(build_events::BuildEventService::new(store)));
         self
     }
 
@@ -246,6 +256,10 @@ impl Services {
             .add_optional_service(workers)
             .add_optional_service(forward_exec)
             .add_optional_service(forward_ops)
+            .add_optional_service(self.build_events.clone().map(|b| {
+                gantry_proto::devtools_build::v1::publish_build_event_server::PublishBuildEventServer::from_arc(b)
+                    .max_decoding_message_size(max_msg)
+            }))
     }
 
     /// `/metrics` (Prometheus text format) and `/healthz`.

@@ -33,6 +33,7 @@ pub mod s3_store;
 pub mod sql_action_cache;
 pub mod sql_build_store;
 pub mod sql_execution_log;
+pub mod sql_invocation_store;
 pub mod sql_queue_store;
 pub mod tiered_store;
 
@@ -48,6 +49,7 @@ pub use s3_store::{S3Credentials, S3Options, S3Store};
 pub use sql_action_cache::SqlActionCache;
 pub use sql_build_store::SqlBuildStore;
 pub use sql_execution_log::{SqlExecutionLog, SqlSizeClassStore};
+pub use sql_invocation_store::SqlInvocationStore;
 pub use sql_queue_store::SqlQueueStore;
 pub use tiered_store::TieredStore;
 

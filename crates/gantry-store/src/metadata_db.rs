@@ -408,6 +408,11 @@ const MIGRATIONS: &[Version] = &[
         sql: include_str!("../migrations/0002_leases.sql"),
     },
     Version { version: 3, description: "indexes for retention", sql: include_str!("../migrations/0003_retention.sql") },
+    Version {
+        version: 4,
+        description: "invocations from the Build Event Service",
+        sql: include_str!("../migrations/0004_invocations.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

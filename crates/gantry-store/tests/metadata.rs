@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use gantry_core::reapi::ActionResult;
 use gantry_core::{
-    ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, LandingRow,
-    QueueDocRow, QueueStore, SizeClassStore,
+    ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, Invocation,
+    InvocationStore, LandingRow, QueueDocRow, QueueStore, SizeClassStore, TargetOutcome, TestOutcome,
 };
 use gantry_store::{
-    Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore,
+    Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlInvocationStore, SqlQueueStore,
+    SqlSizeClassStore,
 };
 use gantry_testkit::PgServer;
 use sqlx::{Executor, Row};
@@ -44,6 +45,7 @@ async fn store_suites_pass_on_every_backend() {
         execution_log(&db).await;
         size_class_store(&db).await;
         build_store(&db).await;
+        invocation_store(&db).await;
         queue_store(&db).await;
         leases(&db).await;
         // Reopening an up-to-date database changes nothing and keeps every row.
@@ -165,6 +167,57 @@ async fn build_store(db: &MetadataDb) {
     let q =
         BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
     assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
+}
+
+fn invocation(id: &str, started: i64) -> Invocation {
+    Invocation {
+        id: id.into(),
+        build_id: "b".into(),
+        owner: "alice".into(),
+        command: "test".into(),
+        patterns: vec!["//...".into()],
+        options: vec!["--config=ci".into()],
+        metadata: std::collections::BTreeMap::from([("BUILD_USER".into(), "alice".into())]),
+        started_unix_ms: started,
+        finished_unix_ms: started + 5,
+        exit_code: 3,
+        exit_name: "TESTS_FAILED".into(),
+        targets: vec![
+            TargetOutcome { label: "//a:a".into(), kind: "genrule rule".into(), success: Some(true) },
+            TargetOutcome { label: "//a:t".into(), kind: "sh_test rule".into(), success: Some(false) },
+        ],
+        tests: vec![TestOutcome {
+            label: "//a:t".into(),
+            run: 1,
+            shard: 0,
+            attempt: 1,
+            status: "FAILED".into(),
+            duration_ms: 12,
+            cached_locally: false,
+            logs: vec![("test.log".into(), "bytestream://h/blobs/ab/3".into())],
+        }],
+        target_count: 2,
+        failed_targets: 1,
+    }
+}
+
+async fn invocation_store(db: &MetadataDb) {
+    let s = SqlInvocationStore::new(db.clone());
+    assert!(s.get("x").await.unwrap().is_none());
+    let a = invocation("a", 100);
+    s.put(&a).await.unwrap();
+    s.put(&invocation("b", 200)).await.unwrap();
+    assert_eq!(s.get("a").await.unwrap().unwrap(), a);
+    let rows = s.list(10, None).await.unwrap();
+    assert_eq!(rows.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["b", "a"]);
+    assert!(rows[0].targets.is_empty() && rows[0].target_count == 2 && rows[0].failed_targets == 1);
+    assert_eq!(rows[0].patterns, ["//..."]);
+    assert_eq!(s.list(10, Some(200)).await.unwrap().len(), 1, "paged by start time");
+    let mut again = invocation("a", 100);
+    again.targets.truncate(1);
+    s.put(&again).await.unwrap();
+    let got = s.get("a").await.unwrap().unwrap();
+    assert_eq!((got.targets.len(), got.target_count, got.failed_targets), (1, 1, 0));
 }
 
 async fn queue_store(db: &MetadataDb) {

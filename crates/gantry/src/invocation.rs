@@ -1,5 +1,7 @@
-//! `gantry invocation <id>`: what one Bazel invocation cost on gantry's executors, from
-//! the execution log (total executor service time, action count, per-action metering).
+//! `gantry invocation <id>`: one Bazel invocation as the Build Event Service received it
+//! (command, patterns, exit code, targets and tests) and what it cost on gantry's
+//! executors, from the execution log (total executor service time, action count,
+//! per-action metering).
 
 use anyhow::Context;
 
@@ -17,12 +19,29 @@ pub struct InvocationArgs {
 pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
     let config = crate::serve::load_config(&args.serve)?;
     let db = gantry_store::open_metadata(&config).await.context("opening the execution log")?;
-    let log = gantry_store::SqlExecutionLog::new(db);
-    use gantry_core::ExecutionLog as _;
+    let log = gantry_store::SqlExecutionLog::new(db.clone());
+    use gantry_core::{ExecutionLog as _, InvocationStore as _};
     let summary = log.invocation(&args.id).await?;
     let actions = log.actions(&args.id).await?;
+    let bes = gantry_store::SqlInvocationStore::new(db).get(&args.id).await?;
     if args.json {
+        let build = bes.as_ref().map(|i| {
+            serde_json::json!({
+                "build_id": i.build_id, "owner": i.owner, "command": i.command, "patterns": i.patterns,
+                "options": i.options, "metadata": i.metadata, "started_unix_ms": i.started_unix_ms,
+                "finished_unix_ms": i.finished_unix_ms, "exit_code": i.exit_code, "exit_name": i.exit_name,
+                "targets": i.targets.iter().map(|t| serde_json::json!({
+                    "label": t.label, "kind": t.kind, "success": t.success,
+                })).collect::<Vec<_>>(),
+                "tests": i.tests.iter().map(|t| serde_json::json!({
+                    "label": t.label, "run": t.run, "shard": t.shard, "attempt": t.attempt, "status": t.status,
+                    "duration_ms": t.duration_ms, "cached_locally": t.cached_locally,
+                    "logs": t.logs.iter().map(|(n, u)| serde_json::json!({"name": n, "uri": u})).collect::<Vec<_>>(),
+                })).collect::<Vec<_>>(),
+            })
+        });
         let v = serde_json::json!({
+            "build": build,
             "tool_invocation_id": summary.tool_invocation_id,
             "actions": summary.actions,
             "executor_service_seconds": summary.executor_service_seconds,
@@ -40,8 +59,27 @@ pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
         println!("{v}");
         return Ok(());
     }
+    if let Some(i) = &bes {
+        println!(
+            "bazel {} {}: {} ({}), {:.1} s, {} targets ({} failed), {} test results",
+            i.command,
+            i.patterns.join(" "),
+            if i.exit_name.is_empty() { "no exit code" } else { &i.exit_name },
+            i.exit_code,
+            (i.finished_unix_ms - i.started_unix_ms).max(0) as f64 / 1000.0,
+            i.target_count,
+            i.failed_targets,
+            i.tests.len()
+        );
+        for t in &i.tests {
+            println!("  {:<10} {} ({} ms)", t.status, t.label, t.duration_ms);
+        }
+    }
     if summary.actions == 0 {
-        anyhow::bail!("no executed actions recorded for invocation {}", args.id);
+        if bes.is_some() {
+            return Ok(());
+        }
+        anyhow::bail!("no build events or executed actions recorded for invocation {}", args.id);
     }
     println!(
         "invocation {}: {} actions executed, {:.2} s executor service time, {:.2} s CPU, peak {:.1} MiB, {} failed",

@@ -67,7 +67,8 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     if runs_batch_builds(config) {
         batcher = batcher.expect_builds();
     }
-    let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher);
+    let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher)
+        .with_build_events(Arc::new(gantry_store::SqlInvocationStore::new(db.clone())));
     match &config.auth {
         Some(auth) => {
             tracing::info!(tokens = auth.tokens.len(), worker_tokens = auth.workers.tokens.len(), anonymous = ?auth.anonymous, "[auth]: every call needs credentials");

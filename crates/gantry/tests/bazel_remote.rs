@@ -1,6 +1,7 @@
 //! Real Bazel 4.2.3 with --remote_executor against a real `gantry serve` with in-process
 //! workers: builds and tests run remotely, failures are reported as Bazel reports them,
-//! a clean rebuild comes from the cache, and `gantry invocation` shows the metering.
+//! a clean rebuild comes from the cache, the Build Event Service stores each invocation
+//! with its targets and tests, and `gantry invocation` shows them with the metering.
 
 mod common;
 
@@ -24,10 +25,24 @@ fn bazel_remote_execution_end_to_end() {
         v
     };
 
+    let bes_backend = format!("--bes_backend=grpc://{}", server.grpc);
+    let bes_results = format!("--bes_results_url=http://{}/invocations/", server.http);
+
     // 1. Everything builds and the test passes, executed remotely.
-    let out = ws.bazel_with_strategy("test", &remote(&[&format!("--invocation_id={invocation}"), "//..."]), "remote");
+    let out = ws.bazel_with_strategy(
+        "test",
+        &remote(&[
+            &format!("--invocation_id={invocation}"),
+            &bes_backend,
+            &bes_results,
+            "--build_metadata=TEAM=infra",
+            "//...",
+        ]),
+        "remote",
+    );
     let all = text(&out);
-    assert!(out.status.success(), "remote build failed");
+    assert!(all.contains(&format!("http://{}/invocations/{invocation}", server.http)), "the link is printed: {all}");
+    assert!(out.status.success(), "remote build failed: {all}");
     let summary = process_summary(&String::from_utf8_lossy(&out.stderr));
     let remote_n = summary.iter().find(|(k, _)| k == "remote").map_or(0, |(_, n)| *n);
     assert!(remote_n >= 7, "expected the genrules and the test to run remotely: {summary:?}");
@@ -37,7 +52,12 @@ fn bazel_remote_execution_end_to_end() {
     assert!(big.len() > 4 << 20);
 
     // 2. A failing sh_test is FAILED, with its log downloaded.
-    let out = ws.bazel_with_strategy("test", &remote(&["//fail:failing_test"]), "remote");
+    let failing = uuid::Uuid::new_v4().to_string();
+    let out = ws.bazel_with_strategy(
+        "test",
+        &remote(&[&format!("--invocation_id={failing}"), &bes_backend, "//fail:failing_test"]),
+        "remote",
+    );
     assert_eq!(out.status.code(), Some(3), "a test failure is Bazel exit code 3");
     assert!(text(&out).contains("FAILED"), "{}", text(&out));
     let log = std::fs::read_to_string(ws.testlogs().join("fail/failing_test/test.log")).unwrap();
@@ -89,6 +109,39 @@ fn bazel_remote_execution_end_to_end() {
         let how = e["metering"].as_str().unwrap();
         assert!(["cgroup-v2", "cgroup-v1", "rusage"].contains(&how), "{e}");
     }
+    // What the Build Event Service stored: the command, every target with its kind and
+    // outcome, the test result with its log in the CAS, the build metadata.
+    let b = &v["build"];
+    assert_eq!(
+        (b["command"].as_str(), b["exit_name"].as_str(), b["exit_code"].as_i64()),
+        (Some("test"), Some("SUCCESS"), Some(0)),
+        "{b}"
+    );
+    assert_eq!(b["patterns"], serde_json::json!(["//..."]), "{b}");
+    assert_eq!(b["metadata"]["TEAM"], "infra", "{b}");
+    assert!(b["finished_unix_ms"].as_i64() >= b["started_unix_ms"].as_i64() && b["started_unix_ms"].as_i64() > Some(0));
+    let targets = b["targets"].as_array().unwrap();
+    assert!(targets.len() >= 7, "every target: {b}");
+    assert!(targets.iter().all(|t| t["success"] == true), "{b}");
+    let test_target = targets.iter().find(|t| t["label"] == "//:outputs_test").expect("the test target");
+    assert!(test_target["kind"].as_str().unwrap().contains("sh_test"), "{test_target}");
+    let tests = b["tests"].as_array().unwrap();
+    let t = tests.iter().find(|t| t["label"] == "//:outputs_test").expect("its test result");
+    assert_eq!(t["status"], "PASSED", "{t}");
+    let log = t["logs"].as_array().unwrap().iter().find(|l| l["name"] == "test.log").expect("test.log");
+    assert!(log["uri"].as_str().unwrap().starts_with("bytestream://"), "a CAS reference: {log}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gantry"))
+        .args(["invocation", &failing, "--json", "--data-dir"])
+        .arg(data.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let f: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let b = &f["build"];
+    assert_eq!((b["exit_code"].as_i64(), b["exit_name"].as_str()), (Some(3), Some("TESTS_FAILED")), "{b}");
+    let t = &b["tests"].as_array().unwrap()[0];
+    assert_eq!((t["label"].as_str(), t["status"].as_str()), (Some("//fail:failing_test"), Some("FAILED")), "{t}");
+
     let human = std::process::Command::new(env!("CARGO_BIN_EXE_gantry"))
         .args(["invocation", &invocation, "--data-dir"])
         .arg(data.path())

@@ -1,0 +1,75 @@
+//! Invocations as the Build Event Service received them: what Bazel ran (command,
+//! patterns, options, build metadata), when and how it ended, and every target and test
+//! with its outcome. The web pages and `gantry invocation` read them; the execution log
+//! (keyed by the same invocation id) holds the invocation's remote actions.
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+
+use crate::Result;
+
+/// One Bazel invocation, whole.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Invocation {
+    /// Bazel's invocation id (also the `tool_invocation_id` of its remote actions).
+    pub id: String,
+    pub build_id: String,
+    /// The identity that published it (`[auth]`), empty without authentication.
+    pub owner: String,
+    /// `build`, `test`, ...
+    pub command: String,
+    pub patterns: Vec<String>,
+    /// The options given on the command line (explicit ones, as Bazel reports them).
+    pub options: Vec<String>,
+    /// `--build_metadata` and the workspace status (BUILD_USER, BUILD_HOST, ...).
+    pub metadata: BTreeMap<String, String>,
+    pub started_unix_ms: i64,
+    pub finished_unix_ms: i64,
+    /// Bazel's exit code and its name (`SUCCESS`, `BUILD_FAILURE`, ...); -1 and empty
+    /// when the build never reported one (it was aborted).
+    pub exit_code: i32,
+    pub exit_name: String,
+    /// Empty in [`InvocationStore::list`]'s rows.
+    pub targets: Vec<TargetOutcome>,
+    /// Empty in [`InvocationStore::list`]'s rows.
+    pub tests: Vec<TestOutcome>,
+    /// Number of targets and of failed ones (set in every row).
+    pub target_count: u64,
+    pub failed_targets: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TargetOutcome {
+    pub label: String,
+    /// The rule kind (`cc_binary rule`, `genrule rule`); empty if never configured.
+    pub kind: String,
+    /// None when the target was configured but never completed (the build stopped).
+    pub success: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TestOutcome {
+    pub label: String,
+    pub run: i32,
+    pub shard: i32,
+    pub attempt: i32,
+    /// `PASSED`, `FAILED`, `FLAKY`, `TIMEOUT`, ...
+    pub status: String,
+    pub duration_ms: i64,
+    pub cached_locally: bool,
+    /// Its outputs (`test.log`, `test.xml`) by name, as the URIs Bazel gave: with remote
+    /// execution or caching, `bytestream://host/blobs/HASH/SIZE` references into the CAS.
+    pub logs: Vec<(String, String)>,
+}
+
+#[async_trait]
+pub trait InvocationStore: Send + Sync + 'static {
+    /// Stores a finished invocation with its targets and tests, all or nothing, in place of
+    /// any earlier one with its id.
+    async fn put(&self, invocation: &Invocation) -> Result<()>;
+    async fn get(&self, id: &str) -> Result<Option<Invocation>>;
+    /// The newest invocations first, started before `before_unix_ms` when given, without
+    /// their targets and tests.
+    async fn list(&self, limit: usize, before_unix_ms: Option<i64>) -> Result<Vec<Invocation>>;
+}
