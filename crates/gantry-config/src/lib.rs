@@ -72,6 +72,9 @@ pub struct RetentionConfig {
     /// Finished builds of the batching service (its training history), aged from their
     /// end. Builds still queued or running are never deleted. Default 180 days, 1,000,000 builds.
     pub builds: RetentionBound,
+    /// Invocations received by the Build Event Service, aged from their start.
+    /// Default 90 days, 1,000,000 invocations.
+    pub invocations: RetentionBound,
 }
 
 /// One table's bounds; 0 turns a bound off.
@@ -94,6 +97,7 @@ impl Default for RetentionConfig {
             action_cache: RetentionBound { max_age: Duration::from_secs(30 * DAY), max_rows: 5_000_000 },
             execution_log: RetentionBound { max_age: Duration::from_secs(30 * DAY), max_rows: 10_000_000 },
             builds: RetentionBound { max_age: Duration::from_secs(180 * DAY), max_rows: 1_000_000 },
+            invocations: RetentionBound { max_age: Duration::from_secs(90 * DAY), max_rows: 1_000_000 },
         }
     }
 }

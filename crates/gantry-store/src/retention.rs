@@ -47,6 +47,9 @@ const BUILDS: Table = Table {
     only: "finished_unix_ms IS NOT NULL",
 };
 
+const INVOCATIONS: Table =
+    Table { name: "invocations", table: "invocations", time_column: "started_unix_ms", unit_ms: 1, only: "" };
+
 /// Every table of the metadata database, for the row-count gauges.
 const ALL_TABLES: &[&str] = &[
     "action_cache",
@@ -59,6 +62,7 @@ const ALL_TABLES: &[&str] = &[
     "queue_landings",
     "queue_graphs",
     "leases",
+    "invocations",
 ];
 
 /// The oldest time (in the table's unit) a row may have at `now_ms` under `max_age`;
@@ -99,11 +103,12 @@ impl Retention {
         Retention { db, config, pause: Duration::from_millis(20) }
     }
 
-    fn tables(&self) -> [(&'static Table, RetentionBound); 3] {
+    fn tables(&self) -> [(&'static Table, RetentionBound); 4] {
         [
             (&ACTION_CACHE, self.config.action_cache),
             (&EXECUTION_LOG, self.config.execution_log),
             (&BUILDS, self.config.builds),
+            (&INVOCATIONS, self.config.invocations),
         ]
     }
 

@@ -549,6 +549,12 @@ async fn retention_bounds_every_history_table_on_every_backend() {
             document: "{}".into(),
         };
         builds.put(&running).await.unwrap();
+        // Invocations: 3 started 100 days ago, 1 now.
+        let invocations = SqlInvocationStore::new(db.clone());
+        for i in 0..3 {
+            invocations.put(&invocation(&format!("old{i}"), now_ms - 100 * DAY_MS + i)).await.unwrap();
+        }
+        invocations.put(&invocation("new", now_ms)).await.unwrap();
 
         let config = RetentionConfig {
             batch_size: 3,
@@ -559,7 +565,12 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         };
         let r = Retention::new(db.clone(), config);
         let sweep = r.sweep(now_ms).await.unwrap();
-        assert_eq!(sweep.deleted, [("action_cache", 1), ("execution_log", 11), ("builds", 4)], "{name}");
+        assert_eq!(
+            sweep.deleted,
+            [("action_cache", 1), ("execution_log", 11), ("builds", 4), ("invocations", 3)],
+            "{name}"
+        );
+        assert!(invocations.get("new").await.unwrap().is_some() && invocations.get("old0").await.unwrap().is_none());
         assert_eq!(ac.get("", &old_action).await.unwrap(), None, "{name}");
         assert_eq!(ac.get("", &new_action).await.unwrap(), Some(result(2)), "{name}");
         // The count bound kept the newest 4 of the 5 fresh records.
@@ -573,7 +584,7 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         );
         assert_eq!(
             r.sweep(now_ms).await.unwrap().deleted,
-            [("action_cache", 0), ("execution_log", 0), ("builds", 0)],
+            [("action_cache", 0), ("execution_log", 0), ("builds", 0), ("invocations", 0)],
             "{name}: idempotent"
         );
         let rows = r.table_rows().await.unwrap();
