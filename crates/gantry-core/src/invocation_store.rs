@@ -17,6 +17,9 @@ pub struct Invocation {
     pub build_id: String,
     /// The identity that published it (`[auth]`), empty without authentication.
     pub owner: String,
+    /// Who ran it, for people: the owner, else the workspace status's BUILD_USER (set in
+    /// every row, see [`Invocation::user_of`]).
+    pub user: String,
     /// `build`, `test`, ...
     pub command: String,
     pub patterns: Vec<String>,
@@ -37,6 +40,16 @@ pub struct Invocation {
     /// Number of targets and of failed ones (set in every row).
     pub target_count: u64,
     pub failed_targets: u64,
+}
+
+impl Invocation {
+    /// Who ran it: the identity that published it, else Bazel's workspace status user.
+    pub fn user_of(owner: &str, metadata: &BTreeMap<String, String>) -> String {
+        if !owner.is_empty() {
+            return owner.to_string();
+        }
+        metadata.get("BUILD_USER").or_else(|| metadata.get("USER")).cloned().unwrap_or_default()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -157,6 +157,7 @@ impl Accumulator {
     /// The invocation, with its targets in label order.
     pub fn finish(mut self) -> Invocation {
         self.invocation.targets = std::mem::take(&mut self.targets).into_values().collect();
+        self.invocation.user = Invocation::user_of(&self.invocation.owner, &self.invocation.metadata);
         self.invocation.target_count = self.invocation.targets.len() as u64;
         self.invocation.failed_targets =
             self.invocation.targets.iter().filter(|t| t.success == Some(false)).count() as u64;

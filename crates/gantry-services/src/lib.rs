@@ -28,7 +28,7 @@ use gantry_core::reapi::capabilities_server::CapabilitiesServer;
 use gantry_core::reapi::content_addressable_storage_server::ContentAddressableStorageServer;
 use gantry_core::reapi::execution_server::ExecutionServer;
 use gantry_core::task::{spawn_named, TaskGuard};
-use gantry_core::{ActionCache, BlobStore, Error, Result};
+use gantry_core::{ActionCache, BlobStore, Error, ExecutionLog, Result};
 use gantry_proto::batch::v1::batcher_server::BatcherServer;
 use gantry_proto::queue::v1::submit_queue_server::SubmitQueueServer;
 use gantry_proto::worker::v1::worker_service_server::WorkerServiceServer;
@@ -88,6 +88,8 @@ pub struct Services {
     pub queue: Arc<gantry_submit::QueueEndpoint>,
     /// The Build Event Service, when invocations have a store.
     pub build_events: Option<Arc<build_events::BuildEventService>>,
+    /// The web pages on the HTTP port.
+    pub web: Option<Arc<gantry_web::Web>>,
 }
 
 impl Services {
@@ -116,6 +118,7 @@ impl Services {
             auth: None,
             queue: Default::default(),
             build_events: None,
+            web: None,
         }
     }
 
@@ -135,6 +138,12 @@ impl Services {
     /// Adds the Build Event Service, storing invocations in `store`.
     pub fn with_build_events(mut self, store: Arc<dyn gantry_core::InvocationStore>) -> Self {
         self.build_events = Some(Arc::new(build_events::BuildEventService::new(store)));
+        self
+    }
+
+    /// Adds the web pages over `invocations`, `log` and the CAS.
+    pub fn with_web(mut self, invocations: Arc<dyn gantry_core::InvocationStore>, log: Arc<dyn ExecutionLog>) -> Self {
+        self.web = Some(Arc::new(gantry_web::Web { invocations, log, cas: self.cas.clone() }));
         self
     }
 
@@ -265,7 +274,14 @@ impl Services {
     /// `/metrics` (Prometheus text format) and `/healthz`.
     pub fn http_router(&self) -> axum::Router {
         let metrics = self.metrics.clone();
-        axum::Router::new()
+        let pages = match (&self.web, &self.auth) {
+            (Some(web), None) => gantry_web::router(web.clone()),
+            // The pages show every instance's builds and blobs; until they have a login,
+            // a server that requires credentials does not serve them.
+            (Some(_), Some(_)) => gantry_web::disabled("the web UI has no login yet, so it is off while [auth] is on"),
+            (None, _) => axum::Router::new(),
+        };
+        pages
             .route(
                 "/metrics",
                 axum::routing::get(move || {

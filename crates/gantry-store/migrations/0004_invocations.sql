@@ -6,6 +6,7 @@ CREATE TABLE invocations (
     invocation_id TEXT NOT NULL PRIMARY KEY,
     build_id TEXT NOT NULL,
     owner TEXT NOT NULL,
+    user_name TEXT NOT NULL,
     command TEXT NOT NULL,
     started_unix_ms BIGINT NOT NULL,
     finished_unix_ms BIGINT NOT NULL,

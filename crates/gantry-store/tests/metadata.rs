@@ -174,6 +174,7 @@ fn invocation(id: &str, started: i64) -> Invocation {
         id: id.into(),
         build_id: "b".into(),
         owner: "alice".into(),
+        user: "alice".into(),
         command: "test".into(),
         patterns: vec!["//...".into()],
         options: vec!["--config=ci".into()],

@@ -67,8 +67,10 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     if runs_batch_builds(config) {
         batcher = batcher.expect_builds();
     }
+    let invocations = Arc::new(gantry_store::SqlInvocationStore::new(db.clone()));
     let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher)
-        .with_build_events(Arc::new(gantry_store::SqlInvocationStore::new(db.clone())));
+        .with_build_events(invocations.clone())
+        .with_web(invocations, log.clone());
     match &config.auth {
         Some(auth) => {
             tracing::info!(tokens = auth.tokens.len(), worker_tokens = auth.workers.tokens.len(), anonymous = ?auth.anonymous, "[auth]: every call needs credentials");

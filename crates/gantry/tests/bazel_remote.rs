@@ -130,6 +130,21 @@ fn bazel_remote_execution_end_to_end() {
     assert_eq!(t["status"], "PASSED", "{t}");
     let log = t["logs"].as_array().unwrap().iter().find(|l| l["name"] == "test.log").expect("test.log");
     assert!(log["uri"].as_str().unwrap().starts_with("bytestream://"), "a CAS reference: {log}");
+    // The page Bazel linked to shows the same: the targets, the test, its log in the CAS,
+    // and the remote actions with their peak memory.
+    let page = http_get(&server.http, &format!("/invocations/{invocation}"));
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    for want in ["//:outputs_test", "sh_test rule", "PASSED", "Remote actions", "Genrule", "Peak MiB"] {
+        assert!(page.contains(want), "{want} missing from the invocation page: {page}");
+    }
+    let log_link = page.split("href=\"/blobs/").nth(1).and_then(|s| s.split('"').next()).expect("a test log link");
+    let log = http_get(&server.http, &format!("/blobs/{log_link}"));
+    assert!(log.starts_with("HTTP/1.1 200") && log.contains("text/plain"), "{log}");
+    let list = http_get(&server.http, "/invocations");
+    assert!(
+        list.contains(&format!("/invocations/{invocation}")) && list.contains(&format!("/invocations/{failing}")),
+        "{list}"
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gantry"))
         .args(["invocation", &failing, "--json", "--data-dir"])
         .arg(data.path())
@@ -149,4 +164,14 @@ fn bazel_remote_execution_end_to_end() {
         .unwrap();
     eprintln!("{}", String::from_utf8_lossy(&human.stdout));
     server.stop();
+}
+
+/// A plain HTTP GET, as a browser without JavaScript would make it: the whole response.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -1,0 +1,140 @@
+//! gantry-web owns the web UI on the HTTP port: server-rendered HTML (maud, so every value
+//! is escaped and templates are checked at compile time), no JavaScript needed, nothing
+//! fetched from elsewhere. Today's pages: the invocations the Build Event Service stored
+//! (a paged list, newest first) and one invocation with its targets, tests (logs linked
+//! into the CAS) and remote actions by cost; and a CAS blob shown as text. Handlers read
+//! the core traits only; the rendering is in [`pages`], plain functions of their data.
+
+pub mod pages;
+
+use std::sync::Arc;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::get;
+use axum::Router;
+use gantry_core::{BlobStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore};
+use http::{header, StatusCode};
+
+/// Invocations per list page.
+pub const PAGE_SIZE: usize = 50;
+/// Largest blob shown in a page; larger ones are refused with their size.
+pub const MAX_BLOB_VIEW: u64 = 16 << 20;
+
+/// What the pages read.
+pub struct Web {
+    pub invocations: Arc<dyn InvocationStore>,
+    pub log: Arc<dyn ExecutionLog>,
+    pub cas: Arc<dyn BlobStore>,
+}
+
+/// The pages, to be merged into the HTTP router.
+pub fn router(web: Arc<Web>) -> Router {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/invocations") }))
+        .route("/invocations", get(list))
+        .route("/invocations/", get(|| async { Redirect::to("/invocations") }))
+        .route("/invocations/{id}", get(one))
+        .route("/blobs/{hash}/{size}", get(blob))
+        .with_state(web)
+}
+
+/// In place of the pages: every page answers 403 with `why`.
+pub fn disabled(why: &'static str) -> Router {
+    let refuse = move || async move { failure(StatusCode::FORBIDDEN, why) };
+    Router::new()
+        .route("/", get(refuse))
+        .route("/invocations", get(refuse))
+        .route("/invocations/{*rest}", get(refuse))
+        .route("/blobs/{*rest}", get(refuse))
+}
+
+fn failure(status: StatusCode, message: &str) -> Response {
+    (status, pages::error(status, message)).into_response()
+}
+
+fn server_error(e: Error) -> Response {
+    tracing::error!(error = %e, "web page failed");
+    failure(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
+}
+
+/// `before=<unix ms>` from the query string: the page of invocations started before it.
+fn before(query: Option<&str>) -> Result<Option<i64>, String> {
+    let Some(q) = query else { return Ok(None) };
+    for pair in q.split('&') {
+        if let Some(v) = pair.strip_prefix("before=") {
+            return v.parse().map(Some).map_err(|_| format!("before: {v:?} is not a time in unix milliseconds"));
+        }
+    }
+    Ok(None)
+}
+
+async fn list(State(web): State<Arc<Web>>, RawQuery(query): RawQuery) -> Response {
+    let before = match before(query.as_deref()) {
+        Ok(b) => b,
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
+    };
+    let rows = match web.invocations.list(PAGE_SIZE, before).await {
+        Ok(r) => r,
+        Err(e) => return server_error(e),
+    };
+    let mut listed = Vec::with_capacity(rows.len());
+    for inv in rows {
+        match web.log.invocation(&inv.id).await {
+            Ok(s) => listed.push((inv, s)),
+            Err(e) => return server_error(e),
+        }
+    }
+    let next = (listed.len() == PAGE_SIZE).then(|| listed.last().map(|(i, _)| i.started_unix_ms)).flatten();
+    pages::invocations(&listed, next).into_response()
+}
+
+async fn one(State(web): State<Arc<Web>>, Path(id): Path<String>) -> Response {
+    let inv = match web.invocations.get(&id).await {
+        Ok(i) => i,
+        Err(e) => return server_error(e),
+    };
+    let actions = match web.log.actions(&id).await {
+        Ok(a) => a,
+        Err(e) => return server_error(e),
+    };
+    if inv.is_none() && actions.is_empty() {
+        return failure(StatusCode::NOT_FOUND, &format!("no invocation {}", pages::shorten(&id, 100)));
+    }
+    pages::invocation(&id, inv.as_ref(), &actions).into_response()
+}
+
+async fn blob(State(web): State<Arc<Web>>, Path((hash, size)): Path<(String, i64)>) -> Response {
+    let digest = match Digest::parse(DigestFunction::Sha256, &hash, size) {
+        Ok(d) => d,
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    if digest.size > MAX_BLOB_VIEW {
+        return failure(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("the blob has {} bytes; pages show at most {MAX_BLOB_VIEW}", digest.size),
+        );
+    }
+    match web.cas.get(&digest).await {
+        // Shown as text and never sniffed: a blob holding HTML must not run as a page.
+        Ok(bytes) => {
+            ([(header::CONTENT_TYPE, "text/plain; charset=utf-8"), (header::X_CONTENT_TYPE_OPTIONS, "nosniff")], bytes)
+                .into_response()
+        }
+        Err(Error::NotFound(_)) => failure(StatusCode::NOT_FOUND, "no such blob in the CAS"),
+        Err(e) => server_error(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_cursor_is_checked() {
+        assert_eq!(before(None), Ok(None));
+        assert_eq!(before(Some("before=123")), Ok(Some(123)));
+        assert_eq!(before(Some("x=1&before=-5")), Ok(Some(-5)));
+        assert!(before(Some("before=<script>")).unwrap_err().contains("not a time"));
+    }
+}

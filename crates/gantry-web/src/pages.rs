@@ -1,0 +1,268 @@
+//! The pages as functions of their data. maud escapes every value inserted, so a target
+//! name or a log line holding markup is shown, never run; only the constant style sheet
+//! goes in unescaped.
+
+use gantry_core::{ActionRecord, Invocation, InvocationSummary};
+use http::StatusCode;
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
+table{border-collapse:collapse;margin:.5em 0 1.5em}\
+th,td{padding:.25em .7em;border-bottom:1px solid #ddd;text-align:left;vertical-align:top}\
+th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}\
+.ok{color:#176f2c}.bad{color:#b00020;font-weight:600}.dim{color:#777}\
+nav a{margin-right:1em}code{font-size:.95em}";
+
+fn layout(title: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                title { (title) " · gantry" }
+                style { (PreEscaped(STYLE)) }
+            }
+            body {
+                nav { a href="/invocations" { "Invocations" } a href="/metrics" { "Metrics" } }
+                (body)
+            }
+        }
+    }
+}
+
+/// An error page.
+pub fn error(status: StatusCode, message: &str) -> Markup {
+    layout(
+        status.canonical_reason().unwrap_or("Error"),
+        html! { h1 { (status.as_u16()) " " (status.canonical_reason().unwrap_or("")) } p { (message) } },
+    )
+}
+
+/// At most `max` characters of `s`, marked when cut.
+pub fn shorten(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// A unix-milliseconds time as `YYYY-MM-DD HH:MM:SS UTC`.
+pub fn utc(ms: i64) -> String {
+    if ms <= 0 {
+        return "—".into();
+    }
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+fn seconds(ms: i64) -> String {
+    if ms <= 0 {
+        "—".into()
+    } else {
+        format!("{:.1} s", ms as f64 / 1000.0)
+    }
+}
+
+fn outcome(inv: &Invocation) -> Markup {
+    let ok = inv.exit_code == 0 && !inv.exit_name.is_empty();
+    let name = if inv.exit_name.is_empty() { "no exit code" } else { inv.exit_name.as_str() };
+    html! { span class=(if ok { "ok" } else { "bad" }) { (name) } }
+}
+
+/// Who ran it (a list row has no metadata, but has `user`).
+fn who(inv: &Invocation) -> String {
+    if inv.user.is_empty() {
+        Invocation::user_of(&inv.owner, &inv.metadata)
+    } else {
+        inv.user.clone()
+    }
+}
+
+/// The list of invocations, newest first; `next` is the cursor of the following page.
+pub fn invocations(rows: &[(Invocation, InvocationSummary)], next: Option<i64>) -> Markup {
+    layout(
+        "Invocations",
+        html! {
+            h1 { "Invocations" }
+            @if rows.is_empty() {
+                p { "No invocations yet. Run Bazel with " code { "--bes_backend=grpc://HOST:PORT" } " pointing here." }
+            } @else {
+                table {
+                    tr { th { "Started" } th { "Who" } th { "Command" } th { "Outcome" } th { "Targets" }
+                         th { "Duration" } th { "Remote actions" } th { "Executor ESU·s" } }
+                    @for (inv, s) in rows {
+                        tr {
+                            td { a href={ "/invocations/" (inv.id) } { (utc(inv.started_unix_ms)) } }
+                            td { (who(inv)) }
+                            td { code { (inv.command) " " (shorten(&inv.patterns.join(" "), 80)) } }
+                            td { (outcome(inv)) }
+                            td class="n" { (inv.target_count)
+                                @if inv.failed_targets > 0 { " " span class="bad" { "(" (inv.failed_targets) " failed)" } } }
+                            td class="n" { (seconds(inv.finished_unix_ms - inv.started_unix_ms)) }
+                            td class="n" { (s.actions) }
+                            td class="n" { (format!("{:.1}", s.executor_esu_seconds)) }
+                        }
+                    }
+                }
+                @if let Some(before) = next {
+                    p { a href={ "/invocations?before=" (before) } { "Older →" } }
+                }
+            }
+        },
+    )
+}
+
+/// A `/blobs/HASH/SIZE` link for a `bytestream://…/blobs/HASH/SIZE` URI.
+pub fn blob_link(uri: &str) -> Option<String> {
+    let rest = uri.strip_prefix("bytestream://")?;
+    let (_, tail) = rest.split_once("/blobs/")?;
+    let (hash, size) = tail.split_once('/')?;
+    let ok = hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()) && size.parse::<u64>().is_ok();
+    ok.then(|| format!("/blobs/{hash}/{size}"))
+}
+
+/// One invocation: what the Build Event Service stored (if it did) and the remote actions
+/// the execution log holds for it, dearest first.
+pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) -> Markup {
+    let mut by_cost: Vec<&ActionRecord> = actions.iter().collect();
+    by_cost.sort_by(|a, b| b.esu_seconds().total_cmp(&a.esu_seconds()));
+    let esu: f64 = actions.iter().map(ActionRecord::esu_seconds).sum();
+    let cpu: f64 = actions.iter().map(|a| a.user_cpu_seconds + a.system_cpu_seconds).sum();
+    layout(
+        &format!("Invocation {}", shorten(id, 40)),
+        html! {
+            h1 { "Invocation " code { (id) } }
+            @match inv {
+                None => p class="dim" { "No build events were received for it; only its remote actions are known." },
+                Some(inv) => {
+                    p { code { "bazel " (inv.command) " " (inv.patterns.join(" ")) } " — " (outcome(inv))
+                        " (exit code " (inv.exit_code) ")" }
+                    p { "Started " (utc(inv.started_unix_ms)) ", took " (seconds(inv.finished_unix_ms - inv.started_unix_ms))
+                        @if !who(inv).is_empty() { ", by " (who(inv)) } "." }
+                    @if !inv.options.is_empty() { p { "Options: " code { (inv.options.join(" ")) } } }
+                    @if !inv.metadata.is_empty() {
+                        details { summary { "Build metadata (" (inv.metadata.len()) ")" }
+                            table { @for (k, v) in &inv.metadata { tr { td { code { (k) } } td { (v) } } } } }
+                    }
+                    h2 { "Targets (" (inv.targets.len()) ")" }
+                    table {
+                        tr { th { "Target" } th { "Kind" } th { "Outcome" } }
+                        @for t in &inv.targets {
+                            tr {
+                                td { code { (t.label) } }
+                                td { (t.kind) }
+                                td { @match t.success {
+                                    Some(true) => span class="ok" { "built" },
+                                    Some(false) => span class="bad" { "failed" },
+                                    None => span class="dim" { "not completed" },
+                                } }
+                            }
+                        }
+                    }
+                    @if !inv.tests.is_empty() {
+                        h2 { "Tests (" (inv.tests.len()) ")" }
+                        table {
+                            tr { th { "Test" } th { "Status" } th { "Run / shard / attempt" } th { "Duration" } th { "Logs" } }
+                            @for t in &inv.tests {
+                                tr {
+                                    td { code { (t.label) } }
+                                    td { span class=(if t.status == "PASSED" { "ok" } else { "bad" }) { (t.status) }
+                                         @if t.cached_locally { " " span class="dim" { "(cached)" } } }
+                                    td class="n" { (t.run) " / " (t.shard) " / " (t.attempt) }
+                                    td class="n" { (seconds(t.duration_ms)) }
+                                    td { @for (name, uri) in &t.logs {
+                                        @match blob_link(uri) {
+                                            Some(link) => { a href=(link) { (name) } " " },
+                                            None => { span class="dim" title=(uri) { (name) } " " },
+                                        }
+                                    } }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            h2 { "Remote actions (" (actions.len()) ")" }
+            @if actions.is_empty() {
+                p class="dim" { "None ran on gantry's executors (all cached, or run locally)." }
+            } @else {
+                p { (format!("{esu:.1}")) " ESU·s of executor time, " (format!("{cpu:.1}")) " s of CPU. Dearest first." }
+                table {
+                    tr { th { "Mnemonic" } th { "Target" } th { "Worker" } th { "Size class" } th { "Peak MiB" }
+                         th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
+                    @for a in by_cost {
+                        tr {
+                            td { (a.action_mnemonic) }
+                            td { code { (a.target_id) } }
+                            td { (a.worker) }
+                            td class="n" { (a.size_class) }
+                            td class="n" { (format!("{:.1}", a.peak_memory_bytes as f64 / (1u64 << 20) as f64)) }
+                            td class="n" { (format!("{:.2}", a.user_cpu_seconds + a.system_cpu_seconds)) }
+                            td class="n" { (format!("{:.2}", a.queued_seconds)) }
+                            td class="n" { (format!("{:.2}", a.wall_seconds)) }
+                            td class="n" { (format!("{:.2}", a.esu_seconds())) }
+                            td class="n" { span class=(if a.exit_code == 0 && a.status_code == 0 { "ok" } else { "bad" }) { (a.exit_code) } }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gantry_core::{TargetOutcome, TestOutcome};
+
+    #[test]
+    fn markup_in_names_and_logs_is_shown_not_run() {
+        let evil = "<script>alert(1)</script>";
+        let inv = Invocation {
+            id: "i".into(),
+            command: "test".into(),
+            patterns: vec![evil.into()],
+            targets: vec![TargetOutcome { label: evil.into(), kind: "genrule rule".into(), success: Some(true) }],
+            tests: vec![TestOutcome {
+                label: evil.into(),
+                status: "FAILED".into(),
+                logs: vec![(evil.into(), format!("bytestream://h/blobs/{}/3", "a".repeat(64)))],
+                ..Default::default()
+            }],
+            metadata: [(evil.to_string(), evil.to_string())].into(),
+            ..Default::default()
+        };
+        let action = ActionRecord { action_mnemonic: evil.into(), target_id: evil.into(), ..Default::default() };
+        let page = invocation(evil, Some(&inv), &[action]).into_string();
+        assert!(!page.contains(evil), "unescaped markup in the page");
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+        let list = invocations(&[(inv, InvocationSummary::default())], Some(5)).into_string();
+        assert!(!list.contains(evil) && list.contains("&lt;script&gt;"));
+        assert!(!error(StatusCode::NOT_FOUND, evil).into_string().contains(evil));
+    }
+
+    #[test]
+    fn times_links_and_names() {
+        assert_eq!(utc(0), "—");
+        assert_eq!(utc(1_700_000_000_123), "2023-11-14 22:13:20 UTC");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+        let h = "0".repeat(64);
+        assert_eq!(blob_link(&format!("bytestream://x:1/blobs/{h}/12")), Some(format!("/blobs/{h}/12")));
+        assert_eq!(blob_link(&format!("bytestream://x:1/inst/blobs/{h}/12")), Some(format!("/blobs/{h}/12")));
+        assert_eq!(blob_link("bytestream://x/blobs/zz/1"), None);
+        assert_eq!(blob_link("file:///tmp/test.log"), None);
+        assert_eq!(shorten("abcdef", 3), "abc…");
+        assert_eq!(shorten("ab", 3), "ab");
+    }
+}
