@@ -143,7 +143,7 @@ impl Services {
 
     /// Adds the web pages over `invocations`, `log` and the CAS.
     pub fn with_web(mut self, invocations: Arc<dyn gantry_core::InvocationStore>, log: Arc<dyn ExecutionLog>) -> Self {
-        self.web = Some(Arc::new(gantry_web::Web { invocations, log, cas: self.cas.clone() }));
+        self.web = Some(Arc::new(gantry_web::Web { invocations, log, cas: self.cas.clone(), ac: self.ac.clone() }));
         self
     }
 

@@ -1,8 +1,9 @@
 //! gantry-web owns the web UI on the HTTP port: server-rendered HTML (maud, so every value
 //! is escaped and templates are checked at compile time), no JavaScript needed, nothing
 //! fetched from elsewhere. Today's pages: the invocations the Build Event Service stored
-//! (a paged list, newest first) and one invocation with its targets, tests (logs linked
-//! into the CAS) and remote actions by cost; and a CAS blob shown as text. Handlers read
+//! (a paged list, newest first); one invocation with its targets, tests (logs linked
+//! into the CAS) and remote actions by cost; one action (its command line, environment,
+//! platform, result, outputs, stdout and stderr); and a CAS blob shown as text. Handlers read
 //! the core traits only; the rendering is in [`pages`], plain functions of their data.
 
 pub mod pages;
@@ -13,8 +14,9 @@ use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
-use gantry_core::{BlobStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore};
+use gantry_core::{ActionCache, BlobStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore};
 use http::{header, StatusCode};
+use prost::Message;
 
 /// Invocations per list page.
 pub const PAGE_SIZE: usize = 50;
@@ -26,6 +28,7 @@ pub struct Web {
     pub invocations: Arc<dyn InvocationStore>,
     pub log: Arc<dyn ExecutionLog>,
     pub cas: Arc<dyn BlobStore>,
+    pub ac: Arc<dyn ActionCache>,
 }
 
 /// The pages, to be merged into the HTTP router.
@@ -35,6 +38,7 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/invocations", get(list))
         .route("/invocations/", get(|| async { Redirect::to("/invocations") }))
         .route("/invocations/{id}", get(one))
+        .route("/actions/{hash}/{size}", get(action))
         .route("/blobs/{hash}/{size}", get(blob))
         .with_state(web)
 }
@@ -46,6 +50,7 @@ pub fn disabled(why: &'static str) -> Router {
         .route("/", get(refuse))
         .route("/invocations", get(refuse))
         .route("/invocations/{*rest}", get(refuse))
+        .route("/actions/{*rest}", get(refuse))
         .route("/blobs/{*rest}", get(refuse))
 }
 
@@ -104,6 +109,80 @@ async fn one(State(web): State<Arc<Web>>, Path(id): Path<String>) -> Response {
     pages::invocation(&id, inv.as_ref(), &actions).into_response()
 }
 
+/// `instance=` from the query string, percent-decoded (the pages encode every byte but
+/// letters and digits).
+fn instance(query: Option<&str>) -> Result<String, String> {
+    let Some(v) = query.into_iter().flat_map(|q| q.split('&')).find_map(|p| p.strip_prefix("instance=")) else {
+        return Ok(String::new());
+    };
+    let mut out = Vec::new();
+    let mut bytes = v.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex = [bytes.next(), bytes.next()];
+            let pair = match hex {
+                [Some(a), Some(b)] => std::str::from_utf8(&[a, b]).ok().and_then(|h| u8::from_str_radix(h, 16).ok()),
+                _ => None,
+            };
+            out.push(pair.ok_or("instance: malformed percent-encoding")?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).map_err(|_| "instance: not UTF-8".to_string())
+}
+
+/// Reads a small proto from the CAS: None when it is not there.
+async fn read_proto<T: Message + Default>(web: &Web, digest: &Digest, what: &str) -> Result<Option<T>, Response> {
+    if digest.size > MAX_BLOB_VIEW {
+        return Err(failure(StatusCode::PAYLOAD_TOO_LARGE, &format!("the {what} has {} bytes", digest.size)));
+    }
+    match web.cas.get(digest).await {
+        Ok(bytes) => T::decode(bytes).map(Some).map_err(|e| {
+            failure(StatusCode::UNPROCESSABLE_ENTITY, &format!("the {what} {digest} does not decode: {e}"))
+        }),
+        Err(Error::NotFound(_)) => Ok(None),
+        Err(e) => Err(server_error(e)),
+    }
+}
+
+async fn action(
+    State(web): State<Arc<Web>>,
+    Path((hash, size)): Path<(String, i64)>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let digest = match Digest::parse(DigestFunction::Sha256, &hash, size) {
+        Ok(d) => d,
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    let instance = match instance(query.as_deref()) {
+        Ok(i) => i,
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
+    };
+    let action: Option<gantry_core::reapi::Action> = match read_proto(&web, &digest, "action").await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let command_digest = action
+        .as_ref()
+        .and_then(|a| Digest::from_proto(DigestFunction::Sha256, a.command_digest.as_ref(), "command_digest").ok());
+    let command: Option<gantry_core::reapi::Command> = match &command_digest {
+        Some(d) => match read_proto(&web, d, "command").await {
+            Ok(c) => c,
+            Err(r) => return r,
+        },
+        None => None,
+    };
+    let result = match web.ac.get(&instance, &digest).await {
+        Ok(r) => r,
+        Err(e) => return server_error(e),
+    };
+    if action.is_none() && result.is_none() {
+        return failure(StatusCode::NOT_FOUND, "neither the action nor a result for it is stored");
+    }
+    pages::action(&instance, &digest, action.as_ref(), command.as_ref(), result.as_ref()).into_response()
+}
+
 async fn blob(State(web): State<Arc<Web>>, Path((hash, size)): Path<(String, i64)>) -> Response {
     let digest = match Digest::parse(DigestFunction::Sha256, &hash, size) {
         Ok(d) => d,
@@ -136,5 +215,15 @@ mod tests {
         assert_eq!(before(Some("before=123")), Ok(Some(123)));
         assert_eq!(before(Some("x=1&before=-5")), Ok(Some(-5)));
         assert!(before(Some("before=<script>")).unwrap_err().contains("not a time"));
+    }
+
+    #[test]
+    fn the_instance_is_percent_decoded_and_checked() {
+        assert_eq!(instance(None).unwrap(), "");
+        assert_eq!(instance(Some("instance=my%2Finstance")).unwrap(), "my/instance");
+        assert_eq!(instance(Some("a=1&instance=")).unwrap(), "");
+        assert!(instance(Some("instance=%2")).is_err());
+        assert!(instance(Some("instance=%ff%fe")).is_err(), "not UTF-8");
+        assert_eq!(instance(Some(&format!("instance={}", pages::percent_encode("dev/x y")))).unwrap(), "dev/x y");
     }
 }

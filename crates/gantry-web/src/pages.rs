@@ -2,7 +2,8 @@
 //! name or a log line holding markup is shown, never run; only the constant style sheet
 //! goes in unescaped.
 
-use gantry_core::{ActionRecord, Invocation, InvocationSummary};
+use gantry_core::reapi;
+use gantry_core::{ActionRecord, Digest, Invocation, InvocationSummary};
 use http::StatusCode;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 
@@ -132,6 +133,99 @@ pub fn blob_link(uri: &str) -> Option<String> {
     ok.then(|| format!("/blobs/{hash}/{size}"))
 }
 
+/// Every byte but ASCII letters and digits as `%XX`.
+pub fn percent_encode(s: &str) -> String {
+    s.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+}
+
+/// The page of an executed action, from its record (`hash/size` and instance).
+pub fn action_link(instance: &str, action_digest: &str) -> Option<String> {
+    let (hash, size) = action_digest.split_once('/')?;
+    let ok = hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()) && size.parse::<u64>().is_ok();
+    ok.then(|| format!("/actions/{hash}/{size}?instance={}", percent_encode(instance)))
+}
+
+fn digest_link(d: Option<&reapi::Digest>) -> Option<(String, i64)> {
+    let d = d?;
+    let ok = d.hash.len() == 64 && d.hash.bytes().all(|b| b.is_ascii_hexdigit()) && d.size_bytes >= 0;
+    ok.then(|| (format!("/blobs/{}/{}", d.hash, d.size_bytes), d.size_bytes))
+}
+
+/// One action: its command (argv, environment, platform), and its cached result (exit
+/// code, stdout and stderr, outputs), each blob linked.
+pub fn action(
+    instance: &str,
+    digest: &Digest,
+    action: Option<&reapi::Action>,
+    command: Option<&reapi::Command>,
+    result: Option<&reapi::ActionResult>,
+) -> Markup {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    layout(
+        &format!("Action {}", shorten(&digest.hash_hex(), 12)),
+        html! {
+            h1 { "Action " code { (digest.hash_hex()) "/" (digest.size) } }
+            p { "Instance: " code { (if instance.is_empty() { "(default)" } else { instance }) } }
+            @match command {
+                None => p class="dim" { "Its Action or Command is not in the CAS (any more)." },
+                Some(c) => {
+                    h2 { "Command" }
+                    pre { code { (c.arguments.iter().map(|a| shorten(a, 2000)).collect::<Vec<_>>().join(" ")) } }
+                    @if !c.working_directory.is_empty() { p { "Working directory: " code { (c.working_directory) } } }
+                    @if !c.environment_variables.is_empty() {
+                        h2 { "Environment" }
+                        table { @for v in &c.environment_variables { tr { td { code { (v.name) } } td { code { (v.value) } } } } }
+                    }
+                }
+            }
+            @if let Some(a) = action {
+                @let props = a.platform.as_ref().map(|p| p.properties.as_slice()).unwrap_or_default();
+                @if !props.is_empty() {
+                    h2 { "Platform" }
+                    table { @for p in props { tr { td { code { (p.name) } } td { (p.value) } } } }
+                }
+                p { "Timeout: " (a.timeout.as_ref().map_or("server default".to_string(), |t| format!("{} s", t.seconds)))
+                    @if a.do_not_cache { " · not cached" } }
+            }
+            h2 { "Result" }
+            @match result {
+                None => p class="dim" { "No result in the action cache (it failed, was not cached, or expired)." },
+                Some(r) => {
+                    p { "Exit code " span class=(if r.exit_code == 0 { "ok" } else { "bad" }) { (r.exit_code) }
+                        @if let Some(md) = &r.execution_metadata { " on " (md.worker) } }
+                    @for (name, raw, d) in [("stdout", &r.stdout_raw, r.stdout_digest.as_ref()), ("stderr", &r.stderr_raw, r.stderr_digest.as_ref())] {
+                        h3 { (name) }
+                        @if !raw.is_empty() {
+                            pre { (text(raw)) }
+                        } @else {
+                            @match digest_link(d) {
+                                Some((link, 0)) => p class="dim" { "empty" a href=(link) {} },
+                                Some((link, size)) => p { a href=(link) { (name) " (" (size) " bytes)" } },
+                                None => p class="dim" { "none" },
+                            }
+                        }
+                    }
+                    @if !r.output_files.is_empty() {
+                        h2 { "Output files" }
+                        table {
+                            tr { th { "Path" } th { "Size" } }
+                            @for f in &r.output_files {
+                                tr {
+                                    td { @match digest_link(f.digest.as_ref()) {
+                                        Some((link, _)) => a href=(link) { code { (f.path) } },
+                                        None => code { (f.path) },
+                                    } }
+                                    td class="n" { (f.digest.as_ref().map_or(0, |d| d.size_bytes)) }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
 /// One invocation: what the Build Event Service stored (if it did) and the remote actions
 /// the execution log holds for it, dearest first.
 pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) -> Markup {
@@ -203,7 +297,10 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) 
                          th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
                     @for a in by_cost {
                         tr {
-                            td { (a.action_mnemonic) }
+                            td { @match action_link(&a.instance, &a.action_digest) {
+                                Some(link) => a href=(link) { (if a.action_mnemonic.is_empty() { "action" } else { &a.action_mnemonic }) },
+                                None => (a.action_mnemonic),
+                            } }
                             td { code { (a.target_id) } }
                             td { (a.worker) }
                             td class="n" { (a.size_class) }

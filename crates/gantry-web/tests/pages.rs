@@ -6,12 +6,14 @@
 use std::sync::Arc;
 
 use axum::body::Body;
+use gantry_core::{reapi, ActionCache};
 use gantry_core::{
     ActionRecord, BlobStore, DigestFunction, ExecutionLog, Invocation, InvocationStore, TargetOutcome, TestOutcome,
 };
-use gantry_store::{MemoryStore, MetadataDb, SqlExecutionLog, SqlInvocationStore};
+use gantry_store::{MemoryStore, MetadataDb, SqlActionCache, SqlExecutionLog, SqlInvocationStore};
 use gantry_web::{router, Web};
 use http::{Request, StatusCode};
+use prost::Message;
 use tower::ServiceExt;
 
 async fn get(app: &axum::Router, uri: &str) -> (StatusCode, String) {
@@ -21,18 +23,29 @@ async fn get(app: &axum::Router, uri: &str) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&bytes).into_owned())
 }
 
-async fn web(db: &MetadataDb) -> (axum::Router, Arc<SqlInvocationStore>, Arc<SqlExecutionLog>, Arc<MemoryStore>) {
+type Stores = (Arc<SqlInvocationStore>, Arc<SqlExecutionLog>, Arc<MemoryStore>, Arc<SqlActionCache>);
+
+async fn web(db: &MetadataDb) -> (axum::Router, Stores) {
     let invocations = Arc::new(SqlInvocationStore::new(db.clone()));
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let cas = Arc::new(MemoryStore::new(1 << 30));
-    let app = router(Arc::new(Web { invocations: invocations.clone(), log: log.clone(), cas: cas.clone() }));
-    (app, invocations, log, cas)
+    let ac = Arc::new(SqlActionCache::new(db.clone()));
+    let web = Web { invocations: invocations.clone(), log: log.clone(), cas: cas.clone(), ac: ac.clone() };
+    (router(Arc::new(web)), (invocations, log, cas, ac))
+}
+
+/// Puts `message` in the CAS and returns its digest.
+async fn put_proto(cas: &MemoryStore, message: &impl Message) -> gantry_core::Digest {
+    let bytes = bytes::Bytes::from(message.encode_to_vec());
+    let d = DigestFunction::Sha256.digest_of(&bytes);
+    cas.put(&d, bytes).await.unwrap();
+    d
 }
 
 #[tokio::test]
 async fn an_invocation_page_links_targets_tests_logs_and_actions() {
     let db = MetadataDb::open("sqlite::memory:").await.unwrap();
-    let (app, invocations, log, cas) = web(&db).await;
+    let (app, (invocations, log, cas, ac)) = web(&db).await;
     assert!(get(&app, "/invocations").await.1.contains("No invocations yet"));
 
     let test_log = bytes::Bytes::from_static(b"GANTRY_TEST_LOG <b>not bold</b>\n");
@@ -57,7 +70,24 @@ async fn an_invocation_page_links_targets_tests_logs_and_actions() {
         ..Default::default()
     };
     invocations.put(&inv).await.unwrap();
+    // The action it ran: its Command and Action in the CAS, its result in the action cache.
+    let command = reapi::Command {
+        arguments: vec!["/bin/sh".into(), "-c".into(), "echo <hello>".into()],
+        environment_variables: vec![reapi::command::EnvironmentVariable { name: "PATH".into(), value: "/bin".into() }],
+        ..Default::default()
+    };
+    let command_digest = put_proto(&cas, &command).await;
+    let action_proto = reapi::Action { command_digest: Some(command_digest.to_proto()), ..Default::default() };
+    let action_digest = put_proto(&cas, &action_proto).await;
+    let stdout = bytes::Bytes::from_static(b"hello from the action\n");
+    let stdout_digest = DigestFunction::Sha256.digest_of(&stdout);
+    cas.put(&stdout_digest, stdout).await.unwrap();
+    let result =
+        reapi::ActionResult { exit_code: 0, stdout_digest: Some(stdout_digest.to_proto()), ..Default::default() };
+    ac.put("my/instance", &action_digest, &result).await.unwrap();
     let action = ActionRecord {
+        instance: "my/instance".into(),
+        action_digest: action_digest.to_string(),
         tool_invocation_id: "inv-1".into(),
         action_mnemonic: "Genrule".into(),
         target_id: "//pkg:lib".into(),
@@ -86,6 +116,17 @@ async fn an_invocation_page_links_targets_tests_logs_and_actions() {
     let (status, text) = get(&app, &link).await;
     assert_eq!((status, text.as_str()), (StatusCode::OK, "GANTRY_TEST_LOG <b>not bold</b>\n"));
 
+    // From the invocation to its action, then to the action's stdout.
+    let action_link = format!("/actions/{}/{}?instance=my%2Finstance", action_digest.hash_hex(), action_digest.size);
+    assert!(page.contains(&format!("href=\"{}\"", action_link.replace('&', "&amp;"))), "{page}");
+    let (status, action_page) = get(&app, &action_link).await;
+    assert_eq!(status, StatusCode::OK, "{action_page}");
+    assert!(action_page.contains("/bin/sh -c echo &lt;hello&gt;") && action_page.contains("PATH"), "{action_page}");
+    let stdout_link = format!("/blobs/{}/{}", stdout_digest.hash_hex(), stdout_digest.size);
+    assert!(action_page.contains(&stdout_link), "{action_page}");
+    assert_eq!(get(&app, &stdout_link).await.1, "hello from the action\n");
+    assert_eq!(get(&app, &format!("/actions/{}/9", "0".repeat(64))).await.0, StatusCode::NOT_FOUND);
+
     assert_eq!(get(&app, "/invocations/nope").await.0, StatusCode::NOT_FOUND);
     assert_eq!(get(&app, &format!("/blobs/{}/5", "0".repeat(64))).await.0, StatusCode::NOT_FOUND);
     assert_eq!(get(&app, "/blobs/xyz/5").await.0, StatusCode::BAD_REQUEST);
@@ -97,7 +138,7 @@ async fn an_invocation_page_links_targets_tests_logs_and_actions() {
 async fn the_first_page_of_100000_invocations_renders_fast() {
     let dir = tempfile::tempdir().unwrap();
     let db = MetadataDb::open(&format!("sqlite://{}", dir.path().join("m.db").display())).await.unwrap();
-    let (app, _, _, _) = web(&db).await;
+    let (app, _) = web(&db).await;
     // Written in one transaction: the test is about reading.
     let mut tx = db.pool().begin().await.unwrap();
     for i in 0..100_000i64 {
