@@ -421,6 +421,87 @@ impl Drop for S3Server {
     }
 }
 
+/// chromedriver (Debian's `chromium-driver`) on a free loopback port, driving headless
+/// Chromium for page tests; killed on drop (and with the test process).
+pub struct ChromeDriver {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl ChromeDriver {
+    pub fn start() -> Option<ChromeDriver> {
+        match Self::try_start() {
+            Ok(d) => Some(d),
+            Err(e) => unavailable("chromedriver (Debian's chromium and chromium-driver)", &e),
+        }
+    }
+
+    fn try_start() -> Result<ChromeDriver, String> {
+        let dir = tempfile::Builder::new().prefix("gantry-chromedriver-").tempdir().map_err(|e| e.to_string())?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("finding a free port: {e}"))?
+            .port();
+        let log_path = dir.path().join("chromedriver.log");
+        let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
+        let mut cmd = Command::new("chromedriver");
+        cmd.args([format!("--port={port}"), "--allowed-ips=127.0.0.1".into()])
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log);
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| format!("starting chromedriver: {e}"))?;
+        let start = Instant::now();
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Ok(ChromeDriver { child, port, _dir: dir });
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "chromedriver exited with {status}: {}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                ));
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                let _ = child.kill();
+                return Err("chromedriver not listening after 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The WebDriver URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Capabilities for headless Chromium: no sandbox (tests may run as root), no GPU, a
+    /// fixed window size so screenshots are comparable.
+    pub fn headless_chromium() -> serde_json::Map<String, serde_json::Value> {
+        let options = serde_json::json!({
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"],
+        });
+        let mut caps = serde_json::Map::new();
+        caps.insert("browserName".into(), "chrome".into());
+        caps.insert("goog:chromeOptions".into(), options);
+        caps
+    }
+}
+
+impl Drop for ChromeDriver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

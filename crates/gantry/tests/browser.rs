@@ -1,0 +1,85 @@
+//! The web pages in a real browser (headless Chromium through chromedriver), after a real
+//! Bazel 4.2.3 build with remote execution and --bes_backend against a real gantry: a
+//! person opens the invocation, sees its targets and an action's peak memory, follows the
+//! action and then its stdout. Screenshots of each page are saved as test artifacts.
+
+mod common;
+
+use common::{BazelWorkspace, GantryServer};
+use fantoccini::{ClientBuilder, Locator};
+use gantry_testkit::ChromeDriver;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
+    let Some(driver) = ChromeDriver::start() else { return };
+    // The WebDriver client's TLS stack needs a process-wide provider: gantry's (ring).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let data = tempfile::tempdir().unwrap();
+    let server = GantryServer::start(data.path(), &[]);
+    let ws = BazelWorkspace::new();
+    // A target whose action prints something: its stdout is what the person looks for.
+    let mut build = std::fs::read_to_string(ws.ws().join("BUILD")).unwrap();
+    build.push_str(
+        "\ngenrule(\n    name = \"noisy\",\n    outs = [\"noisy.txt\"],\n    cmd = \"echo GANTRY_STDOUT_MARKER_42; echo done > $@\",\n)\n",
+    );
+    std::fs::write(ws.ws().join("BUILD"), build).unwrap();
+    let invocation = uuid::Uuid::new_v4().to_string();
+    let flags = vec![
+        format!("--remote_executor=grpc://{}", server.grpc),
+        "--remote_timeout=120".to_string(),
+        format!("--invocation_id={invocation}"),
+        format!("--bes_backend=grpc://{}", server.grpc),
+        format!("--bes_results_url=http://{}/invocations/", server.http),
+        "//:noisy".to_string(),
+        "//:chain_c".to_string(),
+    ];
+    let built = tokio::task::spawn_blocking(move || ws.bazel_with_strategy("build", &flags, "remote").status.success())
+        .await
+        .unwrap();
+    assert!(built, "the Bazel build failed");
+
+    let shots = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let c = ClientBuilder::rustls()
+        .expect("rustls")
+        .capabilities(ChromeDriver::headless_chromium())
+        .connect(&driver.url())
+        .await
+        .expect("a Chromium session");
+    let shoot = |name: &'static str| {
+        let (c, shots) = (c.clone(), shots.clone());
+        async move {
+            let png = c.screenshot().await.unwrap();
+            let path = shots.join(format!("{name}.png"));
+            std::fs::write(&path, png).unwrap();
+            eprintln!("screenshot: {}", path.display());
+        }
+    };
+
+    // The list links to the invocation.
+    c.goto(&format!("http://{}/invocations", server.http)).await.unwrap();
+    shoot("invocations").await;
+    c.find(Locator::Css(&format!("a[href='/invocations/{invocation}']"))).await.unwrap().click().await.unwrap();
+    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
+    shoot("invocation").await;
+    assert!(body.contains("//:noisy") && body.contains("//:chain_c"), "the target list: {body}");
+    assert!(body.contains("Peak MiB"), "{body}");
+    // An action's peak memory: the Peak MiB cell of the first action row is a number.
+    let peak = c.find(Locator::XPath("//tr[td/a[starts-with(@href,'/actions/')]][1]/td[5]")).await.unwrap();
+    let peak: f64 = peak.text().await.unwrap().trim().parse().expect("a peak memory in MiB");
+    assert!(peak > 0.0, "{peak}");
+
+    // Follow the noisy genrule's action, then its stdout.
+    let row =
+        c.find(Locator::XPath("//tr[td/code[text()='//:noisy']][td/a[starts-with(@href,'/actions/')]]")).await.unwrap();
+    row.find(Locator::Css("a[href^='/actions/']")).await.unwrap().click().await.unwrap();
+    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
+    shoot("action").await;
+    assert!(body.contains("GANTRY_STDOUT_MARKER_42") && body.contains("Exit code 0"), "the action page: {body}");
+    c.find(Locator::XPath("//a[starts-with(text(),'stdout')]")).await.unwrap().click().await.unwrap();
+    let stdout = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
+    shoot("stdout").await;
+    assert_eq!(stdout.trim(), "GANTRY_STDOUT_MARKER_42", "what the person reads");
+    c.close().await.unwrap();
+    server.stop();
+}
