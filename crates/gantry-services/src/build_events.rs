@@ -154,14 +154,15 @@ impl Accumulator {
             .or_insert_with(|| TargetOutcome { label: label.to_string(), ..Default::default() }))
     }
 
-    /// The invocation, with its targets in label order.
-    pub fn finish(mut self) -> Invocation {
-        self.invocation.targets = std::mem::take(&mut self.targets).into_values().collect();
-        self.invocation.user = Invocation::user_of(&self.invocation.owner, &self.invocation.metadata);
-        self.invocation.target_count = self.invocation.targets.len() as u64;
-        self.invocation.failed_targets =
-            self.invocation.targets.iter().filter(|t| t.success == Some(false)).count() as u64;
-        self.invocation
+    /// The invocation so far, with its targets in label order. A copy: if storing it
+    /// fails, the stream's state stays whole for Bazel's retry.
+    pub fn snapshot(&self) -> Invocation {
+        let mut inv = self.invocation.clone();
+        inv.targets = self.targets.values().cloned().collect();
+        inv.user = Invocation::user_of(&inv.owner, &inv.metadata);
+        inv.target_count = inv.targets.len() as u64;
+        inv.failed_targets = inv.targets.iter().filter(|t| t.success == Some(false)).count() as u64;
+        inv
     }
 }
 
@@ -218,7 +219,6 @@ impl BuildEventService {
             )));
         }
         let event = o.event.ok_or_else(|| invalid("ordered_build_event.event: required"))?;
-        p.next_sequence += 1;
         p.since = Some(Instant::now());
         p.acc.invocation.id = key.1.clone();
         p.acc.invocation.build_id = key.0.clone();
@@ -231,13 +231,18 @@ impl BuildEventService {
                 let e = bep::BuildEvent::decode(any.value.as_slice())
                     .map_err(|e| invalid(format!("bazel_event: undecodable build_event_stream.BuildEvent: {e}")))?;
                 p.acc.apply(&e)?;
+                p.next_sequence += 1;
                 Ok(Step::Ack(ack))
             }
+            // Counted as applied only once stored (by the caller, which then drops the
+            // state): a failed store leaves it to be sent again.
             Some(bes::build_event::Event::ComponentStreamFinished(_)) => {
-                let (_, p) = state.take().expect("set above");
-                Ok(Step::Finish(Box::new(p.acc.finish()), ack))
+                Ok(Step::Finish(Box::new(p.acc.snapshot()), ack))
             }
-            _ => Ok(Step::Ack(ack)),
+            _ => {
+                p.next_sequence += 1;
+                Ok(Step::Ack(ack))
+            }
         }
     }
 
@@ -302,7 +307,11 @@ impl bes::publish_build_event_server::PublishBuildEvent for BuildEventService {
                     let reply = match service.step(&mut state, req, &owner) {
                         Ok(Step::Ack(ack)) => Ok(ack),
                         Ok(Step::Finish(invocation, ack)) => match service.store.put(&invocation).await {
-                            Ok(()) => Ok(ack),
+                            Ok(()) => {
+                                state = None;
+                                Ok(ack)
+                            }
+                            // The state is kept, last event unapplied, for the retry.
                             Err(e) => {
                                 tracing::error!(invocation = %invocation.id, error = %e, "could not store an invocation");
                                 Err(Status::from(e))
@@ -325,5 +334,95 @@ impl bes::publish_build_event_server::PublishBuildEvent for BuildEventService {
             span,
         ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoStore;
+    #[tonic::async_trait]
+    impl InvocationStore for NoStore {
+        async fn put(&self, _: &Invocation) -> gantry_core::Result<()> {
+            Err(gantry_core::Error::Unavailable("down".into()))
+        }
+        async fn get(&self, _: &str) -> gantry_core::Result<Option<Invocation>> {
+            Ok(None)
+        }
+        async fn list(&self, _: usize, _: Option<i64>) -> gantry_core::Result<Vec<Invocation>> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn req(seq: i64, event: bes::build_event::Event) -> bes::PublishBuildToolEventStreamRequest {
+        bes::PublishBuildToolEventStreamRequest {
+            ordered_build_event: Some(bes::OrderedBuildEvent {
+                stream_id: Some(bes::StreamId { build_id: "b".into(), invocation_id: "i".into(), component: 3 }),
+                sequence_number: seq,
+                event: Some(bes::BuildEvent { event_time: None, event: Some(event) }),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn started(seq: i64) -> bes::PublishBuildToolEventStreamRequest {
+        let e = bep::BuildEvent {
+            payload: Some(bep::build_event::Payload::Started(bep::BuildStarted {
+                command: "build".into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let any = prost_types::Any { type_url: BAZEL_EVENT_TYPE.into(), value: e.encode_to_vec() };
+        req(seq, bes::build_event::Event::BazelEvent(any))
+    }
+
+    fn last(seq: i64) -> bes::PublishBuildToolEventStreamRequest {
+        req(
+            seq,
+            bes::build_event::Event::ComponentStreamFinished(bes::build_event::BuildComponentStreamFinished {
+                r#type: 1,
+            }),
+        )
+    }
+
+    #[test]
+    fn events_apply_once_in_order_and_the_last_one_waits_for_its_store() {
+        let s = BuildEventService::new(Arc::new(NoStore));
+        let mut state = None;
+        assert!(matches!(s.step(&mut state, started(1), ""), Ok(Step::Ack(a)) if a.sequence_number == 1));
+        // Sent again (its ack was lost): acknowledged, not applied twice.
+        assert!(matches!(s.step(&mut state, started(1), ""), Ok(Step::Ack(_))));
+        let err = s.step(&mut state, started(5), "").err().expect("out of order");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("5 out of order, expected 2"), "{}", err.message());
+        // The last event: the invocation to store, the state still there.
+        let Ok(Step::Finish(inv, ack)) = s.step(&mut state, last(2), "alice") else { panic!("finish") };
+        assert_eq!((inv.command.as_str(), inv.owner.as_str(), ack.sequence_number), ("build", "alice", 2));
+        // Its store failed, so the caller kept the state: the retry's last event finishes again.
+        assert!(matches!(s.step(&mut state, last(2), "alice"), Ok(Step::Finish(..))));
+        // A stream for another invocation on the same connection is refused.
+        let mut other = started(3);
+        other.ordered_build_event.as_mut().unwrap().stream_id.as_mut().unwrap().invocation_id = "j".into();
+        assert_eq!(s.step(&mut state, other, "").err().unwrap().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_broken_stream_is_resumed_from_what_was_kept() {
+        let s = BuildEventService::new(Arc::new(NoStore));
+        let mut state = None;
+        assert!(s.step(&mut state, started(1), "").is_ok());
+        let (key, p) = state.take().unwrap();
+        s.keep(key, p);
+        // A new stream resumes at 2; starting again at 1 is a duplicate, acknowledged.
+        let mut resumed = None;
+        assert!(matches!(s.step(&mut resumed, started(1), ""), Ok(Step::Ack(_))));
+        assert!(matches!(s.step(&mut resumed, last(2), ""), Ok(Step::Finish(inv, _)) if inv.command == "build"));
+        // A stream that never began cannot start in the middle.
+        let mut fresh = None;
+        let mut other = last(4);
+        other.ordered_build_event.as_mut().unwrap().stream_id.as_mut().unwrap().invocation_id = "new".into();
+        assert_eq!(s.step(&mut fresh, other, "").err().unwrap().code(), tonic::Code::InvalidArgument);
     }
 }
