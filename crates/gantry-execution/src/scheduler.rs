@@ -551,10 +551,10 @@ impl State {
         }
         let now = Instant::now();
         job.completed_at = Some(now);
-        let id = job.id;
+        let (id, hedged) = (job.id, job.hedge.is_some());
         self.live.remove(&id);
         self.completed.push_back((now, name.to_string()));
-        let mut out = self.drop_hedge(name, true);
+        let mut out = if hedged { self.drop_hedge(name, true) } else { Vec::new() };
         out.extend(self.d.finish(id));
         out
     }

@@ -74,6 +74,16 @@ pub fn shape_groups(mnemonic: &str, argv0: &str, configuration_id: &str) -> Vec<
     groups
 }
 
+/// Inserts into a cache of at most `capacity` entries, evicting arbitrary others to make
+/// room; an entry already there is kept (it may be newer than `value`).
+fn insert_bounded<V>(cache: &mut HashMap<String, V>, capacity: usize, key: &str, value: V) {
+    while cache.len() >= capacity && !cache.contains_key(key) {
+        let Some(victim) = cache.keys().next().cloned() else { break };
+        cache.remove(&victim);
+    }
+    cache.entry(key.to_string()).or_insert(value);
+}
+
 /// A group's prior as stored.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -154,12 +164,7 @@ impl Sizing {
             }),
             None => ActionStats::new(),
         };
-        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        while cache.len() >= self.cache_capacity && !cache.contains_key(key) {
-            let Some(victim) = cache.keys().next().cloned() else { break };
-            cache.remove(&victim);
-        }
-        cache.entry(key.to_string()).or_insert(stats);
+        insert_bounded(&mut self.cache.lock().unwrap_or_else(PoisonError::into_inner), self.cache_capacity, key, stats);
         Ok(())
     }
 
@@ -194,12 +199,12 @@ impl Sizing {
             },
             None => Prior::new(),
         };
-        let mut priors = self.priors.lock().unwrap_or_else(PoisonError::into_inner);
-        while priors.len() >= self.cache_capacity && !priors.contains_key(group) {
-            let Some(victim) = priors.keys().next().cloned() else { break };
-            priors.remove(&victim);
-        }
-        priors.entry(group.to_string()).or_insert(prior);
+        insert_bounded(
+            &mut self.priors.lock().unwrap_or_else(PoisonError::into_inner),
+            self.cache_capacity,
+            group,
+            prior,
+        );
         Ok(())
     }
 
@@ -256,7 +261,8 @@ impl Sizing {
             tracing::error!(key, error = %e, "could not read size class stats; outcome not recorded");
             return;
         }
-        let classes = SizeClasses::new(classes.iter().copied()).ok();
+        // Without groups no prior moves, so the best classes are not worth computing.
+        let classes = SizeClasses::new(classes.iter().copied()).ok().filter(|_| !groups.is_empty());
         let (json, best) = {
             let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
             let stats = cache.entry(key.to_string()).or_default();

@@ -13,6 +13,25 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A free loopback port (free when asked; the caller binds it next).
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("finding a free port: {e}"))
+}
+
+/// Makes the spawned process get `signal` when the thread that spawned it dies, so a
+/// test that dies without dropping its component does not leave it running.
+fn die_with_parent(cmd: &mut Command, signal: libc::c_int) {
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, signal);
+            Ok(())
+        });
+    }
+}
+
 /// True when running under CI, where every component must start.
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
@@ -110,10 +129,7 @@ impl PgServer {
         if !out.status.success() {
             return Err(format!("initdb failed: {}", String::from_utf8_lossy(&out.stderr)));
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("finding a free port: {e}"))?
-            .port();
+        let port = free_port()?;
         let log_path = dir.path().join("postgres.log");
         let log = std::fs::File::create(&log_path).map_err(|e| format!("creating the log: {e}"))?;
         if let Some((uid, gid)) = run_as {
@@ -132,12 +148,7 @@ impl PgServer {
             .stdout(Stdio::null())
             .stderr(log.try_clone().map_err(|e| e.to_string())?);
         // The server must not outlive the test process if it dies without dropping us.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT);
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd, libc::SIGQUIT);
         let child = cmd.spawn().map_err(|e| format!("starting postgres: {e}"))?;
         let mut server = PgServer { child, port, bin: bin.to_path_buf(), dir };
         let start = Instant::now();
@@ -320,10 +331,7 @@ impl S3Server {
         let dir = tempfile::Builder::new().prefix("gantry-s3-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
         let port = match port {
             Some(p) => p,
-            None => std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map_err(|e| format!("finding a free port: {e}"))?
-                .port(),
+            None => free_port()?,
         };
         let log_path = dir.path().join("s3.log");
         let log = std::fs::File::create(&log_path).map_err(|e| format!("creating the log: {e}"))?;
@@ -332,12 +340,7 @@ impl S3Server {
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log);
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd, libc::SIGKILL);
         let child = cmd.spawn().map_err(|e| format!("starting moto_server: {e}"))?;
         let mut server = S3Server { child, port, _dir: dir };
         let start = Instant::now();
@@ -439,10 +442,7 @@ impl ChromeDriver {
 
     fn try_start() -> Result<ChromeDriver, String> {
         let dir = tempfile::Builder::new().prefix("gantry-chromedriver-").tempdir().map_err(|e| e.to_string())?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("finding a free port: {e}"))?
-            .port();
+        let port = free_port()?;
         let log_path = dir.path().join("chromedriver.log");
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let mut cmd = Command::new("chromedriver");
@@ -451,12 +451,7 @@ impl ChromeDriver {
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log);
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd, libc::SIGKILL);
         let mut child = cmd.spawn().map_err(|e| format!("starting chromedriver: {e}"))?;
         let start = Instant::now();
         loop {

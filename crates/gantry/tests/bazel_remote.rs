@@ -7,7 +7,7 @@ mod common;
 
 use common::output_text as text;
 
-use common::{process_summary, BazelWorkspace, GantryServer};
+use common::{http_get, process_summary, BazelWorkspace, GantryServer};
 
 #[test]
 fn bazel_remote_execution_end_to_end() {
@@ -164,14 +164,4 @@ fn bazel_remote_execution_end_to_end() {
         .unwrap();
     eprintln!("{}", String::from_utf8_lossy(&human.stdout));
     server.stop();
-}
-
-/// A plain HTTP GET, as a browser without JavaScript would make it: the whole response.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    String::from_utf8_lossy(&out).into_owned()
 }
