@@ -141,9 +141,18 @@ impl Services {
         self
     }
 
-    /// Adds the web pages over `invocations`, `log` and the CAS.
-    pub fn with_web(mut self, invocations: Arc<dyn gantry_core::InvocationStore>, log: Arc<dyn ExecutionLog>) -> Self {
-        self.web = Some(Arc::new(gantry_web::Web { invocations, log, cas: self.cas.clone(), ac: self.ac.clone() }));
+    /// Adds the web pages over the metadata stores and the CAS.
+    pub fn with_web(mut self, stores: WebStores) -> Self {
+        let WebStores { invocations, log, builds, queue, sizes } = stores;
+        self.web = Some(Arc::new(gantry_web::Web {
+            invocations,
+            log,
+            cas: self.cas.clone(),
+            ac: self.ac.clone(),
+            builds,
+            queue,
+            sizes,
+        }));
         self
     }
 
@@ -291,6 +300,15 @@ impl Services {
             )
             .route("/healthz", axum::routing::get(|| async { "ok\n" }))
     }
+}
+
+/// The metadata stores the web pages read (the CAS and action cache come from [`Services`]).
+pub struct WebStores {
+    pub invocations: Arc<dyn gantry_core::InvocationStore>,
+    pub log: Arc<dyn ExecutionLog>,
+    pub builds: Arc<dyn gantry_core::BuildStore>,
+    pub queue: Arc<dyn gantry_core::QueueStore>,
+    pub sizes: Arc<dyn gantry_core::SizeClassStore>,
 }
 
 /// How long shutdown waits for in-flight calls before abandoning them.

@@ -7,6 +7,7 @@
 //! the core traits only; the rendering is in [`pages`], plain functions of their data.
 
 pub mod pages;
+pub mod svg;
 
 use std::sync::Arc;
 
@@ -14,7 +15,10 @@ use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
-use gantry_core::{ActionCache, BlobStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore};
+use gantry_core::{
+    ActionCache, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore, QueueStore,
+    SizeClassStore,
+};
 use http::{header, StatusCode};
 use prost::Message;
 
@@ -23,12 +27,20 @@ pub const PAGE_SIZE: usize = 50;
 /// Largest blob shown in a page; larger ones are refused with their size.
 pub const MAX_BLOB_VIEW: u64 = 16 << 20;
 
-/// What the pages read.
+/// What the pages read. Every store is a core trait, so the pages never depend on a backend;
+/// the metadata stores are the deployment's shared database, so any `gantry serve` shows
+/// the builds and the queue whichever process runs them.
 pub struct Web {
     pub invocations: Arc<dyn InvocationStore>,
     pub log: Arc<dyn ExecutionLog>,
     pub cas: Arc<dyn BlobStore>,
     pub ac: Arc<dyn ActionCache>,
+    /// The batching service's builds.
+    pub builds: Arc<dyn BuildStore>,
+    /// The submit queue's changes, builds and landings.
+    pub queue: Arc<dyn QueueStore>,
+    /// The size-class learner's per-shape statistics.
+    pub sizes: Arc<dyn SizeClassStore>,
 }
 
 /// The pages, to be merged into the HTTP router.

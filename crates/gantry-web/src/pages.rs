@@ -14,7 +14,11 @@ th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}\
 .ok{color:#176f2c}.bad{color:#b00020;font-weight:600}.dim{color:#777}\
 nav a{margin-right:1em}code{font-size:.95em}";
 
-fn layout(title: &str, body: Markup) -> Markup {
+/// The pages every page links to, in the order of the menu.
+const NAV: &[(&str, &str)] = &[("/invocations", "Invocations"), ("/metrics", "Metrics")];
+
+/// A page: the menu, then `body`.
+pub fn layout(title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -24,7 +28,7 @@ fn layout(title: &str, body: Markup) -> Markup {
                 style { (PreEscaped(STYLE)) }
             }
             body {
-                nav { a href="/invocations" { "Invocations" } a href="/metrics" { "Metrics" } }
+                nav { @for (href, name) in NAV { a href=(href) { (name) } } }
                 (body)
             }
         }

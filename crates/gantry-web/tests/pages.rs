@@ -10,7 +10,10 @@ use gantry_core::{reapi, ActionCache};
 use gantry_core::{
     ActionRecord, BlobStore, DigestFunction, ExecutionLog, Invocation, InvocationStore, TargetOutcome, TestOutcome,
 };
-use gantry_store::{MemoryStore, MetadataDb, SqlActionCache, SqlExecutionLog, SqlInvocationStore};
+use gantry_store::{
+    MemoryStore, MetadataDb, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlInvocationStore, SqlQueueStore,
+    SqlSizeClassStore,
+};
 use gantry_web::{router, Web};
 use http::{Request, StatusCode};
 use prost::Message;
@@ -30,7 +33,15 @@ async fn web(db: &MetadataDb) -> (axum::Router, Stores) {
     let log = Arc::new(SqlExecutionLog::new(db.clone()));
     let cas = Arc::new(MemoryStore::new(1 << 30));
     let ac = Arc::new(SqlActionCache::new(db.clone()));
-    let web = Web { invocations: invocations.clone(), log: log.clone(), cas: cas.clone(), ac: ac.clone() };
+    let web = Web {
+        invocations: invocations.clone(),
+        log: log.clone(),
+        cas: cas.clone(),
+        ac: ac.clone(),
+        builds: Arc::new(SqlBuildStore::new(db.clone())),
+        queue: Arc::new(SqlQueueStore::new(db.clone())),
+        sizes: Arc::new(SqlSizeClassStore::new(db.clone())),
+    };
     (router(Arc::new(web)), (invocations, log, cas, ac))
 }
 

@@ -70,7 +70,13 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
     let invocations = Arc::new(gantry_store::SqlInvocationStore::new(db.clone()));
     let mut services = Services::with_batcher(cas, ac.clone(), limits(config), batcher)
         .with_build_events(invocations.clone())
-        .with_web(invocations, log.clone());
+        .with_web(gantry_services::WebStores {
+            invocations,
+            log: log.clone(),
+            builds: Arc::new(gantry_store::SqlBuildStore::new(db.clone())),
+            queue: Arc::new(gantry_store::SqlQueueStore::new(db.clone())),
+            sizes: Arc::new(SqlSizeClassStore::new(db.clone())),
+        });
     match &config.auth {
         Some(auth) => {
             tracing::info!(tokens = auth.tokens.len(), worker_tokens = auth.workers.tokens.len(), anonymous = ?auth.anonymous, "[auth]: every call needs credentials");
