@@ -29,6 +29,8 @@ pub struct ActionRecord {
     /// How memory was measured: "cgroup-v2", "cgroup-v1" or "rusage".
     pub metering: String,
     pub completed_unix_ms: i64,
+    /// The size-class learner's key for the action's shape; empty when it was not learned.
+    pub shape_key: String,
 }
 
 impl ActionRecord {
@@ -63,14 +65,27 @@ pub struct InvocationSummary {
     pub failed_actions: u64,
 }
 
+/// Whose runs [`ExecutionLog::runs`] lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunsOf<'a> {
+    /// One action, by `{hash}/{size}`.
+    Action(&'a str),
+    /// Every action with this size-class shape key.
+    Shape(&'a str),
+}
+
 #[async_trait]
 pub trait ExecutionLog: Send + Sync + 'static {
     async fn record(&self, record: &ActionRecord) -> Result<()>;
     /// Every action recorded for the invocation, oldest first.
     async fn actions(&self, tool_invocation_id: &str) -> Result<Vec<ActionRecord>>;
+    /// Runs newest first, at most `limit`: of one action (its retries, hedge copies and the
+    /// runs of earlier invocations), or of every action of one shape.
+    async fn runs(&self, of: RunsOf<'_>, limit: usize) -> Result<Vec<ActionRecord>>;
 
     /// The invocation's action count and total executor service time. The batching
-    /// service divides the latter by build wall time to get occupancy.
+    /// service divides the latter by build wall time to get occupancy. (A store should
+    /// aggregate where the records are: the invocation list asks this for every row.)
     async fn invocation(&self, tool_invocation_id: &str) -> Result<InvocationSummary> {
         let actions = self.actions(tool_invocation_id).await?;
         Ok(InvocationSummary {

@@ -2,7 +2,7 @@
 //! hash functions behind them, the error type (which maps to gRPC codes and keeps its
 //! details), ByteStream resource names, every storage trait (`BlobStore` with its
 //! `BlobWriter`, `ActionCache`, `ExecutionLog`, `SizeClassStore`, `BuildStore`,
-//! `QueueStore`, `InvocationStore`), and `client::connect`, the one way to open a channel to a gantry.
+//! `QueueStore`, `InvocationStore`), the live `Fleet` view the scheduler gives, and `client::connect`, the one way to open a channel to a gantry.
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
@@ -15,6 +15,7 @@ pub mod client;
 pub mod digest;
 pub mod error;
 pub mod execution_log;
+pub mod fleet;
 pub mod invocation_store;
 pub mod queue_store;
 pub mod resource;
@@ -25,7 +26,8 @@ pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
-pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, SizeClassStore, ESU_MEMORY_BYTES};
+pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, RunsOf, SizeClassStore, ESU_MEMORY_BYTES};
+pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
 pub use invocation_store::{Invocation, InvocationStore, TargetOutcome, TestOutcome};
 pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use task::TaskGuard;

@@ -121,6 +121,9 @@ impl ExecutionLog for MemoryStores {
     async fn actions(&self, _tool_invocation_id: &str) -> Result<Vec<ActionRecord>> {
         Ok(Vec::new())
     }
+    async fn runs(&self, _of: gantry_core::RunsOf<'_>, _limit: usize) -> Result<Vec<ActionRecord>> {
+        Ok(Vec::new())
+    }
 }
 
 #[async_trait]

@@ -188,6 +188,16 @@ impl Dispatcher {
         self.workers.get(&worker).into_iter().flat_map(|w| w.running.iter().copied())
     }
 
+    /// A worker's slots and how many are taken (running, or taken back and unreported).
+    pub fn slots_of(&self, worker: WorkerId) -> Option<(usize, usize)> {
+        self.workers.get(&worker).map(|w| (w.slots, w.busy()))
+    }
+
+    /// Every queue with something waiting: (required properties, size class, depth).
+    pub fn queue_depths(&self) -> impl Iterator<Item = (&Properties, Option<u32>, usize)> + '_ {
+        self.queues.values().filter(|q| !q.waiting.is_empty()).map(|q| (&q.required, q.class, q.waiting.len()))
+    }
+
     /// Distinct (offered properties, size class) among registered workers.
     fn live_pools(&self) -> impl Iterator<Item = &Pool> + Clone {
         self.pools.values().filter(|p| p.workers > 0)

@@ -1297,6 +1297,66 @@ impl Scheduler {
     }
 }
 
+impl gantry_core::Fleet for Scheduler {
+    /// One pass over the workers, their runs and the non-empty queues, under the lock
+    /// (no await inside), for the live pages.
+    fn snapshot(&self) -> gantry_core::FleetSnapshot {
+        use gantry_core::{FleetSnapshot, QueueView, RunningView, WorkerView};
+        let pairs = |p: &[crate::platform::Property]| p.iter().map(|p| (p.name.clone(), p.value.clone())).collect();
+        let st = self.lock();
+        let now = Instant::now();
+        let mut workers: Vec<WorkerView> = st
+            .workers
+            .iter()
+            .map(|(name, w)| {
+                let (slots, busy) = st.d.slots_of(w.id).unwrap_or_default();
+                let running = st
+                    .d
+                    .running_on(w.id)
+                    .filter_map(|id| {
+                        let (op, hedge) = match (st.live.get(&id), st.hedges.get(&id)) {
+                            (Some(op), _) => (op, false),
+                            (None, Some(op)) => (op, true),
+                            (None, None) => return None,
+                        };
+                        let job = st.jobs.get(op)?;
+                        let since =
+                            if hedge { job.hedge.as_ref().and_then(|h| h.dispatched_at) } else { job.dispatched_at };
+                        Some(RunningView {
+                            operation: op.clone(),
+                            instance: job.spec.instance.clone(),
+                            action_digest: job.spec.action_digest.to_string(),
+                            mnemonic: job.spec.requester.action_mnemonic.clone(),
+                            target: job.spec.requester.target_id.clone(),
+                            tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
+                            running_ms: since.map_or(0, |t| now.saturating_duration_since(t).as_millis() as u64),
+                            hedge,
+                        })
+                    })
+                    .collect();
+                WorkerView {
+                    name: name.clone(),
+                    size_class: w.size_class,
+                    slots,
+                    busy,
+                    platform: st.d.offered_by(w.id).map(|p| pairs(p)).unwrap_or_default(),
+                    last_seen_ms: now.saturating_duration_since(w.last_seen).as_millis() as u64,
+                    local: w.local,
+                    metering: w.metering.clone(),
+                    running,
+                }
+            })
+            .collect();
+        workers.sort_by(|a, b| (a.size_class, &a.name).cmp(&(b.size_class, &b.name)));
+        let mut queues: Vec<QueueView> =
+            st.d.queue_depths()
+                .map(|(p, size_class, depth)| QueueView { platform: pairs(p), size_class, depth })
+                .collect();
+        queues.sort_by(|a, b| (&a.platform, a.size_class).cmp(&(&b.platform, b.size_class)));
+        FleetSnapshot { workers, queues, queued: st.d.queued(), running: st.d.running() }
+    }
+}
+
 /// The execution log's record of one run of `job` on `worker`.
 fn run_record(
     job: &Job,
@@ -1324,6 +1384,7 @@ fn run_record(
         queued_seconds: 0.0,
         metering: m.method.clone(),
         completed_unix_ms: now_ms(SystemTime::now()),
+        shape_key: job.trial.shape_key.clone(),
     }
 }
 
@@ -1461,6 +1522,41 @@ mod tests {
             s.finished("w", finished_ok(&got[0])).await;
         }
         assert_eq!(order, vec![d, b, a, c], "lower priority value first, FIFO within a priority");
+    }
+
+    #[tokio::test]
+    async fn the_fleet_snapshot_shows_each_workers_runs_and_the_waiting_queues() {
+        use gantry_core::Fleet;
+        let s = scheduler(3).await;
+        let mut w = s.register(reg("w", 1, &[("OSFamily", "linux")]), false).unwrap();
+        let mut with = spec("a", 0, &[("OSFamily", "linux")]);
+        with.requester = Requester {
+            tool_invocation_id: "inv".into(),
+            action_mnemonic: "Genrule".into(),
+            target_id: "//:a".into(),
+            ..Default::default()
+        };
+        let (a, _) = s.submit(with).await.unwrap();
+        let (_b, _) = s.submit(spec("b", 0, &[("OSFamily", "linux")])).await.unwrap();
+        let (_c, _) = s.submit(spec("c", 0, &[])).await.unwrap();
+        assert_eq!(assigned(&mut w), vec![a.clone()]);
+        let snap = s.snapshot();
+        assert_eq!((snap.queued, snap.running), (2, 1));
+        assert_eq!(snap.workers.len(), 1);
+        let wv = &snap.workers[0];
+        assert_eq!((wv.name.as_str(), wv.slots, wv.busy, wv.size_class), ("w", 1, 1, 1));
+        assert_eq!(wv.platform, vec![("OSFamily".to_string(), "linux".to_string())]);
+        assert_eq!(wv.running.len(), 1);
+        let r = &wv.running[0];
+        assert_eq!((r.operation.as_str(), r.mnemonic.as_str(), r.target.as_str()), (a.as_str(), "Genrule", "//:a"));
+        assert_eq!(r.action_digest, DigestFunction::Sha256.digest_of(b"a").to_string());
+        assert!(!r.hedge);
+        // Two queues wait: one needs linux, one anything.
+        let depths: Vec<(usize, usize)> = snap.queues.iter().map(|q| (q.platform.len(), q.depth)).collect();
+        assert_eq!(depths, vec![(0, 1), (1, 1)]);
+        s.finished("w", finished_ok(&a)).await;
+        let snap = s.snapshot();
+        assert_eq!((snap.queued, snap.running), (1, 1), "the next action took the slot");
     }
 
     #[tokio::test]

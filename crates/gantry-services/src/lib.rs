@@ -124,6 +124,10 @@ impl Services {
 
     /// Adds remote execution: Execution, Operations and the worker endpoint.
     pub fn with_scheduler(mut self, scheduler: Arc<gantry_execution::Scheduler>) -> Self {
+        // The pages show this scheduler's workers and queue, whichever was added first.
+        if let Some(web) = &self.web {
+            self.web = Some(Arc::new(gantry_web::Web { fleet: Some(scheduler.clone()), ..(**web).clone() }));
+        }
         self.scheduler = Some(scheduler);
         self
     }
@@ -143,7 +147,7 @@ impl Services {
 
     /// Adds the web pages over the metadata stores and the CAS.
     pub fn with_web(mut self, stores: WebStores) -> Self {
-        let WebStores { invocations, log, builds, queue, sizes } = stores;
+        let WebStores { invocations, log, builds, queue, sizes, selection } = stores;
         self.web = Some(Arc::new(gantry_web::Web {
             invocations,
             log,
@@ -152,6 +156,9 @@ impl Services {
             builds,
             queue,
             sizes,
+            selection,
+            fleet: self.scheduler.clone().map(|s| s as Arc<dyn gantry_core::Fleet>),
+            history: Default::default(),
         }));
         self
     }
@@ -309,6 +316,8 @@ pub struct WebStores {
     pub builds: Arc<dyn gantry_core::BuildStore>,
     pub queue: Arc<dyn gantry_core::QueueStore>,
     pub sizes: Arc<dyn gantry_core::SizeClassStore>,
+    /// `[execution.size_classes]`, for the acceptable times the pages show.
+    pub selection: gantry_sizeclass::SelectionConfig,
 }
 
 /// How long shutdown waits for in-flight calls before abandoning them.
@@ -321,8 +330,9 @@ pub struct RunningServer {
     stop: Option<tokio::sync::watch::Sender<bool>>,
     grpc: Option<tokio::task::JoinHandle<Result<()>>>,
     _http: TaskGuard,
-    /// The TLS accept loops and the SIGHUP reloader, when serving TLS.
-    _tls: Vec<TaskGuard>,
+    /// The TLS accept loops and the SIGHUP reloader, when serving TLS, and the pages'
+    /// queue-depth sampler.
+    _tasks: Vec<TaskGuard>,
 }
 
 impl RunningServer {
@@ -349,7 +359,7 @@ impl RunningServer {
         let (stop, rx) = tokio::sync::watch::channel(false);
         let mut rx_http = rx.clone();
         let http = services.http_router();
-        let mut tls_tasks = Vec::new();
+        let mut tasks: Vec<TaskGuard> = services.web.as_ref().and_then(|w| w.start_sampler()).into_iter().collect();
         let http_task = match tls {
             None => spawn_named("http-server", async move {
                 let res = axum::serve(http_listener, http)
@@ -400,8 +410,8 @@ impl RunningServer {
             }
             Some(tls) => {
                 let (conns, accept) = tls.incoming(grpc_listener);
-                tls_tasks.push(accept);
-                tls_tasks.push(tls.reload_on_sighup()?);
+                tasks.push(accept);
+                tasks.push(tls.reload_on_sighup()?);
                 let incoming =
                     tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
                 tokio::spawn(async move {
@@ -413,14 +423,7 @@ impl RunningServer {
             }
         };
         tracing::info!(%grpc_addr, %http_addr, "gantry serving");
-        Ok(RunningServer {
-            grpc_addr,
-            http_addr,
-            stop: Some(stop),
-            grpc: Some(grpc),
-            _http: http_task,
-            _tls: tls_tasks,
-        })
+        Ok(RunningServer { grpc_addr, http_addr, stop: Some(stop), grpc: Some(grpc), _http: http_task, _tasks: tasks })
     }
 
     /// Serves until `signal` resolves, then stops accepting and drains in-flight calls.

@@ -413,6 +413,11 @@ const MIGRATIONS: &[Version] = &[
         description: "invocations from the Build Event Service",
         sql: include_str!("../migrations/0004_invocations.sql"),
     },
+    Version {
+        version: 5,
+        description: "runs of one action, for the web UI",
+        sql: include_str!("../migrations/0005_action_runs.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

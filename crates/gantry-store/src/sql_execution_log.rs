@@ -3,7 +3,7 @@
 //! `sql_action_cache.rs`.
 
 use async_trait::async_trait;
-use gantry_core::{ActionRecord, Error, ExecutionLog, Result};
+use gantry_core::{ActionRecord, Error, ExecutionLog, InvocationSummary, Result, RunsOf};
 use sqlx::Row;
 
 use crate::MetadataDb;
@@ -24,8 +24,8 @@ impl ExecutionLog for SqlExecutionLog {
         sqlx::query(
             "INSERT INTO action_executions (operation, instance_name, action_digest, tool_invocation_id,
                 action_mnemonic, target_id, worker, size_class, exit_code, status_code, peak_memory_bytes,
-                user_cpu_seconds, system_cpu_seconds, wall_seconds, queued_seconds, metering, completed_unix_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
+                user_cpu_seconds, system_cpu_seconds, wall_seconds, queued_seconds, metering, completed_unix_ms, shape_key)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
         )
         .bind(&r.operation)
         .bind(&r.instance)
@@ -44,6 +44,7 @@ impl ExecutionLog for SqlExecutionLog {
         .bind(r.queued_seconds)
         .bind(&r.metering)
         .bind(r.completed_unix_ms)
+        .bind(&r.shape_key)
         .execute(self.db.pool())
         .await
         .map_err(self.db.err("recording an execution"))?;
@@ -51,41 +52,89 @@ impl ExecutionLog for SqlExecutionLog {
     }
 
     async fn actions(&self, id: &str) -> Result<Vec<ActionRecord>> {
-        let rows = sqlx::query(
-            "SELECT operation, instance_name, action_digest, tool_invocation_id, action_mnemonic, target_id,
-                worker, size_class, exit_code, status_code, peak_memory_bytes, user_cpu_seconds,
-                system_cpu_seconds, wall_seconds, queued_seconds, metering, completed_unix_ms
-             FROM action_executions WHERE tool_invocation_id = $1 ORDER BY completed_unix_ms",
-        )
-        .bind(id)
-        .fetch_all(self.db.pool())
-        .await
-        .map_err(self.db.err("reading executions"))?;
-        rows.iter()
-            .map(|row| -> std::result::Result<ActionRecord, sqlx::Error> {
-                Ok(ActionRecord {
-                    operation: row.try_get(0)?,
-                    instance: row.try_get(1)?,
-                    action_digest: row.try_get(2)?,
-                    tool_invocation_id: row.try_get(3)?,
-                    action_mnemonic: row.try_get(4)?,
-                    target_id: row.try_get(5)?,
-                    worker: row.try_get(6)?,
-                    size_class: row.try_get::<i64, _>(7)? as u32,
-                    exit_code: row.try_get::<i64, _>(8)? as i32,
-                    status_code: row.try_get::<i64, _>(9)? as i32,
-                    peak_memory_bytes: row.try_get::<i64, _>(10)? as u64,
-                    user_cpu_seconds: row.try_get(11)?,
-                    system_cpu_seconds: row.try_get(12)?,
-                    wall_seconds: row.try_get(13)?,
-                    queued_seconds: row.try_get(14)?,
-                    metering: row.try_get(15)?,
-                    completed_unix_ms: row.try_get(16)?,
-                })
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::internal(format!("execution log: undecodable row: {e}")))
+        let rows = sqlx::query(&format!("{SELECT_RECORD} WHERE tool_invocation_id = $1 ORDER BY completed_unix_ms"))
+            .bind(id)
+            .fetch_all(self.db.pool())
+            .await
+            .map_err(self.db.err("reading executions"))?;
+        rows.iter().map(record_of).collect()
     }
+
+    async fn runs(&self, of: RunsOf<'_>, limit: usize) -> Result<Vec<ActionRecord>> {
+        let (column, value) = match of {
+            RunsOf::Action(digest) => ("action_digest", digest),
+            RunsOf::Shape(key) => ("shape_key", key),
+        };
+        let rows =
+            sqlx::query(&format!("{SELECT_RECORD} WHERE {column} = $1 ORDER BY completed_unix_ms DESC LIMIT $2"))
+                .bind(value)
+                .bind(limit.min(i64::MAX as usize) as i64)
+                .fetch_all(self.db.pool())
+                .await
+                .map_err(self.db.err("reading an action's runs"))?;
+        rows.iter().map(record_of).collect()
+    }
+
+    /// One aggregate query, so a page listing many invocations does not read every
+    /// action record of each. The ESU weight is `ActionRecord::esu_seconds` in SQL.
+    async fn invocation(&self, id: &str) -> Result<InvocationSummary> {
+        let class = "(CASE WHEN size_class < 1 THEN 1 ELSE size_class END)";
+        let by_memory = format!("(peak_memory_bytes / {}.0)", gantry_core::ESU_MEMORY_BYTES);
+        let row = sqlx::query(&format!(
+            "SELECT CAST(COUNT(*) AS BIGINT), COALESCE(SUM(wall_seconds), 0.0),
+                COALESCE(SUM(wall_seconds * (CASE WHEN {by_memory} > {class} THEN {by_memory} ELSE {class} END)), 0.0),
+                COALESCE(SUM(user_cpu_seconds + system_cpu_seconds), 0.0),
+                CAST(COALESCE(MAX(peak_memory_bytes), 0) AS BIGINT),
+                CAST(COALESCE(SUM(CASE WHEN status_code <> 0 OR exit_code <> 0 THEN 1 ELSE 0 END), 0) AS BIGINT)
+             FROM action_executions WHERE tool_invocation_id = $1"
+        ))
+        .bind(id)
+        .fetch_one(self.db.pool())
+        .await
+        .map_err(self.db.err("summing an invocation's executions"))?;
+        let get = || -> std::result::Result<InvocationSummary, sqlx::Error> {
+            Ok(InvocationSummary {
+                tool_invocation_id: id.to_string(),
+                actions: row.try_get::<i64, _>(0)? as u64,
+                executor_service_seconds: row.try_get(1)?,
+                executor_esu_seconds: row.try_get(2)?,
+                cpu_seconds: row.try_get(3)?,
+                max_peak_memory_bytes: row.try_get::<i64, _>(4)? as u64,
+                failed_actions: row.try_get::<i64, _>(5)? as u64,
+            })
+        };
+        get().map_err(|e| Error::internal(format!("execution log: undecodable summary: {e}")))
+    }
+}
+
+const SELECT_RECORD: &str = "SELECT operation, instance_name, action_digest, tool_invocation_id, action_mnemonic,
+    target_id, worker, size_class, exit_code, status_code, peak_memory_bytes, user_cpu_seconds,
+    system_cpu_seconds, wall_seconds, queued_seconds, metering, completed_unix_ms, shape_key FROM action_executions";
+
+fn record_of(row: &sqlx::any::AnyRow) -> Result<ActionRecord> {
+    let get = || -> std::result::Result<ActionRecord, sqlx::Error> {
+        Ok(ActionRecord {
+            operation: row.try_get(0)?,
+            instance: row.try_get(1)?,
+            action_digest: row.try_get(2)?,
+            tool_invocation_id: row.try_get(3)?,
+            action_mnemonic: row.try_get(4)?,
+            target_id: row.try_get(5)?,
+            worker: row.try_get(6)?,
+            size_class: row.try_get::<i64, _>(7)? as u32,
+            exit_code: row.try_get::<i64, _>(8)? as i32,
+            status_code: row.try_get::<i64, _>(9)? as i32,
+            peak_memory_bytes: row.try_get::<i64, _>(10)? as u64,
+            user_cpu_seconds: row.try_get(11)?,
+            system_cpu_seconds: row.try_get(12)?,
+            wall_seconds: row.try_get(13)?,
+            queued_seconds: row.try_get(14)?,
+            metering: row.try_get(15)?,
+            completed_unix_ms: row.try_get(16)?,
+            shape_key: row.try_get(17)?,
+        })
+    };
+    get().map_err(|e| Error::internal(format!("execution log: undecodable row: {e}")))
 }
 
 /// `SqlSizeClassStore`: the size-class learner's per-key statistics, one row per key.

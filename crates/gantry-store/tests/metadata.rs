@@ -11,7 +11,7 @@ use std::time::Duration;
 use gantry_core::reapi::ActionResult;
 use gantry_core::{
     ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, Invocation,
-    InvocationStore, LandingRow, QueueDocRow, QueueStore, SizeClassStore, TargetOutcome, TestOutcome,
+    InvocationStore, LandingRow, QueueDocRow, QueueStore, RunsOf, SizeClassStore, TargetOutcome, TestOutcome,
 };
 use gantry_store::{
     Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlInvocationStore, SqlQueueStore,
@@ -107,6 +107,7 @@ async fn execution_log(db: &MetadataDb) {
         status_code: 0,
         metering: "rusage".into(),
         completed_unix_ms: 1000 + op.len() as i64,
+        shape_key: format!("shape-{op}"),
     };
     log.record(&rec("a", "inv1", 1.5, 10 << 20, 0)).await.unwrap();
     log.record(&rec("bb", "inv1", 2.5, 30 << 20, 1)).await.unwrap();
@@ -124,6 +125,34 @@ async fn execution_log(db: &MetadataDb) {
         "every field round-trips, in order"
     );
     assert_eq!(log.invocation("none").await.unwrap().actions, 0);
+    // The SQL aggregate agrees with the records summed here, ESU weights included: a
+    // class-0 record counts as one ESU, a big-memory one by its memory.
+    let mut big = rec("dd", "inv1", 2.0, 5_000_000_000, 0);
+    big.size_class = 1;
+    let mut none = rec("e", "inv1", 3.0, 0, 0);
+    none.size_class = 0;
+    none.status_code = 4;
+    log.record(&big).await.unwrap();
+    log.record(&none).await.unwrap();
+    let s = log.invocation("inv1").await.unwrap();
+    let all = log.actions("inv1").await.unwrap();
+    assert_eq!(all.len(), 4);
+    let esu: f64 = all.iter().map(ActionRecord::esu_seconds).sum();
+    assert!((esu - (1.5 * 2.0 + 2.5 * 2.0 + 2.0 * 2.0 + 3.0)).abs() < 1e-9, "{esu}");
+    assert!((s.executor_esu_seconds - esu).abs() < 1e-9, "{s:?} vs {esu}");
+    assert!((s.executor_service_seconds - 9.0).abs() < 1e-9, "{s:?}");
+    assert_eq!((s.actions, s.failed_actions, s.max_peak_memory_bytes), (4, 2, 5_000_000_000));
+    // An action's runs, newest first and bounded.
+    let mut again = rec("a", "inv3", 4.0, 1, 0);
+    again.completed_unix_ms = 5000;
+    log.record(&again).await.unwrap();
+    let runs = log.runs(RunsOf::Action("a/1"), 10).await.unwrap();
+    assert_eq!(runs.iter().map(|r| r.tool_invocation_id.as_str()).collect::<Vec<_>>(), ["inv3", "inv1"]);
+    assert_eq!(log.runs(RunsOf::Action("a/1"), 1).await.unwrap().len(), 1);
+    assert!(log.runs(RunsOf::Action("zz/1"), 10).await.unwrap().is_empty());
+    let shape = log.runs(RunsOf::Shape("shape-a"), 10).await.unwrap();
+    assert_eq!(shape.len(), 2, "both runs of a have its shape");
+    assert_eq!(log.runs(RunsOf::Shape("shape-bb"), 10).await.unwrap()[0].operation, "bb");
 }
 
 async fn size_class_store(db: &MetadataDb) {
@@ -481,6 +510,7 @@ fn record_at(op: &str, completed_unix_ms: i64) -> ActionRecord {
         queued_seconds: 0.0,
         metering: "rusage".into(),
         completed_unix_ms,
+        shape_key: String::new(),
     }
 }
 

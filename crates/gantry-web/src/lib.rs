@@ -6,7 +6,10 @@
 //! platform, result, outputs, stdout and stderr); and a CAS blob shown as text. Handlers read
 //! the core traits only; the rendering is in [`pages`], plain functions of their data.
 
+pub mod cas;
+pub mod live;
 pub mod pages;
+pub mod sizes;
 pub mod svg;
 
 use std::sync::Arc;
@@ -16,20 +19,23 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
 use gantry_core::{
-    ActionCache, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, InvocationStore, QueueStore,
-    SizeClassStore,
+    ActionCache, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, Fleet, InvocationStore,
+    QueueStore, SizeClassStore,
 };
 use http::{header, StatusCode};
 use prost::Message;
 
 /// Invocations per list page.
 pub const PAGE_SIZE: usize = 50;
+/// Runs of one action listed on its page.
+pub const RUNS_SHOWN: usize = 100;
 /// Largest blob shown in a page; larger ones are refused with their size.
 pub const MAX_BLOB_VIEW: u64 = 16 << 20;
 
-/// What the pages read. Every store is a core trait, so the pages never depend on a backend;
+/// What the pages read (cheap to clone: every part is shared). Every store is a core trait, so the pages never depend on a backend;
 /// the metadata stores are the deployment's shared database, so any `gantry serve` shows
 /// the builds and the queue whichever process runs them.
+#[derive(Clone)]
 pub struct Web {
     pub invocations: Arc<dyn InvocationStore>,
     pub log: Arc<dyn ExecutionLog>,
@@ -41,6 +47,21 @@ pub struct Web {
     pub queue: Arc<dyn QueueStore>,
     /// The size-class learner's per-shape statistics.
     pub sizes: Arc<dyn SizeClassStore>,
+    /// How the scheduler chooses classes (`[execution.size_classes]`), so the pages show
+    /// the acceptable times and estimates it uses.
+    pub selection: gantry_sizeclass::SelectionConfig,
+    /// The scheduler's live view, on the server that runs one.
+    pub fleet: Option<Arc<dyn Fleet>>,
+    /// Queue depth over the last hour, filled by [`Web::start_sampler`].
+    pub history: Arc<live::QueueHistory>,
+}
+
+impl Web {
+    /// Samples the fleet's queues for the depth plot while the guard lives; None without
+    /// a scheduler.
+    pub fn start_sampler(&self) -> Option<gantry_core::TaskGuard> {
+        Some(live::start_sampler(self.fleet.clone()?, self.history.clone()))
+    }
 }
 
 /// The pages, to be merged into the HTTP router.
@@ -52,6 +73,12 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/invocations/{id}", get(one))
         .route("/actions/{hash}/{size}", get(action))
         .route("/blobs/{hash}/{size}", get(blob))
+        .route("/cas", get(cas::search))
+        .route("/cas/{kind}/{hash}/{size}", get(cas::view))
+        .route("/sizeclasses", get(sizes::list))
+        .route("/sizeclasses/{key}", get(sizes::shape))
+        .route("/workers", get(live::workers))
+        .route("/workers/live", get(live::workers_live))
         .with_state(web)
 }
 
@@ -64,13 +91,19 @@ pub fn disabled(why: &'static str) -> Router {
         .route("/invocations/{*rest}", get(refuse))
         .route("/actions/{*rest}", get(refuse))
         .route("/blobs/{*rest}", get(refuse))
+        .route("/cas", get(refuse))
+        .route("/cas/{*rest}", get(refuse))
+        .route("/sizeclasses", get(refuse))
+        .route("/sizeclasses/{*rest}", get(refuse))
+        .route("/workers", get(refuse))
+        .route("/workers/{*rest}", get(refuse))
 }
 
-fn failure(status: StatusCode, message: &str) -> Response {
+pub(crate) fn failure(status: StatusCode, message: &str) -> Response {
     (status, pages::error(status, message)).into_response()
 }
 
-fn server_error(e: Error) -> Response {
+pub(crate) fn server_error(e: Error) -> Response {
     tracing::error!(error = %e, "web page failed");
     failure(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())
 }
@@ -121,31 +154,47 @@ async fn one(State(web): State<Arc<Web>>, Path(id): Path<String>) -> Response {
     pages::invocation(&id, inv.as_ref(), &actions).into_response()
 }
 
-/// `instance=` from the query string, percent-decoded (the pages encode every byte but
-/// letters and digits).
-fn instance(query: Option<&str>) -> Result<String, String> {
-    let Some(v) = query.into_iter().flat_map(|q| q.split('&')).find_map(|p| p.strip_prefix("instance=")) else {
-        return Ok(String::new());
+/// The value of `name` in a query string, percent-decoded (`+` is a space, as forms send
+/// it); None when absent.
+pub(crate) fn query_param(query: Option<&str>, name: &str) -> Result<Option<String>, String> {
+    let Some(v) = query.into_iter().flat_map(|q| q.split('&')).find_map(|p| {
+        let (k, v) = p.split_once('=').unwrap_or((p, ""));
+        (k == name).then_some(v)
+    }) else {
+        return Ok(None);
     };
     let mut out = Vec::new();
     let mut bytes = v.bytes();
     while let Some(b) = bytes.next() {
-        if b == b'%' {
-            let hex = [bytes.next(), bytes.next()];
-            let pair = match hex {
-                [Some(a), Some(b)] => std::str::from_utf8(&[a, b]).ok().and_then(|h| u8::from_str_radix(h, 16).ok()),
-                _ => None,
-            };
-            out.push(pair.ok_or("instance: malformed percent-encoding")?);
-        } else {
-            out.push(b);
+        match b {
+            b'%' => {
+                let hex = [bytes.next(), bytes.next()];
+                let pair = match hex {
+                    [Some(a), Some(b)] => {
+                        std::str::from_utf8(&[a, b]).ok().and_then(|h| u8::from_str_radix(h, 16).ok())
+                    }
+                    _ => None,
+                };
+                out.push(pair.ok_or("malformed percent-encoding")?);
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
         }
     }
-    String::from_utf8(out).map_err(|_| "instance: not UTF-8".to_string())
+    String::from_utf8(out).map(Some).map_err(|_| "not UTF-8".to_string())
+}
+
+/// `instance=` from the query string (the pages encode every byte but letters and digits).
+fn instance(query: Option<&str>) -> Result<String, String> {
+    query_param(query, "instance").map(Option::unwrap_or_default).map_err(|e| format!("instance: {e}"))
 }
 
 /// Reads a small proto from the CAS: None when it is not there.
-async fn read_proto<T: Message + Default>(web: &Web, digest: &Digest, what: &str) -> Result<Option<T>, Response> {
+pub(crate) async fn read_proto<T: Message + Default>(
+    web: &Web,
+    digest: &Digest,
+    what: &str,
+) -> Result<Option<T>, Response> {
     if digest.size > MAX_BLOB_VIEW {
         return Err(failure(StatusCode::PAYLOAD_TOO_LARGE, &format!("the {what} has {} bytes", digest.size)));
     }
@@ -189,13 +238,34 @@ async fn action(
         Ok(r) => r,
         Err(e) => return server_error(e),
     };
-    if action.is_none() && result.is_none() {
-        return failure(StatusCode::NOT_FOUND, "neither the action nor a result for it is stored");
+    let runs = match web.log.runs(gantry_core::RunsOf::Action(&digest.to_string()), RUNS_SHOWN).await {
+        Ok(r) => r,
+        Err(e) => return server_error(e),
+    };
+    if action.is_none() && result.is_none() && runs.is_empty() {
+        return failure(StatusCode::NOT_FOUND, "neither the action nor a result or run of it is stored");
     }
-    pages::action(&instance, &digest, action.as_ref(), command.as_ref(), result.as_ref()).into_response()
+    let key = runs.iter().map(|r| r.shape_key.as_str()).find(|k| !k.is_empty());
+    let view = match key {
+        Some(k) => match sizes::shape_view(&web, k).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        },
+        None => None,
+    };
+    let shape = key.map(|k| (k, view.as_ref()));
+    pages::action(&instance, &digest, action.as_ref(), command.as_ref(), result.as_ref(), &runs, shape).into_response()
 }
 
-async fn blob(State(web): State<Arc<Web>>, Path((hash, size)): Path<(String, i64)>) -> Response {
+async fn blob(
+    State(web): State<Arc<Web>>,
+    Path((hash, size)): Path<(String, i64)>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let download = match query_param(query.as_deref(), "download") {
+        Ok(d) => d,
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &format!("download: {e}")),
+    };
     let digest = match Digest::parse(DigestFunction::Sha256, &hash, size) {
         Ok(d) => d,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &e.to_string()),
@@ -207,6 +277,24 @@ async fn blob(State(web): State<Arc<Web>>, Path((hash, size)): Path<(String, i64
         );
     }
     match web.cas.get(&digest).await {
+        // A download keeps the file's name, reduced to characters safe in the header.
+        Ok(bytes) if download.is_some() => {
+            let name: String = download
+                .unwrap_or_default()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || "._-+".contains(c) { c } else { '_' })
+                .collect();
+            let disposition = format!("attachment; filename=\"{}\"", if name.is_empty() { "blob" } else { &name });
+            (
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                    (header::CONTENT_DISPOSITION, disposition),
+                    (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_string()),
+                ],
+                bytes,
+            )
+                .into_response()
+        }
         // Shown as text and never sniffed: a blob holding HTML must not run as a page.
         Ok(bytes) => {
             ([(header::CONTENT_TYPE, "text/plain; charset=utf-8"), (header::X_CONTENT_TYPE_OPTIONS, "nosniff")], bytes)
@@ -235,6 +323,9 @@ mod tests {
         assert_eq!(instance(Some("instance=my%2Finstance")).unwrap(), "my/instance");
         assert_eq!(instance(Some("a=1&instance=")).unwrap(), "");
         assert!(instance(Some("instance=%2")).is_err());
+        assert_eq!(query_param(Some("digest=a+b%2F1&kind=tree"), "digest").unwrap().as_deref(), Some("a b/1"));
+        assert_eq!(query_param(Some("digestx=1"), "digest").unwrap(), None);
+        assert_eq!(query_param(Some("flag"), "flag").unwrap().as_deref(), Some(""));
         assert!(instance(Some("instance=%ff%fe")).is_err(), "not UTF-8");
         assert_eq!(instance(Some(&format!("instance={}", pages::percent_encode("dev/x y")))).unwrap(), "dev/x y");
     }

@@ -15,7 +15,13 @@ th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}\
 nav a{margin-right:1em}code{font-size:.95em}";
 
 /// The pages every page links to, in the order of the menu.
-const NAV: &[(&str, &str)] = &[("/invocations", "Invocations"), ("/metrics", "Metrics")];
+const NAV: &[(&str, &str)] = &[
+    ("/invocations", "Invocations"),
+    ("/workers", "Workers"),
+    ("/sizeclasses", "Size classes"),
+    ("/cas", "CAS"),
+    ("/metrics", "Metrics"),
+];
 
 /// A page: the menu, then `body`.
 pub fn layout(title: &str, body: Markup) -> Markup {
@@ -155,16 +161,91 @@ fn digest_link(d: Option<&reapi::Digest>) -> Option<(String, i64)> {
     ok.then(|| (format!("/blobs/{}/{}", d.hash, d.size_bytes), d.size_bytes))
 }
 
-/// One action: its command (argv, environment, platform), and its cached result (exit
-/// code, stdout and stderr, outputs), each blob linked.
+/// An ActionResult: exit code and worker, stdout and stderr, output files and
+/// directories, each blob linked.
+pub fn result_section(r: &reapi::ActionResult) -> Markup {
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    html! {
+        p { "Exit code " span class=(if r.exit_code == 0 { "ok" } else { "bad" }) { (r.exit_code) }
+            @if let Some(md) = &r.execution_metadata { " on " (md.worker) } }
+        @for (name, raw, d) in [("stdout", &r.stdout_raw, r.stdout_digest.as_ref()), ("stderr", &r.stderr_raw, r.stderr_digest.as_ref())] {
+            h3 { (name) }
+            @if !raw.is_empty() {
+                pre { (text(raw)) }
+            } @else {
+                @match digest_link(d) {
+                    Some((link, 0)) => p class="dim" { "empty" a href=(link) {} },
+                    Some((link, size)) => p { a href=(link) { (name) " (" (size) " bytes)" } },
+                    None => p class="dim" { "none" },
+                }
+            }
+        }
+        @if !r.output_files.is_empty() {
+            h2 { "Output files" }
+            table {
+                tr { th { "Path" } th { "Size" } }
+                @for f in &r.output_files {
+                    tr {
+                        td { @match &f.digest {
+                            Some(d) => a href=(crate::cas::download(d, f.path.rsplit('/').next().unwrap_or(&f.path))) { code { (f.path) } },
+                            None => code { (f.path) },
+                        } }
+                        td class="n" { (f.digest.as_ref().map_or(0, |d| d.size_bytes)) }
+                    }
+                }
+            }
+        }
+        @if !r.output_directories.is_empty() {
+            h2 { "Output directories" }
+            ul { @for d in &r.output_directories {
+                li { @match &d.tree_digest {
+                    Some(t) => a href=(crate::cas::link(crate::cas::Kind::Tree, t)) { code { (d.path) } },
+                    None => code { (d.path) },
+                } }
+            } }
+        }
+    }
+}
+
+/// Every run of an action the execution log holds: metering, worker and class, retries.
+pub fn runs_table(runs: &[ActionRecord]) -> Markup {
+    html! {
+        table {
+            tr { th { "Finished" } th { "Invocation" } th { "Worker" } th { "Class" } th { "Queued s" } th { "Ran s" }
+                 th { "CPU s" } th { "Peak MiB" } th { "Metering" } th { "Result" } }
+            @for r in runs {
+                tr {
+                    td { (utc(r.completed_unix_ms)) }
+                    td { @if r.tool_invocation_id.is_empty() { span class="dim" { "—" } } @else {
+                        a href={ "/invocations/" (r.tool_invocation_id) } { code { (shorten(&r.tool_invocation_id, 13)) } } } }
+                    td { (r.worker) }
+                    td class="n" { (r.size_class) }
+                    td class="n" { (format!("{:.2}", r.queued_seconds)) }
+                    td class="n" { (format!("{:.2}", r.wall_seconds)) }
+                    td class="n" { (format!("{:.2}", r.user_cpu_seconds + r.system_cpu_seconds)) }
+                    td class="n" { (format!("{:.1}", r.peak_memory_bytes as f64 / (1u64 << 20) as f64)) }
+                    td { (r.metering) }
+                    td { @if r.status_code != 0 || r.exit_code != 0 {
+                        span class="bad" { "status " (r.status_code) ", exit " (r.exit_code) }
+                    } @else { span class="ok" { "ok" } } }
+                }
+            }
+        }
+    }
+}
+
+/// One action: its command (argv, environment, platform), its input tree, its cached
+/// result (exit code, stdout and stderr, outputs), every run the execution log holds, and
+/// the size-class history of its shape.
 pub fn action(
     instance: &str,
     digest: &Digest,
     action: Option<&reapi::Action>,
     command: Option<&reapi::Command>,
     result: Option<&reapi::ActionResult>,
+    runs: &[ActionRecord],
+    shape: Option<(&str, Option<&gantry_sizeclass::KeyStatsView>)>,
 ) -> Markup {
-    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
     layout(
         &format!("Action {}", shorten(&digest.hash_hex(), 12)),
         html! {
@@ -190,41 +271,26 @@ pub fn action(
                 }
                 p { "Timeout: " (a.timeout.as_ref().map_or("server default".to_string(), |t| format!("{} s", t.seconds)))
                     @if a.do_not_cache { " · not cached" } }
+                p {
+                    @if let Some(root) = &a.input_root_digest { a href=(crate::cas::link(crate::cas::Kind::Directory, root)) { "Input tree" } " · " }
+                    @if let Some(c) = &a.command_digest { a href=(crate::cas::link(crate::cas::Kind::Command, c)) { "Command (decoded)" } }
+                }
             }
             h2 { "Result" }
             @match result {
                 None => p class="dim" { "No result in the action cache (it failed, was not cached, or expired)." },
-                Some(r) => {
-                    p { "Exit code " span class=(if r.exit_code == 0 { "ok" } else { "bad" }) { (r.exit_code) }
-                        @if let Some(md) = &r.execution_metadata { " on " (md.worker) } }
-                    @for (name, raw, d) in [("stdout", &r.stdout_raw, r.stdout_digest.as_ref()), ("stderr", &r.stderr_raw, r.stderr_digest.as_ref())] {
-                        h3 { (name) }
-                        @if !raw.is_empty() {
-                            pre { (text(raw)) }
-                        } @else {
-                            @match digest_link(d) {
-                                Some((link, 0)) => p class="dim" { "empty" a href=(link) {} },
-                                Some((link, size)) => p { a href=(link) { (name) " (" (size) " bytes)" } },
-                                None => p class="dim" { "none" },
-                            }
-                        }
-                    }
-                    @if !r.output_files.is_empty() {
-                        h2 { "Output files" }
-                        table {
-                            tr { th { "Path" } th { "Size" } }
-                            @for f in &r.output_files {
-                                tr {
-                                    td { @match digest_link(f.digest.as_ref()) {
-                                        Some((link, _)) => a href=(link) { code { (f.path) } },
-                                        None => code { (f.path) },
-                                    } }
-                                    td class="n" { (f.digest.as_ref().map_or(0, |d| d.size_bytes)) }
-                                }
-                            }
-                        }
-                    }
-                }
+                Some(r) => (result_section(r)),
+            }
+            h2 { "Runs (" (runs.len()) ")" }
+            @if runs.is_empty() {
+                p class="dim" { "No run on gantry's executors is logged (it was a cache hit, or ran elsewhere)." }
+            } @else {
+                (runs_table(runs))
+            }
+            @if let Some((key, view)) = shape {
+                h2 { "Size classes of its shape" }
+                p { a href={ "/sizeclasses/" (key) } { "Shape " code { (shorten(key, 16)) } } " — every action with this command and platform." }
+                @if let Some(v) = view { (crate::sizes::shape_table(v)) }
             }
         },
     )

@@ -41,6 +41,9 @@ async fn web(db: &MetadataDb) -> (axum::Router, Stores) {
         builds: Arc::new(SqlBuildStore::new(db.clone())),
         queue: Arc::new(SqlQueueStore::new(db.clone())),
         sizes: Arc::new(SqlSizeClassStore::new(db.clone())),
+        selection: Default::default(),
+        fleet: None,
+        history: Default::default(),
     };
     (router(Arc::new(web)), (invocations, log, cas, ac))
 }
@@ -178,4 +181,111 @@ async fn the_first_page_of_100000_invocations_renders_fast() {
     assert!(took < std::time::Duration::from_secs(2), "{took:?}");
     let (_, second) = get(&app, "/invocations?before=1700099950000").await;
     assert!(second.contains("inv-99949") && !second.contains("inv-99950\""));
+}
+
+async fn get_full(app: &axum::Router, uri: &str) -> (StatusCode, http::HeaderMap, String) {
+    let resp = app.clone().oneshot(Request::get(uri).body(Body::empty()).unwrap()).await.unwrap();
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20).await.unwrap();
+    (status, headers, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// A person browsing an action's inputs: the action page links its input tree, whose
+/// subdirectory opens and whose file downloads under its name; its runs link their
+/// invocation and the shape's size-class page; the CAS form finds any digest.
+#[tokio::test]
+async fn the_cas_browser_walks_an_input_tree_to_a_file() {
+    let db = MetadataDb::open("sqlite::memory:").await.unwrap();
+    let (app, (_, log, cas, _)) = web(&db).await;
+    let file = bytes::Bytes::from_static(b"int main() { return 0; }\n");
+    let file_digest = DigestFunction::Sha256.digest_of(&file);
+    cas.put(&file_digest, file.clone()).await.unwrap();
+    let sub = reapi::Directory {
+        files: vec![reapi::FileNode {
+            name: "main.cc".into(),
+            digest: Some(file_digest.to_proto()),
+            is_executable: false,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let sub_digest = put_proto(&cas, &sub).await;
+    let root = reapi::Directory {
+        directories: vec![reapi::DirectoryNode { name: "src".into(), digest: Some(sub_digest.to_proto()) }],
+        ..Default::default()
+    };
+    let root_digest = put_proto(&cas, &root).await;
+    let command = reapi::Command { arguments: vec!["cc".into(), "src/main.cc".into()], ..Default::default() };
+    let command_digest = put_proto(&cas, &command).await;
+    let action = reapi::Action {
+        command_digest: Some(command_digest.to_proto()),
+        input_root_digest: Some(root_digest.to_proto()),
+        ..Default::default()
+    };
+    let action_digest = put_proto(&cas, &action).await;
+    for (i, (class, status)) in [(1u32, 8i32), (4, 0)].into_iter().enumerate() {
+        log.record(&ActionRecord {
+            operation: "op".into(),
+            action_digest: action_digest.to_string(),
+            tool_invocation_id: "inv-9".into(),
+            action_mnemonic: "CppCompile".into(),
+            worker: format!("w{class}"),
+            size_class: class,
+            status_code: status,
+            wall_seconds: 1.5,
+            metering: "cgroup-v1".into(),
+            completed_unix_ms: 1_700_000_000_000 + i as i64,
+            shape_key: "shape-1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+
+    let action_uri = format!("/actions/{}/{}", action_digest.hash_hex(), action_digest.size);
+    let (status, page) = get(&app, &action_uri).await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Runs (2)") && page.contains("status 8") && page.contains("cgroup-v1"), "{page}");
+    assert!(page.contains("href=\"/invocations/inv-9\"") && page.contains("href=\"/sizeclasses/shape-1\""), "{page}");
+    let tree_link = format!("/cas/directory/{}/{}", root_digest.hash_hex(), root_digest.size);
+    assert!(page.contains(&format!("href=\"{tree_link}\"")), "{page}");
+
+    let (status, root_page) = get(&app, &tree_link).await;
+    assert_eq!(status, StatusCode::OK);
+    let sub_link = format!("/cas/directory/{}/{}?path=src", sub_digest.hash_hex(), sub_digest.size);
+    assert!(root_page.contains(&format!("href=\"{sub_link}\"")), "{root_page}");
+    let (_, sub_page) = get(&app, &sub_link).await;
+    assert!(sub_page.contains("Directory <code>src</code>"), "{sub_page}");
+    let download = format!("/blobs/{}/{}?download=main%2Ecc", file_digest.hash_hex(), file_digest.size);
+    assert!(sub_page.contains(&format!("href=\"{download}\"")), "{sub_page}");
+    let (status, headers, body) = get_full(&app, &download).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "int main() { return 0; }\n"));
+    assert_eq!(headers["content-disposition"], "attachment; filename=\"main.cc\"");
+
+    let command_link = format!("/cas/command/{}/{}", command_digest.hash_hex(), command_digest.size);
+    let (status, cmd) = get(&app, &command_link).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(cmd.contains("<code>src/main.cc</code>"), "{cmd}");
+
+    // The lookup form sends a digest and a kind; a bad one names its field.
+    let (status, headers, _) =
+        get_full(&app, &format!("/cas?digest={}%2F{}&kind=directory", root_digest.hash_hex(), root_digest.size)).await;
+    assert_eq!(status, StatusCode::SEE_OTHER);
+    assert_eq!(headers["location"], tree_link.as_str());
+    let (status, body) = get(&app, "/cas?digest=nothex%2F1&kind=tree").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(body.contains("digest:"), "{body}");
+    let (status, body) = get(&app, &format!("/cas?digest={}/1&kind=elephant", "a".repeat(64))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(body.contains("kind:"), "{body}");
+    assert_eq!(get(&app, &format!("/cas/tree/{}/3", "0".repeat(64))).await.0, StatusCode::NOT_FOUND);
+    // A blob that is not a Directory says so instead of showing garbage.
+    let (status, body) = get(&app, &format!("/cas/directory/{}/{}", file_digest.hash_hex(), file_digest.size)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+
+    // The shape page plots both runs; the first (failed) one is marked as retried.
+    let (status, shape) = get(&app, "/sizeclasses/shape-1").await;
+    assert_eq!(status, StatusCode::OK, "{shape}");
+    assert_eq!(shape.matches("<circle").count(), 2, "{shape}");
+    assert!(shape.contains("failed: retried larger"));
 }

@@ -76,6 +76,7 @@ pub async fn build_services(config: &Config, db: &MetadataDb) -> anyhow::Result<
             builds: Arc::new(gantry_store::SqlBuildStore::new(db.clone())),
             queue: Arc::new(gantry_store::SqlQueueStore::new(db.clone())),
             sizes: Arc::new(SqlSizeClassStore::new(db.clone())),
+            selection: gantry_sizeclass::SelectionConfig::from_config(&config.execution.size_classes),
         });
     match &config.auth {
         Some(auth) => {

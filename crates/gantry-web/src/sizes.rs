@@ -1,0 +1,261 @@
+//! The size-class pages: the shapes the scheduler learned, each with its outcomes per
+//! class, acceptable times and success estimates as selection sees them now, and its runs
+//! over time (each run on its class; failures, the runs that were retried, stand out).
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use gantry_core::{ActionRecord, RunsOf};
+use gantry_sizeclass::{ActionStats, KeyStatsView, Outcome, SizeClasses, Timestamp};
+use http::StatusCode;
+use maud::{html, Markup};
+
+use crate::pages::{action_link, layout, shorten, utc};
+use crate::{failure, server_error, svg, Web};
+
+/// Shapes listed on the page (most recently updated first).
+pub const SHAPES_LISTED: usize = 100;
+/// Runs of one shape plotted and listed.
+pub const RUNS_SHOWN: usize = 500;
+
+/// Group priors share the store with shapes; their keys carry this prefix.
+const GROUP_PREFIX: &str = "group:";
+
+fn secs(d: Option<std::time::Duration>) -> String {
+    d.map_or_else(|| "—".into(), |d| format!("{:.2} s", d.as_secs_f64()))
+}
+
+/// One shape's learned view: a row per class.
+pub fn shape_table(v: &KeyStatsView) -> Markup {
+    html! {
+        p {
+            @if let Some(m) = v.largest_median { "Median on the largest class: " (secs(Some(m))) ". " }
+            @if v.boosted { span class="bad" { "Failed on the largest class recently: it goes straight there." } }
+        }
+        table {
+            tr { th { "Class" } th { "Workers" } th { "Succeeded" } th { "Timed out" } th { "Failed" } th { "Median" }
+                 th { "Expected run" } th { "Acceptable" } th { "P(memory fits)" } th { "Latest outcomes" } }
+            @for c in &v.classes {
+                tr {
+                    td class="n" { (c.size_class) }
+                    td { @if c.available { "yes" } @else { span class="dim" { "none now" } } }
+                    td class="n" { (c.successes) }
+                    td class="n" { (c.timeouts) }
+                    td class="n" { @if c.failures > 0 { span class="bad" { (c.failures) } } @else { "0" } }
+                    td class="n" { (secs(c.median_success)) }
+                    td class="n" { (secs(c.expected_run)) }
+                    td class="n" { (secs(c.acceptable_time)) }
+                    td class="n" { (c.fit_probability.map_or("—".into(), |p| format!("{p:.2}"))) }
+                    td class="dim" { (c.history.iter().rev().take(8).map(|o| match o {
+                        Outcome::Succeeded(d) => format!("{:.1}s", d.as_secs_f64()),
+                        Outcome::TimedOut(d) => format!("timeout {:.1}s", d.as_secs_f64()),
+                        Outcome::Failed => "failed".into(),
+                    }).collect::<Vec<_>>().join(", ")) }
+                }
+            }
+        }
+    }
+}
+
+/// The runs of a shape over time: wall time against when it finished, a colour per
+/// class, failures (the runs retried on a larger class) in their own series.
+pub fn runs_plot(runs: &[ActionRecord]) -> Markup {
+    let classes: std::collections::BTreeSet<u32> = runs.iter().map(|r| r.size_class).collect();
+    let index = |c: u32| classes.iter().position(|x| *x == c).unwrap_or(0);
+    let t0 = runs.iter().map(|r| r.completed_unix_ms).min().unwrap_or(0);
+    let failed = |r: &ActionRecord| r.status_code != 0 || r.exit_code != 0;
+    let points: Vec<svg::Point> = runs
+        .iter()
+        .map(|r| svg::Point {
+            x: (r.completed_unix_ms - t0) as f64 / 1000.0,
+            y: r.wall_seconds,
+            title: format!(
+                "class {} on {}: {:.2} s{}",
+                r.size_class,
+                r.worker,
+                r.wall_seconds,
+                if failed(r) {
+                    format!(", failed (status {}, exit {})", r.status_code, r.exit_code)
+                } else {
+                    String::new()
+                }
+            ),
+            series: if failed(r) { 0 } else { index(r.size_class) + 1 },
+        })
+        .collect();
+    let mut names = vec!["failed: retried larger".to_string()];
+    names.extend(classes.iter().map(|c| format!("class {c}")));
+    html! {
+        (svg::scatter(&points, "seconds since the first run shown", "run time (s)", false))
+        (svg::legend(names.iter().map(String::as_str)))
+    }
+}
+
+fn now() -> Timestamp {
+    Timestamp::from_system_time(SystemTime::now())
+}
+
+/// The classes a view shows: those with workers now, else those with history.
+pub(crate) fn classes_of(web: &Web, stats: &ActionStats) -> Option<SizeClasses> {
+    let mut classes: Vec<u32> =
+        web.fleet.as_ref().map(|f| f.snapshot().workers.iter().map(|w| w.size_class).collect()).unwrap_or_default();
+    if classes.is_empty() {
+        classes = stats.classes().collect();
+    }
+    SizeClasses::new(classes).ok()
+}
+
+/// A shape's view, when its statistics are stored.
+pub(crate) async fn shape_view(web: &Web, key: &str) -> Result<Option<KeyStatsView>, Response> {
+    let json = match web.sizes.get(key).await {
+        Ok(Some(j)) => j,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(server_error(e)),
+    };
+    let stats = ActionStats::from_json(&json).map_err(|e| {
+        failure(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("the statistics of {} do not decode: {e}", shorten(key, 80)),
+        )
+    })?;
+    Ok(classes_of(web, &stats).map(|set| KeyStatsView::new(key, &stats, &set, &web.selection, now())))
+}
+
+/// The list of shapes, each with its samples and median per class.
+pub fn list_page(rows: &[(String, Option<KeyStatsView>)]) -> Markup {
+    layout(
+        "Size classes",
+        html! {
+            h1 { "Size classes" }
+            p { "The action shapes the scheduler learned (an action's command and platform, and Bazel's configuration), \
+                 most recently updated first. Each chooses the cheapest class whose expected time is acceptable." }
+            @if rows.is_empty() {
+                p class="dim" { "Nothing learned yet: it starts once workers of more than one size class are registered." }
+            } @else {
+                table {
+                    tr { th { "Shape" } th { "Samples per class (median)" } th { "Failed on the largest recently" } }
+                    @for (key, v) in rows {
+                        tr {
+                            td { a href={ "/sizeclasses/" (key) } { code { (shorten(key, 16)) } } }
+                            td { @if let Some(v) = v {
+                                @for c in v.classes.iter().filter(|c| !c.history.is_empty()) {
+                                    span { "class " (c.size_class) ": " (c.history.len()) " (" (secs(c.median_success)) ") " }
+                                }
+                            } }
+                            td { @if v.as_ref().is_some_and(|v| v.boosted) { span class="bad" { "yes" } } }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+/// One shape: its table, its runs over time, and the latest runs linked to their actions.
+pub fn shape_page(key: &str, view: Option<&KeyStatsView>, runs: &[ActionRecord]) -> Markup {
+    layout(
+        "Size class shape",
+        html! {
+            h1 { "Shape " code { (shorten(key, 16)) } }
+            p class="dim" { code { (key) } }
+            @match view {
+                Some(v) => (shape_table(v)),
+                None => p class="dim" { "No statistics are stored for it." },
+            }
+            h2 { "Runs over time (" (runs.len()) ")" }
+            @if runs.is_empty() {
+                p class="dim" { "The execution log has no run of this shape." }
+            } @else {
+                (runs_plot(runs))
+                table {
+                    tr { th { "Finished" } th { "Action" } th { "Class" } th { "Worker" } th { "Ran s" } th { "Peak MiB" } th { "Result" } }
+                    @for r in runs.iter().take(50) {
+                        tr {
+                            td { (utc(r.completed_unix_ms)) }
+                            td { @match action_link(&r.instance, &r.action_digest) {
+                                Some(l) => a href=(l) { (if r.action_mnemonic.is_empty() { "action" } else { &r.action_mnemonic }) },
+                                None => (r.action_mnemonic),
+                            } " " code { (shorten(&r.target_id, 60)) } }
+                            td class="n" { (r.size_class) }
+                            td { (r.worker) }
+                            td class="n" { (format!("{:.2}", r.wall_seconds)) }
+                            td class="n" { (format!("{:.1}", r.peak_memory_bytes as f64 / (1u64 << 20) as f64)) }
+                            td { @if r.status_code != 0 || r.exit_code != 0 {
+                                span class="bad" { "status " (r.status_code) ", exit " (r.exit_code) }
+                            } @else { span class="ok" { "ok" } } }
+                        }
+                    }
+                }
+            }
+        },
+    )
+}
+
+pub(crate) async fn list(State(web): State<Arc<Web>>) -> Response {
+    let keys = match web.sizes.keys(SHAPES_LISTED * 4).await {
+        Ok(k) => k,
+        Err(e) => return server_error(e),
+    };
+    let mut rows = Vec::new();
+    for key in keys.into_iter().filter(|k| !k.starts_with(GROUP_PREFIX)).take(SHAPES_LISTED) {
+        match shape_view(&web, &key).await {
+            Ok(v) => rows.push((key, v)),
+            Err(r) => return r,
+        }
+    }
+    list_page(&rows).into_response()
+}
+
+pub(crate) async fn shape(State(web): State<Arc<Web>>, Path(key): Path<String>) -> Response {
+    if key.is_empty() || key.len() > 200 || key.starts_with(GROUP_PREFIX) {
+        return failure(StatusCode::BAD_REQUEST, "shape: not a shape key");
+    }
+    let view = match shape_view(&web, &key).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let runs = match web.log.runs(RunsOf::Shape(&key), RUNS_SHOWN).await {
+        Ok(r) => r,
+        Err(e) => return server_error(e),
+    };
+    if view.is_none() && runs.is_empty() {
+        return failure(StatusCode::NOT_FOUND, "no such shape");
+    }
+    shape_page(&key, view.as_ref(), &runs).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gantry_sizeclass::SelectionConfig;
+    use std::time::Duration;
+
+    #[test]
+    fn a_shape_shows_each_class_and_its_runs() {
+        let mut stats = ActionStats::new();
+        for _ in 0..3 {
+            stats.push(1, Outcome::Succeeded(Duration::from_secs(4)), 16);
+            stats.push(4, Outcome::Succeeded(Duration::from_secs(2)), 16);
+        }
+        stats.push(1, Outcome::Failed, 16);
+        let set = SizeClasses::new([1, 4]).unwrap();
+        let view = KeyStatsView::new("k<script>", &stats, &set, &SelectionConfig::default(), now());
+        let run = |class: u32, status: i32, at: i64| ActionRecord {
+            size_class: class,
+            status_code: status,
+            completed_unix_ms: at,
+            wall_seconds: 1.0,
+            target_id: "<script>".into(),
+            ..Default::default()
+        };
+        let page = shape_page("k<script>", Some(&view), &[run(1, 8, 1000), run(4, 0, 2000)]).into_string();
+        assert!(!page.contains("<script>") && page.contains("&lt;script&gt;"));
+        assert!(page.contains("4.00 s") && page.contains("2.00 s"), "medians: {page}");
+        assert_eq!(page.matches("<circle").count(), 2);
+        assert!(page.contains("failed: retried larger") && page.contains("status 8"));
+        let list = list_page(&[("k<script>".into(), Some(view))]).into_string();
+        assert!(list.contains("class 1: 4") && list.contains("class 4: 3"), "{list}");
+    }
+}
