@@ -413,6 +413,11 @@ const MIGRATIONS: &[Version] = &[
         description: "invocations from the Build Event Service",
         sql: include_str!("../migrations/0004_invocations.sql"),
     },
+    Version {
+        version: 5,
+        description: "indexes for the web pages' paging",
+        sql: include_str!("../migrations/0005_web_paging.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.
