@@ -6,7 +6,9 @@
 //! platform, result, outputs, stdout and stderr); and a CAS blob shown as text. Handlers read
 //! the core traits only; the rendering is in [`pages`], plain functions of their data.
 
+pub mod batching;
 pub mod pages;
+pub mod queue;
 pub mod svg;
 
 use std::sync::Arc;
@@ -52,6 +54,9 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/invocations/{id}", get(one))
         .route("/actions/{hash}/{size}", get(action))
         .route("/blobs/{hash}/{size}", get(blob))
+        .route("/batching", get(batching::list))
+        .route("/batching/builds/{id}", get(batching::one))
+        .route("/queue", get(queue::page))
         .with_state(web)
 }
 
@@ -64,6 +69,9 @@ pub fn disabled(why: &'static str) -> Router {
         .route("/invocations/{*rest}", get(refuse))
         .route("/actions/{*rest}", get(refuse))
         .route("/blobs/{*rest}", get(refuse))
+        .route("/batching", get(refuse))
+        .route("/batching/{*rest}", get(refuse))
+        .route("/queue", get(refuse))
 }
 
 fn failure(status: StatusCode, message: &str) -> Response {

@@ -15,7 +15,8 @@ th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}\
 nav a{margin-right:1em}code{font-size:.95em}";
 
 /// The pages every page links to, in the order of the menu.
-const NAV: &[(&str, &str)] = &[("/invocations", "Invocations"), ("/metrics", "Metrics")];
+const NAV: &[(&str, &str)] =
+    &[("/invocations", "Invocations"), ("/batching", "Batching"), ("/queue", "Submit queue"), ("/metrics", "Metrics")];
 
 /// A page: the menu, then `body`.
 pub fn layout(title: &str, body: Markup) -> Markup {
