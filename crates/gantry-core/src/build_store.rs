@@ -34,6 +34,10 @@ pub struct BuildQuery {
     pub limit: usize,
     /// Oldest first (by creation) instead of newest first.
     pub oldest_first: bool,
+    /// Only the rows listed after the row with this `(created_unix_ms, id)` in the order
+    /// asked: the next page after a page that ended there. Both parts, because split
+    /// halves are created in the same millisecond and a page may end between them.
+    pub after: Option<(i64, String)>,
 }
 
 #[async_trait]

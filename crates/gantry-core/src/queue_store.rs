@@ -59,6 +59,29 @@ pub trait QueueStore: Send + Sync + 'static {
     async fn get_change(&self, id: &str) -> Result<Option<QueueDocRow>>;
     /// All changes in `seq` order.
     async fn list_changes(&self) -> Result<Vec<QueueDocRow>>;
+    /// One page of changes, newest (highest `seq`) first: those whose state is one of
+    /// `states` (any state when empty) and whose `seq` is below `before_seq` when given,
+    /// at most `limit` (0: no limit). The default reads every change; stores override it
+    /// to read only the page, so a long history does not slow the web pages down.
+    async fn list_changes_page(
+        &self,
+        states: &[&str],
+        before_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<QueueDocRow>> {
+        let mut rows: Vec<QueueDocRow> = self
+            .list_changes()
+            .await?
+            .into_iter()
+            .filter(|r| states.is_empty() || states.contains(&r.state.as_str()))
+            .filter(|r| before_seq.is_none_or(|b| r.seq < b))
+            .collect();
+        rows.sort_by(|a, b| b.seq.cmp(&a.seq).then_with(|| b.id.cmp(&a.id)));
+        if limit > 0 {
+            rows.truncate(limit);
+        }
+        Ok(rows)
+    }
     /// Appends to the journal; returns false (and writes nothing) when an event with the
     /// same `dedup_key` is already there.
     async fn append_event(&self, at_ms: i64, dedup_key: Option<&str>, event: &str) -> Result<bool>;
@@ -72,6 +95,11 @@ pub trait QueueStore: Send + Sync + 'static {
     async fn put_build(&self, row: &QueueDocRow) -> Result<()>;
     /// All builds in `seq` order.
     async fn list_builds(&self) -> Result<Vec<QueueDocRow>>;
+    /// The builds whose `seq` is at least `from_seq`, in `seq` order: the recent ones
+    /// (build numbers only grow). The default reads every build; stores override it.
+    async fn list_builds_from(&self, from_seq: i64) -> Result<Vec<QueueDocRow>> {
+        Ok(self.list_builds().await?.into_iter().filter(|r| r.seq >= from_seq).collect())
+    }
     /// Caches a commit's target graph (JSON); the same commit always has the same graph.
     async fn put_graph(&self, commit: &str, graph: &str) -> Result<()>;
     async fn get_graph(&self, commit: &str) -> Result<Option<String>>;

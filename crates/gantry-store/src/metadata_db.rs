@@ -418,6 +418,11 @@ const MIGRATIONS: &[Version] = &[
         description: "runs of one action, for the web UI",
         sql: include_str!("../migrations/0005_action_runs.sql"),
     },
+    Version {
+        version: 6,
+        description: "indexes for the web pages' paging",
+        sql: include_str!("../migrations/0006_web_paging.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

@@ -82,6 +82,13 @@ impl BuildStore for SqlBuildStore {
         if q.finished_since_unix_ms.is_some() {
             sql += &format!(" AND finished_unix_ms IS NOT NULL AND finished_unix_ms >= {}", next());
         }
+        // The cursor compares (created, id), the listing's own order, so the index on
+        // both serves it and no row is skipped or repeated between pages.
+        let cmp = if q.oldest_first { ">" } else { "<" };
+        if q.after.is_some() {
+            let (t, id) = (next(), next());
+            sql += &format!(" AND (created_unix_ms {cmp} {t} OR (created_unix_ms = {t} AND build_id {cmp} {id}))");
+        }
         sql += if q.oldest_first {
             " ORDER BY created_unix_ms ASC, build_id ASC"
         } else {
@@ -96,6 +103,9 @@ impl BuildStore for SqlBuildStore {
         }
         if let Some(t) = q.finished_since_unix_ms {
             query = query.bind(t);
+        }
+        if let Some((t, id)) = &q.after {
+            query = query.bind(*t).bind(id.clone());
         }
         if q.limit > 0 {
             query = query.bind(q.limit as i64);

@@ -49,6 +49,14 @@ impl SqlQueueStore {
         if let Some(id) = id {
             q = q.bind(id.to_string());
         }
+        self.fetch_docs(table, q).await
+    }
+
+    async fn fetch_docs<'q>(
+        &self,
+        table: &'static str,
+        q: sqlx::query::Query<'q, sqlx::Any, sqlx::any::AnyArguments<'q>>,
+    ) -> Result<Vec<QueueDocRow>> {
         let rows = q.fetch_all(self.db.pool()).await.map_err(self.db.err(table))?;
         rows.iter()
             .map(|r| {
@@ -71,6 +79,43 @@ impl QueueStore for SqlQueueStore {
 
     async fn list_changes(&self) -> Result<Vec<QueueDocRow>> {
         self.list_docs("queue_changes", None).await
+    }
+
+    async fn list_changes_page(
+        &self,
+        states: &[&str],
+        before_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<QueueDocRow>> {
+        // Walks the seq index from the newest end and stops at the page's last row.
+        let mut sql = "SELECT id, seq, state, document FROM queue_changes WHERE 1 = 1".to_string();
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        if !states.is_empty() {
+            let marks: Vec<String> = states.iter().map(|_| next()).collect();
+            sql += &format!(" AND state IN ({})", marks.join(", "));
+        }
+        if before_seq.is_some() {
+            sql += &format!(" AND seq < {}", next());
+        }
+        sql += " ORDER BY seq DESC, id DESC";
+        if limit > 0 {
+            sql += &format!(" LIMIT {}", next());
+        }
+        let mut q = sqlx::query(&sql);
+        for s in states {
+            q = q.bind(s.to_string());
+        }
+        if let Some(b) = before_seq {
+            q = q.bind(b);
+        }
+        if limit > 0 {
+            q = q.bind(limit as i64);
+        }
+        self.fetch_docs("queue_changes", q).await
     }
 
     async fn append_event(&self, at_ms: i64, dedup_key: Option<&str>, event: &str) -> Result<bool> {
@@ -171,6 +216,13 @@ impl QueueStore for SqlQueueStore {
 
     async fn list_builds(&self) -> Result<Vec<QueueDocRow>> {
         self.list_docs("queue_builds", None).await
+    }
+
+    async fn list_builds_from(&self, from_seq: i64) -> Result<Vec<QueueDocRow>> {
+        let q =
+            sqlx::query("SELECT id, seq, state, document FROM queue_builds WHERE seq >= $1 ORDER BY seq ASC, id ASC")
+                .bind(from_seq);
+        self.fetch_docs("queue_builds", q).await
     }
 
     async fn put_graph(&self, commit: &str, graph: &str) -> Result<()> {

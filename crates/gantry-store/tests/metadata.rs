@@ -196,6 +196,21 @@ async fn build_store(db: &MetadataDb) {
     let q =
         BuildQuery { limit: 1, stream_id: Some("s1".into()), finished_since_unix_ms: Some(0), ..Default::default() };
     assert_eq!(ids(s.list(&q).await.unwrap()), ["a"]);
+
+    // Paging: split halves share a creation time, so the cursor carries the id too.
+    s.put(&row("c.1", "s2", "DONE", 30, Some(60))).await.unwrap();
+    s.put(&row("c.2", "s2", "QUEUED", 30, None)).await.unwrap();
+    let page = |after: Option<(i64, &str)>, oldest_first| BuildQuery {
+        limit: 2,
+        oldest_first,
+        after: after.map(|(t, id)| (t, id.to_string())),
+        ..Default::default()
+    };
+    assert_eq!(ids(s.list(&page(None, false)).await.unwrap()), ["c.2", "c.1"]);
+    assert_eq!(ids(s.list(&page(Some((30, "c.1")), false)).await.unwrap()), ["c", "b"]);
+    assert_eq!(ids(s.list(&page(Some((20, "b")), false)).await.unwrap()), ["a"]);
+    assert_eq!(ids(s.list(&page(Some((10, "a")), true)).await.unwrap()), ["b", "c"]);
+    assert_eq!(ids(s.list(&page(Some((30, "c")), true)).await.unwrap()), ["c.1", "c.2"]);
 }
 
 fn invocation(id: &str, started: i64) -> Invocation {
@@ -292,6 +307,70 @@ async fn queue_store(db: &MetadataDb) {
     s.put_graph("abc", "ignored: a commit's graph never changes").await.unwrap();
     assert_eq!(s.get_graph("abc").await.unwrap().as_deref(), Some("{\"targets\":{}}"));
     assert_eq!(s.get_graph("def").await.unwrap(), None);
+
+    // The pages of changes and the recent builds: the store's own SQL and the trait's
+    // defaults (over the full lists) answer alike.
+    for (i, state) in ["LANDED", "REJECTED", "LANDED", "PENDING", "SUBMITTED"].into_iter().enumerate() {
+        s.put_change(&doc(&format!("c{}", i + 3), i as i64 + 3, state)).await.unwrap();
+    }
+    for b in 1..=4 {
+        s.put_build(&doc(&b.to_string(), b, "RUNNING")).await.unwrap();
+    }
+    let defaults = Defaults(SqlQueueStore::new(db.clone()));
+    for store in [&s as &dyn QueueStore, &defaults] {
+        let page = |rows: Vec<QueueDocRow>| rows.into_iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(page(store.list_changes_page(&[], None, 3).await.unwrap()), ["c7", "c6", "c5"]);
+        assert_eq!(page(store.list_changes_page(&[], Some(5), 0).await.unwrap()), ["c4", "c3", "c2", "c1"]);
+        let decided = ["LANDED", "REJECTED"];
+        assert_eq!(page(store.list_changes_page(&decided, None, 2).await.unwrap()), ["c5", "c4"]);
+        assert_eq!(page(store.list_changes_page(&decided, Some(4), 2).await.unwrap()), ["c3", "c1"]);
+        assert_eq!(
+            page(store.list_changes_page(&["PENDING", "SUBMITTED"], None, 0).await.unwrap()),
+            ["c7", "c6", "c2"]
+        );
+        assert_eq!(page(store.list_builds_from(3).await.unwrap()), ["3", "4"]);
+        assert!(store.list_builds_from(5).await.unwrap().is_empty());
+    }
+}
+
+/// A queue store that leaves the trait's provided methods to their defaults.
+struct Defaults(SqlQueueStore);
+
+#[async_trait::async_trait]
+impl QueueStore for Defaults {
+    async fn put_change(&self, row: &QueueDocRow) -> gantry_core::Result<()> {
+        self.0.put_change(row).await
+    }
+    async fn get_change(&self, id: &str) -> gantry_core::Result<Option<QueueDocRow>> {
+        self.0.get_change(id).await
+    }
+    async fn list_changes(&self) -> gantry_core::Result<Vec<QueueDocRow>> {
+        self.0.list_changes().await
+    }
+    async fn append_event(&self, at_ms: i64, dedup_key: Option<&str>, event: &str) -> gantry_core::Result<bool> {
+        self.0.append_event(at_ms, dedup_key, event).await
+    }
+    async fn list_events(&self) -> gantry_core::Result<Vec<gantry_core::QueueEventRow>> {
+        self.0.list_events().await
+    }
+    async fn put_landing(&self, row: &LandingRow) -> gantry_core::Result<()> {
+        self.0.put_landing(row).await
+    }
+    async fn list_landings(&self) -> gantry_core::Result<Vec<LandingRow>> {
+        self.0.list_landings().await
+    }
+    async fn put_build(&self, row: &QueueDocRow) -> gantry_core::Result<()> {
+        self.0.put_build(row).await
+    }
+    async fn list_builds(&self) -> gantry_core::Result<Vec<QueueDocRow>> {
+        self.0.list_builds().await
+    }
+    async fn put_graph(&self, commit: &str, graph: &str) -> gantry_core::Result<()> {
+        self.0.put_graph(commit, graph).await
+    }
+    async fn get_graph(&self, commit: &str) -> gantry_core::Result<Option<String>> {
+        self.0.get_graph(commit).await
+    }
 }
 
 async fn leases(db: &MetadataDb) {

@@ -6,9 +6,11 @@
 //! platform, result, outputs, stdout and stderr); and a CAS blob shown as text. Handlers read
 //! the core traits only; the rendering is in [`pages`], plain functions of their data.
 
+pub mod batching;
 pub mod cas;
 pub mod live;
 pub mod pages;
+pub mod queue;
 pub mod sizes;
 pub mod svg;
 
@@ -79,6 +81,9 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/sizeclasses/{key}", get(sizes::shape))
         .route("/workers", get(live::workers))
         .route("/workers/live", get(live::workers_live))
+        .route("/batching", get(batching::list))
+        .route("/batching/builds/{id}", get(batching::one))
+        .route("/queue", get(queue::page))
         .with_state(web)
 }
 
@@ -97,6 +102,9 @@ pub fn disabled(why: &'static str) -> Router {
         .route("/sizeclasses/{*rest}", get(refuse))
         .route("/workers", get(refuse))
         .route("/workers/{*rest}", get(refuse))
+        .route("/batching", get(refuse))
+        .route("/batching/{*rest}", get(refuse))
+        .route("/queue", get(refuse))
 }
 
 pub(crate) fn failure(status: StatusCode, message: &str) -> Response {
@@ -184,7 +192,7 @@ pub(crate) fn query_param(query: Option<&str>, name: &str) -> Result<Option<Stri
     String::from_utf8(out).map(Some).map_err(|_| "not UTF-8".to_string())
 }
 
-/// `instance=` from the query string (the pages encode every byte but letters and digits).
+/// `instance=` from the query string (the pages write it with `pages::percent_encode`).
 fn instance(query: Option<&str>) -> Result<String, String> {
     query_param(query, "instance").map(Option::unwrap_or_default).map_err(|e| format!("instance: {e}"))
 }

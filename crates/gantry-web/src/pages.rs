@@ -19,6 +19,8 @@ const NAV: &[(&str, &str)] = &[
     ("/invocations", "Invocations"),
     ("/workers", "Workers"),
     ("/sizeclasses", "Size classes"),
+    ("/batching", "Batching"),
+    ("/queue", "Submit queue"),
     ("/cas", "CAS"),
     ("/metrics", "Metrics"),
 ];
@@ -143,9 +145,15 @@ pub fn blob_link(uri: &str) -> Option<String> {
     ok.then(|| format!("/blobs/{hash}/{size}"))
 }
 
-/// Every byte but ASCII letters and digits as `%XX`.
+/// `s` for a URL path segment or query value: unreserved characters (letters, digits,
+/// `-._~`) kept, every other byte as `%XX`.
 pub fn percent_encode(s: &str) -> String {
-    s.bytes().map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 /// The page of an executed action, from its record (`hash/size` and instance).

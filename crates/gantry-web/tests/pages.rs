@@ -3,49 +3,25 @@
 //! tests and actions and links each log to the CAS; and the list's first page stays fast
 //! with 100,000 invocations stored.
 
+mod common;
+
 use std::sync::Arc;
 
-use axum::body::Body;
+use common::{get, get_full};
+
 use gantry_core::{reapi, ActionCache};
 use gantry_core::{
     ActionRecord, BlobStore, DigestFunction, ExecutionLog, Invocation, InvocationStore, TargetOutcome, TestOutcome,
 };
-use gantry_store::{
-    MemoryStore, MetadataDb, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlInvocationStore, SqlQueueStore,
-    SqlSizeClassStore,
-};
-use gantry_web::{router, Web};
-use http::{Request, StatusCode};
+use gantry_store::{MemoryStore, MetadataDb, SqlActionCache, SqlExecutionLog, SqlInvocationStore};
+use http::StatusCode;
 use prost::Message;
-use tower::ServiceExt;
-
-async fn get(app: &axum::Router, uri: &str) -> (StatusCode, String) {
-    let resp = app.clone().oneshot(Request::get(uri).body(Body::empty()).unwrap()).await.unwrap();
-    let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20).await.unwrap();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
-}
 
 type Stores = (Arc<SqlInvocationStore>, Arc<SqlExecutionLog>, Arc<MemoryStore>, Arc<SqlActionCache>);
 
 async fn web(db: &MetadataDb) -> (axum::Router, Stores) {
-    let invocations = Arc::new(SqlInvocationStore::new(db.clone()));
-    let log = Arc::new(SqlExecutionLog::new(db.clone()));
-    let cas = Arc::new(MemoryStore::new(1 << 30));
-    let ac = Arc::new(SqlActionCache::new(db.clone()));
-    let web = Web {
-        invocations: invocations.clone(),
-        log: log.clone(),
-        cas: cas.clone(),
-        ac: ac.clone(),
-        builds: Arc::new(SqlBuildStore::new(db.clone())),
-        queue: Arc::new(SqlQueueStore::new(db.clone())),
-        sizes: Arc::new(SqlSizeClassStore::new(db.clone())),
-        selection: Default::default(),
-        fleet: None,
-        history: Default::default(),
-    };
-    (router(Arc::new(web)), (invocations, log, cas, ac))
+    let (app, s) = common::app(db);
+    (app, (s.invocations, s.log, s.cas, s.ac))
 }
 
 /// Puts `message` in the CAS and returns its digest.
@@ -183,13 +159,6 @@ async fn the_first_page_of_100000_invocations_renders_fast() {
     assert!(second.contains("inv-99949") && !second.contains("inv-99950\""));
 }
 
-async fn get_full(app: &axum::Router, uri: &str) -> (StatusCode, http::HeaderMap, String) {
-    let resp = app.clone().oneshot(Request::get(uri).body(Body::empty()).unwrap()).await.unwrap();
-    let (status, headers) = (resp.status(), resp.headers().clone());
-    let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20).await.unwrap();
-    (status, headers, String::from_utf8_lossy(&bytes).into_owned())
-}
-
 /// A person browsing an action's inputs: the action page links its input tree, whose
 /// subdirectory opens and whose file downloads under its name; its runs link their
 /// invocation and the shape's size-class page; the CAS form finds any digest.
@@ -256,7 +225,7 @@ async fn the_cas_browser_walks_an_input_tree_to_a_file() {
     assert!(root_page.contains(&format!("href=\"{sub_link}\"")), "{root_page}");
     let (_, sub_page) = get(&app, &sub_link).await;
     assert!(sub_page.contains("Directory <code>src</code>"), "{sub_page}");
-    let download = format!("/blobs/{}/{}?download=main%2Ecc", file_digest.hash_hex(), file_digest.size);
+    let download = format!("/blobs/{}/{}?download=main.cc", file_digest.hash_hex(), file_digest.size);
     assert!(sub_page.contains(&format!("href=\"{download}\"")), "{sub_page}");
     let (status, headers, body) = get_full(&app, &download).await;
     assert_eq!((status, body.as_str()), (StatusCode::OK, "int main() { return 0; }\n"));
