@@ -160,14 +160,19 @@ pub fn check(caller: &Caller, permission: Permission, instance: &str) -> Result<
 /// that name an operation rather than an instance (WaitExecution, GetOperation). The
 /// operation's name is an unguessable capability handed to the client that started it.
 pub fn require_somewhere<T>(req: &tonic::Request<T>, permission: Permission) -> Result<(), tonic::Status> {
-    match caller(req) {
+    check_somewhere(&caller(req), permission).map_err(tonic::Status::from)
+}
+
+/// The decision behind [`require_somewhere`]: a client granted `permission` on some instance.
+pub fn check_somewhere(caller: &Caller, permission: Permission) -> Result<()> {
+    match caller {
         Caller::Unrestricted => Ok(()),
         Caller::Identity(id)
             if id.principal == Principal::Client && id.grants.iter().any(|g| g.permissions.contains(&permission)) =>
         {
             Ok(())
         }
-        Caller::Identity(id) => Err(tonic::Status::permission_denied(format!(
+        Caller::Identity(id) => Err(Error::PermissionDenied(format!(
             "permission '{}' is not granted to '{}' on any instance",
             permission.name(),
             id.name

@@ -40,9 +40,26 @@ pub struct Invocation {
     /// Number of targets and of failed ones (set in every row).
     pub target_count: u64,
     pub failed_targets: u64,
+    /// The remote instance its build used (`--remote_instance_name`, else the default
+    /// ""): what decides who may see it. Stores derive it from `options`.
+    pub instance: String,
 }
 
 impl Invocation {
+    /// The `--remote_instance_name` among Bazel's options (the last one wins, as in Bazel).
+    pub fn instance_of(options: &[String]) -> String {
+        let mut found = String::new();
+        let mut it = options.iter();
+        while let Some(o) = it.next() {
+            if let Some(v) = o.strip_prefix("--remote_instance_name=") {
+                found = v.to_string();
+            } else if o == "--remote_instance_name" {
+                found = it.next().cloned().unwrap_or_default();
+            }
+        }
+        found
+    }
+
     /// Who ran it: the identity that published it, else Bazel's workspace status user.
     pub fn user_of(owner: &str, metadata: &BTreeMap<String, String>) -> String {
         if !owner.is_empty() {
@@ -85,4 +102,17 @@ pub trait InvocationStore: Send + Sync + 'static {
     /// The newest invocations first, started before `before_unix_ms` when given, without
     /// their targets and tests.
     async fn list(&self, limit: usize, before_unix_ms: Option<i64>) -> Result<Vec<Invocation>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_instance_comes_from_the_last_remote_instance_name() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(Invocation::instance_of(&o(&["--remote_executor=grpc://x"])), "");
+        assert_eq!(Invocation::instance_of(&o(&["--remote_instance_name=a", "--remote_instance_name=b/c"])), "b/c");
+        assert_eq!(Invocation::instance_of(&o(&["--remote_instance_name", "sep"])), "sep");
+    }
 }

@@ -159,6 +159,7 @@ impl Services {
             selection,
             fleet: self.scheduler.clone().map(|s| s as Arc<dyn gantry_core::Fleet>),
             history: Default::default(),
+            login: None,
         }));
         self
     }
@@ -287,14 +288,27 @@ impl Services {
             }))
     }
 
-    /// `/metrics` (Prometheus text format) and `/healthz`.
-    pub fn http_router(&self) -> axum::Router {
+    /// `/metrics` (Prometheus text format), `/healthz` and the web pages; with `[auth]` the
+    /// pages need a sign-in with an `[auth]` token (its cookie `Secure` when `secure`).
+    pub fn http_router(&self, secure: bool) -> axum::Router {
         let metrics = self.metrics.clone();
         let pages = match (&self.web, &self.auth) {
             (Some(web), None) => gantry_web::router(web.clone()),
-            // The pages show every instance's builds and blobs; until they have a login,
-            // a server that requires credentials does not serve them.
-            (Some(_), Some(_)) => gantry_web::disabled("the web UI has no login yet, so it is off while [auth] is on"),
+            (Some(web), Some(auth)) => {
+                let a = auth.clone();
+                let authenticate: gantry_web::login::Authenticate = Arc::new(move |token: &str| {
+                    let id = a.authenticate(Some(format!("Bearer {token}").as_bytes()), &[])?;
+                    // A worker's credential reads every instance's blobs to run actions;
+                    // it is not a person's and does not sign in.
+                    if id.principal != gantry_core::auth::Principal::Client {
+                        return Err("worker credentials cannot sign in to the web UI");
+                    }
+                    Ok(id)
+                });
+                let login =
+                    gantry_web::login::Login { authenticate, secure, anonymous: auth.authenticate(None, &[]).ok() };
+                gantry_web::router(Arc::new(gantry_web::Web { login: Some(Arc::new(login)), ..(**web).clone() }))
+            }
             (None, _) => axum::Router::new(),
         };
         pages
@@ -358,7 +372,7 @@ impl RunningServer {
         let http_addr = http_listener.local_addr().map_err(|e| Error::io("reading HTTP address", e))?;
         let (stop, rx) = tokio::sync::watch::channel(false);
         let mut rx_http = rx.clone();
-        let http = services.http_router();
+        let http = services.http_router(tls.is_some());
         let mut tasks: Vec<TaskGuard> = services.web.as_ref().and_then(|w| w.start_sampler()).into_iter().collect();
         let http_task = match tls {
             None => spawn_named("http-server", async move {

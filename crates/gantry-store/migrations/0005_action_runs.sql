@@ -4,3 +4,5 @@
 CREATE INDEX action_executions_action ON action_executions (action_digest, completed_unix_ms);
 ALTER TABLE action_executions ADD COLUMN shape_key TEXT NOT NULL DEFAULT '';
 CREATE INDEX action_executions_shape ON action_executions (shape_key, completed_unix_ms);
+-- Who may see an invocation depends on the instance its build used.
+ALTER TABLE invocations ADD COLUMN instance_name TEXT NOT NULL DEFAULT '';

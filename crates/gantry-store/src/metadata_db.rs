@@ -415,7 +415,7 @@ const MIGRATIONS: &[Version] = &[
     },
     Version {
         version: 5,
-        description: "runs of one action, for the web UI",
+        description: "runs of one action and invocations by instance, for the web UI",
         sql: include_str!("../migrations/0005_action_runs.sql"),
     },
     Version {

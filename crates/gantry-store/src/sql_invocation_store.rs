@@ -54,7 +54,7 @@ struct TestDoc {
 const DOCUMENT_VERSION: u32 = 1;
 
 const HEADER: &str = "invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms, exit_code, \
-                      exit_name, target_count, failed_targets, patterns, user_name";
+                      exit_name, target_count, failed_targets, patterns, user_name, instance_name";
 
 fn header(row: &sqlx::any::AnyRow) -> std::result::Result<Invocation, sqlx::Error> {
     let patterns: String = row.try_get(10)?;
@@ -71,6 +71,7 @@ fn header(row: &sqlx::any::AnyRow) -> std::result::Result<Invocation, sqlx::Erro
         failed_targets: row.try_get::<i64, _>(9)?.max(0) as u64,
         patterns: serde_json::from_str(&patterns).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
         user: row.try_get(11)?,
+        instance: row.try_get(12)?,
         ..Default::default()
     })
 }
@@ -107,14 +108,14 @@ impl InvocationStore for SqlInvocationStore {
             serde_json::to_string(&inv.patterns).map_err(|e| Error::internal(format!("invocation patterns: {e}")))?;
         sqlx::query(
             "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
-                exit_code, exit_name, target_count, failed_targets, patterns, document, user_name)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                exit_code, exit_name, target_count, failed_targets, patterns, document, user_name, instance_name)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
              ON CONFLICT (invocation_id) DO UPDATE SET build_id = excluded.build_id, owner = excluded.owner,
                 command = excluded.command, started_unix_ms = excluded.started_unix_ms,
                 finished_unix_ms = excluded.finished_unix_ms, exit_code = excluded.exit_code,
                 exit_name = excluded.exit_name, target_count = excluded.target_count,
                 failed_targets = excluded.failed_targets, patterns = excluded.patterns, document = excluded.document,
-                user_name = excluded.user_name",
+                user_name = excluded.user_name, instance_name = excluded.instance_name",
         )
         .bind(&inv.id)
         .bind(&inv.build_id)
@@ -129,6 +130,7 @@ impl InvocationStore for SqlInvocationStore {
         .bind(&patterns)
         .bind(&document)
         .bind(Invocation::user_of(&inv.owner, &inv.metadata))
+        .bind(Invocation::instance_of(&inv.options))
         .execute(self.db.pool())
         .await
         .map_err(self.db.err("writing an invocation"))?;
@@ -144,7 +146,7 @@ impl InvocationStore for SqlInvocationStore {
         let Some(row) = row else { return Ok(None) };
         let undecodable = |e: String| Error::internal(format!("invocations: undecodable row {id}: {e}"));
         let mut inv = header(&row).map_err(|e| undecodable(e.to_string()))?;
-        let document: String = row.try_get(12).map_err(|e| undecodable(e.to_string()))?;
+        let document: String = row.try_get(13).map_err(|e| undecodable(e.to_string()))?;
         let doc: Document = serde_json::from_str(&document).map_err(|e| undecodable(e.to_string()))?;
         if doc.v != DOCUMENT_VERSION {
             return Err(undecodable(format!("document version {} (this gantry reads {DOCUMENT_VERSION})", doc.v)));

@@ -221,7 +221,7 @@ fn invocation(id: &str, started: i64) -> Invocation {
         user: "alice".into(),
         command: "test".into(),
         patterns: vec!["//...".into()],
-        options: vec!["--config=ci".into()],
+        options: vec!["--config=ci".into(), "--remote_instance_name=team/a".into()],
         metadata: std::collections::BTreeMap::from([("BUILD_USER".into(), "alice".into())]),
         started_unix_ms: started,
         finished_unix_ms: started + 5,
@@ -243,6 +243,7 @@ fn invocation(id: &str, started: i64) -> Invocation {
         }],
         target_count: 2,
         failed_targets: 1,
+        instance: "team/a".into(),
     }
 }
 
@@ -257,6 +258,7 @@ async fn invocation_store(db: &MetadataDb) {
     assert_eq!(rows.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), ["b", "a"]);
     assert!(rows[0].targets.is_empty() && rows[0].target_count == 2 && rows[0].failed_targets == 1);
     assert_eq!(rows[0].patterns, ["//..."]);
+    assert_eq!(rows[0].instance, "team/a", "the list's rows carry the instance that decides who sees them");
     assert_eq!(s.list(10, Some(200)).await.unwrap().len(), 1, "paged by start time");
     let mut again = invocation("a", 100);
     again.targets.truncate(1);

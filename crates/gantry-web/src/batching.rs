@@ -321,7 +321,14 @@ pub fn build_page(d: &BuildDoc, document: &str, root: &str, family: &HashMap<Str
     )
 }
 
-pub(crate) async fn list(State(web): State<Arc<Web>>, RawQuery(query): RawQuery) -> Response {
+pub(crate) async fn list(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Batch) {
+        return refused;
+    }
     let after = match cursor(query.as_deref()) {
         Ok(c) => c,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
@@ -353,7 +360,14 @@ pub(crate) async fn list(State(web): State<Arc<Web>>, RawQuery(query): RawQuery)
     builds_page(&docs, &window, next.as_ref(), first).into_response()
 }
 
-pub(crate) async fn one(State(web): State<Arc<Web>>, Path(id): Path<String>) -> Response {
+pub(crate) async fn one(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+    Path(id): Path<String>,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Batch) {
+        return refused;
+    }
     let row = match web.builds.get(&id).await {
         Ok(Some(r)) => r,
         Ok(None) => return failure(StatusCode::NOT_FOUND, &format!("no batched build {}", shorten(&id, 100))),

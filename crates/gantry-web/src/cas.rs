@@ -288,9 +288,14 @@ pub(crate) async fn search(RawQuery(query): RawQuery) -> Response {
 /// `/cas/{kind}/{hash}/{size}`: the digest decoded as `kind`.
 pub(crate) async fn view(
     State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
     Path((kind, hash, size)): Path<(String, String, i64)>,
     RawQuery(query): RawQuery,
 ) -> Response {
+    // The CAS is shared by every instance: reading it needs `read` on some instance.
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
+        return refused;
+    }
     let Some(kind) = Kind::parse(&kind) else {
         return failure(
             StatusCode::NOT_FOUND,

@@ -9,6 +9,7 @@
 pub mod batching;
 pub mod cas;
 pub mod live;
+pub mod login;
 pub mod pages;
 pub mod queue;
 pub mod sizes;
@@ -20,6 +21,7 @@ use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use axum::Router;
+use gantry_core::auth::{self, Caller, Permission};
 use gantry_core::{
     ActionCache, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, Fleet, InvocationStore,
     QueueStore, SizeClassStore,
@@ -56,6 +58,8 @@ pub struct Web {
     pub fleet: Option<Arc<dyn Fleet>>,
     /// Queue depth over the last hour, filled by [`Web::start_sampler`].
     pub history: Arc<live::QueueHistory>,
+    /// `[auth]`: pages need a signed-in identity and show what its grants allow.
+    pub login: Option<Arc<login::Login>>,
 }
 
 impl Web {
@@ -66,9 +70,12 @@ impl Web {
     }
 }
 
-/// The pages, to be merged into the HTTP router.
+/// The pages, to be merged into the HTTP router. With a login every page but the
+/// sign-in form needs an identity ([`login::require`]), and each handler asks the same
+/// `auth::check` the gRPC services do.
 pub fn router(web: Arc<Web>) -> Router {
-    Router::new()
+    let login = web.login.clone();
+    let pages = Router::new()
         .route("/", get(|| async { Redirect::to("/invocations") }))
         .route("/invocations", get(list))
         .route("/invocations/", get(|| async { Redirect::to("/invocations") }))
@@ -85,26 +92,26 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/batching/builds/{id}", get(batching::one))
         .route("/queue", get(queue::page))
         .with_state(web)
+        .layer(axum::middleware::from_fn_with_state(login.clone(), login::require));
+    Router::new()
+        .route("/login", get(login::form).post(login::submit))
+        .route("/logout", axum::routing::post(login::logout))
+        .with_state(login)
+        .merge(pages)
 }
 
-/// In place of the pages: every page answers 403 with `why`.
-pub fn disabled(why: &'static str) -> Router {
-    let refuse = move || async move { failure(StatusCode::FORBIDDEN, why) };
-    Router::new()
-        .route("/", get(refuse))
-        .route("/invocations", get(refuse))
-        .route("/invocations/{*rest}", get(refuse))
-        .route("/actions/{*rest}", get(refuse))
-        .route("/blobs/{*rest}", get(refuse))
-        .route("/cas", get(refuse))
-        .route("/cas/{*rest}", get(refuse))
-        .route("/sizeclasses", get(refuse))
-        .route("/sizeclasses/{*rest}", get(refuse))
-        .route("/workers", get(refuse))
-        .route("/workers/{*rest}", get(refuse))
-        .route("/batching", get(refuse))
-        .route("/batching/{*rest}", get(refuse))
-        .route("/queue", get(refuse))
+/// Whether the caller may read `instance`'s actions, results and invocations.
+pub(crate) fn may_read(caller: &Caller, instance: &str) -> bool {
+    auth::check(caller, Permission::Read, instance).is_ok()
+}
+
+/// A 403 page unless the caller has `permission` on some instance (for pages over data
+/// that is not one instance's: the CAS, the fleet, batching, the queue). Admins pass.
+pub(crate) fn refuse_unless(caller: &Caller, permission: Permission) -> Option<Response> {
+    let refused = auth::check_somewhere(caller, permission).err()?;
+    auth::check_somewhere(caller, Permission::Admin)
+        .is_err()
+        .then(|| failure(StatusCode::FORBIDDEN, &refused.to_string()))
 }
 
 pub(crate) fn failure(status: StatusCode, message: &str) -> Response {
@@ -127,7 +134,11 @@ fn before(query: Option<&str>) -> Result<Option<i64>, String> {
     Ok(None)
 }
 
-async fn list(State(web): State<Arc<Web>>, RawQuery(query): RawQuery) -> Response {
+async fn list(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    RawQuery(query): RawQuery,
+) -> Response {
     let before = match before(query.as_deref()) {
         Ok(b) => b,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
@@ -136,24 +147,31 @@ async fn list(State(web): State<Arc<Web>>, RawQuery(query): RawQuery) -> Respons
         Ok(r) => r,
         Err(e) => return server_error(e),
     };
+    // The cursor follows the rows read, so a page of others' invocations still leads on.
+    let next = (rows.len() == PAGE_SIZE).then(|| rows.last().map(|i| i.started_unix_ms)).flatten();
     let mut listed = Vec::with_capacity(rows.len());
-    for inv in rows {
+    for inv in rows.into_iter().filter(|i| may_read(&caller, &i.instance)) {
         match web.log.invocation(&inv.id).await {
             Ok(s) => listed.push((inv, s)),
             Err(e) => return server_error(e),
         }
     }
-    let next = (listed.len() == PAGE_SIZE).then(|| listed.last().map(|(i, _)| i.started_unix_ms)).flatten();
     pages::invocations(&listed, next).into_response()
 }
 
-async fn one(State(web): State<Arc<Web>>, Path(id): Path<String>) -> Response {
+async fn one(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
+    // What the caller may not read is treated as absent, so the answer does not say
+    // whether it exists.
     let inv = match web.invocations.get(&id).await {
-        Ok(i) => i,
+        Ok(i) => i.filter(|i| may_read(&caller, &i.instance)),
         Err(e) => return server_error(e),
     };
     let actions = match web.log.actions(&id).await {
-        Ok(a) => a,
+        Ok(a) => a.into_iter().filter(|a| may_read(&caller, &a.instance)).collect::<Vec<_>>(),
         Err(e) => return server_error(e),
     };
     if inv.is_none() && actions.is_empty() {
@@ -217,6 +235,7 @@ pub(crate) async fn read_proto<T: Message + Default>(
 
 async fn action(
     State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path((hash, size)): Path<(String, i64)>,
     RawQuery(query): RawQuery,
 ) -> Response {
@@ -228,6 +247,10 @@ async fn action(
         Ok(i) => i,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
     };
+    // Refused before anything is read: the answer says nothing about what exists.
+    if let Err(e) = auth::check(&caller, Permission::Read, &instance) {
+        return failure(StatusCode::FORBIDDEN, &e.to_string());
+    }
     let action: Option<gantry_core::reapi::Action> = match read_proto(&web, &digest, "action").await {
         Ok(a) => a,
         Err(r) => return r,
@@ -247,7 +270,7 @@ async fn action(
         Err(e) => return server_error(e),
     };
     let runs = match web.log.runs(gantry_core::RunsOf::Action(&digest.to_string()), RUNS_SHOWN).await {
-        Ok(r) => r,
+        Ok(r) => r.into_iter().filter(|r| may_read(&caller, &r.instance)).collect::<Vec<_>>(),
         Err(e) => return server_error(e),
     };
     if action.is_none() && result.is_none() && runs.is_empty() {
@@ -267,9 +290,13 @@ async fn action(
 
 async fn blob(
     State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path((hash, size)): Path<(String, i64)>,
     RawQuery(query): RawQuery,
 ) -> Response {
+    if let Some(refused) = refuse_unless(&caller, Permission::Read) {
+        return refused;
+    }
     let download = match query_param(query.as_deref(), "download") {
         Ok(d) => d,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &format!("download: {e}")),

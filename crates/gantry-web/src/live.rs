@@ -181,6 +181,15 @@ pub fn live_part(snap: &FleetSnapshot, history: &[Sample]) -> Markup {
     }
 }
 
+/// The snapshot with the runs of instances the caller may not read left out (the
+/// workers and queue depths say nothing about any instance's actions).
+fn visible(mut snap: FleetSnapshot, caller: &gantry_core::auth::Caller) -> FleetSnapshot {
+    for w in &mut snap.workers {
+        w.running.retain(|r| crate::may_read(caller, &r.instance));
+    }
+    snap
+}
+
 /// Replaces the live part with a fresh copy every [`POLL_MS`]; a failed fetch leaves
 /// the last one and says so.
 const SCRIPT: &str = r#"(function(){var live=document.getElementById('live'),note=document.getElementById('stale');
@@ -204,14 +213,26 @@ pub fn page(snap: Option<&FleetSnapshot>, history: &[Sample]) -> Markup {
     )
 }
 
-pub(crate) async fn workers(State(web): State<Arc<Web>>) -> Response {
-    let snap = web.fleet.as_ref().map(|f| f.snapshot());
+pub(crate) async fn workers(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
+        return refused;
+    }
+    let snap = web.fleet.as_ref().map(|f| visible(f.snapshot(), &caller));
     page(snap.as_ref(), &web.history.samples()).into_response()
 }
 
-pub(crate) async fn workers_live(State(web): State<Arc<Web>>) -> Response {
+pub(crate) async fn workers_live(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
+        return refused;
+    }
     match &web.fleet {
-        Some(f) => live_part(&f.snapshot(), &web.history.samples()).into_response(),
+        Some(f) => live_part(&visible(f.snapshot(), &caller), &web.history.samples()).into_response(),
         None => crate::failure(http::StatusCode::NOT_FOUND, "this server runs no scheduler"),
     }
 }

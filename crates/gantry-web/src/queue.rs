@@ -229,7 +229,14 @@ async fn replay(web: &Web) -> Result<Vec<PendingView>, Error> {
     Ok(planner.snapshot())
 }
 
-pub(crate) async fn page(State(web): State<Arc<Web>>, RawQuery(query): RawQuery) -> Response {
+pub(crate) async fn page(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Queue) {
+        return refused;
+    }
     let before = match history_cursor(query.as_deref()) {
         Ok(b) => b,
         Err(e) => return failure(StatusCode::BAD_REQUEST, &e),

@@ -193,7 +193,13 @@ pub fn shape_page(key: &str, view: Option<&KeyStatsView>, runs: &[ActionRecord])
     )
 }
 
-pub(crate) async fn list(State(web): State<Arc<Web>>) -> Response {
+pub(crate) async fn list(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
+        return refused;
+    }
     let keys = match web.sizes.keys(SHAPES_LISTED * 4).await {
         Ok(k) => k,
         Err(e) => return server_error(e),
@@ -208,7 +214,14 @@ pub(crate) async fn list(State(web): State<Arc<Web>>) -> Response {
     list_page(&rows).into_response()
 }
 
-pub(crate) async fn shape(State(web): State<Arc<Web>>, Path(key): Path<String>) -> Response {
+pub(crate) async fn shape(
+    State(web): State<Arc<Web>>,
+    axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+    Path(key): Path<String>,
+) -> Response {
+    if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
+        return refused;
+    }
     if key.is_empty() || key.len() > 200 || key.starts_with(GROUP_PREFIX) {
         return failure(StatusCode::BAD_REQUEST, "shape: not a shape key");
     }
@@ -217,7 +230,8 @@ pub(crate) async fn shape(State(web): State<Arc<Web>>, Path(key): Path<String>) 
         Err(r) => return r,
     };
     let runs = match web.log.runs(RunsOf::Shape(&key), RUNS_SHOWN).await {
-        Ok(r) => r,
+        // Runs in instances the caller may not read are left out.
+        Ok(r) => r.into_iter().filter(|r| crate::may_read(&caller, &r.instance)).collect::<Vec<_>>(),
         Err(e) => return server_error(e),
     };
     if view.is_none() && runs.is_empty() {

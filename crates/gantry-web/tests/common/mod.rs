@@ -26,6 +26,11 @@ pub struct Stores {
 
 /// The pages' router over stores in `db` (no scheduler: no live fleet).
 pub fn app(db: &MetadataDb) -> (axum::Router, Stores) {
+    app_with(db, None)
+}
+
+/// [`app`], signing people in with `login` when given.
+pub fn app_with(db: &MetadataDb, login: Option<gantry_web::login::Login>) -> (axum::Router, Stores) {
     let s = Stores {
         invocations: Arc::new(SqlInvocationStore::new(db.clone())),
         log: Arc::new(SqlExecutionLog::new(db.clone())),
@@ -46,13 +51,19 @@ pub fn app(db: &MetadataDb) -> (axum::Router, Stores) {
         selection: Default::default(),
         fleet: None,
         history: Default::default(),
+        login: login.map(Arc::new),
     };
     (gantry_web::router(Arc::new(web)), s)
 }
 
 /// GET `uri`: the status, headers and body.
 pub async fn get_full(app: &axum::Router, uri: &str) -> (StatusCode, http::HeaderMap, String) {
-    let resp = app.clone().oneshot(Request::get(uri).body(Body::empty()).unwrap()).await.unwrap();
+    send(app, Request::get(uri).body(Body::empty()).unwrap()).await
+}
+
+/// Any request: the status, headers and body.
+pub async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+    let resp = app.clone().oneshot(req).await.unwrap();
     let (status, headers) = (resp.status(), resp.headers().clone());
     let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20).await.unwrap();
     (status, headers, String::from_utf8_lossy(&bytes).into_owned())
