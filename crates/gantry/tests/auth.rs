@@ -192,6 +192,38 @@ async fn tokens_grants_and_worker_credentials() {
     assert_eq!(count("UNAUTHENTICATED", "ActionCache/GetActionResult"), Some(2.0), "{metrics}");
     assert_eq!(count("PERMISSION_DENIED", "ActionCache/UpdateActionResult"), Some(1.0));
     assert_eq!(count("PERMISSION_DENIED", "WorkerService/Session"), Some(1.0));
+
+    // The web pages need a sign-in with an [auth] token; a worker's credential is refused.
+    let page = common::http_get(&server.http, "/invocations");
+    assert!(page.starts_with("HTTP/1.1 303") && page.contains("location: /login?next=%2Finvocations"), "{page}");
+    let sign_in = |token: &str| {
+        use std::io::{Read, Write};
+        let body = format!("token={token}&next=%2Fcas");
+        let mut s = std::net::TcpStream::connect(&server.http).unwrap();
+        write!(
+            s,
+            "POST /login HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let refused = sign_in(WORKER);
+    assert!(refused.starts_with("HTTP/1.1 401") && !refused.contains(WORKER), "{refused}");
+    let signed = sign_in(DEV);
+    assert!(signed.starts_with("HTTP/1.1 303") && signed.contains("location: /cas"), "{signed}");
+    let cookie = signed.lines().find_map(|l| l.strip_prefix("set-cookie: ")).unwrap().split(';').next().unwrap();
+    let cas = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&server.http).unwrap();
+        write!(s, "GET /cas HTTP/1.1\r\nHost: x\r\nConnection: close\r\nCookie: {cookie}\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(cas.starts_with("HTTP/1.1 200") && cas.contains("Content-addressable storage"), "{cas}");
     server.stop();
 }
 
