@@ -1,10 +1,11 @@
 //! gantry-web owns the web UI on the HTTP port: server-rendered HTML (maud, so every value
-//! is escaped and templates are checked at compile time), no JavaScript needed, nothing
-//! fetched from elsewhere. Today's pages: the invocations the Build Event Service stored
-//! (a paged list, newest first); one invocation with its targets, tests (logs linked
-//! into the CAS) and remote actions by cost; one action (its command line, environment,
-//! platform, result, outputs, stdout and stderr); and a CAS blob shown as text. Handlers read
-//! the core traits only; the rendering is in [`pages`], plain functions of their data.
+//! is escaped and templates are checked at compile time), plots drawn as inline SVG on the
+//! server, nothing fetched from elsewhere, and no JavaScript needed except to keep the
+//! workers page current. The pages: invocations and one invocation with its actions; one
+//! action with its input tree, result, runs and shape; the CAS browser; workers and queues
+//! live; size classes; batching builds; the submit queue; and sign-in under `[auth]`.
+//! Handlers read the core traits only and ask the same authorization the gRPC services
+//! ask; the rendering is plain functions of their data, in each page's module.
 
 pub mod batching;
 pub mod cas;

@@ -49,8 +49,8 @@ pub fn shape_table(v: &KeyStatsView) -> Markup {
                     td class="n" { (secs(c.acceptable_time)) }
                     td class="n" { (c.fit_probability.map_or("—".into(), |p| format!("{p:.2}"))) }
                     td class="dim" { (c.history.iter().rev().take(8).map(|o| match o {
-                        Outcome::Succeeded(d) => format!("{:.1}s", d.as_secs_f64()),
-                        Outcome::TimedOut(d) => format!("timeout {:.1}s", d.as_secs_f64()),
+                        Outcome::Succeeded(d) => format!("{:.2}s", d.as_secs_f64()),
+                        Outcome::TimedOut(d) => format!("timeout {:.2}s", d.as_secs_f64()),
                         Outcome::Failed => "failed".into(),
                     }).collect::<Vec<_>>().join(", ")) }
                 }

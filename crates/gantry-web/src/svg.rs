@@ -62,6 +62,17 @@ pub fn tick_label(v: f64) -> String {
     }
 }
 
+/// Labels for ticks `step` apart: as many decimals as the step needs, so that small
+/// ranges (0.005, 0.010, 0.015) do not print the same label twice.
+pub fn tick_labels(ticks: &[f64]) -> Vec<String> {
+    let step = match ticks {
+        [a, b, ..] => (b - a).abs(),
+        _ => return ticks.iter().map(|t| tick_label(*t)).collect(),
+    };
+    let decimals = if step > 0.0 { (-step.log10().floor()).max(0.0) as usize } else { 0 };
+    ticks.iter().map(|t| if decimals == 0 { tick_label(*t) } else { format!("{t:.decimals$}") }).collect()
+}
+
 fn axes(x: &Scale, y: &Scale, height: f64, x_label: &str, y_label: &str, x_fmt: &dyn Fn(f64) -> String) -> Markup {
     let bottom = height - BOTTOM;
     html! {
@@ -71,9 +82,10 @@ fn axes(x: &Scale, y: &Scale, height: f64, x_label: &str, y_label: &str, x_fmt: 
             line x1=(x.at(t)) y1=(bottom) x2=(x.at(t)) y2=(bottom + 4.0) stroke="#444" {}
             text x=(x.at(t)) y=(bottom + 16.0) text-anchor="middle" font-size="11" { (x_fmt(t)) }
         }
-        @for t in y.ticks(5) {
-            line x1=(LEFT - 4.0) y1=(y.at(t)) x2=(WIDTH - RIGHT) y2=(y.at(t)) stroke="#eee" {}
-            text x=(LEFT - 6.0) y=(y.at(t) + 4.0) text-anchor="end" font-size="11" { (tick_label(t)) }
+        @let yt = y.ticks(5);
+        @for (t, label) in yt.iter().zip(tick_labels(&yt)) {
+            line x1=(LEFT - 4.0) y1=(y.at(*t)) x2=(WIDTH - RIGHT) y2=(y.at(*t)) stroke="#eee" {}
+            text x=(LEFT - 6.0) y=(y.at(*t) + 4.0) text-anchor="end" font-size="11" { (label) }
         }
         text x=((LEFT + WIDTH - RIGHT) / 2.0) y=(height - 6.0) text-anchor="middle" font-size="12" { (x_label) }
         text x="12" y=((TOP + bottom) / 2.0) text-anchor="middle" font-size="12"
@@ -279,6 +291,8 @@ mod tests {
         assert_eq!(Scale::new(0.0, 10.0, 100.0, 0.0).at(2.5), 75.0);
         assert_eq!(tick_label(20.0), "20");
         assert_eq!(tick_label(0.25), "0.25");
+        assert_eq!(tick_labels(&[0.0, 0.005, 0.01, 0.015]), ["0.000", "0.005", "0.010", "0.015"]);
+        assert_eq!(tick_labels(&[0.0, 20.0, 40.0]), ["0", "20", "40"]);
     }
 
     #[test]

@@ -15,7 +15,11 @@ async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
     // The WebDriver client's TLS stack needs a process-wide provider: gantry's (ring).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let data = tempfile::tempdir().unwrap();
-    let server = GantryServer::start(data.path(), &[]);
+    // Two size classes of in-process workers, so the scheduler learns shapes to show.
+    let config = data.path().join("gantry.toml");
+    std::fs::write(&config, "[execution]\nworkers = [{size_class = 1, count = 1}, {size_class = 2, count = 1}]\n")
+        .unwrap();
+    let server = GantryServer::start(data.path(), &["--config", config.to_str().unwrap()]);
     let ws = BazelWorkspace::new();
     // A target whose action prints something: its stdout is what the person looks for.
     let mut build = std::fs::read_to_string(ws.ws().join("BUILD")).unwrap();
@@ -80,6 +84,38 @@ async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
     let stdout = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
     shoot("stdout").await;
     assert_eq!(stdout.trim(), "GANTRY_STDOUT_MARKER_42", "what the person reads");
+
+    // Back on the action: its input tree, browsed in the CAS.
+    c.back().await.unwrap();
+    c.find(Locator::LinkText("Input tree")).await.unwrap().click().await.unwrap();
+    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
+    shoot("cas-directory").await;
+    assert!(body.starts_with("Invocations") && body.contains("Directory /"), "{body}");
+    // The action's shape, learned on two classes.
+    c.back().await.unwrap();
+    c.find(Locator::Css("a[href^='/sizeclasses/']")).await.unwrap().click().await.unwrap();
+    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
+    shoot("sizeclass-shape").await;
+    assert!(body.contains("Runs over time"), "{body}");
+    c.goto(&format!("http://{}/sizeclasses", server.http)).await.unwrap();
+    shoot("sizeclasses").await;
+
+    // The live page: both workers, and its script keeps it current without errors.
+    c.goto(&format!("http://{}/workers", server.http)).await.unwrap();
+    let body = c.find(Locator::Css("#live")).await.unwrap().text().await.unwrap();
+    assert!(body.contains("2 workers") && body.contains("-local-0") && body.contains("-local-1"), "{body}");
+    // Two of the page's 2 s polls.
+    tokio::time::sleep(std::time::Duration::from_millis(4500)).await;
+    let stale = c.find(Locator::Css("#stale")).await.unwrap().text().await.unwrap();
+    assert_eq!(stale, "", "the poll failed");
+    assert!(c.find(Locator::Css("#live svg")).await.is_ok(), "queue depth is plotted");
+    shoot("workers").await;
+    for page in ["batching", "queue", "cas"] {
+        c.goto(&format!("http://{}/{page}", server.http)).await.unwrap();
+        let h1 = c.find(Locator::Css("h1")).await.unwrap().text().await.unwrap();
+        assert!(!h1.starts_with('4') && !h1.starts_with('5'), "{page}: {h1}");
+        shoot(page).await;
+    }
     c.close().await.unwrap();
     server.stop();
 }
