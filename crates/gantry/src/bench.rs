@@ -44,6 +44,9 @@ pub enum BenchCommand {
     /// The scheduler alone, in process with simulated workers: assignments per second at
     /// a steady backlog, arrival-to-assignment latency with a free slot, and memory.
     Scheduler(crate::bench_scheduler::SchedulerBenchArgs),
+    /// The web pages over HTTP from a real server with 100,000 invocations stored: p50,
+    /// p95 and max per page.
+    Web(crate::bench_web::WebBenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -284,6 +287,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Queue(args) => tokio::task::spawn_blocking(move || crate::bench_queue::run(args)).await?,
         BenchCommand::Bazel(args) => bazel(args).await,
         BenchCommand::Scheduler(args) => crate::bench_scheduler::run(args).await,
+        BenchCommand::Web(args) => crate::bench_web::run(args).await,
         BenchCommand::Run(args) => {
             let (target, _server) = bench_server(&args.target.clone(), Some(4), &None).await?;
             crate::bench_run::run(args, target).await

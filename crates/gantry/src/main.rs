@@ -7,6 +7,7 @@ mod bench;
 mod bench_queue;
 mod bench_run;
 mod bench_scheduler;
+mod bench_web;
 mod builds;
 mod invocation;
 mod model;
