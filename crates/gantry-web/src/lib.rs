@@ -8,6 +8,7 @@
 
 pub mod batching;
 pub mod cas;
+pub mod critical;
 pub mod live;
 pub mod pages;
 pub mod queue;
