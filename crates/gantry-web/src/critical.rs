@@ -54,38 +54,22 @@ pub struct CriticalPath {
 /// earliest (it explains more of the time), then to the earlier record.
 pub fn critical_path(actions: &[ActionRecord]) -> CriticalPath {
     let spans: Vec<Option<Span>> = actions.iter().map(span).collect();
-    // The latest-ending action satisfying `ok`, by the tie rule above.
-    let latest = |ok: &dyn Fn(&Span) -> bool| -> Option<usize> {
-        let mut best: Option<(usize, Span)> = None;
-        for (i, s) in spans.iter().enumerate() {
-            let Some(s) = s else { continue };
-            if !ok(s) {
-                continue;
-            }
-            let better = match &best {
-                None => true,
-                Some((_, b)) => s.end > b.end || (s.end == b.end && s.ready < b.ready),
-            };
-            if better {
-                best = Some((i, *s));
-            }
-        }
-        best.map(|(i, _)| i)
-    };
-    let Some(mut current) = latest(&|_| true) else { return CriticalPath::default() };
-    let mut path = vec![current];
+    // The timed actions ordered so that, of any prefix, the last is the one the walk
+    // prefers: latest end, then earliest ready, then earliest record. Each step is then a
+    // binary search, so a long serial build costs n log n, not n².
+    let mut order: Vec<(usize, Span)> = spans.iter().enumerate().filter_map(|(i, s)| Some((i, (*s)?))).collect();
+    order.sort_by(|(i, a), (j, b)| a.end.total_cmp(&b.end).then(b.ready.total_cmp(&a.ready)).then(j.cmp(i)));
+    let Some(&(last, _)) = order.last() else { return CriticalPath::default() };
+    let mut path = vec![last];
+    let mut current = spans[last].expect("timed");
     loop {
-        let cur = spans[current].expect("only timed actions are chosen");
         // Ending strictly before the current one keeps the walk finite whatever the
         // tolerance, and keeps an action from waiting on itself.
-        let before = |s: &Span| s.end <= cur.ready + TOLERANCE_SECONDS && s.end < cur.end;
-        match latest(&before) {
-            Some(prev) => {
-                path.push(prev);
-                current = prev;
-            }
-            None => break,
-        }
+        let bound = current.ready + TOLERANCE_SECONDS;
+        let n = order.partition_point(|(_, s)| s.end <= bound && s.end < current.end);
+        let Some(&(prev, s)) = order[..n].last() else { break };
+        path.push(prev);
+        current = s;
     }
     path.reverse();
     let first = spans[path[0]].expect("timed");
@@ -171,5 +155,46 @@ mod tests {
         // Zero-length actions at one instant do not chain to each other.
         let actions = vec![act("z1", 1.0, 0.0, 0.0), act("z2", 1.0, 0.0, 0.0)];
         assert_eq!(critical_path(&actions).actions.len(), 1);
+    }
+
+    /// The walk as the module describes it, by scanning every action at each step.
+    fn by_scanning(actions: &[ActionRecord]) -> Vec<usize> {
+        let spans: Vec<Option<Span>> = actions.iter().map(span).collect();
+        let best = |ok: &dyn Fn(&Span) -> bool| {
+            let mut best: Option<(usize, Span)> = None;
+            for (i, s) in spans.iter().enumerate() {
+                let Some(s) = s.filter(|s| ok(s)) else { continue };
+                if best.is_none_or(|(_, b)| s.end > b.end || (s.end == b.end && s.ready < b.ready)) {
+                    best = Some((i, s));
+                }
+            }
+            best
+        };
+        let mut path = Vec::new();
+        let mut at = best(&|_| true);
+        while let Some((i, cur)) = at {
+            path.push(i);
+            at = best(&|s| s.end <= cur.ready + TOLERANCE_SECONDS && s.end < cur.end);
+        }
+        path.reverse();
+        path
+    }
+
+    #[test]
+    fn the_sorted_walk_matches_a_scan_of_every_action() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..300 {
+            let n = next(40) as usize;
+            // Coarse times, so ties and near-ties within the tolerance are common.
+            let actions: Vec<ActionRecord> =
+                (0..n).map(|_| act("x", next(20) as f64 / 4.0, next(3) as f64 / 10.0, next(12) as f64 / 4.0)).collect();
+            assert_eq!(critical_path(&actions).actions, by_scanning(&actions), "{actions:?}");
+        }
     }
 }
