@@ -43,6 +43,14 @@ pub struct Invocation {
     /// The remote instance its build used (`--remote_instance_name`, else the default
     /// ""): what decides who may see it. Stores derive it from `options`.
     pub instance: String,
+    /// Remote cache lookups (GetActionResult) made for the invocation and how many found a
+    /// result, as counted by the process whose Build Event Service stored it: with several
+    /// frontends, only the lookups that process served (set in every row).
+    pub cache_lookups: u64,
+    pub cache_hits: u64,
+    /// Bazel's own critical path, the text of its "critical path" build tool log; empty
+    /// when Bazel did not send one.
+    pub critical_path: String,
 }
 
 impl Invocation {

@@ -10,6 +10,7 @@ use gantry_core::reapi::{self, ActionResult};
 use gantry_core::{ActionCache, BlobStore, Digest, DigestFunction, Error, Result};
 use tonic::{Request, Response, Status};
 
+use crate::cache_hits::{tool_invocation_id, CacheHits};
 use crate::metrics::Metrics;
 
 /// stdout/stderr/file contents are inlined on request only up to this size in total,
@@ -20,11 +21,19 @@ pub struct ActionCacheService {
     ac: Arc<dyn ActionCache>,
     cas: Arc<dyn BlobStore>,
     metrics: Arc<Metrics>,
+    /// Hits per Bazel invocation, for the Build Event Service to store with it.
+    hits: Option<Arc<CacheHits>>,
 }
 
 impl ActionCacheService {
     pub fn new(ac: Arc<dyn ActionCache>, cas: Arc<dyn BlobStore>, metrics: Arc<Metrics>) -> Self {
-        ActionCacheService { ac, cas, metrics }
+        ActionCacheService { ac, cas, metrics, hits: None }
+    }
+
+    /// Counts each answered GetActionResult in `hits` under the RequestMetadata's invocation.
+    pub fn with_cache_hits(mut self, hits: Arc<CacheHits>) -> Self {
+        self.hits = Some(hits);
+        self
     }
 
     async fn inline(&self, f: DigestFunction, req: &reapi::GetActionResultRequest, r: &mut ActionResult) -> Result<()> {
@@ -68,10 +77,16 @@ impl ActionCacheRpc for ActionCacheService {
         request: Request<reapi::GetActionResultRequest>,
     ) -> Result<Response<ActionResult>, Status> {
         require(&request, Permission::Read, &request.get_ref().instance_name)?;
+        let invocation = if self.hits.is_some() { tool_invocation_id(&request) } else { String::new() };
         let req = request.into_inner();
         let f = DigestFunction::from_proto(req.digest_function)?;
         let d = Digest::from_proto(f, req.action_digest.as_ref(), "action_digest")?;
-        match self.ac.get(&req.instance_name, &d).await? {
+        let found = self.ac.get(&req.instance_name, &d).await?;
+        // Only answered lookups count: a store error is no statement about the cache.
+        if let Some(h) = &self.hits {
+            h.record(&invocation, found.is_some());
+        }
+        match found {
             Some(mut r) => {
                 self.metrics.ac_hits.inc();
                 self.inline(f, &req, &mut r).await?;

@@ -26,6 +26,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::cache_hits::CacheHits;
+
 /// Targets plus tests one invocation may have; past it the stream is refused, as a bound
 /// on what one client can make the server hold.
 pub const MAX_ENTRIES: usize = 1_000_000;
@@ -33,6 +35,10 @@ pub const MAX_ENTRIES: usize = 1_000_000;
 const MAX_PENDING: usize = 1024;
 const PENDING_FOR: Duration = Duration::from_secs(600);
 const BAZEL_EVENT_TYPE: &str = "type.googleapis.com/build_event_stream.BuildEvent";
+/// The build tool log Bazel (4.x and later) fills with its critical path, inline.
+const CRITICAL_PATH_LOG: &str = "critical path";
+/// Most of Bazel's critical path text kept: it lists the path's actions, a few KiB.
+const MAX_CRITICAL_PATH: usize = 64 << 10;
 
 /// Which stream: (build id, invocation id, component).
 type StreamKey = (String, String, i32);
@@ -50,11 +56,19 @@ struct Pending {
 pub struct BuildEventService {
     store: Arc<dyn InvocationStore>,
     pending: Arc<Mutex<HashMap<StreamKey, Pending>>>,
+    /// Where the ActionCache service counted the invocations' cache lookups.
+    cache_hits: Option<Arc<CacheHits>>,
 }
 
 impl BuildEventService {
     pub fn new(store: Arc<dyn InvocationStore>) -> Self {
-        BuildEventService { store, pending: Arc::default() }
+        BuildEventService { store, pending: Arc::default(), cache_hits: None }
+    }
+
+    /// Stores each invocation with the cache lookups and hits `hits` counted for it.
+    pub fn with_cache_hits(mut self, hits: Arc<CacheHits>) -> Self {
+        self.cache_hits = Some(hits);
+        self
     }
 }
 
@@ -122,6 +136,13 @@ impl Accumulator {
                         .collect(),
                 });
             }
+            (Some(Payload::BuildToolLogs(logs)), _) => {
+                let critical = logs.log.iter().find(|f| f.name == CRITICAL_PATH_LOG);
+                if let Some(bep::file::File::Contents(text)) = critical.and_then(|f| f.file.as_ref()) {
+                    let text = String::from_utf8_lossy(text);
+                    inv.critical_path = cut(&text, MAX_CRITICAL_PATH);
+                }
+            }
             (Some(Payload::Finished(f)), _) => {
                 inv.finished_unix_ms = f.finish_time_millis;
                 match &f.exit_code {
@@ -164,6 +185,15 @@ impl Accumulator {
         inv.failed_targets = inv.targets.iter().filter(|t| t.success == Some(false)).count() as u64;
         inv
     }
+}
+
+/// At most `max` bytes of `s`, cut at a character boundary.
+fn cut(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 /// The stream an ordered event belongs to, checked.
@@ -237,7 +267,13 @@ impl BuildEventService {
             // Counted as applied only once stored (by the caller, which then drops the
             // state): a failed store leaves it to be sent again.
             Some(bes::build_event::Event::ComponentStreamFinished(_)) => {
-                Ok(Step::Finish(Box::new(p.acc.snapshot()), ack))
+                let mut inv = p.acc.snapshot();
+                // Bazel's lookups all precede its stream's last event, so the counts are whole.
+                if let Some(hits) = &self.cache_hits {
+                    let c = hits.get(&inv.id);
+                    (inv.cache_lookups, inv.cache_hits) = (c.lookups, c.hits);
+                }
+                Ok(Step::Finish(Box::new(inv), ack))
             }
             _ => {
                 p.next_sequence += 1;

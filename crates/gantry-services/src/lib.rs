@@ -10,6 +10,7 @@ pub mod auth;
 pub mod batcher;
 pub mod build_events;
 pub mod bytestream;
+pub mod cache_hits;
 pub mod capabilities;
 pub mod cas;
 pub mod compression;
@@ -88,6 +89,9 @@ pub struct Services {
     pub queue: Arc<gantry_submit::QueueEndpoint>,
     /// The Build Event Service, when invocations have a store.
     pub build_events: Option<Arc<build_events::BuildEventService>>,
+    /// Remote cache hits per invocation: the ActionCache service counts, the Build Event
+    /// Service stores the counts with the invocation.
+    pub cache_hits: Arc<cache_hits::CacheHits>,
     /// The web pages on the HTTP port.
     pub web: Option<Arc<gantry_web::Web>>,
 }
@@ -118,6 +122,7 @@ impl Services {
             auth: None,
             queue: Default::default(),
             build_events: None,
+            cache_hits: Default::default(),
             web: None,
         }
     }
@@ -141,7 +146,8 @@ impl Services {
 
     /// Adds the Build Event Service, storing invocations in `store`.
     pub fn with_build_events(mut self, store: Arc<dyn gantry_core::InvocationStore>) -> Self {
-        self.build_events = Some(Arc::new(build_events::BuildEventService::new(store)));
+        self.build_events =
+            Some(Arc::new(build_events::BuildEventService::new(store).with_cache_hits(self.cache_hits.clone())));
         self
     }
 
@@ -205,11 +211,10 @@ impl Services {
         )
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
-        let ac = ActionCacheServer::new(action_cache::ActionCacheService::new(
-            self.ac.clone(),
-            self.cas.clone(),
-            self.metrics.clone(),
-        ))
+        let ac = ActionCacheServer::new(
+            action_cache::ActionCacheService::new(self.ac.clone(), self.cas.clone(), self.metrics.clone())
+                .with_cache_hits(self.cache_hits.clone()),
+        )
         .max_decoding_message_size(max_msg)
         .max_encoding_message_size(max_msg);
         let executes = self.scheduler.is_some() || self.forwarder.is_some();

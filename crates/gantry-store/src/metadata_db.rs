@@ -423,6 +423,11 @@ const MIGRATIONS: &[Version] = &[
         description: "indexes for the web pages' paging",
         sql: include_str!("../migrations/0006_web_paging.sql"),
     },
+    Version {
+        version: 7,
+        description: "remote cache hits of an invocation",
+        sql: include_str!("../migrations/0007_invocation_cache_hits.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

@@ -30,6 +30,10 @@ struct Document {
     metadata: BTreeMap<String, String>,
     targets: Vec<TargetDoc>,
     tests: Vec<TestDoc>,
+    /// Added to version 1 without a new version: older documents lack it (read as empty),
+    /// and older gantry ignores it.
+    #[serde(default)]
+    critical_path: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -54,7 +58,7 @@ struct TestDoc {
 const DOCUMENT_VERSION: u32 = 1;
 
 const HEADER: &str = "invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms, exit_code, \
-                      exit_name, target_count, failed_targets, patterns, user_name, instance_name";
+                      exit_name, target_count, failed_targets, patterns, user_name, instance_name, cache_lookups, cache_hits";
 
 fn header(row: &sqlx::any::AnyRow) -> std::result::Result<Invocation, sqlx::Error> {
     let patterns: String = row.try_get(10)?;
@@ -72,6 +76,8 @@ fn header(row: &sqlx::any::AnyRow) -> std::result::Result<Invocation, sqlx::Erro
         patterns: serde_json::from_str(&patterns).map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
         user: row.try_get(11)?,
         instance: row.try_get(12)?,
+        cache_lookups: row.try_get::<i64, _>(13)?.max(0) as u64,
+        cache_hits: row.try_get::<i64, _>(14)?.max(0) as u64,
         ..Default::default()
     })
 }
@@ -102,20 +108,23 @@ impl InvocationStore for SqlInvocationStore {
                     logs: t.logs.clone(),
                 })
                 .collect(),
+            critical_path: inv.critical_path.clone(),
         };
         let document = serde_json::to_string(&doc).map_err(|e| Error::internal(format!("invocation document: {e}")))?;
         let patterns =
             serde_json::to_string(&inv.patterns).map_err(|e| Error::internal(format!("invocation patterns: {e}")))?;
         sqlx::query(
             "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
-                exit_code, exit_name, target_count, failed_targets, patterns, document, user_name, instance_name)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+                exit_code, exit_name, target_count, failed_targets, patterns, document, user_name, instance_name,
+                cache_lookups, cache_hits)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
              ON CONFLICT (invocation_id) DO UPDATE SET build_id = excluded.build_id, owner = excluded.owner,
                 command = excluded.command, started_unix_ms = excluded.started_unix_ms,
                 finished_unix_ms = excluded.finished_unix_ms, exit_code = excluded.exit_code,
                 exit_name = excluded.exit_name, target_count = excluded.target_count,
                 failed_targets = excluded.failed_targets, patterns = excluded.patterns, document = excluded.document,
-                user_name = excluded.user_name, instance_name = excluded.instance_name",
+                user_name = excluded.user_name, instance_name = excluded.instance_name,
+                cache_lookups = excluded.cache_lookups, cache_hits = excluded.cache_hits",
         )
         .bind(&inv.id)
         .bind(&inv.build_id)
@@ -131,6 +140,8 @@ impl InvocationStore for SqlInvocationStore {
         .bind(&document)
         .bind(Invocation::user_of(&inv.owner, &inv.metadata))
         .bind(Invocation::instance_of(&inv.options))
+        .bind(inv.cache_lookups.min(i64::MAX as u64) as i64)
+        .bind(inv.cache_hits.min(i64::MAX as u64) as i64)
         .execute(self.db.pool())
         .await
         .map_err(self.db.err("writing an invocation"))?;
@@ -146,13 +157,14 @@ impl InvocationStore for SqlInvocationStore {
         let Some(row) = row else { return Ok(None) };
         let undecodable = |e: String| Error::internal(format!("invocations: undecodable row {id}: {e}"));
         let mut inv = header(&row).map_err(|e| undecodable(e.to_string()))?;
-        let document: String = row.try_get(13).map_err(|e| undecodable(e.to_string()))?;
+        let document: String = row.try_get(15).map_err(|e| undecodable(e.to_string()))?;
         let doc: Document = serde_json::from_str(&document).map_err(|e| undecodable(e.to_string()))?;
         if doc.v != DOCUMENT_VERSION {
             return Err(undecodable(format!("document version {} (this gantry reads {DOCUMENT_VERSION})", doc.v)));
         }
         inv.options = doc.options;
         inv.metadata = doc.metadata;
+        inv.critical_path = doc.critical_path;
         inv.targets = doc
             .targets
             .into_iter()

@@ -244,6 +244,9 @@ fn invocation(id: &str, started: i64) -> Invocation {
         target_count: 2,
         failed_targets: 1,
         instance: "team/a".into(),
+        cache_lookups: 7,
+        cache_hits: 5,
+        critical_path: "Critical Path: 1.00s".into(),
     }
 }
 
@@ -259,12 +262,25 @@ async fn invocation_store(db: &MetadataDb) {
     assert!(rows[0].targets.is_empty() && rows[0].target_count == 2 && rows[0].failed_targets == 1);
     assert_eq!(rows[0].patterns, ["//..."]);
     assert_eq!(rows[0].instance, "team/a", "the list's rows carry the instance that decides who sees them");
+    assert_eq!((rows[0].cache_lookups, rows[0].cache_hits), (7, 5), "the list's rows carry the cache counts");
     assert_eq!(s.list(10, Some(200)).await.unwrap().len(), 1, "paged by start time");
     let mut again = invocation("a", 100);
     again.targets.truncate(1);
     s.put(&again).await.unwrap();
     let got = s.get("a").await.unwrap().unwrap();
     assert_eq!((got.targets.len(), got.target_count, got.failed_targets), (1, 1, 0));
+    // A row an older gantry wrote: no cache columns set, no critical path in the document.
+    sqlx::query(
+        "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
+            exit_code, exit_name, target_count, failed_targets, patterns, document, user_name)
+         VALUES ('old', 'b', '', 'build', 50, 60, 0, 'SUCCESS', 0, 0, '[]',
+            '{\"v\":1,\"options\":[],\"metadata\":{},\"targets\":[],\"tests\":[]}', '')",
+    )
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let old = s.get("old").await.unwrap().expect("an older row still reads");
+    assert_eq!((old.cache_lookups, old.cache_hits, old.critical_path.as_str()), (0, 0, ""));
 }
 
 async fn queue_store(db: &MetadataDb) {

@@ -9,6 +9,7 @@
 
 pub mod batching;
 pub mod cas;
+pub mod critical;
 pub mod live;
 pub mod login;
 pub mod pages;

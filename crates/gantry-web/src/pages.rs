@@ -7,11 +7,14 @@ use gantry_core::{ActionRecord, Digest, Invocation, InvocationSummary};
 use http::StatusCode;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 
+use crate::svg;
+
 const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
 table{border-collapse:collapse;margin:.5em 0 1.5em}\
 th,td{padding:.25em .7em;border-bottom:1px solid #ddd;text-align:left;vertical-align:top}\
 th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}\
 .ok{color:#176f2c}.bad{color:#b00020;font-weight:600}.dim{color:#777}\
+tr.critical td{background:#fff3cd}\
 nav a{margin-right:1em}code{font-size:.95em}";
 
 /// The pages every page links to, in the order of the menu.
@@ -102,6 +105,15 @@ fn who(inv: &Invocation) -> String {
     }
 }
 
+/// "N of M (x%)" remote cache lookups that hit; a dash when this server counted none.
+fn cache_hit_rate(inv: &Invocation) -> Markup {
+    if inv.cache_lookups == 0 {
+        return html! { span class="dim" title="no remote cache lookups counted for it" { "—" } };
+    }
+    let percent = 100.0 * inv.cache_hits as f64 / inv.cache_lookups as f64;
+    html! { (inv.cache_hits) " of " (inv.cache_lookups) " (" (format!("{percent:.1}")) "%)" }
+}
+
 /// The list of invocations, newest first; `next` is the cursor of the following page.
 pub fn invocations(rows: &[(Invocation, InvocationSummary)], next: Option<i64>) -> Markup {
     layout(
@@ -113,7 +125,7 @@ pub fn invocations(rows: &[(Invocation, InvocationSummary)], next: Option<i64>) 
             } @else {
                 table {
                     tr { th { "Started" } th { "Who" } th { "Command" } th { "Outcome" } th { "Targets" }
-                         th { "Duration" } th { "Remote actions" } th { "Executor ESU·s" } }
+                         th { "Duration" } th { "Cache hits" } th { "Remote actions" } th { "Executor ESU·s" } }
                     @for (inv, s) in rows {
                         tr {
                             td { a href={ "/invocations/" (inv.id) } { (utc(inv.started_unix_ms)) } }
@@ -123,6 +135,7 @@ pub fn invocations(rows: &[(Invocation, InvocationSummary)], next: Option<i64>) 
                             td class="n" { (inv.target_count)
                                 @if inv.failed_targets > 0 { " " span class="bad" { "(" (inv.failed_targets) " failed)" } } }
                             td class="n" { (seconds(inv.finished_unix_ms - inv.started_unix_ms)) }
+                            td class="n" { (cache_hit_rate(inv)) }
                             td class="n" { (s.actions) }
                             td class="n" { (format!("{:.1}", s.executor_esu_seconds)) }
                         }
@@ -304,11 +317,85 @@ pub fn action(
     )
 }
 
+/// Most bars the timeline draws: past it, the critical path and the longest runs.
+pub const MAX_TIMELINE_BARS: usize = 5_000;
+
+/// The invocation's remote actions on a timeline, a lane per worker (rows for its
+/// concurrent slots), coloured by size class, the critical path (`critical`, indices into
+/// `actions`) outlined. x is seconds since the first action started running.
+pub fn timeline(actions: &[ActionRecord], critical: &[usize]) -> Markup {
+    let timed: Vec<(usize, crate::critical::Span)> =
+        actions.iter().enumerate().filter_map(|(i, a)| Some((i, crate::critical::span(a)?))).collect();
+    let Some(t0) = timed.iter().map(|(_, s)| s.start).min_by(f64::total_cmp) else {
+        return html! { p class="dim" { "No action has a completion time to place it." } };
+    };
+    let mut marks = vec![false; actions.len()];
+    for &i in critical {
+        marks[i] = true;
+    }
+    let mut shown: Vec<usize> = (0..timed.len()).collect();
+    if shown.len() > MAX_TIMELINE_BARS {
+        // The critical ones first, then the longest: short runs are slivers anyway.
+        let key = |&k: &usize| {
+            let (i, s) = timed[k];
+            (!marks[i], std::cmp::Reverse(((s.end - s.start) * 1000.0) as i64))
+        };
+        shown.sort_by_key(key);
+        shown.truncate(MAX_TIMELINE_BARS);
+    }
+    let mut classes: Vec<u32> = shown.iter().map(|&k| actions[timed[k].0].size_class).collect();
+    classes.sort_unstable();
+    classes.dedup();
+    let bars: Vec<svg::Bar> = shown
+        .iter()
+        .map(|&k| {
+            let (i, s) = timed[k];
+            let a = &actions[i];
+            let marked = marks[i];
+            let mnemonic = if a.action_mnemonic.is_empty() { "action" } else { a.action_mnemonic.as_str() };
+            svg::Bar {
+                lane: if a.worker.is_empty() { "(unknown worker)".into() } else { a.worker.clone() },
+                start: s.start - t0,
+                end: s.end - t0,
+                title: format!(
+                    "{mnemonic} {}\n{} · class {}\nqueued {:.2} s, ran {:.2} s: {:.2}–{:.2} s{}",
+                    a.target_id,
+                    a.worker,
+                    a.size_class,
+                    a.queued_seconds,
+                    a.wall_seconds,
+                    s.start - t0,
+                    s.end - t0,
+                    if marked { "\n★ on the critical path" } else { "" }
+                ),
+                marked,
+                link: action_link(&a.instance, &a.action_digest),
+                series: classes.iter().position(|c| *c == a.size_class).unwrap_or(0),
+            }
+        })
+        .collect();
+    let names: Vec<String> = classes.iter().map(|c| format!("size class {c}")).collect();
+    html! {
+        @if bars.len() < timed.len() {
+            p class="dim" { "The " (bars.len()) " longest runs of " (timed.len()) ", with the critical path." }
+        }
+        (svg::lanes(&bars, "seconds since the first action started"))
+        (svg::legend(names.iter().map(String::as_str)))
+        p class="dim" { "Outlined: the critical path. Each bar is a run on a worker (queue time is not drawn); click one for its action." }
+    }
+}
+
 /// One invocation: what the Build Event Service stored (if it did) and the remote actions
-/// the execution log holds for it, dearest first.
+/// the execution log holds for it, dearest first, on a timeline with the (inferred)
+/// critical path marked.
 pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) -> Markup {
-    let mut by_cost: Vec<&ActionRecord> = actions.iter().collect();
-    by_cost.sort_by(|a, b| b.esu_seconds().total_cmp(&a.esu_seconds()));
+    let critical = crate::critical::critical_path(actions);
+    let mut on_path = vec![false; actions.len()];
+    for &i in &critical.actions {
+        on_path[i] = true;
+    }
+    let mut by_cost: Vec<usize> = (0..actions.len()).collect();
+    by_cost.sort_by(|&a, &b| actions[b].esu_seconds().total_cmp(&actions[a].esu_seconds()));
     let esu: f64 = actions.iter().map(ActionRecord::esu_seconds).sum();
     let cpu: f64 = actions.iter().map(|a| a.user_cpu_seconds + a.system_cpu_seconds).sum();
     layout(
@@ -322,6 +409,9 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) 
                         " (exit code " (inv.exit_code) ")" }
                     p { "Started " (utc(inv.started_unix_ms)) ", took " (seconds(inv.finished_unix_ms - inv.started_unix_ms))
                         @if !who(inv).is_empty() { ", by " (who(inv)) } "." }
+                    p { "Remote cache hits: " @if inv.cache_lookups == 0 {
+                            span class="dim" { "no lookups counted (none, or served by another gantry process)" }
+                        } @else { (cache_hit_rate(inv)) " of its action cache lookups." } }
                     @if !inv.options.is_empty() { p { "Options: " code { (inv.options.join(" ")) } } }
                     @if !inv.metadata.is_empty() {
                         details { summary { "Build metadata (" (inv.metadata.len()) ")" }
@@ -369,13 +459,28 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) 
             @if actions.is_empty() {
                 p class="dim" { "None ran on gantry's executors (all cached, or run locally)." }
             } @else {
-                p { (format!("{esu:.1}")) " ESU·s of executor time, " (format!("{cpu:.1}")) " s of CPU. Dearest first." }
+                p { (format!("{esu:.1}")) " ESU·s of executor time, " (format!("{cpu:.1}")) " s of CPU." }
+                h3 { "Timeline" }
+                (timeline(actions, &critical.actions))
+                h3 { "Critical path" }
+                @if !critical.actions.is_empty() {
+                    p { "★ " (critical.actions.len()) " actions, " (format!("{:.2}", critical.seconds))
+                        " s from the first one's queueing to the last one's end (" (format!("{:.2}", critical.running_seconds))
+                        " s running, " (format!("{:.2}", critical.queued_seconds)) " s queued)." }
+                    p class="dim" { "Inferred from timing: gantry does not see the action graph, so each action's predecessor is taken to be the one that finished last before it was queued. A parallel action can stand in for the real dependency, and local or cached work between them shows as gaps." }
+                }
+                @if let Some(text) = inv.map(|i| i.critical_path.as_str()).filter(|t| !t.is_empty()) {
+                    details { summary { "Bazel's critical path" } pre { (text) } }
+                }
+                h3 { "Actions, dearest first" }
                 table {
                     tr { th { "Mnemonic" } th { "Target" } th { "Worker" } th { "Size class" } th { "Peak MiB" }
                          th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
-                    @for a in by_cost {
-                        tr {
-                            td { @match action_link(&a.instance, &a.action_digest) {
+                    @for i in by_cost {
+                        @let (a, critical) = (&actions[i], on_path[i]);
+                        tr class=[critical.then_some("critical")] {
+                            td { @if critical { span title="on the critical path" { "★ " } }
+                                @match action_link(&a.instance, &a.action_digest) {
                                 Some(link) => a href=(link) { (if a.action_mnemonic.is_empty() { "action" } else { &a.action_mnemonic }) },
                                 None => (a.action_mnemonic),
                             } }

@@ -258,3 +258,84 @@ async fn the_cas_browser_walks_an_input_tree_to_a_file() {
     assert_eq!(shape.matches("<circle").count(), 2, "{shape}");
     assert!(shape.contains("failed: retried larger"));
 }
+
+/// The invocation page's timeline over two workers: the chain a → b → c on w-1 and w-2
+/// is the critical path (outlined bars, ★ rows), the parallel action beside it is not,
+/// names with markup stay text inside the bars' titles, and the list and the page show
+/// the cache hit rate the Build Event Service stored.
+#[tokio::test]
+async fn the_timeline_marks_the_critical_path_across_workers() {
+    let db = MetadataDb::open("sqlite::memory:").await.unwrap();
+    let (app, (invocations, log, _, _)) = web(&db).await;
+    invocations
+        .put(&Invocation {
+            id: "inv-t".into(),
+            command: "build".into(),
+            started_unix_ms: 1_700_000_000_000,
+            finished_unix_ms: 1_700_000_010_000,
+            exit_name: "SUCCESS".into(),
+            cache_lookups: 8,
+            cache_hits: 6,
+            critical_path: "Critical Path: 9.00s <i>from Bazel</i>".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let evil = "<script>alert(1)</script>";
+    // (mnemonic, worker, class, queued s, ran s, end s after the base); digests make each
+    // bar a link.
+    let runs = [
+        ("Compile-a", "w-1", 1u32, 0.0, 2.0, 2.0),
+        ("Compile-b", "w-2", 2, 0.2, 2.5, 5.0),
+        ("Link-c", "w-1", 2, 0.0, 3.9, 9.0),
+        ("Parallel-d", "w-2", 1, 0.0, 6.0, 6.0),
+        (evil, "w-2", 1, 0.0, 0.5, 0.5),
+    ];
+    for (i, (mnemonic, worker, class, queued, wall, end)) in runs.into_iter().enumerate() {
+        log.record(&ActionRecord {
+            operation: format!("op-{i}"),
+            action_digest: format!("{}/{i}", format!("{i}").repeat(64)),
+            tool_invocation_id: "inv-t".into(),
+            action_mnemonic: mnemonic.into(),
+            target_id: format!("//t:{mnemonic}"),
+            worker: worker.into(),
+            size_class: class,
+            queued_seconds: queued,
+            wall_seconds: wall,
+            completed_unix_ms: 1_700_000_000_000 + (end * 1000.0) as i64,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+
+    let (status, page) = get(&app, "/invocations/inv-t").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    let svg = &page[page.find("<svg").expect("a timeline")..page.find("</svg>").unwrap()];
+    // Every action is a bar, each linked to its action page; two worker lanes.
+    assert_eq!(svg.matches("<rect x=\"").count() - 2, 5, "two lane backgrounds and five bars: {svg}");
+    assert!(svg.contains(">w-1<") && svg.contains(">w-2<"), "{svg}");
+    assert_eq!(svg.matches("href=\"/actions/").count(), 5, "{svg}");
+    // The three bars of the chain are outlined, with the star in their titles.
+    assert_eq!(svg.matches("class=\"critical\"").count(), 3, "{svg}");
+    for name in ["Compile-a", "Compile-b", "Link-c"] {
+        let title = svg.find(&format!("<title>{name} ")).unwrap_or_else(|| panic!("{name}'s bar: {svg}"));
+        let rect = svg[..title].rfind("<rect").unwrap();
+        assert!(svg[rect..title].contains("class=\"critical\""), "{name} marked: {svg}");
+        assert!(svg[title..].split("</title>").next().unwrap().contains("★ on the critical path"));
+    }
+    let d = svg.find("<title>Parallel-d ").unwrap();
+    assert!(svg[svg[..d].rfind("<rect").unwrap()..d].contains("class=\"bar\""), "d is not on the path");
+    // Escaped inside the SVG's titles and everywhere else.
+    assert!(!page.contains(evil) && svg.contains("<title>&lt;script&gt;alert(1)&lt;/script&gt; //t:&lt;script&gt;"));
+    // The rows of the chain stand out in the table too; x starts at the first run.
+    assert_eq!(page.matches("<tr class=\"critical\">").count(), 3, "{page}");
+    assert_eq!(page.matches("★ </span>").count(), 3, "{page}");
+    assert!(page.contains("★ 3 actions, 9.00 s from the first one"), "{page}");
+    assert!(page.contains("size class 1") && page.contains("size class 2"), "a legend: {page}");
+    assert!(page.contains("Critical Path: 9.00s &lt;i&gt;from Bazel&lt;/i&gt;"), "Bazel's own, escaped: {page}");
+    assert!(page.contains("6 of 8 (75.0%)"), "{page}");
+
+    let (_, list) = get(&app, "/invocations").await;
+    assert!(list.contains("<th>Cache hits</th>") && list.contains("6 of 8 (75.0%)"), "{list}");
+}
