@@ -30,6 +30,8 @@ pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
                 "build_id": i.build_id, "owner": i.owner, "command": i.command, "patterns": i.patterns,
                 "options": i.options, "metadata": i.metadata, "started_unix_ms": i.started_unix_ms,
                 "finished_unix_ms": i.finished_unix_ms, "exit_code": i.exit_code, "exit_name": i.exit_name,
+                "instance": i.instance, "cache_lookups": i.cache_lookups, "cache_hits": i.cache_hits,
+                "critical_path": i.critical_path,
                 "targets": i.targets.iter().map(|t| serde_json::json!({
                     "label": t.label, "kind": t.kind, "success": t.success,
                 })).collect::<Vec<_>>(),
@@ -53,7 +55,8 @@ pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
                 "worker": a.worker, "exit_code": a.exit_code, "status_code": a.status_code,
                 "peak_memory_bytes": a.peak_memory_bytes, "user_cpu_seconds": a.user_cpu_seconds,
                 "system_cpu_seconds": a.system_cpu_seconds, "wall_seconds": a.wall_seconds,
-                "queued_seconds": a.queued_seconds, "metering": a.metering,
+                "queued_seconds": a.queued_seconds, "metering": a.metering, "size_class": a.size_class,
+                "instance": a.instance, "action_digest": a.action_digest, "shape_key": a.shape_key,
             })).collect::<Vec<_>>(),
         });
         println!("{v}");
@@ -71,6 +74,9 @@ pub async fn run(args: InvocationArgs) -> anyhow::Result<()> {
             i.failed_targets,
             i.tests.len()
         );
+        if i.cache_lookups > 0 {
+            println!("  remote cache hits: {} of {} lookups", i.cache_hits, i.cache_lookups);
+        }
         for t in &i.tests {
             println!("  {:<10} {} ({} ms)", t.status, t.label, t.duration_ms);
         }
