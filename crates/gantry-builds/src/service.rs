@@ -103,6 +103,11 @@ pub struct BuildDoc {
     pub occupancy_esu: Option<f64>,
     /// Builds made from this one (split halves or the rerun).
     pub retries: Vec<String>,
+    /// The version of the models that planned it: when they were trained (unix seconds,
+    /// from their manifest). None when it was planned without models, or recorded before
+    /// gantry kept this.
+    #[serde(default)]
+    pub models_trained_at: Option<i64>,
 }
 
 impl BuildDoc {
@@ -308,7 +313,9 @@ impl BuildService {
     }
 
     /// Records and queues a build the planner cut; `reason_note` (from
-    /// [`reason_note`](Self::reason_note)) says why its reason applies.
+    /// [`reason_note`](Self::reason_note)) says why its reason applies, and
+    /// `models_trained_at` which models planned it (see [`BuildDoc::models_trained_at`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn submit(
         &self,
         id: String,
@@ -317,8 +324,9 @@ impl BuildService {
         targets: Vec<Target>,
         batch: &Batch,
         reason_note: String,
+        models_trained_at: Option<i64>,
     ) -> Result<BuildDoc, BuildsError> {
-        let doc = new_doc(id, stream_id, None, None, ctx, targets, batch, reason_note);
+        let doc = new_doc(id, stream_id, None, None, ctx, targets, batch, reason_note, models_trained_at);
         self.inner.put(&doc).await?;
         self.inner.enqueue(doc.clone());
         Ok(doc)
@@ -398,6 +406,7 @@ fn new_doc(
     targets: Vec<Target>,
     batch: &Batch,
     reason_note: String,
+    models_trained_at: Option<i64>,
 ) -> BuildDoc {
     BuildDoc {
         id,
@@ -432,6 +441,7 @@ fn new_doc(
         execution_wall_seconds: None,
         occupancy_esu: None,
         retries: Vec::new(),
+        models_trained_at,
     }
 }
 
@@ -631,6 +641,7 @@ impl Inner {
                             targets,
                             &b,
                             format!("half of OOM build {}", doc.id),
+                            models.manifest.trained_at.map(|t| t.0),
                         ));
                     }
                 }
@@ -655,6 +666,7 @@ impl Inner {
                     doc.targets.clone(),
                     &planned,
                     format!("rerun of deadline-exceeded build {}", doc.id),
+                    doc.models_trained_at,
                 )]
             }
             _ => Vec::new(),

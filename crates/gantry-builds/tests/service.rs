@@ -122,10 +122,12 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
     s.stream_started("s");
     let labels = ["//a:1", "//a:2", "//a:3", "//a:4", "//a:5"];
     let planned = Batch { oom_probability: Some(0.25), ..batch(&labels) };
-    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &planned, String::new())
+    s.submit("s-0".into(), "s", &ctx(&ws), labels.iter().map(|l| target(l)).collect(), &planned, String::new(), None)
         .await
         .unwrap();
-    s.submit("s-1".into(), "s", &ctx(&ws), vec![target("//b:oom")], &batch(&["//b:oom"]), String::new()).await.unwrap();
+    s.submit("s-1".into(), "s", &ctx(&ws), vec![target("//b:oom")], &batch(&["//b:oom"]), String::new(), None)
+        .await
+        .unwrap();
     s.stream_finished("s");
     let builds = wait_stream(&s, "s").await;
     let by_id = |id: &str| builds.iter().find(|b| b.id == id).unwrap_or_else(|| panic!("no build {id}"));
@@ -175,13 +177,24 @@ async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history(
     std::fs::write(ws.join("WORKSPACE"), "").unwrap();
     let s = service(dir.path(), Duration::from_millis(700), 50).await;
     let started = std::time::Instant::now();
-    s.submit("d-0".into(), "d", &ctx(&ws), vec![target("//x:slow")], &batch(&["//x:slow"]), String::new())
-        .await
-        .unwrap();
+    // Planned by models trained at 1,700,000,000 s: its rerun says so too.
+    s.submit(
+        "d-0".into(),
+        "d",
+        &ctx(&ws),
+        vec![target("//x:slow")],
+        &batch(&["//x:slow"]),
+        String::new(),
+        Some(1_700_000_000),
+    )
+    .await
+    .unwrap();
     // Not a workspace: an infrastructure error, not retried.
     let nows = dir.path().join("empty");
     std::fs::create_dir_all(&nows).unwrap();
-    s.submit("d-1".into(), "d", &ctx(&nows), vec![target("//y:z")], &batch(&["//y:z"]), String::new()).await.unwrap();
+    s.submit("d-1".into(), "d", &ctx(&nows), vec![target("//y:z")], &batch(&["//y:z"]), String::new(), None)
+        .await
+        .unwrap();
     let builds = wait_stream(&s, "d").await;
     assert!(started.elapsed() < Duration::from_secs(20), "the 30 s sleeps were cut at the deadline");
     let ids: Vec<&str> = builds.iter().map(|b| b.id.as_str()).collect();
@@ -191,6 +204,7 @@ async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history(
     assert_eq!(builds[2].outcome, Some(BuildOutcome::DeadlineExceeded));
     assert_eq!(builds[2].retry_kind, Some(RetryKind::DeadlineRerun));
     assert!(builds[2].retries.is_empty(), "a rerun is not rerun again");
+    assert_eq!(builds[2].models_trained_at, Some(1_700_000_000), "the rerun keeps its plan's model version");
     assert_eq!(builds[1].outcome, Some(BuildOutcome::InfraError));
     assert!(builds[1].message.contains("no WORKSPACE"), "{}", builds[1].message);
     assert!(builds[1].retries.is_empty());

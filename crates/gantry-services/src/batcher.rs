@@ -175,6 +175,8 @@ struct Submitter {
     pending: HashMap<String, gantry_batch::Target>,
     /// Reason notes read the build history: once per reason per stream is enough.
     notes: HashMap<BatchSizeReason, String>,
+    /// When the stream's models were trained: the version its builds record.
+    models_trained_at: Option<i64>,
 }
 
 impl Submitter {
@@ -199,7 +201,10 @@ impl Submitter {
             }
         };
         let id = format!("{}-{seq}", self.stream_id);
-        self.builds.submit(id, &self.stream_id, &self.ctx, targets, b, note).await.map_err(core_status)?;
+        self.builds
+            .submit(id, &self.stream_id, &self.ctx, targets, b, note, self.models_trained_at)
+            .await
+            .map_err(core_status)?;
         Ok(())
     }
 }
@@ -230,6 +235,8 @@ async fn run_stream(
             stream_id: stream_id.clone(),
             pending: HashMap::new(),
             notes: HashMap::new(),
+            // The stream plans with the models it started with, so its builds carry them.
+            models_trained_at: models.manifest.trained_at.map(|t| t.0),
         }
     });
     let mut planner = match StreamingPlanner::new(ctx, config, &*models) {

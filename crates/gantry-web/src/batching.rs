@@ -62,6 +62,8 @@ pub struct Estimates {
     pub used_heap_post_build: Option<u64>,
     pub occupancy_estimate_esu: Option<f64>,
     pub occupancy_esu: Option<f64>,
+    #[serde(default)]
+    pub models_trained_at: Option<i64>,
 }
 
 impl From<&BuildDoc> for Estimates {
@@ -73,8 +75,30 @@ impl From<&BuildDoc> for Estimates {
             used_heap_post_build: d.used_heap_post_build,
             occupancy_estimate_esu: d.occupancy_estimate_esu,
             occupancy_esu: d.occupancy_esu,
+            models_trained_at: d.models_trained_at,
         }
     }
+}
+
+/// One model version's row: when the models were trained (None: planned without models),
+/// its builds, and their memory and occupancy error.
+pub type ModelError = (Option<i64>, usize, Option<ErrorSummary>, Option<ErrorSummary>);
+
+/// The error of each model version's builds in `window`, newest version first; builds
+/// planned without models come last.
+pub fn error_by_model(window: &[Estimates]) -> Vec<ModelError> {
+    let mut versions: Vec<Option<i64>> = window.iter().map(|e| e.models_trained_at).collect();
+    versions.sort_by(|a, b| b.cmp(a));
+    versions.dedup();
+    versions
+        .into_iter()
+        .map(|v| {
+            let of: Vec<&Estimates> = window.iter().filter(|e| e.models_trained_at == v).collect();
+            let memory: Vec<(f64, f64)> = of.iter().filter_map(|e| e.memory()).collect();
+            let occupancy: Vec<(f64, f64)> = of.iter().filter_map(|e| e.occupancy()).collect();
+            (v, of.len(), error_summary(&memory), error_summary(&occupancy))
+        })
+        .collect()
 }
 
 impl Estimates {
@@ -197,12 +221,30 @@ fn scatters(window: &[Estimates]) -> Markup {
     };
     html! {
         h2 { "Estimate error" }
-        p class="dim" { "Over the newest " (window.len()) " builds. Model versions are not recorded with the builds, so
-            each build's own error is what is shown; memory is the used heap after the build." }
+        p class="dim" { "Over the newest " (window.len()) " builds; memory is the used heap after the build." }
         ul {
             (summary("Memory", error_summary(&memory)))
             (summary("Occupancy", error_summary(&occupancy)))
             @if oom > 0 { li { (oom) " ran out of memory: they needed more than the heap and are not plotted." } }
+        }
+        h3 { "By model version" }
+        table {
+            tr { th { "Models trained" } th { "Builds" } th { "Memory median error" } th { "Occupancy median error" } }
+            @for (version, n, mem, occ) in error_by_model(window) {
+                tr {
+                    td { @match version {
+                        Some(t) => (crate::pages::utc(t.saturating_mul(1000))),
+                        None => span class="dim" { "no models (fallback size)" },
+                    } }
+                    td class="n" { (n) }
+                    @for s in [mem, occ] {
+                        td class="n" { @match s {
+                            Some(s) => { (format!("{:.1}%", s.median_abs_pct)) " " span class="dim" { "(" (s.n) ")" } },
+                            None => span class="dim" { "—" },
+                        } }
+                    }
+                }
+            }
         }
         h3 { "Memory: estimate against actual" }
         (svg::scatter(&mem_points, "estimated GiB", "used heap after the build, GiB", true))
@@ -458,6 +500,7 @@ mod tests {
             execution_wall_seconds: None,
             occupancy_esu: Some(8.0),
             retries: vec![],
+            models_trained_at: None,
         }
     }
 
@@ -493,6 +536,27 @@ mod tests {
         let last = (5, "s/1 x".to_string());
         let link = next_link(&last);
         assert_eq!(cursor(link.split_once('?').map(|(_, q)| q)), Ok(Some(last)));
+    }
+
+    #[test]
+    fn error_is_grouped_by_the_models_that_planned_each_build() {
+        let est = |v: Option<i64>, e: u64, a: u64| Estimates {
+            id: "b".into(),
+            outcome: Some(BuildOutcome::Success),
+            memory_estimate_bytes: Some(e),
+            used_heap_post_build: Some(a),
+            occupancy_estimate_esu: None,
+            occupancy_esu: None,
+            models_trained_at: v,
+        };
+        let window = [est(Some(100), 90, 100), est(Some(200), 100, 100), est(None, 50, 100), est(Some(100), 80, 100)];
+        let rows = error_by_model(&window);
+        assert_eq!(rows.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>(), [(Some(200), 1), (Some(100), 2), (None, 1)]);
+        assert!((rows[0].2.as_ref().unwrap().median_abs_pct - 0.0).abs() < 1e-9);
+        assert!((rows[1].2.as_ref().unwrap().median_abs_pct - 15.0).abs() < 1e-9, "{:?}", rows[1]);
+        assert!(rows[1].3.is_none(), "no occupancy pairs");
+        let html = scatters(&window).into_string();
+        assert!(html.contains("By model version") && html.contains("no models (fallback size)"));
     }
 
     #[test]

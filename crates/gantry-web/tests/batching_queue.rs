@@ -66,6 +66,7 @@ fn build(id: &str, parent: Option<(&str, RetryKind)>, labels: &[&str], outcome: 
         execution_wall_seconds: Some(30.0),
         occupancy_esu: None,
         retries: vec![],
+        models_trained_at: Some(1_700_000_000),
     }
 }
 
@@ -124,6 +125,8 @@ async fn the_batching_pages_show_estimates_outcomes_and_the_retry_tree() {
 
     let (status, list) = get(&app, "/batching").await;
     assert_eq!(status, StatusCode::OK, "{list}");
+    // Every build here was planned by the models trained at 1,700,000,000 s.
+    assert!(list.contains("By model version") && list.contains("2023-11-14 22:13:20 UTC"), "{list}");
     for id in ["b1", "b1.1", "b1.2", "b1.2.r"] {
         assert!(list.contains(&format!("href=\"/batching/builds/{id}\"")), "{id}: {list}");
     }
