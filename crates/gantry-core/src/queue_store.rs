@@ -87,6 +87,12 @@ pub trait QueueStore: Send + Sync + 'static {
     async fn append_event(&self, at_ms: i64, dedup_key: Option<&str>, event: &str) -> Result<bool>;
     /// The whole journal in append order.
     async fn list_events(&self) -> Result<Vec<QueueEventRow>>;
+    /// The journal's entries after `after_seq`, in append order: what a reader that has
+    /// applied the journal up to there still needs. The default reads the whole journal;
+    /// stores override it.
+    async fn list_events_after(&self, after_seq: i64) -> Result<Vec<QueueEventRow>> {
+        Ok(self.list_events().await?.into_iter().filter(|e| e.seq > after_seq).collect())
+    }
     /// Inserts or replaces the landing of one version, atomically.
     async fn put_landing(&self, row: &LandingRow) -> Result<()>;
     /// All landings by version.

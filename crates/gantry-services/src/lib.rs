@@ -166,6 +166,7 @@ impl Services {
             fleet: self.scheduler.clone().map(|s| s as Arc<dyn gantry_core::Fleet>),
             history: Default::default(),
             login: None,
+            replay: Default::default(),
         }));
         self
     }

@@ -152,7 +152,12 @@ impl QueueStore for SqlQueueStore {
     }
 
     async fn list_events(&self) -> Result<Vec<QueueEventRow>> {
-        let rows = sqlx::query("SELECT seq, at_ms, dedup_key, event FROM queue_events ORDER BY seq ASC")
+        self.list_events_after(i64::MIN).await
+    }
+
+    async fn list_events_after(&self, after_seq: i64) -> Result<Vec<QueueEventRow>> {
+        let rows = sqlx::query("SELECT seq, at_ms, dedup_key, event FROM queue_events WHERE seq > $1 ORDER BY seq ASC")
+            .bind(after_seq)
             .fetch_all(self.db.pool())
             .await
             .map_err(self.db.err("reading the journal"))?;

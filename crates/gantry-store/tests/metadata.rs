@@ -293,6 +293,9 @@ async fn queue_store(db: &MetadataDb) {
     assert_eq!(ev.iter().map(|e| (e.seq, e.at_ms)).collect::<Vec<_>>(), [(1, 5), (2, 6), (3, 8)]);
     assert_eq!(ev[0].dedup_key.as_deref(), Some("enqueue:c1"));
     assert_eq!(ev[1].dedup_key, None);
+    let after = s.list_events_after(1).await.unwrap();
+    assert_eq!(after.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3], "only what follows");
+    assert!(s.list_events_after(3).await.unwrap().is_empty());
 
     let doc = |id: &str, seq, state: &str| QueueDocRow {
         id: id.into(),

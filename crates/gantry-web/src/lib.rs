@@ -62,6 +62,8 @@ pub struct Web {
     pub history: Arc<live::QueueHistory>,
     /// `[auth]`: pages need a signed-in identity and show what its grants allow.
     pub login: Option<Arc<login::Login>>,
+    /// The submit queue's planner as its journal left it, for the queue page.
+    pub replay: Arc<queue::Replay>,
 }
 
 impl Web {

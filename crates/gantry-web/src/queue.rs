@@ -210,23 +210,49 @@ pub fn queue_page(
     )
 }
 
-/// Rebuilds the planner from the journal and returns its view of the pending changes.
+/// The planner as the journal left it, kept between page views: each view applies only
+/// the events appended since the last one, so the page's cost follows the queue's recent
+/// activity, not its whole history. The journal has one writer (the queue's lease
+/// holder), which appends in order, so a reader never sees a later entry before an
+/// earlier one.
+#[derive(Default)]
+pub struct Replay {
+    /// The last journal entry applied, and the planner after it.
+    state: std::sync::Mutex<Option<(i64, Planner)>>,
+}
+
+/// The planner's view of the pending changes: the kept planner brought up to date with
+/// the journal (or, the first time, rebuilt from all of it).
 async fn replay(web: &Web) -> Result<Vec<PendingView>, Error> {
-    let landings = web.queue.list_landings().await?;
-    let config = match landings.iter().find(|l| l.version == 0) {
-        // A queue from before the settings were kept there planned with its own
-        // settings, which the page cannot know: the defaults are the best guess.
-        Some(r) => decode::<FirstVersion>("landing", "0", &r.document)?.planner_config.unwrap_or_default(),
-        None => PlannerConfig::default(),
+    // Taken out for the update and put back after, so no lock is held across a read of
+    // the store; a concurrent view meanwhile rebuilds its own.
+    let kept = web.replay.state.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let (mut last, mut planner) = match kept {
+        Some(k) => k,
+        None => {
+            let landings = web.queue.list_landings().await?;
+            let config = match landings.iter().find(|l| l.version == 0) {
+                // A queue from before the settings were kept there planned with its own
+                // settings, which the page cannot know: the defaults are the best guess.
+                Some(r) => decode::<FirstVersion>("landing", "0", &r.document)?.planner_config.unwrap_or_default(),
+                None => PlannerConfig::default(),
+            };
+            (i64::MIN, Planner::new(config))
+        }
     };
-    let mut planner = Planner::new(config);
-    for row in web.queue.list_events().await? {
+    for row in web.queue.list_events_after(last).await? {
         let event: Event = decode("journal event", &row.seq.to_string(), &row.event)?;
         // The service refused the same events when it applied them, so skipping them
         // keeps the replay where the service is.
         let _ = planner.handle(Millis(row.at_ms.max(0) as u64), event);
+        last = row.seq;
     }
-    Ok(planner.snapshot())
+    let views = planner.snapshot();
+    let mut slot = web.replay.state.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.as_ref().is_none_or(|(seq, _)| *seq < last) {
+        *slot = Some((last, planner));
+    }
+    Ok(views)
 }
 
 pub(crate) async fn page(

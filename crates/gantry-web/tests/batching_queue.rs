@@ -395,6 +395,27 @@ async fn the_queue_page_shows_predictions_builds_lanes_and_history() {
     assert!(bad.contains("before"), "{bad}");
     let (_, older) = get(&app, "/queue?before=2").await;
     assert!(older.contains("c1") && !older.contains("REJECTED") && !older.contains("Pending"), "{older}");
+
+    // More happens after that view: the page applies only the new journal entries, and
+    // says what a page rebuilt from the whole journal says.
+    let b = q.running("c3")[0];
+    q.finish(T0 + 250_000, b, true, "").await;
+    q.submit(5, T0 + 260_000, "dan").await;
+    let (_, again) = get(&app, "/queue").await;
+    let (fresh_app, _) = common::app(&db);
+    let (_, fresh) = get(&fresh_app, "/queue").await;
+    let snapshot = q.planner.snapshot();
+    assert_eq!(snapshot.iter().map(|v| v.change.0.as_str()).collect::<Vec<_>>(), ["c4", "c5"]);
+    for v in &snapshot {
+        let shown = format!("{:.0}%", v.landing_probability * 100.0);
+        assert!(again.contains(&shown) && fresh.contains(&shown), "{}: {shown}: {again}", v.change.0);
+    }
+    for (id, b) in q.builds.iter().filter(|(_, b)| b.state == QueueBuildState::Running) {
+        let line = format!("build {id} on mainline v{}", b.spec.base_version);
+        assert!(again.contains(&line) && fresh.contains(&line), "{line}: {again}");
+    }
+    assert_eq!(again.matches("build ").count(), fresh.matches("build ").count(), "the same builds");
+
     store.append_event(T0 + 300_000, None, "{\"Enqueue\": 7}").await.unwrap();
     let (status, broken) = get(&app, "/queue").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{broken}");

@@ -52,6 +52,7 @@ pub fn app_with(db: &MetadataDb, login: Option<gantry_web::login::Login>) -> (ax
         fleet: None,
         history: Default::default(),
         login: login.map(Arc::new),
+        replay: Default::default(),
     };
     (gantry_web::router(Arc::new(web)), s)
 }
