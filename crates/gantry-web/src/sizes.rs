@@ -123,8 +123,12 @@ pub(crate) async fn shape_view(web: &Web, key: &str) -> Result<Option<KeyStatsVi
     Ok(classes_of(web, &stats).map(|set| KeyStatsView::new(key, &stats, &set, &web.selection, now())))
 }
 
+/// One listed shape: its key, its learned view, and its latest run (what it is: a
+/// mnemonic and a target, which a hash alone does not say).
+pub type ShapeRow = (String, Option<KeyStatsView>, Option<ActionRecord>);
+
 /// The list of shapes, each with its samples and median per class.
-pub fn list_page(rows: &[(String, Option<KeyStatsView>)]) -> Markup {
+pub fn list_page(rows: &[ShapeRow]) -> Markup {
     layout(
         "Size classes",
         html! {
@@ -135,10 +139,14 @@ pub fn list_page(rows: &[(String, Option<KeyStatsView>)]) -> Markup {
                 p class="dim" { "Nothing learned yet: it starts once workers of more than one size class are registered." }
             } @else {
                 table {
-                    tr { th { "Shape" } th { "Samples per class (median)" } th { "Failed on the largest recently" } }
-                    @for (key, v) in rows {
+                    tr { th { "Shape" } th { "Latest run" } th { "Samples per class (median)" } th { "Failed on the largest recently" } }
+                    @for (key, v, latest) in rows {
                         tr {
                             td { a href={ "/sizeclasses/" (key) } { code { (shorten(key, 16)) } } }
+                            td { @if let Some(r) = latest {
+                                (r.action_mnemonic) " " code { (shorten(&r.target_id, 60)) }
+                                " " span class="dim" { "class " (r.size_class) ", " (format!("{:.2}", r.wall_seconds)) " s" }
+                            } }
                             td { @if let Some(v) = v {
                                 @for c in v.classes.iter().filter(|c| !c.history.is_empty()) {
                                     span { "class " (c.size_class) ": " (c.history.len()) " (" (secs(c.median_success)) ") " }
@@ -160,6 +168,9 @@ pub fn shape_page(key: &str, view: Option<&KeyStatsView>, runs: &[ActionRecord])
         html! {
             h1 { "Shape " code { (shorten(key, 16)) } }
             p class="dim" { code { (key) } }
+            @if let Some(r) = runs.first() {
+                p { "Latest: " (r.action_mnemonic) " " code { (shorten(&r.target_id, 80)) } }
+            }
             @match view {
                 Some(v) => (shape_table(v)),
                 None => p class="dim" { "No statistics are stored for it." },
@@ -206,10 +217,15 @@ pub(crate) async fn list(
     };
     let mut rows = Vec::new();
     for key in keys.into_iter().filter(|k| !k.starts_with(GROUP_PREFIX)).take(SHAPES_LISTED) {
-        match shape_view(&web, &key).await {
-            Ok(v) => rows.push((key, v)),
+        let view = match shape_view(&web, &key).await {
+            Ok(v) => v,
             Err(r) => return r,
-        }
+        };
+        let latest = match web.log.runs(RunsOf::Shape(&key), 1).await {
+            Ok(r) => r.into_iter().find(|r| crate::may_read(&caller, &r.instance)),
+            Err(e) => return server_error(e),
+        };
+        rows.push((key, view, latest));
     }
     list_page(&rows).into_response()
 }
@@ -269,7 +285,10 @@ mod tests {
         assert!(page.contains("4.00 s") && page.contains("2.00 s"), "medians: {page}");
         assert_eq!(page.matches("<circle").count(), 2);
         assert!(page.contains("failed: retried larger") && page.contains("status 8"));
-        let list = list_page(&[("k<script>".into(), Some(view))]).into_string();
+        let latest =
+            ActionRecord { action_mnemonic: "CppCompile".into(), target_id: "//a:b".into(), ..Default::default() };
+        let list = list_page(&[("k<script>".into(), Some(view), Some(latest))]).into_string();
+        assert!(list.contains("CppCompile") && list.contains("//a:b"), "{list}");
         assert!(list.contains("class 1: 4") && list.contains("class 4: 3"), "{list}");
     }
 }
