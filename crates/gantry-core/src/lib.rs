@@ -18,6 +18,7 @@ pub mod execution_log;
 pub mod fleet;
 pub mod invocation_store;
 pub mod queue_store;
+pub mod request_metadata;
 pub mod resource;
 pub mod task;
 

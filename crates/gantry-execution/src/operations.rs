@@ -21,8 +21,6 @@ use tonic::{Request, Response, Status};
 
 use crate::scheduler::{JobSpec, OpState, Requester, Scheduler, Stage};
 
-const METADATA_HEADER: &str = "build.bazel.remote.execution.v2.requestmetadata-bin";
-
 pub struct ExecutionService {
     scheduler: Arc<Scheduler>,
     cas: Arc<dyn BlobStore>,
@@ -106,16 +104,14 @@ fn op_stream(
 }
 
 fn requester<T>(req: &Request<T>) -> Requester {
-    let Some(v) = req.metadata().get_bin(METADATA_HEADER) else { return Requester::default() };
-    let Ok(bytes) = v.to_bytes() else { return Requester::default() };
-    match reapi::RequestMetadata::decode(bytes) {
-        Ok(m) => Requester {
+    match gantry_core::request_metadata::request_metadata(req) {
+        Some(m) => Requester {
             tool_invocation_id: m.tool_invocation_id,
             action_mnemonic: m.action_mnemonic,
             target_id: m.target_id,
             configuration_id: m.configuration_id,
         },
-        Err(_) => Requester::default(),
+        None => Requester::default(),
     }
 }
 

@@ -49,10 +49,6 @@ pub fn shape_key(action: &reapi::Action, configuration_id: &str) -> String {
     DigestFunction::Sha256.digest_of(&bytes).hash_hex()
 }
 
-/// Prefix of the store keys that hold a group's prior, beside the shapes' statistics
-/// (whose keys are hex digests).
-pub const GROUP_KEY_PREFIX: &str = "group:";
-
 /// The groups of similar shapes an action belongs to, most specific first, as store keys:
 /// its mnemonic (from Bazel's RequestMetadata), its command's basename and the
 /// configuration; then mnemonic and command; then the mnemonic alone. None when neither a
@@ -64,7 +60,7 @@ pub fn shape_groups(mnemonic: &str, argv0: &str, configuration_id: &str) -> Vec<
     }
     let key = |parts: &[&str]| {
         let digest = DigestFunction::Sha256.digest_of(parts.join("\0").as_bytes());
-        format!("{GROUP_KEY_PREFIX}{}", digest.hash_hex())
+        format!("{}{}", gantry_sizeclass::GROUP_KEY_PREFIX, digest.hash_hex())
     };
     let mut groups = vec![key(&["mnemonic+tool+configuration", mnemonic, tool, configuration_id])];
     groups.push(key(&["mnemonic+tool", mnemonic, tool]));

@@ -10,12 +10,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, PoisonError};
 
-use gantry_core::reapi;
-use prost::Message;
+#[cfg(test)]
+use gantry_core::request_metadata::METADATA_HEADER;
 use tonic::Request;
-
-/// The header Bazel sends RequestMetadata in.
-pub const METADATA_HEADER: &str = "build.bazel.remote.execution.v2.requestmetadata-bin";
 /// Invocations counted at once; the one first seen longest ago is forgotten first. A
 /// build's event stream ends soon after its last lookup, so only the recent ones matter.
 pub const MAX_INVOCATIONS: usize = 10_000;
@@ -63,16 +60,18 @@ impl CacheHits {
             return;
         }
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if !inner.counts.contains_key(invocation) {
-            while inner.order.len() >= self.capacity {
-                let Some(oldest) = inner.order.pop_front() else { break };
-                inner.counts.remove(&oldest);
-            }
-            inner.order.push_back(invocation.to_string());
+        // Every lookup of a build lands here: a known id is counted without allocating.
+        if let Some(c) = inner.counts.get_mut(invocation) {
+            c.lookups += 1;
+            c.hits += u64::from(hit);
+            return;
         }
-        let c = inner.counts.entry(invocation.to_string()).or_default();
-        c.lookups += 1;
-        c.hits += u64::from(hit);
+        while inner.order.len() >= self.capacity {
+            let Some(oldest) = inner.order.pop_front() else { break };
+            inner.counts.remove(&oldest);
+        }
+        inner.order.push_back(invocation.to_string());
+        inner.counts.insert(invocation.to_string(), Counts { lookups: 1, hits: u64::from(hit) });
     }
 
     /// The counts of `invocation` so far (zero when none were seen). Not removed: a BES
@@ -86,14 +85,14 @@ impl CacheHits {
 /// The `tool_invocation_id` of the request's RequestMetadata; empty when absent or
 /// undecodable (such a lookup is not attributed to any invocation).
 pub fn tool_invocation_id<T>(req: &Request<T>) -> String {
-    let Some(v) = req.metadata().get_bin(METADATA_HEADER) else { return String::new() };
-    let Ok(bytes) = v.to_bytes() else { return String::new() };
-    reapi::RequestMetadata::decode(bytes).map(|m| m.tool_invocation_id).unwrap_or_default()
+    gantry_core::request_metadata::request_metadata(req).map(|m| m.tool_invocation_id).unwrap_or_default()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gantry_core::reapi;
+    use prost::Message;
 
     #[test]
     fn counts_lookups_and_hits_per_invocation_and_forgets_the_oldest() {

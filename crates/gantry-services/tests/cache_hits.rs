@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use gantry_core::reapi::action_cache_client::ActionCacheClient;
 use gantry_core::reapi::{self, ActionResult};
+use gantry_core::request_metadata::METADATA_HEADER;
 use gantry_core::{ActionCache, BlobStore, DigestFunction, InvocationStore};
 use gantry_proto::build_event_stream as bep;
 use gantry_proto::devtools_build::v1 as bes;
-use gantry_services::cache_hits::METADATA_HEADER;
 use gantry_services::{Limits, RunningServer, Services};
 use gantry_store::{MemoryStore, MetadataDb, SqlActionCache, SqlInvocationStore};
 use prost::Message;

@@ -38,6 +38,11 @@ pub mod stats;
 pub mod types;
 
 pub use config::SelectionConfig;
+
+/// Prefix of the statistics store's keys that hold a group's prior (a family of similar
+/// shapes), beside the shapes' own statistics, whose keys are hex digests. Whoever lists
+/// the store's shapes skips these.
+pub const GROUP_KEY_PREFIX: &str = "group:";
 pub use error::Error;
 pub use metrics::{ClassHistoryView, KeyStatsView, SelectionMetrics};
 pub use retry::{record, retry_on_largest, Attribution, Execution, RecordSummary, Retry};

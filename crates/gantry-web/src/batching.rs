@@ -30,15 +30,10 @@ pub const ERROR_WINDOW: usize = 200;
 /// builds (halves of halves), so this only stops a corrupt parent/retry loop.
 const MAX_FAMILY: usize = 256;
 
-/// A query parameter, percent-decoded, its errors naming it.
-pub(crate) fn param(query: Option<&str>, name: &str) -> Result<Option<String>, String> {
-    crate::query_param(query, name).map_err(|e| format!("{name}: {e}"))
-}
-
 /// The `before=MS:ID` cursor: the creation time and id of the last build of the
 /// previous page (both, since split halves share a millisecond).
 pub fn cursor(query: Option<&str>) -> Result<Option<(i64, String)>, String> {
-    let Some(v) = param(query, "before")? else { return Ok(None) };
+    let Some(v) = crate::query_param(query, "before")? else { return Ok(None) };
     let bad = || format!("before: {:?} is not CREATED_UNIX_MS:BUILD_ID", shorten(&v, 80));
     let (ms, id) = v.split_once(':').ok_or_else(bad)?;
     let ms = ms.parse::<i64>().map_err(|_| bad())?;

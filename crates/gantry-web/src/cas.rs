@@ -253,7 +253,7 @@ pub(crate) async fn search(RawQuery(query): RawQuery) -> Response {
     let value = match query_param(q, "digest") {
         Ok(Some(v)) if !v.trim().is_empty() => v,
         Ok(_) => return search_page().into_response(),
-        Err(e) => return failure(StatusCode::BAD_REQUEST, &format!("digest: {e}")),
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
     };
     let digest = match parse_digest(&value) {
         Ok(d) => d,
@@ -273,7 +273,7 @@ pub(crate) async fn search(RawQuery(query): RawQuery) -> Response {
                 )
             }
         },
-        Err(e) => return failure(StatusCode::BAD_REQUEST, &format!("kind: {e}")),
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
     };
     let instance = query_param(q, "instance").ok().flatten().unwrap_or_default();
     let target = match kind {

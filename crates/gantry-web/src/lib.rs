@@ -129,13 +129,9 @@ pub(crate) fn server_error(e: Error) -> Response {
 
 /// `before=<unix ms>` from the query string: the page of invocations started before it.
 fn before(query: Option<&str>) -> Result<Option<i64>, String> {
-    let Some(q) = query else { return Ok(None) };
-    for pair in q.split('&') {
-        if let Some(v) = pair.strip_prefix("before=") {
-            return v.parse().map(Some).map_err(|_| format!("before: {v:?} is not a time in unix milliseconds"));
-        }
-    }
-    Ok(None)
+    query_param(query, "before")?
+        .map(|v| v.parse().map_err(|_| format!("before: {v:?} is not a time in unix milliseconds")))
+        .transpose()
 }
 
 async fn list(
@@ -193,7 +189,12 @@ pub(crate) fn query_param(query: Option<&str>, name: &str) -> Result<Option<Stri
     }) else {
         return Ok(None);
     };
-    let mut out = Vec::new();
+    percent_decode(v).map(Some).map_err(|e| format!("{name}: {e}"))
+}
+
+/// `%XX` escapes decoded (and `+` as a space, as forms send it), checked to be UTF-8.
+pub(crate) fn percent_decode(v: &str) -> Result<String, &'static str> {
+    let mut out = Vec::with_capacity(v.len());
     let mut bytes = v.bytes();
     while let Some(b) = bytes.next() {
         match b {
@@ -211,12 +212,12 @@ pub(crate) fn query_param(query: Option<&str>, name: &str) -> Result<Option<Stri
             b => out.push(b),
         }
     }
-    String::from_utf8(out).map(Some).map_err(|_| "not UTF-8".to_string())
+    String::from_utf8(out).map_err(|_| "not UTF-8")
 }
 
 /// `instance=` from the query string (the pages write it with `pages::percent_encode`).
 fn instance(query: Option<&str>) -> Result<String, String> {
-    query_param(query, "instance").map(Option::unwrap_or_default).map_err(|e| format!("instance: {e}"))
+    query_param(query, "instance").map(Option::unwrap_or_default)
 }
 
 /// Reads a small proto from the CAS: None when it is not there.
@@ -282,7 +283,7 @@ async fn action(
     }
     let key = runs.iter().map(|r| r.shape_key.as_str()).find(|k| !k.is_empty());
     let view = match key {
-        Some(k) => match sizes::shape_view(&web, k).await {
+        Some(k) => match sizes::shape_view(&web, k, &sizes::fleet_classes(&web)).await {
             Ok(v) => v,
             Err(r) => return r,
         },
@@ -303,7 +304,7 @@ async fn blob(
     }
     let download = match query_param(query.as_deref(), "download") {
         Ok(d) => d,
-        Err(e) => return failure(StatusCode::BAD_REQUEST, &format!("download: {e}")),
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
     };
     let digest = match Digest::parse(DigestFunction::Sha256, &hash, size) {
         Ok(d) => d,

@@ -69,7 +69,7 @@ fn cookie_of(req: &Request) -> Option<String> {
     req.headers().get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(';')).find_map(
         |pair| {
             let (k, v) = pair.trim().split_once('=')?;
-            (k == COOKIE).then(|| query_param(Some(&format!("t={v}")), "t").ok().flatten()).flatten()
+            (k == COOKIE).then(|| crate::percent_decode(v).ok()).flatten()
         },
     )
 }

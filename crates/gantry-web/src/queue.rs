@@ -21,7 +21,6 @@ use http::StatusCode;
 use maud::{html, Markup};
 use serde::Deserialize;
 
-use crate::batching::param;
 use crate::pages::{layout, shorten, utc};
 use crate::svg::{self, Bar};
 use crate::{failure, server_error, Web, PAGE_SIZE};
@@ -60,7 +59,7 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, id: &str, text: &str) -> R
 
 /// `before=SEQ`: the history page of changes submitted before that one.
 pub fn history_cursor(query: Option<&str>) -> Result<Option<i64>, String> {
-    match param(query, "before")? {
+    match crate::query_param(query, "before")? {
         None => Ok(None),
         Some(v) => {
             v.parse().map(Some).map_err(|_| format!("before: {:?} is not a change sequence number", shorten(&v, 80)))

@@ -20,9 +20,6 @@ pub const SHAPES_LISTED: usize = 100;
 /// Runs of one shape plotted and listed.
 pub const RUNS_SHOWN: usize = 500;
 
-/// Group priors share the store with shapes; their keys carry this prefix.
-const GROUP_PREFIX: &str = "group:";
-
 fn secs(d: Option<std::time::Duration>) -> String {
     d.map_or_else(|| "—".into(), |d| format!("{:.2} s", d.as_secs_f64()))
 }
@@ -97,18 +94,23 @@ fn now() -> Timestamp {
     Timestamp::from_system_time(SystemTime::now())
 }
 
-/// The classes a view shows: those with workers now, else those with history.
-pub(crate) fn classes_of(web: &Web, stats: &ActionStats) -> Option<SizeClasses> {
-    let mut classes: Vec<u32> =
-        web.fleet.as_ref().map(|f| f.snapshot().workers.iter().map(|w| w.size_class).collect()).unwrap_or_default();
-    if classes.is_empty() {
-        classes = stats.classes().collect();
-    }
-    SizeClasses::new(classes).ok()
+/// The size classes of the workers registered now (none without a scheduler). Taken once
+/// per page: a snapshot passes over the whole fleet under the scheduler's lock.
+pub(crate) fn fleet_classes(web: &Web) -> Vec<u32> {
+    web.fleet.as_ref().map(|f| f.snapshot().workers.iter().map(|w| w.size_class).collect()).unwrap_or_default()
 }
 
-/// A shape's view, when its statistics are stored.
-pub(crate) async fn shape_view(web: &Web, key: &str) -> Result<Option<KeyStatsView>, Response> {
+/// The classes a view shows: those with workers now, else those with history.
+fn classes_of(fleet: &[u32], stats: &ActionStats) -> Option<SizeClasses> {
+    if fleet.is_empty() {
+        SizeClasses::new(stats.classes()).ok()
+    } else {
+        SizeClasses::new(fleet.iter().copied()).ok()
+    }
+}
+
+/// A shape's view, when its statistics are stored; `fleet` from [`fleet_classes`].
+pub(crate) async fn shape_view(web: &Web, key: &str, fleet: &[u32]) -> Result<Option<KeyStatsView>, Response> {
     let json = match web.sizes.get(key).await {
         Ok(Some(j)) => j,
         Ok(None) => return Ok(None),
@@ -120,7 +122,7 @@ pub(crate) async fn shape_view(web: &Web, key: &str) -> Result<Option<KeyStatsVi
             &format!("the statistics of {} do not decode: {e}", shorten(key, 80)),
         )
     })?;
-    Ok(classes_of(web, &stats).map(|set| KeyStatsView::new(key, &stats, &set, &web.selection, now())))
+    Ok(classes_of(fleet, &stats).map(|set| KeyStatsView::new(key, &stats, &set, &web.selection, now())))
 }
 
 /// One listed shape: its key, its learned view, and its latest run (what it is: a
@@ -215,9 +217,10 @@ pub(crate) async fn list(
         Ok(k) => k,
         Err(e) => return server_error(e),
     };
+    let fleet = fleet_classes(&web);
     let mut rows = Vec::new();
-    for key in keys.into_iter().filter(|k| !k.starts_with(GROUP_PREFIX)).take(SHAPES_LISTED) {
-        let view = match shape_view(&web, &key).await {
+    for key in keys.into_iter().filter(|k| !k.starts_with(gantry_sizeclass::GROUP_KEY_PREFIX)).take(SHAPES_LISTED) {
+        let view = match shape_view(&web, &key, &fleet).await {
             Ok(v) => v,
             Err(r) => return r,
         };
@@ -238,10 +241,10 @@ pub(crate) async fn shape(
     if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
         return refused;
     }
-    if key.is_empty() || key.len() > 200 || key.starts_with(GROUP_PREFIX) {
+    if key.is_empty() || key.len() > 200 || key.starts_with(gantry_sizeclass::GROUP_KEY_PREFIX) {
         return failure(StatusCode::BAD_REQUEST, "shape: not a shape key");
     }
-    let view = match shape_view(&web, &key).await {
+    let view = match shape_view(&web, &key, &fleet_classes(&web)).await {
         Ok(v) => v,
         Err(r) => return r,
     };

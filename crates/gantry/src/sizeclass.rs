@@ -37,7 +37,7 @@ pub async fn run(cmd: SizeclassCommand) -> anyhow::Result<()> {
             .keys(args.limit)
             .await?
             .into_iter()
-            .filter(|k| !k.starts_with(gantry_execution::sizing::GROUP_KEY_PREFIX))
+            .filter(|k| !k.starts_with(gantry_sizeclass::GROUP_KEY_PREFIX))
             .collect(),
     };
     if keys.is_empty() {
