@@ -74,6 +74,33 @@ pub enum RunsOf<'a> {
     Shape(&'a str),
 }
 
+/// In which order [`ExecutionLog::actions_page`] lists an invocation's actions. Every
+/// order ends in the completion time and then the operation name, so pages are stable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActionOrder {
+    /// Dearest first, by [`ActionRecord::esu_seconds`].
+    Dearest,
+    /// Longest run first, by wall time.
+    Longest,
+    /// Only the actions completed at or before this Unix time in ms, the latest first,
+    /// and of those completed at once the one queued earliest (the longest queue plus run).
+    FinishedBy(i64),
+}
+
+/// Runs of one size class in one instance that completed in one time bucket, as counted
+/// by [`ExecutionLog::class_runs`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClassRuns {
+    /// The bucket's start, a multiple of the bucket length in Unix ms.
+    pub bucket_unix_ms: i64,
+    pub instance: String,
+    pub size_class: u32,
+    pub runs: u64,
+    /// Runs that failed (a status or exit code other than 0): those the scheduler retried
+    /// on a larger class when it could.
+    pub failed: u64,
+}
+
 #[async_trait]
 pub trait ExecutionLog: Send + Sync + 'static {
     async fn record(&self, record: &ActionRecord) -> Result<()>;
@@ -82,6 +109,25 @@ pub trait ExecutionLog: Send + Sync + 'static {
     /// Runs newest first, at most `limit`: of one action (its retries, hedge copies and the
     /// runs of earlier invocations), or of every action of one shape.
     async fn runs(&self, of: RunsOf<'_>, limit: usize) -> Result<Vec<ActionRecord>>;
+    /// Runs per time bucket (`bucket_ms` long), instance and size class, of every action
+    /// completed at or after `since_unix_ms`, oldest bucket first: what the scheduler chose
+    /// over time across the fleet.
+    async fn class_runs(&self, since_unix_ms: i64, bucket_ms: i64) -> Result<Vec<ClassRuns>>;
+
+    /// One page of the invocation's actions in `order`: at most `limit` after skipping
+    /// `offset`. A page of a large invocation need not read the rest, so a store should
+    /// order and cut where the records are; this default reads them all.
+    async fn actions_page(
+        &self,
+        tool_invocation_id: &str,
+        order: ActionOrder,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<ActionRecord>> {
+        let mut actions = self.actions(tool_invocation_id).await?;
+        order_actions(&mut actions, order);
+        Ok(actions.into_iter().skip(offset).take(limit).collect())
+    }
 
     /// The invocation's action count and total executor service time. The batching
     /// service divides the latter by build wall time to get occupancy. (A store should
@@ -98,6 +144,27 @@ pub trait ExecutionLog: Send + Sync + 'static {
             failed_actions: actions.iter().filter(|a| a.status_code != 0 || a.exit_code != 0).count() as u64,
         })
     }
+}
+
+/// `actions` kept and sorted as [`ActionOrder`] says: the order a store's query must give.
+pub fn order_actions(actions: &mut Vec<ActionRecord>, order: ActionOrder) {
+    let tie = |a: &ActionRecord, b: &ActionRecord| {
+        a.completed_unix_ms.cmp(&b.completed_unix_ms).then_with(|| a.operation.cmp(&b.operation))
+    };
+    // Queued at, in ms as a store computes it, so both break ties alike.
+    let ready = |a: &ActionRecord| a.completed_unix_ms as f64 - 1000.0 * (a.wall_seconds + a.queued_seconds);
+    if let ActionOrder::FinishedBy(at) = order {
+        actions.retain(|a| a.completed_unix_ms <= at);
+    }
+    actions.sort_by(|a, b| match order {
+        ActionOrder::Dearest => b.esu_seconds().total_cmp(&a.esu_seconds()).then_with(|| tie(a, b)),
+        ActionOrder::Longest => b.wall_seconds.total_cmp(&a.wall_seconds).then_with(|| tie(a, b)),
+        ActionOrder::FinishedBy(_) => b
+            .completed_unix_ms
+            .cmp(&a.completed_unix_ms)
+            .then_with(|| ready(a).total_cmp(&ready(b)))
+            .then_with(|| a.operation.cmp(&b.operation)),
+    });
 }
 
 /// Persisted per-key statistics of the size-class learner (an opaque JSON document per

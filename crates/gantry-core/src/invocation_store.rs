@@ -44,8 +44,9 @@ pub struct Invocation {
     /// ""): what decides who may see it. Stores derive it from `options`.
     pub instance: String,
     /// Remote cache lookups (GetActionResult) made for the invocation and how many found a
-    /// result, as counted by the process whose Build Event Service stored it: with several
-    /// frontends, only the lookups that process served (set in every row).
+    /// result, summed over every gantry process that served them (each records its counts
+    /// with [`InvocationStore::record_cache_counts`]); set in every row read, and not
+    /// written by [`InvocationStore::put`] (which keeps what an older gantry stored).
     pub cache_lookups: u64,
     pub cache_hits: u64,
     /// Bazel's own critical path, the text of its "critical path" build tool log; empty
@@ -101,6 +102,14 @@ pub struct TestOutcome {
     pub logs: Vec<(String, String)>,
 }
 
+/// One process's running totals of an invocation's remote cache lookups and hits.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CacheCounts {
+    pub invocation: String,
+    pub lookups: u64,
+    pub hits: u64,
+}
+
 #[async_trait]
 pub trait InvocationStore: Send + Sync + 'static {
     /// Stores a finished invocation with its targets and tests, all or nothing, in place of
@@ -110,6 +119,11 @@ pub trait InvocationStore: Send + Sync + 'static {
     /// The newest invocations first, started before `before_unix_ms` when given, without
     /// their targets and tests.
     async fn list(&self, limit: usize, before_unix_ms: Option<i64>) -> Result<Vec<Invocation>>;
+    /// Records `process`'s totals so far for each invocation, in place of that process's
+    /// earlier totals (so a repeated call counts nothing twice), all or nothing. A build's
+    /// lookups may go to several frontends: an invocation's counts are the sum over the
+    /// processes, whether or not its build events have arrived yet.
+    async fn record_cache_counts(&self, process: &str, counts: &[CacheCounts]) -> Result<()>;
 }
 
 #[cfg(test)]

@@ -27,9 +27,12 @@ pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
 pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
-pub use execution_log::{ActionRecord, ExecutionLog, InvocationSummary, RunsOf, SizeClassStore, ESU_MEMORY_BYTES};
+pub use execution_log::{
+    order_actions, ActionOrder, ActionRecord, ClassRuns, ExecutionLog, InvocationSummary, RunsOf, SizeClassStore,
+    ESU_MEMORY_BYTES,
+};
 pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
-pub use invocation_store::{Invocation, InvocationStore, TargetOutcome, TestOutcome};
+pub use invocation_store::{CacheCounts, Invocation, InvocationStore, TargetOutcome, TestOutcome};
 pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use task::TaskGuard;
 

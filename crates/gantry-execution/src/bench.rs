@@ -124,6 +124,9 @@ impl ExecutionLog for MemoryStores {
     async fn runs(&self, _of: gantry_core::RunsOf<'_>, _limit: usize) -> Result<Vec<ActionRecord>> {
         Ok(Vec::new())
     }
+    async fn class_runs(&self, _since: i64, _bucket_ms: i64) -> Result<Vec<gantry_core::ClassRuns>> {
+        Ok(Vec::new())
+    }
 }
 
 #[async_trait]

@@ -65,10 +65,17 @@ impl BuildEventService {
         BuildEventService { store, pending: Arc::default(), cache_hits: None }
     }
 
-    /// Stores each invocation with the cache lookups and hits `hits` counted for it.
+    /// Records the cache lookups and hits `hits` counted in the invocation store: as each
+    /// build's stream ends, and every [`crate::cache_hits::FLUSH_EVERY`] once
+    /// [`Self::start_cache_hits_flusher`] runs.
     pub fn with_cache_hits(mut self, hits: Arc<CacheHits>) -> Self {
         self.cache_hits = Some(hits);
         self
+    }
+
+    /// Flushes the counts into the store periodically while the guard lives.
+    pub fn start_cache_hits_flusher(&self) -> Option<gantry_core::TaskGuard> {
+        self.cache_hits.as_ref().map(|h| h.start_flusher(self.store.clone()))
     }
 }
 
@@ -267,13 +274,7 @@ impl BuildEventService {
             // Counted as applied only once stored (by the caller, which then drops the
             // state): a failed store leaves it to be sent again.
             Some(bes::build_event::Event::ComponentStreamFinished(_)) => {
-                let mut inv = p.acc.snapshot();
-                // Bazel's lookups all precede its stream's last event, so the counts are whole.
-                if let Some(hits) = &self.cache_hits {
-                    let c = hits.get(&inv.id);
-                    (inv.cache_lookups, inv.cache_hits) = (c.lookups, c.hits);
-                }
-                Ok(Step::Finish(Box::new(inv), ack))
+                Ok(Step::Finish(Box::new(p.acc.snapshot()), ack))
             }
             _ => {
                 p.next_sequence += 1;
@@ -342,17 +343,27 @@ impl bes::publish_build_event_server::PublishBuildEvent for BuildEventService {
                     };
                     let reply = match service.step(&mut state, req, &owner) {
                         Ok(Step::Ack(ack)) => Ok(ack),
-                        Ok(Step::Finish(invocation, ack)) => match service.store.put(&invocation).await {
-                            Ok(()) => {
-                                state = None;
-                                Ok(ack)
+                        Ok(Step::Finish(invocation, ack)) => {
+                            // Bazel's lookups all precede its stream's last event: recorded
+                            // now, the page shows them as soon as the build ends (lookups
+                            // other frontends served arrive with their next flush).
+                            if let Some(hits) = &service.cache_hits
+                                && let Err(e) = hits.flush(service.store.as_ref()).await
+                            {
+                                tracing::warn!(error = %e, "could not record remote cache counts; retrying later");
                             }
-                            // The state is kept, last event unapplied, for the retry.
-                            Err(e) => {
-                                tracing::error!(invocation = %invocation.id, error = %e, "could not store an invocation");
-                                Err(Status::from(e))
+                            match service.store.put(&invocation).await {
+                                Ok(()) => {
+                                    state = None;
+                                    Ok(ack)
+                                }
+                                // The state is kept, last event unapplied, for the retry.
+                                Err(e) => {
+                                    tracing::error!(invocation = %invocation.id, error = %e, "could not store an invocation");
+                                    Err(Status::from(e))
+                                }
                             }
-                        },
+                        }
                         Err(status) => {
                             state = None; // an invalid stream leaves nothing behind
                             Err(status)
@@ -388,6 +399,9 @@ mod tests {
         }
         async fn list(&self, _: usize, _: Option<i64>) -> gantry_core::Result<Vec<Invocation>> {
             Ok(Vec::new())
+        }
+        async fn record_cache_counts(&self, _: &str, _: &[gantry_core::CacheCounts]) -> gantry_core::Result<()> {
+            Err(gantry_core::Error::Unavailable("down".into()))
         }
     }
 

@@ -90,7 +90,7 @@ pub struct Services {
     /// The Build Event Service, when invocations have a store.
     pub build_events: Option<Arc<build_events::BuildEventService>>,
     /// Remote cache hits per invocation: the ActionCache service counts, the Build Event
-    /// Service stores the counts with the invocation.
+    /// Service records the counts in the invocation store.
     pub cache_hits: Arc<cache_hits::CacheHits>,
     /// The web pages on the HTTP port.
     pub web: Option<Arc<gantry_web::Web>>,
@@ -380,6 +380,7 @@ impl RunningServer {
         let mut rx_http = rx.clone();
         let http = services.http_router(tls.is_some());
         let mut tasks: Vec<TaskGuard> = services.web.as_ref().and_then(|w| w.start_sampler()).into_iter().collect();
+        tasks.extend(services.build_events.as_ref().and_then(|b| b.start_cache_hits_flusher()));
         let http_task = match tls {
             None => spawn_named("http-server", async move {
                 let res = axum::serve(http_listener, http)

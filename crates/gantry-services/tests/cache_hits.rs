@@ -51,7 +51,7 @@ fn bazel(invocation: &str, seq: i64, payload: bep::build_event::Payload) -> bes:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_invocations_cache_hits_are_stored_with_it() {
+async fn an_invocations_cache_hits_are_stored_with_it_from_every_frontend() {
     let db = MetadataDb::open("sqlite::memory:").await.unwrap();
     let cas: Arc<dyn BlobStore> = Arc::new(MemoryStore::new(1 << 30));
     let ac = Arc::new(SqlActionCache::new(db.clone()));
@@ -131,5 +131,28 @@ async fn an_invocations_cache_hits_are_stored_with_it() {
     let row = invocations.list(10, None).await.unwrap();
     assert_eq!((row[0].cache_lookups, row[0].cache_hits), (3, 2), "the list shows them too");
     assert_eq!(services.cache_hits.get("inv-2").lookups, 1);
+
+    // A second frontend on the same metadata database serves more of inv-1's lookups
+    // after its events were stored: its periodic flush adds them to the invocation.
+    let second = Services::new(Arc::new(MemoryStore::new(1 << 30)), ac.clone(), Limits::default())
+        .with_build_events(invocations.clone());
+    let other =
+        RunningServer::start(&second, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let channel = Channel::from_shared(format!("http://{}", other.grpc_addr)).unwrap().connect().await.unwrap();
+    let mut client = ActionCacheClient::new(channel);
+    client.get_action_result(lookup("inv-1", &cached)).await.expect("a hit");
+    client.get_action_result(lookup("inv-1", &absent)).await.unwrap_err();
+    let start = std::time::Instant::now();
+    loop {
+        let stored = invocations.get("inv-1").await.unwrap().expect("stored");
+        if (stored.cache_lookups, stored.cache_hits) == (5, 3) {
+            break;
+        }
+        // The first frontend's 3, and the second's as far as its flushes have gone.
+        assert!((3..=5).contains(&stored.cache_lookups), "{stored:?}");
+        assert!(start.elapsed() < gantry_services::cache_hits::FLUSH_EVERY * 5, "never flushed: {stored:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    other.shutdown().await.unwrap();
     server.shutdown().await.unwrap();
 }

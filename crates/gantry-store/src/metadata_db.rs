@@ -428,6 +428,11 @@ const MIGRATIONS: &[Version] = &[
         description: "remote cache hits of an invocation",
         sql: include_str!("../migrations/0007_invocation_cache_hits.sql"),
     },
+    Version {
+        version: 8,
+        description: "remote cache counts of an invocation from every process",
+        sql: include_str!("../migrations/0008_invocation_cache_counts.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

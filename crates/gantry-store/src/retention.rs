@@ -49,6 +49,14 @@ const BUILDS: Table = Table {
 
 const INVOCATIONS: Table =
     Table { name: "invocations", table: "invocations", time_column: "started_unix_ms", unit_ms: 1, only: "" };
+/// Kept as long as invocations (the same bound): each process's counts of one.
+const CACHE_COUNTS: Table = Table {
+    name: "invocation_cache_counts",
+    table: "invocation_cache_counts",
+    time_column: "updated_unix_ms",
+    unit_ms: 1,
+    only: "",
+};
 
 /// Every table of the metadata database, for the row-count gauges.
 const ALL_TABLES: &[&str] = &[
@@ -63,6 +71,7 @@ const ALL_TABLES: &[&str] = &[
     "queue_graphs",
     "leases",
     "invocations",
+    "invocation_cache_counts",
 ];
 
 /// The oldest time (in the table's unit) a row may have at `now_ms` under `max_age`;
@@ -103,12 +112,13 @@ impl Retention {
         Retention { db, config, pause: Duration::from_millis(20) }
     }
 
-    fn tables(&self) -> [(&'static Table, RetentionBound); 4] {
+    fn tables(&self) -> [(&'static Table, RetentionBound); 5] {
         [
             (&ACTION_CACHE, self.config.action_cache),
             (&EXECUTION_LOG, self.config.execution_log),
             (&BUILDS, self.config.builds),
             (&INVOCATIONS, self.config.invocations),
+            (&CACHE_COUNTS, self.config.invocations),
         ]
     }
 

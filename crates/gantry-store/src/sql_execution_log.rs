@@ -3,7 +3,7 @@
 //! `sql_action_cache.rs`.
 
 use async_trait::async_trait;
-use gantry_core::{ActionRecord, Error, ExecutionLog, InvocationSummary, Result, RunsOf};
+use gantry_core::{ActionOrder, ActionRecord, ClassRuns, Error, ExecutionLog, InvocationSummary, Result, RunsOf};
 use sqlx::Row;
 
 use crate::MetadataDb;
@@ -75,18 +75,80 @@ impl ExecutionLog for SqlExecutionLog {
         rows.iter().map(record_of).collect()
     }
 
+    async fn class_runs(&self, since: i64, bucket_ms: i64) -> Result<Vec<ClassRuns>> {
+        if bucket_ms <= 0 {
+            return Err(Error::invalid(format!("bucket_ms: {bucket_ms} is not a positive length")));
+        }
+        // Integer division truncates toward zero in both dialects; times are positive.
+        let rows = sqlx::query(
+            "SELECT CAST((completed_unix_ms / $2) * $2 AS BIGINT) AS bucket, instance_name, size_class,
+                CAST(COUNT(*) AS BIGINT),
+                CAST(SUM(CASE WHEN status_code <> 0 OR exit_code <> 0 THEN 1 ELSE 0 END) AS BIGINT)
+             FROM action_executions WHERE completed_unix_ms >= $1
+             GROUP BY bucket, instance_name, size_class ORDER BY bucket, instance_name, size_class",
+        )
+        .bind(since)
+        .bind(bucket_ms)
+        .fetch_all(self.db.pool())
+        .await
+        .map_err(self.db.err("counting runs per size class"))?;
+        let decode = |row: &sqlx::any::AnyRow| -> std::result::Result<ClassRuns, sqlx::Error> {
+            Ok(ClassRuns {
+                bucket_unix_ms: row.try_get(0)?,
+                instance: row.try_get(1)?,
+                size_class: row.try_get::<i64, _>(2)? as u32,
+                runs: row.try_get::<i64, _>(3)? as u64,
+                failed: row.try_get::<i64, _>(4)? as u64,
+            })
+        };
+        rows.iter()
+            .map(decode)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::internal(format!("execution log: undecodable run counts: {e}")))
+    }
+
+    /// Ordered and cut by the database, in `gantry_core::order_actions`'s order, so a page
+    /// of an invocation with 100,000 actions reads one page of rows.
+    async fn actions_page(
+        &self,
+        id: &str,
+        order: ActionOrder,
+        offset: usize,
+        limit: usize,
+    ) -> Result<Vec<ActionRecord>> {
+        let tie = "completed_unix_ms, operation";
+        let (filter, by) = match order {
+            ActionOrder::Dearest => (String::new(), format!("{} DESC, {tie}", esu_sql())),
+            ActionOrder::Longest => (String::new(), format!("wall_seconds DESC, {tie}")),
+            ActionOrder::FinishedBy(at) => (
+                format!(" AND completed_unix_ms <= {at}"),
+                "completed_unix_ms DESC, completed_unix_ms - 1000.0 * (wall_seconds + queued_seconds), operation"
+                    .to_string(),
+            ),
+        };
+        let rows = sqlx::query(&format!(
+            "{SELECT_RECORD} WHERE tool_invocation_id = $1{filter} ORDER BY {by} LIMIT $2 OFFSET $3"
+        ))
+        .bind(id)
+        .bind(limit.min(i64::MAX as usize) as i64)
+        .bind(offset.min(i64::MAX as usize) as i64)
+        .fetch_all(self.db.pool())
+        .await
+        .map_err(self.db.err("reading a page of executions"))?;
+        rows.iter().map(record_of).collect()
+    }
+
     /// One aggregate query, so a page listing many invocations does not read every
-    /// action record of each. The ESU weight is `ActionRecord::esu_seconds` in SQL.
+    /// action record of each.
     async fn invocation(&self, id: &str) -> Result<InvocationSummary> {
-        let class = "(CASE WHEN size_class < 1 THEN 1 ELSE size_class END)";
-        let by_memory = format!("(peak_memory_bytes / {}.0)", gantry_core::ESU_MEMORY_BYTES);
         let row = sqlx::query(&format!(
             "SELECT CAST(COUNT(*) AS BIGINT), COALESCE(SUM(wall_seconds), 0.0),
-                COALESCE(SUM(wall_seconds * (CASE WHEN {by_memory} > {class} THEN {by_memory} ELSE {class} END)), 0.0),
+                COALESCE(SUM({}), 0.0),
                 COALESCE(SUM(user_cpu_seconds + system_cpu_seconds), 0.0),
                 CAST(COALESCE(MAX(peak_memory_bytes), 0) AS BIGINT),
                 CAST(COALESCE(SUM(CASE WHEN status_code <> 0 OR exit_code <> 0 THEN 1 ELSE 0 END), 0) AS BIGINT)
-             FROM action_executions WHERE tool_invocation_id = $1"
+             FROM action_executions WHERE tool_invocation_id = $1",
+            esu_sql()
         ))
         .bind(id)
         .fetch_one(self.db.pool())
@@ -105,6 +167,14 @@ impl ExecutionLog for SqlExecutionLog {
         };
         get().map_err(|e| Error::internal(format!("execution log: undecodable summary: {e}")))
     }
+}
+
+/// `ActionRecord::esu_seconds` in SQL: wall time × the larger of the class and the peak
+/// memory in ESU.
+fn esu_sql() -> String {
+    let class = "(CASE WHEN size_class < 1 THEN 1 ELSE size_class END)";
+    let by_memory = format!("(peak_memory_bytes / {}.0)", gantry_core::ESU_MEMORY_BYTES);
+    format!("(wall_seconds * (CASE WHEN {by_memory} > {class} THEN {by_memory} ELSE {class} END))")
 }
 
 const SELECT_RECORD: &str = "SELECT operation, instance_name, action_digest, tool_invocation_id, action_mnemonic,

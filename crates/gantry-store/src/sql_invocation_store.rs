@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
-use gantry_core::{Error, Invocation, InvocationStore, Result, TargetOutcome, TestOutcome};
+use gantry_core::{CacheCounts, Error, Invocation, InvocationStore, Result, TargetOutcome, TestOutcome};
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
@@ -57,8 +57,14 @@ struct TestDoc {
 
 const DOCUMENT_VERSION: u32 = 1;
 
+/// The list's columns. The cache counts add every process's rows (one indexed lookup per
+/// invocation, by the table's primary key) to what an older gantry stored in the row.
 const HEADER: &str = "invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms, exit_code, \
-                      exit_name, target_count, failed_targets, patterns, user_name, instance_name, cache_lookups, cache_hits";
+    exit_name, target_count, failed_targets, patterns, user_name, instance_name, \
+    CAST(cache_lookups + COALESCE((SELECT SUM(c.lookups) FROM invocation_cache_counts c \
+        WHERE c.invocation_id = invocations.invocation_id), 0) AS BIGINT), \
+    CAST(cache_hits + COALESCE((SELECT SUM(c.hits) FROM invocation_cache_counts c \
+        WHERE c.invocation_id = invocations.invocation_id), 0) AS BIGINT)";
 
 fn header(row: &sqlx::any::AnyRow) -> std::result::Result<Invocation, sqlx::Error> {
     let patterns: String = row.try_get(10)?;
@@ -117,14 +123,13 @@ impl InvocationStore for SqlInvocationStore {
             "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
                 exit_code, exit_name, target_count, failed_targets, patterns, document, user_name, instance_name,
                 cache_lookups, cache_hits)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, 0)
              ON CONFLICT (invocation_id) DO UPDATE SET build_id = excluded.build_id, owner = excluded.owner,
                 command = excluded.command, started_unix_ms = excluded.started_unix_ms,
                 finished_unix_ms = excluded.finished_unix_ms, exit_code = excluded.exit_code,
                 exit_name = excluded.exit_name, target_count = excluded.target_count,
                 failed_targets = excluded.failed_targets, patterns = excluded.patterns, document = excluded.document,
-                user_name = excluded.user_name, instance_name = excluded.instance_name,
-                cache_lookups = excluded.cache_lookups, cache_hits = excluded.cache_hits",
+                user_name = excluded.user_name, instance_name = excluded.instance_name",
         )
         .bind(&inv.id)
         .bind(&inv.build_id)
@@ -140,8 +145,6 @@ impl InvocationStore for SqlInvocationStore {
         .bind(&document)
         .bind(Invocation::user_of(&inv.owner, &inv.metadata))
         .bind(Invocation::instance_of(&inv.options))
-        .bind(inv.cache_lookups.min(i64::MAX as u64) as i64)
-        .bind(inv.cache_hits.min(i64::MAX as u64) as i64)
         .execute(self.db.pool())
         .await
         .map_err(self.db.err("writing an invocation"))?;
@@ -200,5 +203,33 @@ impl InvocationStore for SqlInvocationStore {
             .map(header)
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| Error::internal(format!("invocations: undecodable row: {e}")))
+    }
+
+    async fn record_cache_counts(&self, process: &str, counts: &[CacheCounts]) -> Result<()> {
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+        let what = "recording remote cache counts";
+        let mut tx = self.db.pool().begin().await.map_err(self.db.err(what))?;
+        for c in counts {
+            sqlx::query(
+                "INSERT INTO invocation_cache_counts (invocation_id, process_id, lookups, hits, updated_unix_ms)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (invocation_id, process_id) DO UPDATE SET lookups = excluded.lookups,
+                    hits = excluded.hits, updated_unix_ms = excluded.updated_unix_ms",
+            )
+            .bind(&c.invocation)
+            .bind(process)
+            .bind(c.lookups.min(i64::MAX as u64) as i64)
+            .bind(c.hits.min(i64::MAX as u64) as i64)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(self.db.err(what))?;
+        }
+        tx.commit().await.map_err(self.db.err(what))?;
+        Ok(())
     }
 }

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use gantry_core::reapi::ActionResult;
 use gantry_core::{
-    ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, DigestFunction, Error, ExecutionLog, Invocation,
-    InvocationStore, LandingRow, QueueDocRow, QueueStore, RunsOf, SizeClassStore, TargetOutcome, TestOutcome,
+    ActionCache, ActionRecord, BuildQuery, BuildRow, BuildStore, CacheCounts, DigestFunction, Error, ExecutionLog,
+    Invocation, InvocationStore, LandingRow, QueueDocRow, QueueStore, RunsOf, SizeClassStore, TargetOutcome,
+    TestOutcome,
 };
 use gantry_store::{
     Dialect, MetadataDb, RoleLease, SqlActionCache, SqlBuildStore, SqlExecutionLog, SqlInvocationStore, SqlQueueStore,
@@ -153,6 +154,74 @@ async fn execution_log(db: &MetadataDb) {
     let shape = log.runs(RunsOf::Shape("shape-a"), 10).await.unwrap();
     assert_eq!(shape.len(), 2, "both runs of a have its shape");
     assert_eq!(log.runs(RunsOf::Shape("shape-bb"), 10).await.unwrap()[0].operation, "bb");
+    action_pages_and_class_runs(&log).await;
+}
+
+/// The database orders and cuts an invocation's pages exactly as `order_actions` says
+/// (ties in cost, run time and completion included), and counts runs per class and bucket
+/// as the records do.
+async fn action_pages_and_class_runs(log: &SqlExecutionLog) {
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut mine = Vec::new();
+    for i in 0..300 {
+        let r = ActionRecord {
+            operation: format!("op-{:03}", next(1000)),
+            instance: ["", "team"][next(2) as usize].into(),
+            action_digest: format!("p{i}/1"),
+            tool_invocation_id: ["paged", "other"][(i % 7 == 0) as usize].into(),
+            size_class: next(4) as u32 + 1,
+            // Quarter seconds and few distinct values: many ties, exactly representable.
+            wall_seconds: next(8) as f64 * 0.25,
+            queued_seconds: next(4) as f64 * 0.25,
+            peak_memory_bytes: next(3) * 2_000_000_000,
+            exit_code: (next(10) == 0) as i32,
+            completed_unix_ms: 7_000_000 + next(40) as i64 * 250,
+            ..Default::default()
+        };
+        log.record(&r).await.unwrap();
+        if r.tool_invocation_id == "paged" {
+            mine.push(r);
+        }
+    }
+    let orders = [
+        gantry_core::ActionOrder::Dearest,
+        gantry_core::ActionOrder::Longest,
+        gantry_core::ActionOrder::FinishedBy(7_005_000),
+        gantry_core::ActionOrder::FinishedBy(i64::MAX),
+        gantry_core::ActionOrder::FinishedBy(0),
+    ];
+    for order in orders {
+        let mut want = mine.clone();
+        gantry_core::order_actions(&mut want, order);
+        for (offset, limit) in [(0, 1000), (0, 25), (25, 25), (250, 25)] {
+            let got = log.actions_page("paged", order, offset, limit).await.unwrap();
+            let want: Vec<_> = want.iter().skip(offset).take(limit).cloned().collect();
+            let key = |v: &[ActionRecord]| v.iter().map(|r| r.action_digest.clone()).collect::<Vec<_>>();
+            assert_eq!(key(&got), key(&want), "{order:?} offset {offset} limit {limit}");
+        }
+    }
+    assert!(log.actions_page("none", gantry_core::ActionOrder::Dearest, 0, 10).await.unwrap().is_empty());
+
+    // Per 1 s bucket: everything recorded above (the earlier records are older).
+    let counts = log.class_runs(7_000_000, 1000).await.unwrap();
+    let mut want = std::collections::BTreeMap::<(i64, String, u32), (u64, u64)>::new();
+    let all: Vec<ActionRecord> = [log.actions("paged").await.unwrap(), log.actions("other").await.unwrap()].concat();
+    for r in all.iter().filter(|r| r.completed_unix_ms >= 7_000_000) {
+        let e = want.entry((r.completed_unix_ms / 1000 * 1000, r.instance.clone(), r.size_class)).or_default();
+        e.0 += 1;
+        e.1 += (r.exit_code != 0 || r.status_code != 0) as u64;
+    }
+    let got: Vec<_> =
+        counts.iter().map(|c| ((c.bucket_unix_ms, c.instance.clone(), c.size_class), (c.runs, c.failed))).collect();
+    assert_eq!(got, want.into_iter().collect::<Vec<_>>(), "oldest bucket first");
+    assert!(log.class_runs(i64::MAX, 1000).await.unwrap().is_empty());
+    assert_eq!(log.class_runs(0, 0).await.unwrap_err().code(), tonic::Code::InvalidArgument);
 }
 
 async fn size_class_store(db: &MetadataDb) {
@@ -244,8 +313,9 @@ fn invocation(id: &str, started: i64) -> Invocation {
         target_count: 2,
         failed_targets: 1,
         instance: "team/a".into(),
-        cache_lookups: 7,
-        cache_hits: 5,
+        // Read back from the cache counts recorded beside it (put() does not write them).
+        cache_lookups: 0,
+        cache_hits: 0,
         critical_path: "Critical Path: 1.00s".into(),
     }
 }
@@ -262,7 +332,26 @@ async fn invocation_store(db: &MetadataDb) {
     assert!(rows[0].targets.is_empty() && rows[0].target_count == 2 && rows[0].failed_targets == 1);
     assert_eq!(rows[0].patterns, ["//..."]);
     assert_eq!(rows[0].instance, "team/a", "the list's rows carry the instance that decides who sees them");
-    assert_eq!((rows[0].cache_lookups, rows[0].cache_hits), (7, 5), "the list's rows carry the cache counts");
+    // Two frontends served b's lookups, before and after its build events arrived; each
+    // flush replaces the process's own totals, and a failed batch changes nothing.
+    let counts = |inv: &str, lookups, hits| CacheCounts { invocation: inv.into(), lookups, hits };
+    s.record_cache_counts("frontend-1", &[counts("b", 3, 2), counts("a", 1, 1)]).await.unwrap();
+    s.record_cache_counts("frontend-2", &[counts("b", 2, 1)]).await.unwrap();
+    s.record_cache_counts("frontend-1", &[counts("b", 5, 4)]).await.unwrap();
+    s.record_cache_counts("frontend-1", &[]).await.unwrap();
+    let rows = s.list(10, None).await.unwrap();
+    assert_eq!((rows[0].cache_lookups, rows[0].cache_hits), (7, 5), "the list's rows carry the summed cache counts");
+    assert_eq!((rows[1].cache_lookups, rows[1].cache_hits), (1, 1));
+    let got = s.get("b").await.unwrap().unwrap();
+    assert_eq!((got.cache_lookups, got.cache_hits), (7, 5));
+    // Counts of a build whose events never came are kept, and shown once they do.
+    s.record_cache_counts("frontend-2", &[counts("later", 4, 4)]).await.unwrap();
+    s.put(&invocation("later", 300)).await.unwrap();
+    assert_eq!(s.get("later").await.unwrap().unwrap().cache_hits, 4);
+    // Another process's totals for a add to frontend-1's.
+    s.record_cache_counts("frontend-3", &[counts("a", 1, 0)]).await.unwrap();
+    let a_now = s.get("a").await.unwrap().unwrap();
+    assert_eq!((a_now.cache_lookups, a_now.cache_hits), (2, 1));
     assert_eq!(s.list(10, Some(200)).await.unwrap().len(), 1, "paged by start time");
     let mut again = invocation("a", 100);
     again.targets.truncate(1);
@@ -281,6 +370,15 @@ async fn invocation_store(db: &MetadataDb) {
     .unwrap();
     let old = s.get("old").await.unwrap().expect("an older row still reads");
     assert_eq!((old.cache_lookups, old.cache_hits, old.critical_path.as_str()), (0, 0, ""));
+    // A row a gantry of schema 7 wrote, with its one process's counts in the row: they
+    // still count, beside what processes record now.
+    sqlx::query("UPDATE invocations SET cache_lookups = 10, cache_hits = 9 WHERE invocation_id = 'old'")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    s.record_cache_counts("frontend-1", &[counts("old", 2, 1)]).await.unwrap();
+    let old = s.get("old").await.unwrap().unwrap();
+    assert_eq!((old.cache_lookups, old.cache_hits), (12, 10));
 }
 
 async fn queue_store(db: &MetadataDb) {
@@ -686,6 +784,16 @@ async fn retention_bounds_every_history_table_on_every_backend() {
             invocations.put(&invocation(&format!("old{i}"), now_ms - 100 * DAY_MS + i)).await.unwrap();
         }
         invocations.put(&invocation("new", now_ms)).await.unwrap();
+        // Cache counts of both, old0's last recorded 100 days ago: they go with it.
+        for id in ["old0", "new"] {
+            let c = CacheCounts { invocation: id.into(), lookups: 2, hits: 1 };
+            invocations.record_cache_counts("p", &[c]).await.unwrap();
+        }
+        sqlx::query("UPDATE invocation_cache_counts SET updated_unix_ms = $1 WHERE invocation_id = 'old0'")
+            .bind(now_ms - 100 * DAY_MS)
+            .execute(db.pool())
+            .await
+            .unwrap();
 
         let config = RetentionConfig {
             batch_size: 3,
@@ -698,9 +806,16 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         let sweep = r.sweep(now_ms).await.unwrap();
         assert_eq!(
             sweep.deleted,
-            [("action_cache", 1), ("execution_log", 11), ("builds", 4), ("invocations", 3)],
+            [
+                ("action_cache", 1),
+                ("execution_log", 11),
+                ("builds", 4),
+                ("invocations", 3),
+                ("invocation_cache_counts", 1)
+            ],
             "{name}"
         );
+        assert_eq!(invocations.get("new").await.unwrap().unwrap().cache_lookups, 2, "{name}");
         assert!(invocations.get("new").await.unwrap().is_some() && invocations.get("old0").await.unwrap().is_none());
         assert_eq!(ac.get("", &old_action).await.unwrap(), None, "{name}");
         assert_eq!(ac.get("", &new_action).await.unwrap(), Some(result(2)), "{name}");
@@ -715,7 +830,13 @@ async fn retention_bounds_every_history_table_on_every_backend() {
         );
         assert_eq!(
             r.sweep(now_ms).await.unwrap().deleted,
-            [("action_cache", 0), ("execution_log", 0), ("builds", 0), ("invocations", 0)],
+            [
+                ("action_cache", 0),
+                ("execution_log", 0),
+                ("builds", 0),
+                ("invocations", 0),
+                ("invocation_cache_counts", 0)
+            ],
             "{name}: idempotent"
         );
         let rows = r.table_rows().await.unwrap();

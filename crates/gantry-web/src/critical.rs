@@ -10,12 +10,17 @@
 //! sends its own critical path (its "critical path" build tool log) the page shows that
 //! too.
 
-use gantry_core::ActionRecord;
+use gantry_core::{ActionOrder, ActionRecord, ExecutionLog, Result};
 
 /// How far an action may seem to end after the next one became ready and still count
 /// as what it waited for: the times come from different clocks (the worker's wall time,
 /// the scheduler's queue time, the server's completion time) and are rounded to ms.
 pub const TOLERANCE_SECONDS: f64 = 0.05;
+
+/// Most steps the walk takes. Each is one indexed query, so a serial chain of 100,000
+/// actions would otherwise cost a page 100,000 queries; past it the page says the path
+/// is cut.
+pub const MAX_STEPS: usize = 1_000;
 
 /// One action's place in time, in seconds since the epoch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -40,51 +45,80 @@ pub fn span(a: &ActionRecord) -> Option<Span> {
 /// The chain found by [`critical_path`].
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CriticalPath {
-    /// Indices into the actions, first to run first.
-    pub actions: Vec<usize>,
+    /// The path's runs, the first to run first.
+    pub actions: Vec<ActionRecord>,
     /// From the first action's queueing to the last one's end.
     pub seconds: f64,
     /// Of which the path's actions were running, and were queued.
     pub running_seconds: f64,
     pub queued_seconds: f64,
+    /// The walk stopped at [`MAX_STEPS`]: the path starts earlier than shown.
+    pub cut: bool,
+}
+
+impl CriticalPath {
+    /// Whether `a` is one of the path's runs.
+    pub fn contains(&self, a: &ActionRecord) -> bool {
+        self.actions.iter().any(|p| same_run(p, a))
+    }
+}
+
+/// The same record of a run: an operation's retries and hedge copies are records of
+/// their own, told apart by when and where they ended.
+pub fn same_run(a: &ActionRecord, b: &ActionRecord) -> bool {
+    a.operation == b.operation
+        && a.completed_unix_ms == b.completed_unix_ms
+        && a.worker == b.worker
+        && a.action_digest == b.action_digest
+}
+
+/// Where the run before `a` on the path must have completed, at the latest, in Unix ms:
+/// by `a`'s readiness (within the tolerance), and strictly before `a` ended, which keeps
+/// the walk finite whatever the tolerance and keeps an action from waiting on itself.
+/// Computed in ms, as the store compares.
+pub fn predecessor_bound(a: &ActionRecord) -> i64 {
+    let ready_ms = a.completed_unix_ms as f64 - 1000.0 * (a.wall_seconds.max(0.0) + a.queued_seconds.max(0.0));
+    ((ready_ms + TOLERANCE_SECONDS * 1000.0).floor() as i64).min(a.completed_unix_ms - 1)
 }
 
 /// The heuristic chain of actions that determined when the invocation's remote work
-/// ended (see the module's comment). Ties in end time go to the action that became ready
-/// earliest (it explains more of the time), then to the earlier record.
-pub fn critical_path(actions: &[ActionRecord]) -> CriticalPath {
-    let spans: Vec<Option<Span>> = actions.iter().map(span).collect();
-    // The timed actions ordered so that, of any prefix, the last is the one the walk
-    // prefers: latest end, then earliest ready, then earliest record. Each step is then a
-    // binary search, so a long serial build costs n log n, not n².
-    let mut order: Vec<(usize, Span)> = spans.iter().enumerate().filter_map(|(i, s)| Some((i, (*s)?))).collect();
-    order.sort_by(|(i, a), (j, b)| a.end.total_cmp(&b.end).then(b.ready.total_cmp(&a.ready)).then(j.cmp(i)));
-    let Some(&(last, _)) = order.last() else { return CriticalPath::default() };
-    let mut path = vec![last];
-    let mut current = spans[last].expect("timed");
-    loop {
-        // Ending strictly before the current one keeps the walk finite whatever the
-        // tolerance, and keeps an action from waiting on itself.
-        let bound = current.ready + TOLERANCE_SECONDS;
-        let n = order.partition_point(|(_, s)| s.end <= bound && s.end < current.end);
-        let Some(&(prev, s)) = order[..n].last() else { break };
-        path.push(prev);
-        current = s;
+/// ended (see the module's comment). Each step asks the log for the latest run completed
+/// by [`predecessor_bound`] ([`ActionOrder::FinishedBy`]: of runs completed together, the
+/// one ready earliest, as it explains more of the time), so the walk costs one indexed
+/// query per step, not a read of the whole invocation.
+pub async fn critical_path(log: &dyn ExecutionLog, invocation: &str) -> Result<CriticalPath> {
+    let latest = |by: i64| async move {
+        let mut page = log.actions_page(invocation, ActionOrder::FinishedBy(by), 0, 1).await?;
+        Ok::<_, gantry_core::Error>(page.pop().filter(|a| a.completed_unix_ms > 0))
+    };
+    let mut path = Vec::new();
+    let mut at = latest(i64::MAX).await?;
+    let mut cut = false;
+    while let Some(a) = at {
+        if path.len() == MAX_STEPS {
+            cut = true;
+            break;
+        }
+        at = latest(predecessor_bound(&a)).await?;
+        path.push(a);
     }
     path.reverse();
-    let first = spans[path[0]].expect("timed");
-    let last = spans[*path.last().expect("not empty")].expect("timed");
-    CriticalPath {
+    let (Some(first), Some(last)) = (path.first().and_then(span), path.last().and_then(span)) else {
+        return Ok(CriticalPath::default());
+    };
+    Ok(CriticalPath {
         seconds: last.end - first.ready,
-        running_seconds: path.iter().map(|&i| actions[i].wall_seconds.max(0.0)).sum(),
-        queued_seconds: path.iter().map(|&i| actions[i].queued_seconds.max(0.0)).sum(),
+        running_seconds: path.iter().map(|a| a.wall_seconds.max(0.0)).sum(),
+        queued_seconds: path.iter().map(|a| a.queued_seconds.max(0.0)).sum(),
         actions: path,
-    }
+        cut,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gantry_store::{MetadataDb, SqlExecutionLog};
 
     /// An action queued at `ready` s for `queued` s, then running for `wall` s.
     fn act(name: &str, ready: f64, queued: f64, wall: f64) -> ActionRecord {
@@ -97,12 +131,25 @@ mod tests {
         }
     }
 
-    fn names(actions: &[ActionRecord], p: &CriticalPath) -> Vec<String> {
-        p.actions.iter().map(|&i| actions[i].action_mnemonic.clone()).collect()
+    /// The path through `actions`, recorded as one invocation in a real (SQLite) log; each
+    /// record's operation is its position, so ties that fall to the operation go to the
+    /// earlier record.
+    async fn walk(actions: &[ActionRecord]) -> (Vec<String>, CriticalPath) {
+        let log = SqlExecutionLog::new(MetadataDb::open("sqlite::memory:").await.unwrap());
+        walk_in(&log, "inv", actions).await
     }
 
-    #[test]
-    fn a_chain_is_found_past_parallel_actions() {
+    async fn walk_in(log: &SqlExecutionLog, id: &str, actions: &[ActionRecord]) -> (Vec<String>, CriticalPath) {
+        for (i, a) in actions.iter().enumerate() {
+            let a = ActionRecord { operation: format!("{i:04}"), tool_invocation_id: id.into(), ..a.clone() };
+            log.record(&a).await.unwrap();
+        }
+        let p = critical_path(log, id).await.unwrap();
+        (p.actions.iter().map(|a| a.action_mnemonic.clone()).collect(), p)
+    }
+
+    #[tokio::test]
+    async fn a_chain_is_found_past_parallel_actions() {
         // a runs 0–2; b is queued at 2.3 and runs 2.5–5; c is ready at 5.1 and runs to 9.
         // d runs 0–6 beside them and e 0–0.5: d ended after c was ready and e before a
         // even began, so neither is on the path.
@@ -113,75 +160,92 @@ mod tests {
             act("b", 2.3, 0.2, 2.5),
             act("e", 0.0, 0.0, 0.5),
         ];
-        let p = critical_path(&actions);
-        assert_eq!(names(&actions, &p), ["a", "b", "c"]);
+        let (names, p) = walk(&actions).await;
+        assert_eq!(names, ["a", "b", "c"]);
         assert!((p.seconds - 9.0).abs() < 1e-9, "{p:?}");
         assert!((p.running_seconds - 8.4).abs() < 1e-9 && (p.queued_seconds - 0.2).abs() < 1e-9, "{p:?}");
+        assert!(!p.cut && p.contains(&p.actions[1]));
     }
 
-    #[test]
-    fn queue_time_counts_and_the_latest_finisher_before_readiness_is_taken() {
+    #[tokio::test]
+    async fn queue_time_counts_and_the_latest_finisher_before_readiness_is_taken() {
         // c was queued at 4 and ran 6–8. x ended at 5, after c was queued, so c did not
         // wait for it (though it ended before c started running); y ended at 3.98 and is
         // taken over z, which ended at 2.
         let actions =
             vec![act("c", 4.0, 2.0, 2.0), act("x", 1.0, 0.0, 4.0), act("y", 0.0, 0.0, 3.98), act("z", 0.0, 0.0, 2.0)];
-        assert_eq!(names(&actions, &critical_path(&actions)), ["y", "c"]);
+        assert_eq!(walk(&actions).await.0, ["y", "c"]);
         // Within the clocks' tolerance an action ending just after readiness still counts.
         let actions = vec![act("c", 4.0, 0.0, 1.0), act("w", 0.0, 0.0, 4.03)];
-        assert_eq!(names(&actions, &critical_path(&actions)), ["w", "c"]);
+        assert_eq!(walk(&actions).await.0, ["w", "c"]);
         let actions = vec![act("c", 4.0, 0.0, 1.0), act("w", 0.0, 0.0, 4.2)];
-        assert_eq!(names(&actions, &critical_path(&actions)), ["c"]);
+        assert_eq!(walk(&actions).await.0, ["c"]);
     }
 
-    #[test]
-    fn ties_go_to_the_earlier_ready_then_the_earlier_record() {
+    #[tokio::test]
+    async fn ties_go_to_the_earlier_ready_then_the_earlier_record() {
         // Two actions end together last: the one ready earlier explains more.
         let actions = vec![act("short", 3.0, 0.0, 2.0), act("long", 1.0, 0.0, 4.0), act("first", 0.0, 0.0, 1.0)];
-        assert_eq!(names(&actions, &critical_path(&actions)), ["first", "long"]);
-        // Identical records: the first listed.
+        assert_eq!(walk(&actions).await.0, ["first", "long"]);
+        // Identical records: the first recorded (by operation).
         let actions = vec![act("p", 0.0, 0.0, 1.0), act("q", 0.0, 0.0, 1.0)];
-        assert_eq!(names(&actions, &critical_path(&actions)), ["p"]);
+        assert_eq!(walk(&actions).await.0, ["p"]);
     }
 
-    #[test]
-    fn no_timed_actions_no_path() {
-        assert_eq!(critical_path(&[]), CriticalPath::default());
-        let untimed = ActionRecord { wall_seconds: 3.0, ..Default::default() };
-        assert_eq!(critical_path(std::slice::from_ref(&untimed)), CriticalPath::default());
+    #[tokio::test]
+    async fn no_timed_actions_no_path() {
+        assert_eq!(walk(&[]).await.1, CriticalPath::default());
+        let untimed = ActionRecord { action_mnemonic: "u".into(), wall_seconds: 3.0, ..Default::default() };
+        assert_eq!(walk(std::slice::from_ref(&untimed)).await.1, CriticalPath::default());
         // An untimed record beside a timed one is ignored, not placed at the epoch.
-        let actions = vec![untimed, act("t", 0.0, 0.0, 1.0)];
-        assert_eq!(critical_path(&actions).actions, [1]);
+        assert_eq!(walk(&[untimed, act("t", 0.0, 0.0, 1.0)]).await.0, ["t"]);
         // Zero-length actions at one instant do not chain to each other.
         let actions = vec![act("z1", 1.0, 0.0, 0.0), act("z2", 1.0, 0.0, 0.0)];
-        assert_eq!(critical_path(&actions).actions.len(), 1);
+        assert_eq!(walk(&actions).await.0.len(), 1);
     }
 
-    /// The walk as the module describes it, by scanning every action at each step.
-    fn by_scanning(actions: &[ActionRecord]) -> Vec<usize> {
-        let spans: Vec<Option<Span>> = actions.iter().map(span).collect();
-        let best = |ok: &dyn Fn(&Span) -> bool| {
-            let mut best: Option<(usize, Span)> = None;
-            for (i, s) in spans.iter().enumerate() {
-                let Some(s) = s.filter(|s| ok(s)) else { continue };
-                if best.is_none_or(|(_, b)| s.end > b.end || (s.end == b.end && s.ready < b.ready)) {
-                    best = Some((i, s));
+    #[tokio::test]
+    async fn a_long_serial_chain_is_cut_at_the_step_limit() {
+        let actions: Vec<ActionRecord> =
+            (0..MAX_STEPS + 5).map(|i| act(&format!("s{i}"), i as f64, 0.0, 1.0)).collect();
+        let (names, p) = walk(&actions).await;
+        assert!(p.cut);
+        assert_eq!(names.len(), MAX_STEPS);
+        assert_eq!(names.last().map(String::as_str), Some(format!("s{}", MAX_STEPS + 4).as_str()), "ends at the last");
+    }
+
+    /// The walk as the module describes it, by scanning every action at each step (with
+    /// the step's bound and the tie order the store is asked for).
+    fn by_scanning(actions: &[ActionRecord]) -> Vec<String> {
+        let ready = |a: &ActionRecord| a.completed_unix_ms as f64 - 1000.0 * (a.wall_seconds + a.queued_seconds);
+        let best = |by: i64| {
+            let mut best: Option<(usize, &ActionRecord)> = None;
+            for (i, a) in actions.iter().enumerate().filter(|(_, a)| a.completed_unix_ms > 0) {
+                if a.completed_unix_ms > by {
+                    continue;
+                }
+                if best.is_none_or(|(_, b)| {
+                    a.completed_unix_ms > b.completed_unix_ms
+                        || (a.completed_unix_ms == b.completed_unix_ms && ready(a) < ready(b))
+                }) {
+                    best = Some((i, a));
                 }
             }
             best
         };
         let mut path = Vec::new();
-        let mut at = best(&|_| true);
+        let mut at = best(i64::MAX);
         while let Some((i, cur)) = at {
-            path.push(i);
-            at = best(&|s| s.end <= cur.ready + TOLERANCE_SECONDS && s.end < cur.end);
+            path.push(actions[i].action_mnemonic.clone());
+            at = best(predecessor_bound(cur));
         }
         path.reverse();
         path
     }
 
-    #[test]
-    fn the_sorted_walk_matches_a_scan_of_every_action() {
+    #[tokio::test]
+    async fn the_indexed_walk_matches_a_scan_of_every_action() {
+        let log = SqlExecutionLog::new(MetadataDb::open("sqlite::memory:").await.unwrap());
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = |n: u64| {
             seed ^= seed << 13;
@@ -189,12 +253,14 @@ mod tests {
             seed ^= seed << 17;
             seed % n
         };
-        for _ in 0..300 {
+        for round in 0..200 {
             let n = next(40) as usize;
             // Coarse times, so ties and near-ties within the tolerance are common.
-            let actions: Vec<ActionRecord> =
-                (0..n).map(|_| act("x", next(20) as f64 / 4.0, next(3) as f64 / 10.0, next(12) as f64 / 4.0)).collect();
-            assert_eq!(critical_path(&actions).actions, by_scanning(&actions), "{actions:?}");
+            let actions: Vec<ActionRecord> = (0..n)
+                .map(|i| act(&format!("a{i}"), next(20) as f64 / 4.0, next(3) as f64 / 10.0, next(12) as f64 / 4.0))
+                .collect();
+            let (names, _) = walk_in(&log, &format!("inv-{round}"), &actions).await;
+            assert_eq!(names, by_scanning(&actions), "{actions:?}");
         }
     }
 }

@@ -25,8 +25,8 @@ use axum::routing::get;
 use axum::Router;
 use gantry_core::auth::{self, Caller, Permission};
 use gantry_core::{
-    ActionCache, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, Fleet, InvocationStore,
-    QueueStore, SizeClassStore,
+    ActionCache, ActionOrder, ActionRecord, BlobStore, BuildStore, Digest, DigestFunction, Error, ExecutionLog, Fleet,
+    InvocationStore, QueueStore, SizeClassStore,
 };
 use http::{header, StatusCode};
 use prost::Message;
@@ -163,22 +163,61 @@ async fn one(
     State(web): State<Arc<Web>>,
     axum::Extension(caller): axum::Extension<Caller>,
     Path(id): Path<String>,
+    RawQuery(query): RawQuery,
 ) -> Response {
-    // What the caller may not read is treated as absent, so the answer does not say
-    // whether it exists.
+    let page = match query_param(query.as_deref(), "page") {
+        Ok(None) => 0,
+        Ok(Some(p)) => match p.parse::<usize>() {
+            Ok(p) if p <= MAX_ACTION_PAGE => p,
+            _ => {
+                return failure(
+                    StatusCode::BAD_REQUEST,
+                    &format!("page: {p:?} is not a page number up to {MAX_ACTION_PAGE}"),
+                )
+            }
+        },
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
+    };
     let inv = match web.invocations.get(&id).await {
-        Ok(i) => i.filter(|i| may_read(&caller, &i.instance)),
+        Ok(i) => i,
         Err(e) => return server_error(e),
     };
-    let actions = match web.log.actions(&id).await {
-        Ok(a) => a.into_iter().filter(|a| may_read(&caller, &a.instance)).collect::<Vec<_>>(),
+    let latest = match web.log.actions_page(&id, ActionOrder::FinishedBy(i64::MAX), 0, 1).await {
+        Ok(mut a) => a.pop(),
         Err(e) => return server_error(e),
     };
-    if inv.is_none() && actions.is_empty() {
+    // The invocation's instance (its build events', else its latest action's) decides
+    // who may see it; what the caller may not read is treated as absent, so the answer
+    // does not say whether it exists.
+    let Some(instance) = inv.as_ref().map(|i| i.instance.clone()).or_else(|| latest.map(|a| a.instance)) else {
+        return failure(StatusCode::NOT_FOUND, &format!("no invocation {}", pages::shorten(&id, 100)));
+    };
+    if !may_read(&caller, &instance) {
         return failure(StatusCode::NOT_FOUND, &format!("no invocation {}", pages::shorten(&id, 100)));
     }
-    pages::invocation(&id, inv.as_ref(), &actions).into_response()
+    let log = web.log.as_ref();
+    let offset = page * pages::ACTIONS_PER_PAGE;
+    let (summary, rows, longest, critical) = match tokio::try_join!(
+        log.invocation(&id),
+        log.actions_page(&id, ActionOrder::Dearest, offset, pages::ACTIONS_PER_PAGE),
+        log.actions_page(&id, ActionOrder::Longest, 0, pages::MAX_TIMELINE_BARS),
+        critical::critical_path(log, &id),
+    ) {
+        Ok(v) => v,
+        Err(e) => return server_error(e),
+    };
+    // A build's actions share its instance; a record from another one (a client reusing
+    // the id) is not shown to a caller who may not read it.
+    let readable = |v: Vec<ActionRecord>| v.into_iter().filter(|a| may_read(&caller, &a.instance)).collect::<Vec<_>>();
+    let (rows, longest) = (readable(rows), readable(longest));
+    let critical = critical::CriticalPath { actions: readable(critical.actions), ..critical };
+    let acts =
+        pages::InvocationActions { summary: &summary, page, rows: &rows, longest: &longest, critical: &critical };
+    pages::invocation(&id, inv.as_ref(), &acts).into_response()
 }
+
+/// The last page number an invocation's action table accepts (a million actions).
+const MAX_ACTION_PAGE: usize = 10_000;
 
 /// The value of `name` in a query string, percent-decoded (`+` is a space, as forms send
 /// it); None when absent.

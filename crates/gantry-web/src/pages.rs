@@ -7,6 +7,7 @@ use gantry_core::{ActionRecord, Digest, Invocation, InvocationSummary};
 use http::StatusCode;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 
+use crate::critical::CriticalPath;
 use crate::svg;
 
 const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
@@ -317,41 +318,33 @@ pub fn action(
     )
 }
 
-/// Most bars the timeline draws: past it, the critical path and the longest runs.
+/// Most bars the timeline draws: past it, the longest runs and the critical path.
 pub const MAX_TIMELINE_BARS: usize = 5_000;
 
+/// Rows of an invocation's action table per page.
+pub const ACTIONS_PER_PAGE: usize = 100;
+
 /// The invocation's remote actions on a timeline, a lane per worker (rows for its
-/// concurrent slots), coloured by size class, the critical path (`critical`, indices into
-/// `actions`) outlined. x is seconds since the first action started running.
-pub fn timeline(actions: &[ActionRecord], critical: &[usize]) -> Markup {
-    let timed: Vec<(usize, crate::critical::Span)> =
-        actions.iter().enumerate().filter_map(|(i, a)| Some((i, crate::critical::span(a)?))).collect();
-    let Some(t0) = timed.iter().map(|(_, s)| s.start).min_by(f64::total_cmp) else {
+/// concurrent slots), coloured by size class, the critical path outlined. `runs` are the
+/// runs to draw (the longest, when the invocation has more than [`MAX_TIMELINE_BARS`]) of
+/// `total`; the path's runs are drawn whether listed or not. x is seconds since the first
+/// drawn run started.
+pub fn timeline(runs: &[ActionRecord], total: u64, critical: &CriticalPath) -> Markup {
+    let mut drawn: Vec<(&ActionRecord, bool)> = runs.iter().map(|a| (a, critical.contains(a))).collect();
+    for a in &critical.actions {
+        if !runs.iter().any(|r| crate::critical::same_run(r, a)) {
+            drawn.push((a, true));
+        }
+    }
+    let timed: Vec<(&ActionRecord, bool, crate::critical::Span)> =
+        drawn.into_iter().filter_map(|(a, marked)| Some((a, marked, crate::critical::span(a)?))).collect();
+    let Some(t0) = timed.iter().map(|(_, _, s)| s.start).min_by(f64::total_cmp) else {
         return html! { p class="dim" { "No action has a completion time to place it." } };
     };
-    let mut marks = vec![false; actions.len()];
-    for &i in critical {
-        marks[i] = true;
-    }
-    let mut shown: Vec<usize> = (0..timed.len()).collect();
-    if shown.len() > MAX_TIMELINE_BARS {
-        // The critical ones first, then the longest: short runs are slivers anyway.
-        let key = |&k: &usize| {
-            let (i, s) = timed[k];
-            (!marks[i], std::cmp::Reverse(((s.end - s.start) * 1000.0) as i64))
-        };
-        shown.sort_by_key(key);
-        shown.truncate(MAX_TIMELINE_BARS);
-    }
-    let mut classes: Vec<u32> = shown.iter().map(|&k| actions[timed[k].0].size_class).collect();
-    classes.sort_unstable();
-    classes.dedup();
-    let bars: Vec<svg::Bar> = shown
+    let classes: std::collections::BTreeSet<u32> = timed.iter().map(|(a, _, _)| a.size_class).collect();
+    let bars: Vec<svg::Bar> = timed
         .iter()
-        .map(|&k| {
-            let (i, s) = timed[k];
-            let a = &actions[i];
-            let marked = marks[i];
+        .map(|&(a, marked, s)| {
             let mnemonic = if a.action_mnemonic.is_empty() { "action" } else { a.action_mnemonic.as_str() };
             svg::Bar {
                 lane: if a.worker.is_empty() { "(unknown worker)".into() } else { a.worker.clone() },
@@ -376,8 +369,8 @@ pub fn timeline(actions: &[ActionRecord], critical: &[usize]) -> Markup {
         .collect();
     let names: Vec<String> = classes.iter().map(|c| format!("size class {c}")).collect();
     html! {
-        @if bars.len() < timed.len() {
-            p class="dim" { "The " (bars.len()) " longest runs of " (timed.len()) ", with the critical path." }
+        @if (bars.len() as u64) < total {
+            p class="dim" { "The " (bars.len()) " longest runs of " (total) ", with the critical path." }
         }
         (svg::lanes(&bars, "seconds since the first action started"))
         (svg::legend(names.iter().map(String::as_str)))
@@ -385,19 +378,37 @@ pub fn timeline(actions: &[ActionRecord], critical: &[usize]) -> Markup {
     }
 }
 
-/// One invocation: what the Build Event Service stored (if it did) and the remote actions
-/// the execution log holds for it, dearest first, on a timeline with the (inferred)
-/// critical path marked.
-pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) -> Markup {
-    let critical = crate::critical::critical_path(actions);
-    let mut on_path = vec![false; actions.len()];
-    for &i in &critical.actions {
-        on_path[i] = true;
+/// What the invocation page shows of the execution log: the totals, one page of the
+/// action table (dearest first), the runs the timeline draws and the critical path.
+pub struct InvocationActions<'a> {
+    pub summary: &'a InvocationSummary,
+    /// Page `page` (from 0) of the table, [`ACTIONS_PER_PAGE`] rows.
+    pub page: usize,
+    pub rows: &'a [ActionRecord],
+    pub longest: &'a [ActionRecord],
+    pub critical: &'a CriticalPath,
+}
+
+/// Links to the pages of an invocation's action table around `page`.
+fn action_pages(id: &str, page: usize, total: u64) -> Markup {
+    let pages = (total as usize).div_ceil(ACTIONS_PER_PAGE);
+    let link = |p: usize| format!("/invocations/{}?page={p}#actions", percent_encode(id));
+    html! {
+        @if pages > 1 {
+            p {
+                "Page " (page + 1) " of " (pages) ". "
+                @if page > 0 { a href=(link(0)) { "First" } " " a href=(link(page - 1)) { "Previous" } " " }
+                @if page + 1 < pages { a href=(link(page + 1)) { "Next" } " " a href=(link(pages - 1)) { "Last" } }
+            }
+        }
     }
-    let mut by_cost: Vec<usize> = (0..actions.len()).collect();
-    by_cost.sort_by(|&a, &b| actions[b].esu_seconds().total_cmp(&actions[a].esu_seconds()));
-    let esu: f64 = actions.iter().map(ActionRecord::esu_seconds).sum();
-    let cpu: f64 = actions.iter().map(|a| a.user_cpu_seconds + a.system_cpu_seconds).sum();
+}
+
+/// One invocation: what the Build Event Service stored (if it did) and the remote actions
+/// the execution log holds for it, dearest first a page at a time, on a timeline with the
+/// (inferred) critical path marked.
+pub fn invocation(id: &str, inv: Option<&Invocation>, acts: &InvocationActions) -> Markup {
+    let (summary, critical) = (acts.summary, acts.critical);
     layout(
         &format!("Invocation {}", shorten(id, 40)),
         html! {
@@ -410,7 +421,7 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) 
                     p { "Started " (utc(inv.started_unix_ms)) ", took " (seconds(inv.finished_unix_ms - inv.started_unix_ms))
                         @if !who(inv).is_empty() { ", by " (who(inv)) } "." }
                     p { "Remote cache hits: " @if inv.cache_lookups == 0 {
-                            span class="dim" { "no lookups counted (none, or served by another gantry process)" }
+                            span class="dim" { "no lookups counted (none made, or not recorded yet)" }
                         } @else { (cache_hit_rate(inv)) " of its action cache lookups." } }
                     @if !inv.options.is_empty() { p { "Options: " code { (inv.options.join(" ")) } } }
                     @if !inv.metadata.is_empty() {
@@ -455,46 +466,57 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, actions: &[ActionRecord]) 
                     }
                 }
             }
-            h2 { "Remote actions (" (actions.len()) ")" }
-            @if actions.is_empty() {
+            h2 id="actions" { "Remote actions (" (summary.actions) ")" }
+            @if summary.actions == 0 {
                 p class="dim" { "None ran on gantry's executors (all cached, or run locally)." }
             } @else {
-                p { (format!("{esu:.1}")) " ESU·s of executor time, " (format!("{cpu:.1}")) " s of CPU." }
+                p { (format!("{:.1}", summary.executor_esu_seconds)) " ESU·s of executor time, "
+                    (format!("{:.1}", summary.cpu_seconds)) " s of CPU"
+                    @if summary.failed_actions > 0 { ", " span class="bad" { (summary.failed_actions) " failed" } } "." }
                 h3 { "Timeline" }
-                (timeline(actions, &critical.actions))
+                (timeline(acts.longest, summary.actions, critical))
                 h3 { "Critical path" }
                 @if !critical.actions.is_empty() {
                     p { "★ " (critical.actions.len()) " actions, " (format!("{:.2}", critical.seconds))
                         " s from the first one's queueing to the last one's end (" (format!("{:.2}", critical.running_seconds))
                         " s running, " (format!("{:.2}", critical.queued_seconds)) " s queued)." }
+                    @if critical.cut {
+                        p class="bad" { "The path was followed back " (crate::critical::MAX_STEPS) " steps and stops there: it starts earlier." }
+                    }
                     p class="dim" { "Inferred from timing: gantry does not see the action graph, so each action's predecessor is taken to be the one that finished last before it was queued. A parallel action can stand in for the real dependency, and local or cached work between them shows as gaps." }
                 }
                 @if let Some(text) = inv.map(|i| i.critical_path.as_str()).filter(|t| !t.is_empty()) {
                     details { summary { "Bazel's critical path" } pre { (text) } }
                 }
                 h3 { "Actions, dearest first" }
-                table {
-                    tr { th { "Mnemonic" } th { "Target" } th { "Worker" } th { "Size class" } th { "Peak MiB" }
-                         th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
-                    @for i in by_cost {
-                        @let (a, critical) = (&actions[i], on_path[i]);
-                        tr class=[critical.then_some("critical")] {
-                            td { @if critical { span title="on the critical path" { "★ " } }
-                                @match action_link(&a.instance, &a.action_digest) {
-                                Some(link) => a href=(link) { (if a.action_mnemonic.is_empty() { "action" } else { &a.action_mnemonic }) },
-                                None => (a.action_mnemonic),
-                            } }
-                            td { code { (a.target_id) } }
-                            td { (a.worker) }
-                            td class="n" { (a.size_class) }
-                            td class="n" { (format!("{:.1}", a.peak_memory_bytes as f64 / (1u64 << 20) as f64)) }
-                            td class="n" { (format!("{:.2}", a.user_cpu_seconds + a.system_cpu_seconds)) }
-                            td class="n" { (format!("{:.2}", a.queued_seconds)) }
-                            td class="n" { (format!("{:.2}", a.wall_seconds)) }
-                            td class="n" { (format!("{:.2}", a.esu_seconds())) }
-                            td class="n" { span class=(if a.exit_code == 0 && a.status_code == 0 { "ok" } else { "bad" }) { (a.exit_code) } }
+                (action_pages(id, acts.page, summary.actions))
+                @if acts.rows.is_empty() {
+                    p class="dim" { "No actions on this page." }
+                } @else {
+                    table {
+                        tr { th { "Mnemonic" } th { "Target" } th { "Worker" } th { "Size class" } th { "Peak MiB" }
+                             th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
+                        @for a in acts.rows {
+                            @let critical = critical.contains(a);
+                            tr class=[critical.then_some("critical")] {
+                                td { @if critical { span title="on the critical path" { "★ " } }
+                                    @match action_link(&a.instance, &a.action_digest) {
+                                    Some(link) => a href=(link) { (if a.action_mnemonic.is_empty() { "action" } else { &a.action_mnemonic }) },
+                                    None => (a.action_mnemonic),
+                                } }
+                                td { code { (a.target_id) } }
+                                td { (a.worker) }
+                                td class="n" { (a.size_class) }
+                                td class="n" { (format!("{:.1}", a.peak_memory_bytes as f64 / (1u64 << 20) as f64)) }
+                                td class="n" { (format!("{:.2}", a.user_cpu_seconds + a.system_cpu_seconds)) }
+                                td class="n" { (format!("{:.2}", a.queued_seconds)) }
+                                td class="n" { (format!("{:.2}", a.wall_seconds)) }
+                                td class="n" { (format!("{:.2}", a.esu_seconds())) }
+                                td class="n" { span class=(if a.exit_code == 0 && a.status_code == 0 { "ok" } else { "bad" }) { (a.exit_code) } }
+                            }
                         }
                     }
+                    (action_pages(id, acts.page, summary.actions))
                 }
             }
         },
@@ -523,8 +545,20 @@ mod tests {
             metadata: [(evil.to_string(), evil.to_string())].into(),
             ..Default::default()
         };
-        let action = ActionRecord { action_mnemonic: evil.into(), target_id: evil.into(), ..Default::default() };
-        let page = invocation(evil, Some(&inv), &[action]).into_string();
+        let action = ActionRecord {
+            action_mnemonic: evil.into(),
+            target_id: evil.into(),
+            worker: evil.into(),
+            completed_unix_ms: 5_000,
+            wall_seconds: 1.0,
+            ..Default::default()
+        };
+        let summary = InvocationSummary { actions: 1, ..Default::default() };
+        let critical = CriticalPath { actions: vec![action.clone()], ..Default::default() };
+        let rows = [action];
+        let acts = InvocationActions { summary: &summary, page: 0, rows: &rows, longest: &rows, critical: &critical };
+        let page = invocation(evil, Some(&inv), &acts).into_string();
+        assert!(page.contains("★ on the critical path"), "the timeline is drawn: {page}");
         assert!(!page.contains(evil), "unescaped markup in the page");
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
         let list = invocations(&[(inv, InvocationSummary::default())], Some(5)).into_string();
@@ -544,5 +578,21 @@ mod tests {
         assert_eq!(blob_link("file:///tmp/test.log"), None);
         assert_eq!(shorten("abcdef", 3), "abc…");
         assert_eq!(shorten("ab", 3), "ab");
+    }
+
+    #[test]
+    fn the_action_table_links_its_pages() {
+        let summary = InvocationSummary { actions: 250, ..Default::default() };
+        let critical = CriticalPath::default();
+        let acts = |page| InvocationActions { summary: &summary, page, rows: &[], longest: &[], critical: &critical };
+        let first = invocation("a b", None, &acts(0)).into_string();
+        assert!(first.contains("Page 1 of 3"), "{first}");
+        assert!(first.contains("href=\"/invocations/a%20b?page=1#actions\">Next"), "{first}");
+        assert!(!first.contains("Previous"));
+        let last = invocation("a b", None, &acts(2)).into_string();
+        assert!(last.contains("Page 3 of 3") && last.contains("?page=1#actions\">Previous") && !last.contains("Next"));
+        let small = InvocationSummary { actions: 100, ..Default::default() };
+        let one = InvocationActions { summary: &small, page: 0, rows: &[], longest: &[], critical: &critical };
+        assert!(!invocation("x", None, &one).into_string().contains("Page 1"), "one page needs no links");
     }
 }

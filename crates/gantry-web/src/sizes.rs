@@ -5,9 +5,10 @@
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use axum::extract::RawQuery;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use gantry_core::{ActionRecord, RunsOf};
+use gantry_core::{ActionRecord, ClassRuns, RunsOf};
 use gantry_sizeclass::{ActionStats, KeyStatsView, Outcome, SizeClasses, Timestamp};
 use http::StatusCode;
 use maud::{html, Markup};
@@ -90,6 +91,64 @@ pub fn runs_plot(runs: &[ActionRecord]) -> Markup {
     }
 }
 
+/// The spans the fleet-wide history can show: (name in `?window=`, span, bucket), in ms.
+pub const WINDOWS: &[(&str, i64, i64)] =
+    &[("1h", 3_600_000, 60_000), ("24h", 86_400_000, 1_800_000), ("7d", 7 * 86_400_000, 4 * 3_600_000)];
+
+/// The fleet's runs over the window, per size class, from the execution log's counts per
+/// bucket (`counts`, already cut to what the caller may read): each class's runs per
+/// bucket and the failed runs (those retried on a larger class when one was free), with a
+/// table of the window's totals. `since` is the window's first bucket; `bucket` its length.
+pub fn fleet_history(counts: &[ClassRuns], window: &str, since: i64, bucket: i64, now_ms: i64) -> Markup {
+    use std::collections::BTreeMap;
+    let mut per_class: BTreeMap<u32, BTreeMap<i64, u64>> = BTreeMap::new();
+    let mut failed: BTreeMap<i64, u64> = BTreeMap::new();
+    let mut totals: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for c in counts {
+        *per_class.entry(c.size_class).or_default().entry(c.bucket_unix_ms).or_default() += c.runs;
+        *failed.entry(c.bucket_unix_ms).or_default() += c.failed;
+        let t = totals.entry(c.size_class).or_default();
+        t.0 += c.runs;
+        t.1 += c.failed;
+    }
+    let all: u64 = totals.values().map(|t| t.0).sum();
+    // Every bucket of the window, empty ones as 0, so a quiet hour shows as one.
+    let buckets: Vec<i64> = (0..).map(|i| since + i * bucket).take_while(|b| *b <= now_ms).collect();
+    let hours = |b: i64| (b - now_ms) as f64 / 3_600_000.0;
+    let line = |counts: &BTreeMap<i64, u64>| -> Vec<(f64, f64)> {
+        buckets.iter().map(|b| (hours(*b), counts.get(b).copied().unwrap_or(0) as f64)).collect()
+    };
+    let mut series: Vec<svg::Series> = per_class
+        .iter()
+        .map(|(class, counts)| svg::Series { name: format!("class {class}"), points: line(counts) })
+        .collect();
+    series.push(svg::Series { name: "failed (retried larger)".into(), points: line(&failed) });
+    let per = svg::tick_label(bucket as f64 / 60_000.0);
+    html! {
+        h2 { "Selections and retries over time" }
+        p { @for (name, _, _) in WINDOWS {
+            @if *name == window { strong { (name) } " " } @else { a href={ "/sizeclasses?window=" (name) } { (name) } " " }
+        } }
+        @if all == 0 {
+            p class="dim" { "No action ran in the last " (window) "." }
+        } @else {
+            p { (all) " runs in the last " (window) ", counted per " (per) " min as they finished." }
+            (svg::lines(&series, "hours ago", "runs", &|x| svg::tick_label((-x * 10.0).round() / 10.0)))
+            table {
+                tr { th { "Class" } th { "Runs" } th { "Share" } th { "Failed" } }
+                @for (class, (runs, bad)) in &totals {
+                    tr {
+                        td class="n" { (class) }
+                        td class="n" { (runs) }
+                        td class="n" { (format!("{:.0}%", 100.0 * *runs as f64 / all as f64)) }
+                        td class="n" { @if *bad > 0 { span class="bad" { (bad) } } @else { "0" } }
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn now() -> Timestamp {
     Timestamp::from_system_time(SystemTime::now())
 }
@@ -129,12 +188,15 @@ pub(crate) async fn shape_view(web: &Web, key: &str, fleet: &[u32]) -> Result<Op
 /// mnemonic and a target, which a hash alone does not say).
 pub type ShapeRow = (String, Option<KeyStatsView>, Option<ActionRecord>);
 
-/// The list of shapes, each with its samples and median per class.
-pub fn list_page(rows: &[ShapeRow]) -> Markup {
+/// The list of shapes, each with its samples and median per class, after the fleet's
+/// history (from [`fleet_history`]).
+pub fn list_page(history: Markup, rows: &[ShapeRow]) -> Markup {
     layout(
         "Size classes",
         html! {
             h1 { "Size classes" }
+            (history)
+            h2 { "Learned shapes" }
             p { "The action shapes the scheduler learned (an action's command and platform, and Bazel's configuration), \
                  most recently updated first. Each chooses the cheapest class whose expected time is acceptable." }
             @if rows.is_empty() {
@@ -209,10 +271,28 @@ pub fn shape_page(key: &str, view: Option<&KeyStatsView>, runs: &[ActionRecord])
 pub(crate) async fn list(
     State(web): State<Arc<Web>>,
     axum::Extension(caller): axum::Extension<gantry_core::auth::Caller>,
+    RawQuery(query): RawQuery,
 ) -> Response {
     if let Some(refused) = crate::refuse_unless(&caller, gantry_core::auth::Permission::Read) {
         return refused;
     }
+    let window = match crate::query_param(query.as_deref(), "window") {
+        Ok(w) => w.unwrap_or_else(|| "24h".into()),
+        Err(e) => return failure(StatusCode::BAD_REQUEST, &e),
+    };
+    let Some(&(window, span, bucket)) = WINDOWS.iter().find(|(name, _, _)| *name == window) else {
+        return failure(
+            StatusCode::BAD_REQUEST,
+            &format!("window: {} is not one of 1h, 24h, 7d", shorten(&window, 20)),
+        );
+    };
+    let now_ms = SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+    let since = (now_ms - span) / bucket * bucket;
+    let history = match web.log.class_runs(since, bucket).await {
+        // Counts of instances the caller may not read are left out.
+        Ok(c) => c.into_iter().filter(|c| crate::may_read(&caller, &c.instance)).collect::<Vec<_>>(),
+        Err(e) => return server_error(e),
+    };
     let keys = match web.sizes.keys(SHAPES_LISTED * 4).await {
         Ok(k) => k,
         Err(e) => return server_error(e),
@@ -230,7 +310,7 @@ pub(crate) async fn list(
         };
         rows.push((key, view, latest));
     }
-    list_page(&rows).into_response()
+    list_page(fleet_history(&history, window, since, bucket, now_ms), &rows).into_response()
 }
 
 pub(crate) async fn shape(
@@ -290,8 +370,36 @@ mod tests {
         assert!(page.contains("failed: retried larger") && page.contains("status 8"));
         let latest =
             ActionRecord { action_mnemonic: "CppCompile".into(), target_id: "//a:b".into(), ..Default::default() };
-        let list = list_page(&[("k<script>".into(), Some(view), Some(latest))]).into_string();
+        let list = list_page(html! {}, &[("k<script>".into(), Some(view), Some(latest))]).into_string();
         assert!(list.contains("CppCompile") && list.contains("//a:b"), "{list}");
         assert!(list.contains("class 1: 4") && list.contains("class 4: 3"), "{list}");
+    }
+
+    #[test]
+    fn the_fleet_history_counts_each_class_and_failures_per_bucket() {
+        let now = 10 * 3_600_000 + 1234;
+        let since = (now - 3_600_000) / 60_000 * 60_000;
+        let at = |i: i64| since + i * 60_000;
+        let c = |b: i64, instance: &str, class: u32, runs: u64, failed: u64| ClassRuns {
+            bucket_unix_ms: b,
+            instance: instance.into(),
+            size_class: class,
+            runs,
+            failed,
+        };
+        let counts = [c(at(1), "", 1, 5, 2), c(at(1), "x", 1, 3, 0), c(at(30), "", 4, 2, 0)];
+        let page = fleet_history(&counts, "1h", since, 60_000, now).into_string();
+        assert!(page.contains("10 runs in the last 1h"), "{page}");
+        // One line per class and one of failures, each across all 61 buckets.
+        assert_eq!(page.matches("<path").count(), 3, "{page}");
+        assert!(page.contains("failed (retried larger)"));
+        let row = |class: u32, runs: u64, share: &str| {
+            format!("<td class=\"n\">{class}</td><td class=\"n\">{runs}</td><td class=\"n\">{share}</td>")
+        };
+        assert!(page.contains(&row(1, 8, "80%")) && page.contains(&row(4, 2, "20%")), "{page}");
+        assert!(page.contains("<span class=\"bad\">2</span>"), "{page}");
+        assert!(page.contains("<strong>1h</strong>") && page.contains("href=\"/sizeclasses?window=24h\""));
+        let empty = fleet_history(&[], "24h", since, 1_800_000, now).into_string();
+        assert!(empty.contains("No action ran in the last 24h") && !empty.contains("<svg"));
     }
 }

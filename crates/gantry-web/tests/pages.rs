@@ -274,13 +274,16 @@ async fn the_timeline_marks_the_critical_path_across_workers() {
             started_unix_ms: 1_700_000_000_000,
             finished_unix_ms: 1_700_000_010_000,
             exit_name: "SUCCESS".into(),
-            cache_lookups: 8,
-            cache_hits: 6,
             critical_path: "Critical Path: 9.00s <i>from Bazel</i>".into(),
             ..Default::default()
         })
         .await
         .unwrap();
+    // Two frontends counted its lookups.
+    for (process, lookups, hits) in [("fe-1", 5, 4), ("fe-2", 3, 2)] {
+        let c = gantry_core::CacheCounts { invocation: "inv-t".into(), lookups, hits };
+        invocations.record_cache_counts(process, &[c]).await.unwrap();
+    }
     let evil = "<script>alert(1)</script>";
     // (mnemonic, worker, class, queued s, ran s, end s after the base); digests make each
     // bar a link.
@@ -338,4 +341,60 @@ async fn the_timeline_marks_the_critical_path_across_workers() {
 
     let (_, list) = get(&app, "/invocations").await;
     assert!(list.contains("<th>Cache hits</th>") && list.contains("6 of 8 (75.0%)"), "{list}");
+}
+
+/// An invocation with more actions than a page: the table shows one page of the dearest
+/// (linked to the others), the totals count every action, and a bad page is refused.
+/// The size-class list counts the same runs per class over the last hour.
+#[tokio::test]
+async fn a_large_invocation_is_paged_and_its_runs_counted_per_class() {
+    let db = MetadataDb::open("sqlite::memory:").await.unwrap();
+    let (app, (_, log, _, _)) = web(&db).await;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    for i in 0..250 {
+        log.record(&ActionRecord {
+            operation: format!("op-{i:03}"),
+            action_digest: format!("{}/{i}", "a".repeat(64)),
+            tool_invocation_id: "big".into(),
+            action_mnemonic: format!("M{i}"),
+            worker: "w".into(),
+            size_class: 1 + (i % 2) as u32,
+            exit_code: (i % 50 == 0) as i32,
+            // Action i costs i (class 1) or 2i (class 2) ESU·s: the dearest is M249.
+            wall_seconds: i as f64,
+            completed_unix_ms: now - 60_000 + i as i64,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let rows = |page: &str| page.matches("<tr").count() - 1;
+    let (status, first) = get(&app, "/invocations/big").await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    assert!(first.contains("Remote actions (250)") && first.contains("Page 1 of 3"), "{first}");
+    assert_eq!(rows(&first), 100, "one page of rows");
+    let order: Vec<usize> = first.match_indices(">M").map(|(i, _)| i).take(3).collect();
+    let at = |m: &str| first.find(&format!(">{m}<")).unwrap_or_else(|| panic!("{m} on page 1"));
+    assert!(at("M249") < at("M247") && at("M247") < at("M245"), "dearest first: {order:?}");
+    assert!(!first.contains(">M0<"), "the cheapest is on a later page");
+    let (_, last) = get(&app, "/invocations/big?page=2").await;
+    assert_eq!(rows(&last), 50);
+    assert!(last.contains(">M0<") && last.contains("Page 3 of 3"), "{last}");
+    let (status, past) = get(&app, "/invocations/big?page=7").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(past.contains("No actions on this page"), "{past}");
+    for bad in ["page=x", "page=-1", "page=99999999"] {
+        let (status, body) = get(&app, &format!("/invocations/big?{bad}")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
+        assert!(body.contains("page:"), "{body}");
+    }
+
+    let (status, sizes) = get(&app, "/sizeclasses?window=1h").await;
+    assert_eq!(status, StatusCode::OK, "{sizes}");
+    assert!(sizes.contains("250 runs in the last 1h"), "{sizes}");
+    assert!(sizes.contains("<td class=\"n\">1</td><td class=\"n\">125</td><td class=\"n\">50%</td>"), "{sizes}");
+    assert!(sizes.contains("<span class=\"bad\">5</span>"), "5 failed: {sizes}");
+    let (status, body) = get(&app, "/sizeclasses?window=1y").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(body.contains("window:"), "{body}");
 }

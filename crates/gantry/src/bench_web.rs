@@ -2,7 +2,9 @@
 //! `gantry serve` stack, with a large history in the metadata database (SQLite by
 //! default, or `--metadata-url`): the invocation list's first and a later page over
 //! 100,000 invocations whose newest ones ran hundreds of remote actions each, one such
-//! invocation's page (its timeline and actions), and the live workers page.
+//! invocation's page (its timeline and actions), one invocation of 100,000 actions that
+//! finished in the last hour (its first and last table page, its timeline, its critical
+//! path), the size-class page counting those runs, and the live workers page.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +21,9 @@ pub struct WebBenchArgs {
     /// How many of the newest invocations ran `--actions` actions (a full first page).
     #[arg(long, default_value_t = 50)]
     busy: usize,
+    /// Remote actions of one more invocation, all finished within the last hour.
+    #[arg(long, default_value_t = 100_000)]
+    huge: usize,
     /// Requests timed per page.
     #[arg(long, default_value_t = 50)]
     requests: usize,
@@ -98,12 +103,44 @@ pub async fn run(args: WebBenchArgs) -> anyhow::Result<()> {
             .await?;
         }
     }
+    // The huge invocation: 32 workers' runs over the last hour, heavy-tailed run times,
+    // and every 50th action waiting on the one before (a chain for the critical path).
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as i64;
+    let start = now - 3_600_000;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for a in 0..args.huge as i64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let wall = 0.05 + 20.0 * ((x >> 11) as f64 / (1u64 << 53) as f64).powi(6);
+        let completed = start + a * 3_600_000 / args.huge.max(1) as i64;
+        sqlx::query(
+            "INSERT INTO action_executions (operation, instance_name, action_digest, tool_invocation_id,
+                action_mnemonic, target_id, worker, size_class, exit_code, status_code, peak_memory_bytes,
+                user_cpu_seconds, system_cpu_seconds, wall_seconds, queued_seconds, metering,
+                completed_unix_ms, shape_key)
+             VALUES ($1, '', $2, 'inv-huge', 'CppCompile', $3, $4, $5, 0, 0, $6, $7, 0.1, $8, $9, 'cgroup-v2', $10, '')",
+        )
+        .bind(format!("op-huge-{a}"))
+        .bind(format!("{:064x}/{}", 1u64 << 40 | a as u64, 140 + a))
+        .bind(format!("//pkg{}:lib{a}", a % 97))
+        .bind(format!("worker-{}", a % 32))
+        .bind(1 + a % 4)
+        .bind((64 + a % 1000) << 20)
+        .bind(wall * 0.8)
+        .bind(wall)
+        .bind(if a % 50 == 0 { 0.01 } else { 0.5 })
+        .bind(completed)
+        .execute(&mut *tx)
+        .await?;
+    }
     tx.commit().await?;
     eprintln!(
-        "stored {} invocations, {} with {} actions each, in {:.1}s",
+        "stored {} invocations, {} with {} actions each, and one with {}, in {:.1}s",
         args.invocations,
         args.busy,
         args.actions,
+        args.huge,
         started.elapsed().as_secs_f64()
     );
 
@@ -113,8 +150,11 @@ pub async fn run(args: WebBenchArgs) -> anyhow::Result<()> {
         ("invocation list, first page", "/invocations".to_string()),
         ("invocation list, 10th page", format!("/invocations?before={second_page}")),
         ("one invocation", format!("/invocations/inv-{newest}")),
+        ("huge invocation, first page", "/invocations/inv-huge".to_string()),
+        // 100 actions a table page.
+        ("huge invocation, last page", format!("/invocations/inv-huge?page={}", args.huge.saturating_sub(1) / 100)),
         ("workers (live)", "/workers".to_string()),
-        ("size classes", "/sizeclasses".to_string()),
+        ("size classes (24 h of runs)", "/sizeclasses".to_string()),
     ];
     println!("web pages over HTTP ({backend}, {} invocations, {} requests each):", args.invocations, args.requests);
     println!("{:<30} {:>9} {:>9} {:>9} {:>10}", "page", "p50 ms", "p95 ms", "max ms", "bytes");

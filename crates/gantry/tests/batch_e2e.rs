@@ -265,6 +265,28 @@ fn bootstrap_train_and_batch_with_real_bazel() {
     }
     let listing = gantry().args(["builds", "--server", &url, "--stream", &stream]).output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&listing.stdout));
+
+    // The batching pages, as a person sees them: the builds with their estimates and the
+    // models' error, and one build: a retried one (its retry tree) when there is one.
+    let shown = every
+        .iter()
+        .copied()
+        .find(|v| v["retry_build_ids"].as_array().is_some_and(|r| !r.is_empty()))
+        .or_else(|| second.values().find(|v| v["memory_estimate_bytes"].as_u64().is_some()))
+        .expect("a build to look at");
+    let id = shown["build_id"].as_str().unwrap();
+    let newest = &stream[..stream.len().min(40)];
+    common::browser::look_at(
+        &server.http,
+        &[
+            (
+                "/batching",
+                "batching",
+                &["Batched builds", newest, "Estimate error", "Memory: estimate against actual"][..],
+            ),
+            (format!("/batching/builds/{id}").as_str(), "batching-build", &[id, "Retry tree", "Targets ("][..]),
+        ],
+    );
     server.stop();
 }
 

@@ -5,15 +5,14 @@
 
 mod common;
 
+use common::browser::{session, shoot, text};
 use common::{BazelWorkspace, GantryServer};
-use fantoccini::{ClientBuilder, Locator};
+use fantoccini::Locator;
 use gantry_testkit::ChromeDriver;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
     let Some(driver) = ChromeDriver::start() else { return };
-    // The WebDriver client's TLS stack needs a process-wide provider: gantry's (ring).
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let data = tempfile::tempdir().unwrap();
     // Two size classes of in-process workers, so the scheduler learns shapes to show.
     let config = data.path().join("gantry.toml");
@@ -42,30 +41,14 @@ async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
         .unwrap();
     assert!(built, "the Bazel build failed");
 
-    let shots = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let c = ClientBuilder::rustls()
-        .expect("rustls")
-        .capabilities(ChromeDriver::headless_chromium())
-        .connect(&driver.url())
-        .await
-        .expect("a Chromium session");
-    let shoot = |name: &'static str| {
-        let (c, shots) = (c.clone(), shots.clone());
-        async move {
-            let png = c.screenshot().await.unwrap();
-            let path = shots.join(format!("{name}.png"));
-            std::fs::write(&path, png).unwrap();
-            eprintln!("screenshot: {}", path.display());
-        }
-    };
+    let c = session(&driver).await;
 
     // The list links to the invocation.
     c.goto(&format!("http://{}/invocations", server.http)).await.unwrap();
-    shoot("invocations").await;
+    shoot(&c, "invocations").await;
     c.find(Locator::Css(&format!("a[href='/invocations/{invocation}']"))).await.unwrap().click().await.unwrap();
-    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
-    shoot("invocation").await;
+    let body = text(&c).await;
+    shoot(&c, "invocation").await;
     assert!(body.contains("//:noisy") && body.contains("//:chain_c"), "the target list: {body}");
     assert!(body.contains("Peak MiB"), "{body}");
     // An action's peak memory: the Peak MiB cell of the first action row is a number.
@@ -77,28 +60,31 @@ async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
     let row =
         c.find(Locator::XPath("//tr[td/code[text()='//:noisy']][td/a[starts-with(@href,'/actions/')]]")).await.unwrap();
     row.find(Locator::Css("a[href^='/actions/']")).await.unwrap().click().await.unwrap();
-    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
-    shoot("action").await;
+    let body = text(&c).await;
+    shoot(&c, "action").await;
     assert!(body.contains("GANTRY_STDOUT_MARKER_42") && body.contains("Exit code 0"), "the action page: {body}");
     c.find(Locator::XPath("//a[starts-with(text(),'stdout')]")).await.unwrap().click().await.unwrap();
-    let stdout = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
-    shoot("stdout").await;
+    let stdout = text(&c).await;
+    shoot(&c, "stdout").await;
     assert_eq!(stdout.trim(), "GANTRY_STDOUT_MARKER_42", "what the person reads");
 
     // Back on the action: its input tree, browsed in the CAS.
     c.back().await.unwrap();
     c.find(Locator::LinkText("Input tree")).await.unwrap().click().await.unwrap();
-    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
-    shoot("cas-directory").await;
+    let body = text(&c).await;
+    shoot(&c, "cas-directory").await;
     assert!(body.starts_with("Invocations") && body.contains("Directory /"), "{body}");
     // The action's shape, learned on two classes.
     c.back().await.unwrap();
     c.find(Locator::Css("a[href^='/sizeclasses/']")).await.unwrap().click().await.unwrap();
-    let body = c.find(Locator::Css("body")).await.unwrap().text().await.unwrap();
-    shoot("sizeclass-shape").await;
+    let body = text(&c).await;
+    shoot(&c, "sizeclass-shape").await;
     assert!(body.contains("Runs over time"), "{body}");
     c.goto(&format!("http://{}/sizeclasses", server.http)).await.unwrap();
-    shoot("sizeclasses").await;
+    let body = text(&c).await;
+    shoot(&c, "sizeclasses").await;
+    // The build's runs, counted per class over the last 24 hours.
+    assert!(body.contains("Selections and retries over time") && body.contains("runs in the last 24h"), "{body}");
 
     // The live page: both workers, and its script keeps it current without errors.
     c.goto(&format!("http://{}/workers", server.http)).await.unwrap();
@@ -109,12 +95,13 @@ async fn a_person_follows_an_invocation_to_an_action_and_its_stdout() {
     let stale = c.find(Locator::Css("#stale")).await.unwrap().text().await.unwrap();
     assert_eq!(stale, "", "the poll failed");
     assert!(c.find(Locator::Css("#live svg")).await.is_ok(), "queue depth is plotted");
-    shoot("workers").await;
+    shoot(&c, "workers").await;
+    // Empty here: tests/batch_e2e.rs and tests/queue_e2e.rs look at them with data.
     for page in ["batching", "queue", "cas"] {
         c.goto(&format!("http://{}/{page}", server.http)).await.unwrap();
         let h1 = c.find(Locator::Css("h1")).await.unwrap().text().await.unwrap();
         assert!(!h1.starts_with('4') && !h1.starts_with('5'), "{page}: {h1}");
-        shoot(page).await;
+        shoot(&c, &format!("{page}-empty")).await;
     }
     c.close().await.unwrap();
     server.stop();

@@ -245,6 +245,9 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
         std::thread::sleep(Duration::from_millis(300));
     };
     let first = status["changes"].as_array().unwrap().iter().find(|c| c["state"] == "PENDING").unwrap();
+    // The queue page while builds run: pending changes, their predicted success and
+    // speculative builds (they may have moved on by the time the browser looks).
+    common::browser::look_at(&server.http, &[("/queue", "queue-running", &["Submit queue"][..])]);
     assert_eq!(first["position"], 1);
     let p = first["predicted_success"].as_f64().unwrap();
     assert!(p > 0.0 && p <= 1.0, "{first:#}");
@@ -423,6 +426,11 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
         .arg("shutdown")
         .current_dir(&repo)
         .output();
+    // The queue's history as a person sees it: every change decided, with its outcome.
+    let change_ids: Vec<&str> = changes.iter().map(|c| c["change_id"].as_str().unwrap()).collect();
+    let mut expect = vec!["History", "LANDED", "REJECTED"];
+    expect.extend(&change_ids);
+    common::browser::look_at(&server.http, &[("/queue", "queue", &expect[..])]);
     server.stop();
     println!("queue_e2e took {:.1} s", t0.elapsed().as_secs_f64());
 }

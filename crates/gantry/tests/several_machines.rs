@@ -67,9 +67,33 @@ fn two_frontends_and_a_scheduler_on_postgres_share_one_cache() {
     );
 
     assert!(ws.bazel("clean", &[]).status.success());
-    let out = ws.bazel_with_strategy("test", &via(&b), "remote");
+    // The rebuild's lookups go to B and its build events to A: A's invocation page counts
+    // B's hits (each frontend records its counts in the shared metadata database).
+    let invocation = uuid::Uuid::new_v4().to_string();
+    let mut flags = via(&b);
+    flags.push(format!("--bes_backend=grpc://{}", a.grpc));
+    flags.push(format!("--invocation_id={invocation}"));
+    let out = ws.bazel_with_strategy("test", &flags, "remote");
     assert!(out.status.success(), "rebuild through frontend B failed:\n{}", text(&out));
     assert_all_cache_hits(&out, remote);
+    // "Remote cache hits: H of L (…%)" on A's page, once B's flush has arrived.
+    let counted = |page: &str| -> Option<(u64, u64)> {
+        let rest = page.split("Remote cache hits: ").nth(1)?;
+        let mut words = rest.split_whitespace();
+        let hits = words.next()?.parse().ok()?;
+        (words.next()? == "of").then_some(())?;
+        Some((hits, words.next()?.parse().ok()?))
+    };
+    let start = std::time::Instant::now();
+    let (hits, lookups) = loop {
+        let page = common::http_get(&a.http, &format!("/invocations/{invocation}"));
+        match counted(&page) {
+            Some((h, l)) if h >= remote => break (h, l),
+            _ if start.elapsed() > std::time::Duration::from_secs(20) => panic!("A's page lacks B's hits: {page}"),
+            _ => std::thread::sleep(std::time::Duration::from_millis(250)),
+        }
+    };
+    assert_eq!(hits, lookups, "every lookup of the rebuild was a hit");
     let big = std::fs::metadata(ws.bin().join("big.txt")).unwrap();
     assert!(big.len() > 4 << 20, "outputs downloaded through B");
 

@@ -5,6 +5,7 @@
 
 pub mod batch;
 pub mod batch_workspace;
+pub mod browser;
 pub mod reapi;
 pub mod tls;
 
