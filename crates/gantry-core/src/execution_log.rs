@@ -80,6 +80,9 @@ pub enum RunsOf<'a> {
 pub enum ActionOrder {
     /// Dearest first, by [`ActionRecord::esu_seconds`].
     Dearest,
+    /// Exactly the reverse of [`ActionOrder::Dearest`]: the end of its list, read from that
+    /// end, so a page far down it costs no more than one near its top.
+    Cheapest,
     /// Longest run first, by wall time.
     Longest,
     /// Only the actions completed at or before this Unix time in ms, the latest first,
@@ -129,6 +132,16 @@ pub trait ExecutionLog: Send + Sync + 'static {
         Ok(actions.into_iter().skip(offset).take(limit).collect())
     }
 
+    /// The invocation's runs along its inferred critical path, the last to finish first, at
+    /// most `limit`: the run that finished last, then each time the latest run completed by
+    /// [`predecessor_bound`] of the one before, ties in [`ActionOrder::FinishedBy`]'s order,
+    /// until none is (an untimed record ends it too). This default,
+    /// [`path_back_by_pages`], asks one page per step; a store should walk where the
+    /// records are, in one round trip.
+    async fn path_back(&self, tool_invocation_id: &str, limit: usize) -> Result<Vec<ActionRecord>> {
+        path_back_by_pages(self, tool_invocation_id, limit).await
+    }
+
     /// The invocation's action count and total executor service time. The batching
     /// service divides the latter by build wall time to get occupancy. (A store should
     /// aggregate where the records are: the invocation list asks this for every row.)
@@ -146,6 +159,39 @@ pub trait ExecutionLog: Send + Sync + 'static {
     }
 }
 
+/// How far a run may seem to end after the next one on a critical path became ready and
+/// still count as what it waited for: the times come from different clocks (the worker's
+/// wall time, the scheduler's queue time, the server's completion time) and are rounded
+/// to ms.
+pub const PATH_TOLERANCE_MS: f64 = 50.0;
+
+/// Where the run before `a` on a critical path must have completed, at the latest, in Unix
+/// ms: by `a`'s readiness (its completion less its run and queue times, within
+/// [`PATH_TOLERANCE_MS`]), and strictly before `a` ended, which keeps the walk finite
+/// whatever the tolerance and keeps a run from waiting on itself.
+pub fn predecessor_bound(a: &ActionRecord) -> i64 {
+    let ready_ms = a.completed_unix_ms as f64 - 1000.0 * (a.wall_seconds.max(0.0) + a.queued_seconds.max(0.0));
+    ((ready_ms + PATH_TOLERANCE_MS).floor() as i64).min(a.completed_unix_ms - 1)
+}
+
+/// [`ExecutionLog::path_back`] one [`ExecutionLog::actions_page`] of one run per step: the
+/// definition a store's own walk must agree with.
+pub async fn path_back_by_pages<L: ExecutionLog + ?Sized>(
+    log: &L,
+    tool_invocation_id: &str,
+    limit: usize,
+) -> Result<Vec<ActionRecord>> {
+    let mut path = Vec::new();
+    let mut bound = i64::MAX;
+    while path.len() < limit {
+        let page = log.actions_page(tool_invocation_id, ActionOrder::FinishedBy(bound), 0, 1).await?;
+        let Some(a) = page.into_iter().next().filter(|a| a.completed_unix_ms > 0) else { break };
+        bound = predecessor_bound(&a);
+        path.push(a);
+    }
+    Ok(path)
+}
+
 /// `actions` kept and sorted as [`ActionOrder`] says: the order a store's query must give.
 pub fn order_actions(actions: &mut Vec<ActionRecord>, order: ActionOrder) {
     let tie = |a: &ActionRecord, b: &ActionRecord| {
@@ -158,6 +204,7 @@ pub fn order_actions(actions: &mut Vec<ActionRecord>, order: ActionOrder) {
     }
     actions.sort_by(|a, b| match order {
         ActionOrder::Dearest => b.esu_seconds().total_cmp(&a.esu_seconds()).then_with(|| tie(a, b)),
+        ActionOrder::Cheapest => a.esu_seconds().total_cmp(&b.esu_seconds()).then_with(|| tie(b, a)),
         ActionOrder::Longest => b.wall_seconds.total_cmp(&a.wall_seconds).then_with(|| tie(a, b)),
         ActionOrder::FinishedBy(_) => b
             .completed_unix_ms

@@ -28,8 +28,8 @@ pub use build_store::{BuildQuery, BuildRow, BuildStore};
 pub use digest::{Digest, DigestFunction, Hasher};
 pub use error::{Error, Result, ResultExt};
 pub use execution_log::{
-    order_actions, ActionOrder, ActionRecord, ClassRuns, ExecutionLog, InvocationSummary, RunsOf, SizeClassStore,
-    ESU_MEMORY_BYTES,
+    order_actions, path_back_by_pages, predecessor_bound, ActionOrder, ActionRecord, ClassRuns, ExecutionLog,
+    InvocationSummary, RunsOf, SizeClassStore, ESU_MEMORY_BYTES, PATH_TOLERANCE_MS,
 };
 pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
 pub use invocation_store::{CacheCounts, Invocation, InvocationStore, TargetOutcome, TestOutcome};

@@ -433,6 +433,11 @@ const MIGRATIONS: &[Version] = &[
         description: "remote cache counts of an invocation from every process",
         sql: include_str!("../migrations/0008_invocation_cache_counts.sql"),
     },
+    Version {
+        version: 9,
+        description: "an invocation's actions ready-sorted for its page",
+        sql: include_str!("../migrations/0009_action_pages.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

@@ -116,25 +116,76 @@ impl ExecutionLog for SqlExecutionLog {
         offset: usize,
         limit: usize,
     ) -> Result<Vec<ActionRecord>> {
-        let tie = "completed_unix_ms, operation";
-        let (filter, by) = match order {
-            ActionOrder::Dearest => (String::new(), format!("{} DESC, {tie}", esu_sql())),
-            ActionOrder::Longest => (String::new(), format!("wall_seconds DESC, {tie}")),
-            ActionOrder::FinishedBy(at) => (
-                format!(" AND completed_unix_ms <= {at}"),
-                "completed_unix_ms DESC, completed_unix_ms - 1000.0 * (wall_seconds + queued_seconds), operation"
-                    .to_string(),
-            ),
+        let sql = page_sql(order);
+        let mut query = sqlx::query(&sql)
+            .bind(id)
+            .bind(limit.min(i64::MAX as usize) as i64)
+            .bind(offset.min(i64::MAX as usize) as i64);
+        // A bound, not a literal: the critical path's walk asks hundreds of bounds in a
+        // row, and one statement text is prepared once (a literal each would be parsed
+        // and planned each time, and crowd the connection's statement cache).
+        if let ActionOrder::FinishedBy(at) = order {
+            query = query.bind(at);
+        }
+        let rows = query.fetch_all(self.db.pool()).await.map_err(self.db.err("reading a page of executions"))?;
+        rows.iter().map(record_of).collect()
+    }
+
+    /// The whole walk in one recursive query: each step is the same indexed lookup
+    /// `path_back_by_pages` makes, run inside the database, so a path of hundreds of steps
+    /// costs one round trip, not hundreds. The bound is `predecessor_bound` without its
+    /// floor: for whole milliseconds, `c <= floor(r)` is `c <= r`.
+    async fn path_back(&self, id: &str, limit: usize) -> Result<Vec<ActionRecord>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let rid = self.db.dialect().row_id();
+        // The tie order's readiness (as FinishedBy sorts) and the bound's (clamped).
+        let ready = |t: &str| format!("{t}.completed_unix_ms - 1000.0 * ({t}.wall_seconds + {t}.queued_seconds)");
+        let clamp = |c: String| format!("(CASE WHEN {c} > 0 THEN {c} ELSE 0 END)");
+        let ready_bound = |t: &str| {
+            format!(
+                "{t}.completed_unix_ms - 1000.0 * ({} + {})",
+                clamp(format!("{t}.wall_seconds")),
+                clamp(format!("{t}.queued_seconds"))
+            )
         };
-        let rows = sqlx::query(&format!(
-            "{SELECT_RECORD} WHERE tool_invocation_id = $1{filter} ORDER BY {by} LIMIT $2 OFFSET $3"
-        ))
-        .bind(id)
-        .bind(limit.min(i64::MAX as usize) as i64)
-        .bind(offset.min(i64::MAX as usize) as i64)
-        .fetch_all(self.db.pool())
-        .await
-        .map_err(self.db.err("reading a page of executions"))?;
+        // The walk carries only the row id: each step reads its row `p` by id in scalar
+        // subqueries, so the next lookup's bounds are values an index search can use (a
+        // join on the step's row made SQLite, once ANALYZEd, build a Bloom filter over the
+        // whole table at every step, and PostgreSQL scan the invocation from its end). An untimed run (completed at or
+        // before 0) sorts after every timed one, so "the latest by the bound, ending the walk
+        // if untimed" is "the latest timed one by the bound, if any".
+        let sql = format!(
+            "WITH RECURSIVE walk (rid, n) AS (
+                SELECT rid, 1 FROM (SELECT (
+                    SELECT f.{rid} FROM action_executions f
+                    WHERE f.tool_invocation_id = $1 AND f.completed_unix_ms > 0
+                    ORDER BY f.completed_unix_ms DESC, {fr}, f.operation LIMIT 1
+                ) AS rid) first WHERE rid IS NOT NULL
+                UNION ALL
+                SELECT (
+                    SELECT x.{rid} FROM action_executions x
+                    WHERE x.tool_invocation_id = $1 AND x.completed_unix_ms > 0
+                        AND x.completed_unix_ms < (SELECT p.completed_unix_ms FROM action_executions p WHERE p.{rid} = w.rid)
+                        AND x.completed_unix_ms <= (SELECT {pb} + {tol:.1} FROM action_executions p WHERE p.{rid} = w.rid)
+                    ORDER BY x.completed_unix_ms DESC, {xr}, x.operation LIMIT 1
+                ), w.n + 1
+                FROM walk w WHERE w.n < $2 AND w.rid IS NOT NULL
+            )
+            {select} a JOIN walk ON a.{rid} = walk.rid ORDER BY walk.n",
+            fr = ready("f"),
+            pb = ready_bound("p"),
+            xr = ready("x"),
+            tol = gantry_core::PATH_TOLERANCE_MS,
+            select = select_record_of("a"),
+        );
+        let rows = sqlx::query(&sql)
+            .bind(id)
+            .bind(limit.min(i64::MAX as usize) as i64)
+            .fetch_all(self.db.pool())
+            .await
+            .map_err(self.db.err("walking an invocation's critical path"))?;
         rows.iter().map(record_of).collect()
     }
 
@@ -169,12 +220,39 @@ impl ExecutionLog for SqlExecutionLog {
     }
 }
 
+/// The query for one page of an invocation's actions in `order` (binding the invocation,
+/// the limit, the offset and, for [`ActionOrder::FinishedBy`], its time). The first two orders are those of migration 9's indexes, so
+/// the database reads them ready-sorted; the last walks the (invocation, completion)
+/// index backwards.
+fn page_sql(order: ActionOrder) -> String {
+    let tie = "completed_unix_ms, operation";
+    let (filter, by) = match order {
+        ActionOrder::Dearest => (String::new(), format!("{} DESC, {tie}", esu_sql())),
+        // The dearest index read backwards.
+        ActionOrder::Cheapest => (String::new(), format!("{}, completed_unix_ms DESC, operation DESC", esu_sql())),
+        ActionOrder::Longest => (String::new(), format!("wall_seconds DESC, {tie}")),
+        ActionOrder::FinishedBy(_) => (
+            " AND completed_unix_ms <= $4".to_string(),
+            "completed_unix_ms DESC, completed_unix_ms - 1000.0 * (wall_seconds + queued_seconds), operation"
+                .to_string(),
+        ),
+    };
+    format!("{SELECT_RECORD} WHERE tool_invocation_id = $1{filter} ORDER BY {by} LIMIT $2 OFFSET $3")
+}
+
 /// `ActionRecord::esu_seconds` in SQL: wall time × the larger of the class and the peak
-/// memory in ESU.
+/// memory in ESU. Migration 9 indexes this very expression (a test checks they agree).
 fn esu_sql() -> String {
     let class = "(CASE WHEN size_class < 1 THEN 1 ELSE size_class END)";
     let by_memory = format!("(peak_memory_bytes / {}.0)", gantry_core::ESU_MEMORY_BYTES);
     format!("(wall_seconds * (CASE WHEN {by_memory} > {class} THEN {by_memory} ELSE {class} END))")
+}
+
+/// [`SELECT_RECORD`] with each column taken from the table aliased `alias`, for joins.
+fn select_record_of(alias: &str) -> String {
+    let columns = SELECT_RECORD.trim_start_matches("SELECT ").trim_end_matches(" FROM action_executions");
+    let columns: Vec<String> = columns.split(',').map(|c| format!("{alias}.{}", c.trim())).collect();
+    format!("SELECT {} FROM action_executions", columns.join(", "))
 }
 
 const SELECT_RECORD: &str = "SELECT operation, instance_name, action_digest, tool_invocation_id, action_mnemonic,
@@ -259,5 +337,45 @@ impl gantry_core::SizeClassStore for SqlSizeClassStore {
             .map(|r| r.try_get::<String, _>(0))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::internal(format!("size class stats: undecodable row: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan SQLite chooses for `order`'s page, one line per step.
+    async fn plan(db: &MetadataDb, order: ActionOrder) -> String {
+        let sql = format!("EXPLAIN QUERY PLAN {}", page_sql(order));
+        let mut query = sqlx::query(&sql).bind("inv").bind(100i64).bind(0i64);
+        if let ActionOrder::FinishedBy(at) = order {
+            query = query.bind(at);
+        }
+        let rows = query.fetch_all(db.pool()).await.unwrap();
+        rows.iter().map(|r| r.try_get::<String, _>(3).unwrap()).collect::<Vec<_>>().join("\n")
+    }
+
+    /// A page of the dearest or the longest actions reads an index in its order: no sort of
+    /// every action of the invocation (which made the last page of 100,000 take 0.5 s).
+    #[tokio::test]
+    async fn pages_read_an_index_in_their_order_without_sorting() {
+        assert!(
+            include_str!("../migrations/0009_action_pages.sql").contains(&esu_sql()),
+            "migration 9 must index esu_sql()'s expression: a changed cost needs a new index"
+        );
+        let db = MetadataDb::open("sqlite::memory:").await.unwrap();
+        for (order, index) in [
+            (ActionOrder::Dearest, "action_executions_dearest"),
+            (ActionOrder::Cheapest, "action_executions_dearest"),
+            (ActionOrder::Longest, "action_executions_longest"),
+            (ActionOrder::FinishedBy(5), "action_executions_invocation"),
+        ] {
+            let plan = plan(&db, order).await;
+            assert!(plan.contains(index), "{order:?}: {plan}");
+            // The completion index gives the first key; only ties are ordered after.
+            if order != ActionOrder::FinishedBy(5) {
+                assert!(!plan.contains("TEMP B-TREE"), "{order:?} sorts: {plan}");
+            }
+        }
     }
 }

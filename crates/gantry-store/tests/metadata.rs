@@ -191,6 +191,7 @@ async fn action_pages_and_class_runs(log: &SqlExecutionLog) {
     }
     let orders = [
         gantry_core::ActionOrder::Dearest,
+        gantry_core::ActionOrder::Cheapest,
         gantry_core::ActionOrder::Longest,
         gantry_core::ActionOrder::FinishedBy(7_005_000),
         gantry_core::ActionOrder::FinishedBy(i64::MAX),
@@ -207,6 +208,14 @@ async fn action_pages_and_class_runs(log: &SqlExecutionLog) {
         }
     }
     assert!(log.actions_page("none", gantry_core::ActionOrder::Dearest, 0, 10).await.unwrap().is_empty());
+    // The store's critical-path walk (one recursive query) is the definition's, step by
+    // step, on this backend too.
+    for limit in [0, 1, 5, 1000] {
+        let walked = log.path_back("paged", limit).await.unwrap();
+        assert_eq!(walked, gantry_core::path_back_by_pages(log, "paged", limit).await.unwrap(), "limit {limit}");
+        assert!(limit < 2 || walked.len() > 1, "a path of more than one step to compare");
+    }
+    assert!(log.path_back("none", 10).await.unwrap().is_empty());
 
     // Per 1 s bucket: everything recorded above (the earlier records are older).
     let counts = log.class_runs(7_000_000, 1000).await.unwrap();

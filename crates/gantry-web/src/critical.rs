@@ -10,16 +10,13 @@
 //! sends its own critical path (its "critical path" build tool log) the page shows that
 //! too.
 
-use gantry_core::{ActionOrder, ActionRecord, ExecutionLog, Result};
+use gantry_core::{ActionRecord, ExecutionLog, Result};
 
-/// How far an action may seem to end after the next one became ready and still count
-/// as what it waited for: the times come from different clocks (the worker's wall time,
-/// the scheduler's queue time, the server's completion time) and are rounded to ms.
-pub const TOLERANCE_SECONDS: f64 = 0.05;
+pub use gantry_core::{predecessor_bound, PATH_TOLERANCE_MS};
 
-/// Most steps the walk takes. Each is one indexed query, so a serial chain of 100,000
-/// actions would otherwise cost a page 100,000 queries; past it the page says the path
-/// is cut.
+/// Most steps the walk takes: each is an indexed lookup in the database, and a serial chain
+/// of 100,000 actions would otherwise cost a page 100,000 of them; past it the page says
+/// the path is cut. A longer path is past reading anyway.
 pub const MAX_STEPS: usize = 1_000;
 
 /// One action's place in time, in seconds since the epoch.
@@ -72,36 +69,15 @@ pub fn same_run(a: &ActionRecord, b: &ActionRecord) -> bool {
         && a.action_digest == b.action_digest
 }
 
-/// Where the run before `a` on the path must have completed, at the latest, in Unix ms:
-/// by `a`'s readiness (within the tolerance), and strictly before `a` ended, which keeps
-/// the walk finite whatever the tolerance and keeps an action from waiting on itself.
-/// Computed in ms, as the store compares.
-pub fn predecessor_bound(a: &ActionRecord) -> i64 {
-    let ready_ms = a.completed_unix_ms as f64 - 1000.0 * (a.wall_seconds.max(0.0) + a.queued_seconds.max(0.0));
-    ((ready_ms + TOLERANCE_SECONDS * 1000.0).floor() as i64).min(a.completed_unix_ms - 1)
-}
-
 /// The heuristic chain of actions that determined when the invocation's remote work
-/// ended (see the module's comment). Each step asks the log for the latest run completed
-/// by [`predecessor_bound`] ([`ActionOrder::FinishedBy`]: of runs completed together, the
-/// one ready earliest, as it explains more of the time), so the walk costs one indexed
-/// query per step, not a read of the whole invocation.
+/// ended (see the module's comment). Each step takes the latest run completed by
+/// [`predecessor_bound`] (of runs completed together, the one ready earliest, as it
+/// explains more of the time): [`ExecutionLog::path_back`], which the SQL log walks in one
+/// recursive query, reading the runs on the path, not the whole invocation.
 pub async fn critical_path(log: &dyn ExecutionLog, invocation: &str) -> Result<CriticalPath> {
-    let latest = |by: i64| async move {
-        let mut page = log.actions_page(invocation, ActionOrder::FinishedBy(by), 0, 1).await?;
-        Ok::<_, gantry_core::Error>(page.pop().filter(|a| a.completed_unix_ms > 0))
-    };
-    let mut path = Vec::new();
-    let mut at = latest(i64::MAX).await?;
-    let mut cut = false;
-    while let Some(a) = at {
-        if path.len() == MAX_STEPS {
-            cut = true;
-            break;
-        }
-        at = latest(predecessor_bound(&a)).await?;
-        path.push(a);
-    }
+    let mut path = log.path_back(invocation, MAX_STEPS + 1).await?;
+    let cut = path.len() > MAX_STEPS;
+    path.truncate(MAX_STEPS);
     path.reverse();
     let (Some(first), Some(last)) = (path.first().and_then(span), path.last().and_then(span)) else {
         return Ok(CriticalPath::default());
@@ -145,6 +121,14 @@ mod tests {
             log.record(&a).await.unwrap();
         }
         let p = critical_path(log, id).await.unwrap();
+        // The store's own walk is the definition's, one page per step.
+        for limit in [0, 1, 2, MAX_STEPS + 1] {
+            assert_eq!(
+                log.path_back(id, limit).await.unwrap(),
+                gantry_core::path_back_by_pages(log, id, limit).await.unwrap(),
+                "limit {limit}"
+            );
+        }
         (p.actions.iter().map(|a| a.action_mnemonic.clone()).collect(), p)
     }
 

@@ -196,10 +196,19 @@ async fn one(
         return failure(StatusCode::NOT_FOUND, &format!("no invocation {}", pages::shorten(&id, 100)));
     }
     let log = web.log.as_ref();
-    let offset = page * pages::ACTIONS_PER_PAGE;
-    let (summary, rows, longest, critical) = match tokio::try_join!(
-        log.invocation(&id),
-        log.actions_page(&id, ActionOrder::Dearest, offset, pages::ACTIONS_PER_PAGE),
+    // The table's page waits for the action count (to know which end is nearer); the
+    // timeline and the critical path go meanwhile.
+    let table = async {
+        let summary = log.invocation(&id).await?;
+        let (order, offset, limit) = table_page(page, summary.actions as usize);
+        let mut rows = log.actions_page(&id, order, offset, limit).await?;
+        if order == ActionOrder::Cheapest {
+            rows.reverse();
+        }
+        Ok::<_, Error>((summary, rows))
+    };
+    let ((summary, rows), longest, critical) = match tokio::try_join!(
+        table,
         log.actions_page(&id, ActionOrder::Longest, 0, pages::MAX_TIMELINE_BARS),
         critical::critical_path(log, &id),
     ) {
@@ -214,6 +223,18 @@ async fn one(
     let acts =
         pages::InvocationActions { summary: &summary, page, rows: &rows, longest: &longest, critical: &critical };
     pages::invocation(&id, inv.as_ref(), &acts).into_response()
+}
+
+/// How to read page `page` (from 0) of an invocation's `total` actions, dearest first: as
+/// (order, offset, limit). A page in the list's second half is read from its cheap end in
+/// [`ActionOrder::Cheapest`] (to be reversed), so no page skips more than half the list.
+fn table_page(page: usize, total: usize) -> (ActionOrder, usize, usize) {
+    let (offset, limit) = (page.saturating_mul(pages::ACTIONS_PER_PAGE), pages::ACTIONS_PER_PAGE);
+    if offset >= total || offset <= total / 2 {
+        return (ActionOrder::Dearest, offset, limit);
+    }
+    let shown = limit.min(total - offset);
+    (ActionOrder::Cheapest, total - offset - shown, shown)
 }
 
 /// The last page number an invocation's action table accepts (a million actions).
@@ -407,5 +428,39 @@ mod tests {
         assert_eq!(query_param(Some("flag"), "flag").unwrap().as_deref(), Some(""));
         assert!(instance(Some("instance=%ff%fe")).is_err(), "not UTF-8");
         assert_eq!(instance(Some(&format!("instance={}", pages::percent_encode("dev/x y")))).unwrap(), "dev/x y");
+    }
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    /// Every page, read from whichever end is nearer, is the same slice of the dearest-first
+    /// list as reading it from the top.
+    #[test]
+    fn pages_read_from_either_end_are_the_same_slices() {
+        for total in [0usize, 1, 99, 100, 101, 150, 199, 200, 201, 250, 350, 1000] {
+            let dearest: Vec<usize> = (0..total).collect();
+            let cheapest: Vec<usize> = dearest.iter().rev().copied().collect();
+            for page in 0..total.div_ceil(pages::ACTIONS_PER_PAGE) + 2 {
+                let want: Vec<usize> = dearest
+                    .iter()
+                    .skip(page * pages::ACTIONS_PER_PAGE)
+                    .take(pages::ACTIONS_PER_PAGE)
+                    .copied()
+                    .collect();
+                let (order, offset, limit) = table_page(page, total);
+                let mut got: Vec<usize> = match order {
+                    ActionOrder::Dearest => dearest.iter().skip(offset).take(limit).copied().collect(),
+                    ActionOrder::Cheapest => cheapest.iter().skip(offset).take(limit).copied().collect(),
+                    other => panic!("{other:?}"),
+                };
+                if order == ActionOrder::Cheapest {
+                    got.reverse();
+                    assert!(offset <= total / 2, "read from the nearer end: page {page} of {total}");
+                }
+                assert_eq!(got, want, "page {page} of {total}");
+            }
+        }
     }
 }

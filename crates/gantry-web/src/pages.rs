@@ -318,8 +318,10 @@ pub fn action(
     )
 }
 
-/// Most bars the timeline draws: past it, the longest runs and the critical path.
-pub const MAX_TIMELINE_BARS: usize = 5_000;
+/// Most bars the timeline draws: past it, the longest runs and the critical path. The
+/// plot is about 1,000 pixels wide, so more bars are slivers, and each costs the page
+/// reading and drawing it.
+pub const MAX_TIMELINE_BARS: usize = 2_000;
 
 /// Rows of an invocation's action table per page.
 pub const ACTIONS_PER_PAGE: usize = 100;
