@@ -29,7 +29,8 @@ pub enum BenchCommand {
     /// on the embedded SQLite and on each --metadata-url.
     Ac(AcBenchArgs),
     /// What security costs: cache-hit GetActionResult and FindMissingBlobs calls per
-    /// second, plaintext without [auth] against TLS with a bearer token, side by side.
+    /// second, plaintext without [auth] against TLS with a bearer token, side by side,
+    /// and the same calls on a bare tonic server (plaintext and TLS): the stack's floor.
     Auth(AuthBenchArgs),
     /// Worker size classes: replay a trace through learned selection and two baselines.
     Sizeclass(SizeclassBenchArgs),
@@ -47,6 +48,9 @@ pub enum BenchCommand {
     /// The web pages over HTTP from a real server with 100,000 invocations stored: p50,
     /// p95 and max per page.
     Web(crate::bench_web::WebBenchArgs),
+    /// `bench auth`'s floor: a bare tonic server answering its calls (started by it).
+    #[command(hide = true)]
+    AuthFloorServer(crate::bench_floor::FloorServerArgs),
 }
 
 #[derive(clap::Args)]
@@ -288,6 +292,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Bazel(args) => bazel(args).await,
         BenchCommand::Scheduler(args) => crate::bench_scheduler::run(args).await,
         BenchCommand::Web(args) => crate::bench_web::run(args).await,
+        BenchCommand::AuthFloorServer(args) => crate::bench_floor::serve(args).await,
         BenchCommand::Run(args) => {
             let (target, _server) = bench_server(&args.target.clone(), Some(4), &None).await?;
             crate::bench_run::run(args, target).await
@@ -813,21 +818,30 @@ fn process_cpu(pid: u32) -> anyhow::Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(ticks as f64 / per_second))
 }
 
-async fn auth_target(
-    name: &'static str,
-    args: &AuthBenchArgs,
-    secure: bool,
-    with_token: bool,
-) -> anyhow::Result<AuthTarget> {
+/// What one `bench auth` configuration runs.
+#[derive(Clone, Copy)]
+enum AuthServer {
+    /// `gantry serve`, with `[server.tls]` when `secure`, `[auth]` with one token when
+    /// `with_token`.
+    Gantry { secure: bool, with_token: bool },
+    /// The floor: a bare tonic server (`bench_floor`), with tonic's own TLS when `secure`.
+    Floor { secure: bool },
+}
+
+async fn auth_target(name: &'static str, args: &AuthBenchArgs, kind: AuthServer) -> anyhow::Result<AuthTarget> {
     use tonic::transport::{Certificate, ClientTlsConfig};
     let dir = tempfile::tempdir()?;
     let (port, http_port) = (free_port()?, free_port()?);
+    let abs = |p: &std::path::Path| std::path::absolute(p).with_context(|| p.display().to_string());
+    let (secure, with_token) = match kind {
+        AuthServer::Gantry { secure, with_token } => (secure, with_token),
+        AuthServer::Floor { secure } => (secure, false),
+    };
     let mut text = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nhttp_listen = \"127.0.0.1:{http_port}\"\ndata_dir = {:?}\n",
         dir.path().join("data")
     );
     if secure {
-        let abs = |p: &std::path::Path| std::path::absolute(p).with_context(|| p.display().to_string());
         text += &format!("[server.tls]\ncert = {:?}\nkey = {:?}\n", abs(&args.tls_cert)?, abs(&args.tls_key)?);
     }
     text += "[execution]\nworkers = 0\n[batch]\nrunners = 0\n";
@@ -842,14 +856,17 @@ async fn auth_target(
     std::fs::write(&config, text)?;
     let log = std::fs::File::create(dir.path().join("serve.log"))?;
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
-    command
-        .arg("serve")
-        .arg("--config")
-        .arg(&config)
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true);
+    match kind {
+        AuthServer::Gantry { .. } => command.arg("serve").arg("--config").arg(&config),
+        AuthServer::Floor { .. } => {
+            command.args(["bench", "auth-floor-server", "--listen"]).arg(format!("127.0.0.1:{port}"));
+            if secure {
+                command.arg("--tls-cert").arg(abs(&args.tls_cert)?).arg("--tls-key").arg(abs(&args.tls_key)?);
+            }
+            &mut command
+        }
+    };
+    command.env("RUST_LOG", "warn").stdout(std::process::Stdio::null()).stderr(log).kill_on_drop(true);
     if !args.server_cpus.is_empty() {
         let set = cpu_set(&args.server_cpus, "--server-cpus")?;
         // SAFETY: between fork and exec only sched_setaffinity runs, which is a plain
@@ -970,10 +987,13 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     if !args.client_cpus.is_empty() {
         pin_this_process(&cpu_set(&args.client_cpus, "--client-cpus")?)?;
     }
+    // The first is what every row is compared with; the last two are the stack's floor.
     let targets = [
-        auth_target("plaintext, no [auth]", &args, false, false).await?,
-        auth_target("plaintext + bearer token", &args, false, true).await?,
-        auth_target("TLS + bearer token", &args, true, true).await?,
+        auth_target("plaintext, no [auth]", &args, AuthServer::Gantry { secure: false, with_token: false }).await?,
+        auth_target("plaintext + bearer token", &args, AuthServer::Gantry { secure: false, with_token: true }).await?,
+        auth_target("TLS + bearer token", &args, AuthServer::Gantry { secure: true, with_token: true }).await?,
+        auth_target("floor: bare tonic, plaintext", &args, AuthServer::Floor { secure: false }).await?,
+        auth_target("floor: bare tonic, TLS", &args, AuthServer::Floor { secure: true }).await?,
     ];
     // The same entry and blobs in both: an action result with no outputs, 100 small blobs.
     let action = DigestFunction::Sha256.digest_of(b"bench auth action");
@@ -1039,6 +1059,18 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
             );
         }
         println!("{row}|");
+    }
+    // What TLS adds per call, on gantry and on the floor, against what a 5% bound on the
+    // whole of security (TLS and the token) allows on top of plaintext gantry.
+    for (p, call) in ["GetActionResult", "FindMissingBlobs"].iter().enumerate() {
+        println!(
+            "{call}: TLS adds {:.1} µs of server CPU per call to gantry and {:.1} µs to the bare tonic server \
+             ({:.1} µs plaintext there); 5% of plaintext gantry is {:.1} µs",
+            cpu(2, p) - cpu(1, p),
+            cpu(4, p) - cpu(3, p),
+            cpu(3, p),
+            0.05 * cpu(0, p)
+        );
     }
     let cpus = |v: &[usize]| if v.is_empty() { "any CPU".to_string() } else { format!("CPUs {v:?}") };
     println!(

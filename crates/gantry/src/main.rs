@@ -4,6 +4,7 @@
 mod auth;
 mod batch;
 mod bench;
+mod bench_floor;
 mod bench_queue;
 mod bench_run;
 mod bench_scheduler;

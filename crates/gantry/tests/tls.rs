@@ -158,3 +158,37 @@ fn mutual_tls_for_clients_workers_and_metrics() {
     drop(worker);
     server.stop();
 }
+
+/// `gantry bench auth`, briefly: every configuration comes up and answers, gantry's
+/// three and the bare tonic floor's two (plaintext and TLS), and the report compares what
+/// TLS adds on each.
+#[test]
+fn bench_auth_measures_gantry_beside_the_bare_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("bench CA");
+    let (cert, key) = ca.issue(&["localhost", "127.0.0.1"]);
+    let out = common::gantry()
+        .args(["bench", "auth", "--clients", "2", "--calls", "20", "--rounds", "1", "--tls-cert"])
+        .arg(write(d, "server.pem", &cert))
+        .arg("--tls-key")
+        .arg(write(d, "server.key", &key))
+        .arg("--tls-ca")
+        .arg(write(d, "ca.pem", &ca.pem()))
+        .output()
+        .unwrap();
+    let report = text(&out);
+    assert!(out.status.success(), "{report}");
+    for row in [
+        "| plaintext, no [auth] |",
+        "| plaintext + bearer token |",
+        "| TLS + bearer token |",
+        "| floor: bare tonic, plaintext |",
+        "| floor: bare tonic, TLS |",
+    ] {
+        assert!(report.contains(row), "no row {row}: {report}");
+    }
+    for call in ["GetActionResult", "FindMissingBlobs"] {
+        assert!(report.contains(&format!("{call}: TLS adds ")), "{report}");
+    }
+}
