@@ -56,17 +56,22 @@ pub struct CriticalPath {
 impl CriticalPath {
     /// Whether `a` is one of the path's runs.
     pub fn contains(&self, a: &ActionRecord) -> bool {
-        self.actions.iter().any(|p| same_run(p, a))
+        self.actions.iter().any(|p| run_key(p) == run_key(a))
+    }
+
+    /// The path's runs by [`run_key`], for marking many records at one lookup each (a
+    /// timeline of 2,000 runs against a path of 1,000 steps).
+    pub fn keys(&self) -> std::collections::HashSet<RunKey<'_>> {
+        self.actions.iter().map(run_key).collect()
     }
 }
 
-/// The same record of a run: an operation's retries and hedge copies are records of
-/// their own, told apart by when and where they ended.
-pub fn same_run(a: &ActionRecord, b: &ActionRecord) -> bool {
-    a.operation == b.operation
-        && a.completed_unix_ms == b.completed_unix_ms
-        && a.worker == b.worker
-        && a.action_digest == b.action_digest
+/// What tells one record of a run from another: an operation's retries and hedge copies
+/// are records of their own, told apart by when and where they ended.
+pub type RunKey<'a> = (&'a str, i64, &'a str, &'a str);
+
+pub fn run_key(a: &ActionRecord) -> RunKey<'_> {
+    (&a.operation, a.completed_unix_ms, &a.worker, &a.action_digest)
 }
 
 /// The heuristic chain of actions that determined when the invocation's remote work

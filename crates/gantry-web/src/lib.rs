@@ -182,14 +182,17 @@ async fn one(
         Ok(i) => i,
         Err(e) => return server_error(e),
     };
-    let latest = match web.log.actions_page(&id, ActionOrder::FinishedBy(i64::MAX), 0, 1).await {
-        Ok(mut a) => a.pop(),
-        Err(e) => return server_error(e),
-    };
     // The invocation's instance (its build events', else its latest action's) decides
     // who may see it; what the caller may not read is treated as absent, so the answer
     // does not say whether it exists.
-    let Some(instance) = inv.as_ref().map(|i| i.instance.clone()).or_else(|| latest.map(|a| a.instance)) else {
+    let instance = match &inv {
+        Some(i) => Some(i.instance.clone()),
+        None => match web.log.actions_page(&id, ActionOrder::FinishedBy(i64::MAX), 0, 1).await {
+            Ok(mut a) => a.pop().map(|a| a.instance),
+            Err(e) => return server_error(e),
+        },
+    };
+    let Some(instance) = instance else {
         return failure(StatusCode::NOT_FOUND, &format!("no invocation {}", pages::shorten(&id, 100)));
     };
     if !may_read(&caller, &instance) {

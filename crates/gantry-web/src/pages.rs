@@ -332,12 +332,11 @@ pub const ACTIONS_PER_PAGE: usize = 100;
 /// `total`; the path's runs are drawn whether listed or not. x is seconds since the first
 /// drawn run started.
 pub fn timeline(runs: &[ActionRecord], total: u64, critical: &CriticalPath) -> Markup {
-    let mut drawn: Vec<(&ActionRecord, bool)> = runs.iter().map(|a| (a, critical.contains(a))).collect();
-    for a in &critical.actions {
-        if !runs.iter().any(|r| crate::critical::same_run(r, a)) {
-            drawn.push((a, true));
-        }
-    }
+    use crate::critical::run_key;
+    let on_path = critical.keys();
+    let listed: std::collections::HashSet<_> = runs.iter().map(run_key).collect();
+    let mut drawn: Vec<(&ActionRecord, bool)> = runs.iter().map(|a| (a, on_path.contains(&run_key(a)))).collect();
+    drawn.extend(critical.actions.iter().filter(|a| !listed.contains(&run_key(a))).map(|a| (a, true)));
     let timed: Vec<(&ActionRecord, bool, crate::critical::Span)> =
         drawn.into_iter().filter_map(|(a, marked)| Some((a, marked, crate::critical::span(a)?))).collect();
     let Some(t0) = timed.iter().map(|(_, _, s)| s.start).min_by(f64::total_cmp) else {
@@ -411,6 +410,7 @@ fn action_pages(id: &str, page: usize, total: u64) -> Markup {
 /// (inferred) critical path marked.
 pub fn invocation(id: &str, inv: Option<&Invocation>, acts: &InvocationActions) -> Markup {
     let (summary, critical) = (acts.summary, acts.critical);
+    let on_path = critical.keys();
     layout(
         &format!("Invocation {}", shorten(id, 40)),
         html! {
@@ -499,7 +499,7 @@ pub fn invocation(id: &str, inv: Option<&Invocation>, acts: &InvocationActions) 
                         tr { th { "Mnemonic" } th { "Target" } th { "Worker" } th { "Size class" } th { "Peak MiB" }
                              th { "CPU s" } th { "Queued s" } th { "Ran s" } th { "ESU·s" } th { "Exit" } }
                         @for a in acts.rows {
-                            @let critical = critical.contains(a);
+                            @let critical = on_path.contains(&crate::critical::run_key(a));
                             tr class=[critical.then_some("critical")] {
                                 td { @if critical { span title="on the critical path" { "★ " } }
                                     @match action_link(&a.instance, &a.action_digest) {
