@@ -824,8 +824,9 @@ enum AuthServer {
     /// `gantry serve`, with `[server.tls]` when `secure`, `[auth]` with one token when
     /// `with_token`.
     Gantry { secure: bool, with_token: bool },
-    /// The floor: a bare tonic server (`bench_floor`), with tonic's own TLS when `secure`.
-    Floor { secure: bool },
+    /// The floor: a bare tonic server (`bench_floor`), with TLS when `secure`: tonic's own,
+    /// or gantry's listener when `gantry_listener`.
+    Floor { secure: bool, gantry_listener: bool },
 }
 
 async fn auth_target(name: &'static str, args: &AuthBenchArgs, kind: AuthServer) -> anyhow::Result<AuthTarget> {
@@ -835,7 +836,7 @@ async fn auth_target(name: &'static str, args: &AuthBenchArgs, kind: AuthServer)
     let abs = |p: &std::path::Path| std::path::absolute(p).with_context(|| p.display().to_string());
     let (secure, with_token) = match kind {
         AuthServer::Gantry { secure, with_token } => (secure, with_token),
-        AuthServer::Floor { secure } => (secure, false),
+        AuthServer::Floor { secure, .. } => (secure, false),
     };
     let mut text = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nhttp_listen = \"127.0.0.1:{http_port}\"\ndata_dir = {:?}\n",
@@ -858,10 +859,13 @@ async fn auth_target(name: &'static str, args: &AuthBenchArgs, kind: AuthServer)
     let mut command = tokio::process::Command::new(std::env::current_exe()?);
     match kind {
         AuthServer::Gantry { .. } => command.arg("serve").arg("--config").arg(&config),
-        AuthServer::Floor { .. } => {
+        AuthServer::Floor { gantry_listener, .. } => {
             command.args(["bench", "auth-floor-server", "--listen"]).arg(format!("127.0.0.1:{port}"));
             if secure {
                 command.arg("--tls-cert").arg(abs(&args.tls_cert)?).arg("--tls-key").arg(abs(&args.tls_key)?);
+            }
+            if gantry_listener {
+                command.arg("--gantry-listener");
             }
             &mut command
         }
@@ -987,13 +991,21 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     if !args.client_cpus.is_empty() {
         pin_this_process(&cpu_set(&args.client_cpus, "--client-cpus")?)?;
     }
-    // The first is what every row is compared with; the last two are the stack's floor.
+    // The first is what every row is compared with; the last three are the stack's floor.
     let targets = [
         auth_target("plaintext, no [auth]", &args, AuthServer::Gantry { secure: false, with_token: false }).await?,
         auth_target("plaintext + bearer token", &args, AuthServer::Gantry { secure: false, with_token: true }).await?,
         auth_target("TLS + bearer token", &args, AuthServer::Gantry { secure: true, with_token: true }).await?,
-        auth_target("floor: bare tonic, plaintext", &args, AuthServer::Floor { secure: false }).await?,
-        auth_target("floor: bare tonic, TLS", &args, AuthServer::Floor { secure: true }).await?,
+        auth_target("floor: bare tonic, plaintext", &args, AuthServer::Floor { secure: false, gantry_listener: false })
+            .await?,
+        auth_target("floor: bare tonic, TLS", &args, AuthServer::Floor { secure: true, gantry_listener: false })
+            .await?,
+        auth_target(
+            "floor: bare tonic, gantry's TLS listener",
+            &args,
+            AuthServer::Floor { secure: true, gantry_listener: true },
+        )
+        .await?,
     ];
     // The same entry and blobs in both: an action result with no outputs, 100 small blobs.
     let action = DigestFunction::Sha256.digest_of(b"bench auth action");
@@ -1064,11 +1076,14 @@ async fn auth_bench(args: AuthBenchArgs) -> anyhow::Result<()> {
     // whole of security (TLS and the token) allows on top of plaintext gantry.
     for (p, call) in ["GetActionResult", "FindMissingBlobs"].iter().enumerate() {
         println!(
-            "{call}: TLS adds {:.1} µs of server CPU per call to gantry and {:.1} µs to the bare tonic server \
-             ({:.1} µs plaintext there); 5% of plaintext gantry is {:.1} µs",
+            "{call}: TLS adds {:.1} µs of server CPU per call to gantry, and to the bare tonic server \
+             ({:.1} µs plaintext there) {:.1} µs behind tonic's listener and {:.1} µs behind gantry's; \
+             the token adds {:.1} µs; 5% of plaintext gantry is {:.1} µs",
             cpu(2, p) - cpu(1, p),
-            cpu(4, p) - cpu(3, p),
             cpu(3, p),
+            cpu(4, p) - cpu(3, p),
+            cpu(5, p) - cpu(3, p),
+            cpu(1, p) - cpu(0, p),
             0.05 * cpu(0, p)
         );
     }

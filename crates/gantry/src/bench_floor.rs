@@ -1,8 +1,9 @@
 //! The floor under `gantry bench auth`: the same two calls answered by a tonic server with
-//! none of gantry's code in it (no store, no auth layer, no metrics, no TLS code of
-//! gantry's), plaintext or with tonic's own rustls TLS. What TLS costs this server per
-//! call is what rustls, tokio-rustls and h2 cost, and no server built on them can do the
-//! calls for less; `bench auth` runs it beside `gantry serve` so the two costs are
+//! none of gantry's request path in it (no store, no auth layer, no metrics), plaintext,
+//! with tonic's own rustls TLS, or behind gantry's TLS listener (`--gantry-listener`:
+//! its accept loop and read buffer, nothing after the handshake). What TLS costs this
+//! server per call is what rustls, tokio-rustls and h2 cost, and no server built on them
+//! can do the calls for less; `bench auth` runs it beside `gantry serve` so the costs are
 //! measured side by side in one run.
 
 use std::net::SocketAddr;
@@ -27,6 +28,9 @@ pub struct FloorServerArgs {
     /// The certificate's private key (PEM).
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve TLS through gantry's own listener (`gantry_services::tls`) instead of tonic's.
+    #[arg(long, requires = "tls_cert")]
+    gantry_listener: bool,
 }
 
 /// Answers every GetActionResult with an empty result and every FindMissingBlobs with
@@ -122,6 +126,25 @@ impl ContentAddressableStorage for Floor {
 /// Serves until killed (`bench auth` kills it when done).
 pub async fn serve(args: FloorServerArgs) -> anyhow::Result<()> {
     let mut server = tonic::transport::Server::builder().tcp_nodelay(true);
+    if let (Some(cert), Some(key), true) = (&args.tls_cert, &args.tls_key, args.gantry_listener) {
+        use futures::StreamExt;
+        let files = gantry_services::tls::TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: None,
+            client_certificates_optional: false,
+        };
+        let tls = gantry_services::tls::Tls::load(files)?;
+        let listener = tokio::net::TcpListener::bind(args.listen).await.context("--listen")?;
+        let (conns, _accept) = tls.incoming(listener);
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
+        return server
+            .add_service(ActionCacheServer::new(Floor))
+            .add_service(ContentAddressableStorageServer::new(Floor))
+            .serve_with_incoming(incoming)
+            .await
+            .context("the floor server");
+    }
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         // Two rustls providers are linked in (ring and, through the AWS SDK, aws-lc-rs):
         // tonic needs the process default named. gantry's own listeners use ring.

@@ -160,8 +160,8 @@ fn mutual_tls_for_clients_workers_and_metrics() {
 }
 
 /// `gantry bench auth`, briefly: every configuration comes up and answers, gantry's
-/// three and the bare tonic floor's two (plaintext and TLS), and the report compares what
-/// TLS adds on each.
+/// three and the bare tonic floor's three (plaintext, tonic's TLS, gantry's TLS
+/// listener), and the report compares what TLS adds on each.
 #[test]
 fn bench_auth_measures_gantry_beside_the_bare_stack() {
     let dir = tempfile::tempdir().unwrap();
@@ -185,10 +185,11 @@ fn bench_auth_measures_gantry_beside_the_bare_stack() {
         "| TLS + bearer token |",
         "| floor: bare tonic, plaintext |",
         "| floor: bare tonic, TLS |",
+        "| floor: bare tonic, gantry's TLS listener |",
     ] {
         assert!(report.contains(row), "no row {row}: {report}");
     }
     for call in ["GetActionResult", "FindMissingBlobs"] {
-        assert!(report.contains(&format!("{call}: TLS adds ")), "{report}");
+        assert!(report.contains(&format!("{call}: TLS adds ")) && report.contains("behind gantry's"), "{report}");
     }
 }
