@@ -169,6 +169,21 @@ pub struct JobSpec {
     pub owner: Option<String>,
 }
 
+impl JobSpec {
+    /// The same request without its action and command: who asked for which digest.
+    fn without_action(&self) -> JobSpec {
+        JobSpec {
+            instance: self.instance.clone(),
+            action_digest: self.action_digest,
+            action: reapi::Action { do_not_cache: self.action.do_not_cache, ..Default::default() },
+            command: reapi::Command::default(),
+            priority: self.priority,
+            requester: self.requester.clone(),
+            owner: self.owner.clone(),
+        }
+    }
+}
+
 struct Job {
     id: JobId,
     name: String,
@@ -551,6 +566,10 @@ impl State {
         }
         let now = Instant::now();
         job.completed_at = Some(now);
+        // Kept only to answer WaitExecution and identical requests for the retention
+        // (10 minutes by default, hundreds of thousands of operations on a busy server):
+        // the action and command, the bulk of an operation, are not needed for that.
+        job.spec = Arc::new(job.spec.without_action());
         let (id, hedged) = (job.id, job.hedge.is_some());
         self.live.remove(&id);
         self.completed.push_back((now, name.to_string()));
