@@ -178,6 +178,23 @@ fn client_fault_status(headers: &mut http::HeaderMap) {
         tonic::Code::Internal if message.starts_with("failed to decode Protobuf message") => {
             (tonic::Code::InvalidArgument, format!("the request is not a valid message of this method ({message})"))
         }
+        // Broken gRPC framing is the client's too: a stream that ends inside a message
+        // (its length prefix claims more than was sent), a unary call without its
+        // message, or the compressed flag on a message of a request that named no
+        // grpc-encoding.
+        tonic::Code::Internal if message.starts_with("Unexpected EOF decoding stream") => (
+            tonic::Code::InvalidArgument,
+            "the request stream ended inside a message: its gRPC length prefix claims more bytes than were sent"
+                .to_string(),
+        ),
+        tonic::Code::Internal if message.starts_with("Missing request message") => (
+            tonic::Code::InvalidArgument,
+            "the request has no message: a unary method takes exactly one".to_string(),
+        ),
+        tonic::Code::Internal if message.contains("compressed-flag but no grpc-encoding") => (
+            tonic::Code::InvalidArgument,
+            "a message has the gRPC compressed flag set, but the request names no grpc-encoding".to_string(),
+        ),
         tonic::Code::OutOfRange if message.contains("decoded message length too large") => (
             tonic::Code::ResourceExhausted,
             format!(
@@ -301,5 +318,15 @@ mod tests {
         h.insert("grpc-message", http::HeaderValue::from_static("failed%20to%20decode%20Protobuf%20message:%20x"));
         client_fault_status(&mut h);
         assert_eq!(h["grpc-status"], "3");
+        for framing in [
+            "Unexpected%20EOF%20decoding%20stream.",
+            "Missing%20request%20message.",
+            "protocol%20error:%20received%20message%20with%20compressed-flag%20but%20no%20grpc-encoding%20was%20specified",
+        ] {
+            h.insert("grpc-status", http::HeaderValue::from(13));
+            h.insert("grpc-message", http::HeaderValue::from_static(framing));
+            client_fault_status(&mut h);
+            assert_eq!(h["grpc-status"], "3", "{framing}");
+        }
     }
 }

@@ -48,6 +48,10 @@ pub enum BenchCommand {
     /// The web pages over HTTP from a real server with 100,000 invocations stored: p50,
     /// p95 and max per page.
     Web(crate::bench_web::WebBenchArgs),
+    /// Malformed requests against a server started in process: random and mutated
+    /// messages, and broken gRPC framing, to every method; fails on any panic, hang or
+    /// server-fault code.
+    Fuzz(crate::bench_fuzz::FuzzBenchArgs),
     /// `bench auth`'s floor: a bare tonic server answering its calls (started by it).
     #[command(hide = true)]
     AuthFloorServer(crate::bench_floor::FloorServerArgs),
@@ -293,6 +297,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Scheduler(args) => crate::bench_scheduler::run(args).await,
         BenchCommand::Web(args) => crate::bench_web::run(args).await,
         BenchCommand::AuthFloorServer(args) => crate::bench_floor::serve(args).await,
+        BenchCommand::Fuzz(args) => crate::bench_fuzz::run(args).await,
         BenchCommand::Run(args) => {
             let (target, _server) = bench_server(&args.target.clone(), Some(4), &None).await?;
             crate::bench_run::run(args, target).await
@@ -598,7 +603,7 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
 }
 
 /// A server for a benchmark: `--target`, or one started in-process with local workers.
-async fn bench_server(
+pub(crate) async fn bench_server(
     target: &Option<String>,
     workers: Option<usize>,
     metadata_url: &Option<String>,
@@ -623,7 +628,7 @@ async fn bench_server(
     Ok((t, Some((server, services, guards, dir))))
 }
 
-async fn put_blob(channel: &Channel, data: Vec<u8>) -> anyhow::Result<Digest> {
+pub(crate) async fn put_blob(channel: &Channel, data: Vec<u8>) -> anyhow::Result<Digest> {
     let d = DigestFunction::Sha256.digest_of(&data);
     let r = ContentAddressableStorageClient::new(channel.clone())
         .batch_update_blobs(reapi::BatchUpdateBlobsRequest {

@@ -5,6 +5,7 @@ mod auth;
 mod batch;
 mod bench;
 mod bench_floor;
+mod bench_fuzz;
 mod bench_queue;
 mod bench_run;
 mod bench_scheduler;
