@@ -2,7 +2,9 @@
 //! hash functions behind them, the error type (which maps to gRPC codes and keeps its
 //! details), ByteStream resource names, every storage trait (`BlobStore` with its
 //! `BlobWriter`, `ActionCache`, `ExecutionLog`, `SizeClassStore`, `BuildStore`,
-//! `QueueStore`, `InvocationStore`), the live `Fleet` view the scheduler gives, and `client::connect`, the one way to open a channel to a gantry.
+//! `QueueStore`, `InvocationStore`), the live `Fleet` view the scheduler gives, the
+//! `Work` and `Order`s it hands workers, and `client::connect`, the one way to open a
+//! channel to a gantry.
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
@@ -21,6 +23,7 @@ pub mod queue_store;
 pub mod request_metadata;
 pub mod resource;
 pub mod task;
+pub mod work;
 
 pub use action_cache::ActionCache;
 pub use blob_store::{BlobStore, BlobStream, BlobWriter, StoreUsage};
@@ -35,6 +38,7 @@ pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
 pub use invocation_store::{CacheCounts, Invocation, InvocationStore, TargetOutcome, TestOutcome};
 pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
 pub use task::TaskGuard;
+pub use work::{Order, Work};
 
 /// Re-export of the generated REAPI types so downstream crates name one path.
 pub use bazel_remote_apis::build::bazel::remote::execution::v2 as reapi;

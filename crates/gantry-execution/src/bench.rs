@@ -326,9 +326,10 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
         s.finished(&worker, finished_ok(&job)).await;
         let link = links.get_mut(&worker).expect("known worker");
         while let Ok(m) = link.messages.try_recv() {
-            // A worker session encodes each message for the wire (in-process workers'
-            // bridge too), so that is part of an assignment's cost.
-            std::hint::black_box(m.to_wire());
+            // The bench's workers are in-process: their bridge copies each message into
+            // the worker's values (a remote session would encode it for the wire), so
+            // that is part of an assignment's cost.
+            std::hint::black_box(m.to_order());
             if let ToWorker::Assign(a) = m {
                 running.push_back((worker.clone(), a.job_id.clone()));
                 assigned += 1;
@@ -346,7 +347,7 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
             && let Some(link) = links.get_mut(&id)
         {
             while let Ok(m) = link.messages.try_recv() {
-                std::hint::black_box(m.to_wire());
+                std::hint::black_box(m.to_order());
                 if let ToWorker::Assign(a) = m {
                     running.push_back((id.clone(), a.job_id.clone()));
                     assigned += 1;

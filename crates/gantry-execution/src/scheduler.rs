@@ -290,6 +290,20 @@ impl ToWorker {
         };
         wpb::SchedulerMessage { kind: Some(kind) }
     }
+
+    /// The form an in-process worker takes: the same values, copied, never encoded.
+    pub fn to_order(&self) -> gantry_core::Order {
+        match self {
+            ToWorker::Assign(a) => gantry_core::Order::Run(Box::new(gantry_core::Work {
+                job_id: a.job_id.clone(),
+                function: a.spec.action_digest.function,
+                action: a.spec.action.clone(),
+                command: a.spec.command.clone(),
+                timeout: a.timeout,
+            })),
+            ToWorker::Cancel(job_id) => gantry_core::Order::Cancel { job_id: job_id.clone() },
+        }
+    }
 }
 
 struct WorkerEntry {
@@ -825,23 +839,23 @@ impl Scheduler {
     }
 
     /// Registers an in-process worker and bridges it to the scheduler. The worker reads
-    /// assignments from the returned receiver and reports on the sender; the bridge task
-    /// lives as long as the guard.
+    /// its orders from the returned receiver (the scheduler's values, not the wire form)
+    /// and reports on the sender; the bridge task lives as long as the guard.
     pub fn attach_local(
         self: &Arc<Self>,
         reg: wpb::Register,
-    ) -> Result<(mpsc::UnboundedReceiver<wpb::SchedulerMessage>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)>
+    ) -> Result<(mpsc::UnboundedReceiver<gantry_core::Order>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)>
     {
         let mut link = self.register(reg, true)?;
         let (report_tx, mut reports) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
-        let (to_worker, worker_rx) = mpsc::unbounded_channel::<wpb::SchedulerMessage>();
+        let (to_worker, worker_rx) = mpsc::unbounded_channel::<gantry_core::Order>();
         let s = self.clone();
         let id = link.id.clone();
         let guard = spawn_named("local-worker-bridge", async move {
             loop {
                 tokio::select! {
                     m = link.messages.recv() => match m {
-                        Some(m) if to_worker.send(m.to_wire()).is_ok() => {}
+                        Some(m) if to_worker.send(m.to_order()).is_ok() => {}
                         _ => break,
                     },
                     r = reports.recv() => match r.and_then(|m| m.kind) {

@@ -1,13 +1,13 @@
-//! One assignment, end to end: decode, materialize inputs into a fresh directory, create
+//! One assignment, end to end: materialize inputs into a fresh directory, create
 //! output parents, run metered and bounded, upload outputs and logs, clean up. Every
 //! stage is timestamped in ExecutedActionMetadata.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use gantry_core::reapi::{self, ActionResult, ExecutedActionMetadata};
-use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
+use gantry_core::reapi::{ActionResult, ExecutedActionMetadata};
+use gantry_core::{BlobStore, Digest, Error, Result, ResultExt, Work};
 use gantry_proto::worker::v1 as wpb;
 use gantry_store::FsStore;
 use prost::Message;
@@ -76,41 +76,42 @@ fn safe_relative(p: &str, what: &str) -> Result<()> {
 }
 
 impl Executor {
-    /// Runs the assignment; never fails, because every failure is reported to the client
-    /// as an ExecutionFinished with a status.
-    pub async fn execute(
-        &self,
-        a: wpb::Assignment,
-        cancel: impl std::future::Future<Output = ()>,
-    ) -> wpb::ExecutionFinished {
-        let job_id = a.job_id.clone();
-        let dir = self.work_root.join(job_id.replace('/', "_"));
+    /// Runs the work; never fails, because every failure is reported to the client as an
+    /// ExecutionFinished with a status.
+    pub async fn execute(&self, a: Work, cancel: impl std::future::Future<Output = ()>) -> wpb::ExecutionFinished {
+        let dir = self.work_root.join(a.job_id.replace('/', "_"));
         let res = self.execute_in(&a, &dir, cancel).await;
         let d = dir.clone();
         let _ = tokio::task::spawn_blocking(move || remove_tree(&d)).await;
         match res {
             Ok(f) => f,
-            Err(e) => wpb::ExecutionFinished {
-                job_id,
-                action_result: None,
-                status_code: e.code() as i32,
-                status_message: e.to_string(),
-                metering: None,
-                message: format!("worker {}: {e}", self.worker_id),
-                out_of_memory: false,
-                missing_blobs: match &e {
-                    Error::MissingBlobs { digests, .. } => {
-                        digests.iter().map(gantry_core::resource::missing_subject).collect()
-                    }
-                    _ => vec![],
-                },
+            Err(e) => self.refused(a.job_id, &e),
+        }
+    }
+
+    /// The report of a run that failed before or instead of running: the error as its
+    /// status, and any missing inputs named for the client.
+    pub fn refused(&self, job_id: String, e: &Error) -> wpb::ExecutionFinished {
+        wpb::ExecutionFinished {
+            job_id,
+            action_result: None,
+            status_code: e.code() as i32,
+            status_message: e.to_string(),
+            metering: None,
+            message: format!("worker {}: {e}", self.worker_id),
+            out_of_memory: false,
+            missing_blobs: match e {
+                Error::MissingBlobs { digests, .. } => {
+                    digests.iter().map(gantry_core::resource::missing_subject).collect()
+                }
+                _ => vec![],
             },
         }
     }
 
     async fn execute_in(
         &self,
-        a: &wpb::Assignment,
+        a: &Work,
         dir: &std::path::Path,
         cancel: impl std::future::Future<Output = ()>,
     ) -> Result<wpb::ExecutionFinished> {
@@ -119,10 +120,7 @@ impl Executor {
             worker_start_timestamp: Some(ts()),
             ..Default::default()
         };
-        let f = DigestFunction::from_proto(a.digest_function)?;
-        let action = reapi::Action::decode(a.action.as_slice()).map_err(|e| Error::invalid(format!("action: {e}")))?;
-        let command =
-            reapi::Command::decode(a.command.as_slice()).map_err(|e| Error::invalid(format!("command: {e}")))?;
+        let (f, action, command) = (a.function, &a.action, &a.command);
         let input_root = Digest::from_proto(f, action.input_root_digest.as_ref(), "action.input_root_digest")?;
         if command.arguments.is_empty() {
             return Err(Error::invalid("command.arguments: empty"));
@@ -156,7 +154,7 @@ impl Executor {
         let env: Vec<(String, String)> =
             command.environment_variables.iter().map(|e| (e.name.clone(), e.value.clone())).collect();
         let (stdout, stderr) = (dir.join("stdout"), dir.join("stderr"));
-        let timeout = Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms });
+        let timeout = a.timeout;
         md.execution_start_timestamp = Some(ts());
         let outcome = process::run(
             process::Spec {

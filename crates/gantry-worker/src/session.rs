@@ -1,9 +1,11 @@
-//! The worker loop: assignments arrive, each runs in its own task, and started/finished
-//! reports go back; a cancellation kills the matching process group.
+//! The worker loop: orders arrive (as values: decoded at the wire by a remote session,
+//! never encoded for an in-process worker), each run goes in its own task, and
+//! started/finished reports go back; a cancellation kills the matching process group.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use gantry_core::Order;
 use gantry_proto::worker::v1 as wpb;
 use tokio::sync::{mpsc, oneshot};
 
@@ -11,15 +13,15 @@ use crate::Executor;
 
 /// Serves assignments until the scheduler side closes `messages`.
 pub async fn run_worker(
-    mut messages: mpsc::UnboundedReceiver<wpb::SchedulerMessage>,
+    mut messages: mpsc::UnboundedReceiver<Order>,
     reports: mpsc::UnboundedSender<wpb::WorkerMessage>,
     executor: Arc<Executor>,
 ) {
     let cancels: Arc<Mutex<HashMap<String, oneshot::Sender<()>>>> = Arc::default();
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(m) = messages.recv().await {
-        match m.kind {
-            Some(wpb::scheduler_message::Kind::Assignment(a)) => {
+        match m {
+            Order::Run(a) => {
                 let (ctx, crx) = oneshot::channel();
                 cancels.lock().expect("poisoned").insert(a.job_id.clone(), ctx);
                 let (exec, reports, cancels) = (executor.clone(), reports.clone(), cancels.clone());
@@ -34,18 +36,21 @@ pub async fn run_worker(
                             std::future::pending::<()>().await;
                         }
                     };
-                    let finished = exec.execute(a, cancel).await;
+                    let finished = exec.execute(*a, cancel).await;
                     cancels.lock().expect("poisoned").remove(&job);
                     let _ =
                         reports.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Finished(finished)) });
                 });
             }
-            Some(wpb::scheduler_message::Kind::Cancel(c)) => {
-                if let Some(tx) = cancels.lock().expect("poisoned").remove(&c.job_id) {
+            Order::Refuse { job_id, error } => {
+                let finished = executor.refused(job_id, &error);
+                let _ = reports.send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Finished(finished)) });
+            }
+            Order::Cancel { job_id } => {
+                if let Some(tx) = cancels.lock().expect("poisoned").remove(&job_id) {
                     let _ = tx.send(());
                 }
             }
-            None => {}
         }
         while tasks.try_join_next().is_some() {}
     }

@@ -193,13 +193,12 @@ async fn the_executor_reports_an_oom_kill_to_the_scheduler() {
         limits: Limits { memory_bytes: Some(64 * MIB), cpus: None },
         cgroups: Some(cgroups),
     };
-    let assignment = gantry_proto::worker::v1::Assignment {
+    let assignment = gantry_core::Work {
         job_id: "j".into(),
-        digest_function: f.to_proto(),
-        action: action.encode_to_vec(),
-        command: command.encode_to_vec(),
-        timeout_ms: 60_000,
-        ..Default::default()
+        function: f,
+        action,
+        command,
+        timeout: std::time::Duration::from_secs(60),
     };
     let finished = executor.execute(assignment, std::future::pending()).await;
     assert_eq!(finished.status_code, 0, "a completed run: {}", finished.status_message);
