@@ -31,7 +31,10 @@ pub fn order_from_wire(m: wpb::SchedulerMessage) -> Option<Order> {
                     command: reapi::Command::decode(a.command.as_slice())
                         .map_err(|e| Error::invalid(format!("command: {e}")))?,
                     // A scheduler always sends its resolved timeout; 0 is an old one's "none".
-                    timeout: Duration::from_millis(if a.timeout_ms == 0 { 3_600_000 } else { a.timeout_ms }),
+                    timeout: match a.timeout_ms {
+                        0 => gantry_config::ExecutionConfig::default().default_timeout,
+                        ms => Duration::from_millis(ms),
+                    },
                     job_id: a.job_id.clone(),
                 })
             })();

@@ -371,34 +371,15 @@ fn body(rng: &mut Rng, method: &Method, msg: &[u8]) -> Vec<u8> {
     }
 }
 
-/// One HTTP/2 connection to the server, remade when it breaks.
-struct Conn {
-    addr: SocketAddr,
-    send: Option<h2::client::SendRequest<Bytes>>,
-    _task: Option<gantry_core::TaskGuard>,
-    /// Connections the server closed under us.
-    lost: Arc<AtomicU64>,
-}
-
-impl Conn {
-    async fn ready(&mut self) -> anyhow::Result<h2::client::SendRequest<Bytes>> {
-        if let Some(s) = self.send.clone() {
-            match s.ready().await {
-                Ok(s) => return Ok(s),
-                Err(_) => {
-                    self.lost.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let tcp = tokio::net::TcpStream::connect(self.addr).await.context("connecting to the fuzzed server")?;
-        tcp.set_nodelay(true)?;
-        let (send, conn) = h2::client::handshake(tcp).await.context("HTTP/2 handshake")?;
-        self._task = Some(gantry_core::task::spawn_named("fuzz-connection", async move {
-            let _ = conn.await;
-        }));
-        self.send = Some(send.clone());
-        Ok(send.ready().await?)
-    }
+/// An HTTP/2 connection to the server; it lives as long as the guard.
+async fn connect(addr: SocketAddr) -> anyhow::Result<(h2::client::SendRequest<Bytes>, gantry_core::TaskGuard)> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.context("connecting to the fuzzed server")?;
+    tcp.set_nodelay(true)?;
+    let (send, conn) = h2::client::handshake(tcp).await.context("HTTP/2 handshake")?;
+    let guard = gantry_core::task::spawn_named("fuzz-connection", async move {
+        let _ = conn.await;
+    });
+    Ok((send, guard))
 }
 
 /// Sends one request and reads its whole answer, with the status message.
@@ -501,9 +482,10 @@ pub async fn run(args: FuzzBenchArgs) -> anyhow::Result<()> {
         args.concurrency,
         args.seed
     );
-    let conns: Vec<Arc<tokio::sync::Mutex<Conn>>> = (0..4)
-        .map(|_| Arc::new(tokio::sync::Mutex::new(Conn { addr, send: None, _task: None, lost: lost.clone() })))
-        .collect();
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        conns.push(connect(addr).await?);
+    }
     let progress = {
         let (next, iterations) = (next.clone(), args.iterations);
         gantry_core::task::spawn_named("fuzz-progress", async move {
@@ -522,7 +504,11 @@ pub async fn run(args: FuzzBenchArgs) -> anyhow::Result<()> {
     };
     let mut tasks = tokio::task::JoinSet::new();
     for w in 0..args.concurrency {
-        let (methods, tally, next, conn) = (methods.clone(), tally.clone(), next.clone(), conns[w % 4].clone());
+        let (methods, tally, next, lost) = (methods.clone(), tally.clone(), next.clone(), lost.clone());
+        // Shares one of the four connections; one the server closes is replaced by a
+        // connection of this task's own.
+        let mut send = conns[w % 4].0.clone();
+        let mut _own: Option<gantry_core::TaskGuard> = None;
         let (iterations, seed) = (args.iterations, args.seed);
         tasks.spawn(async move {
             let mut local: Tally = BTreeMap::new();
@@ -536,7 +522,15 @@ pub async fn run(args: FuzzBenchArgs) -> anyhow::Result<()> {
                 let method = &methods[rng.below(methods.len())];
                 let msg = message(&mut rng, method);
                 let body = body(&mut rng, method, &msg);
-                let mut send = conn.lock().await.ready().await?;
+                send = match send.clone().ready().await {
+                    Ok(s) => s,
+                    Err(_) => {
+                        lost.fetch_add(1, Ordering::Relaxed);
+                        let (s, guard) = connect(addr).await?;
+                        _own = Some(guard);
+                        s.ready().await?
+                    }
+                };
                 let (answer, message) =
                     match tokio::time::timeout(hang_after, call(&mut send, addr, method.path, body)).await {
                         Ok(a) => a,
