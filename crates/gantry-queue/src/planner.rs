@@ -150,6 +150,26 @@ pub struct PlannerConfig {
     pub train: TrainParams,
     /// Number of recent decisions per author used for the author success rate.
     pub author_window: usize,
+    /// Batch landing: a passing build decides every pending change its tree
+    /// assumed, not only its own (see [`LandProof::batch`]). Off keeps the
+    /// guarantee that every commit the mainline gains was built on its own.
+    #[serde(default)]
+    pub batching: bool,
+    /// With batching, under a backlog: most changes in one batch.
+    #[serde(default = "default_max_batch")]
+    pub max_batch: usize,
+    /// With batching: a batch stops growing before its predicted P(pass)
+    /// would fall below this.
+    #[serde(default = "default_batch_min_pass")]
+    pub batch_min_pass: f64,
+}
+
+fn default_max_batch() -> usize {
+    16
+}
+
+fn default_batch_min_pass() -> f64 {
+    0.3
 }
 
 impl Default for PlannerConfig {
@@ -181,6 +201,9 @@ impl Default for PlannerConfig {
             max_history: 5000,
             train: TrainParams::default(),
             author_window: 20,
+            batching: false,
+            max_batch: default_max_batch(),
+            batch_min_pass: default_batch_min_pass(),
         }
     }
 }
@@ -272,6 +295,12 @@ pub struct PlannerStats {
     pub rejected: u64,
     /// Times the model was retrained.
     pub retrains: u64,
+    /// Batch landings (several changes decided by one passing tree).
+    #[serde(default)]
+    pub batches: u64,
+    /// Changes landed by those batches.
+    #[serde(default)]
+    pub batch_landed: u64,
 }
 
 /// Read-only view of one pending change, for dashboards and debugging.
@@ -828,9 +857,84 @@ impl Planner {
         1 + self.config.max_retries
     }
 
-    /// Lands or rejects every change whose decisive build is done. One pass in
-    /// queue order suffices: a decision only unblocks later changes.
+    /// Lands or rejects every change whose decisive build is done, then lands
+    /// batches, until neither finds anything more: a decision only unblocks
+    /// later changes.
     fn decide(&mut self, actions: &mut Vec<Action>) {
+        loop {
+            self.decide_singly(actions);
+            if !self.config.batching || !self.land_a_batch(actions) {
+                return;
+            }
+        }
+    }
+
+    /// Lands the first batch (in queue order of its last change) whose tree
+    /// passed: a passing build of `k` assuming the pending changes `K` decides
+    /// all of `K ∪ {k}` at once when that set is closed (every pending
+    /// dependency of a member is a member) and the tree is the mainline's up to
+    /// independent changes for every member. It relies on failures being
+    /// monotone: a tree holding a broken change or a conflicting pair fails.
+    /// Returns whether a batch landed.
+    fn land_a_batch(&mut self, actions: &mut Vec<Action>) -> bool {
+        let mut passed: Vec<(usize, u64)> = self
+            .builds
+            .iter()
+            .filter(|(_, b)| b.state == BuildState::Passed && self.changes[b.change].status == Status::Pending)
+            .map(|(&id, b)| (b.change, id))
+            .collect();
+        passed.sort_unstable();
+        for (k, bid) in passed {
+            let b = &self.builds[&bid];
+            let Some(mut members) = self.build_key(b) else { continue };
+            if members.is_empty() {
+                // A build of one change: `decide_singly` owns it.
+                continue;
+            }
+            members.push(k);
+            let since_base = &self.mainline[b.base.min(self.mainline.len())..];
+            let closed = members.iter().all(|&j| {
+                let deps = &self.changes[j].deps;
+                deps.iter().all(|&d| self.changes[d].status != Status::Pending || members.binary_search(&d).is_ok())
+                    && since_base.iter().all(|&x| {
+                        !self.landed(x) || b.assumed.binary_search(&x).is_ok() || deps.binary_search(&x).is_err()
+                    })
+            });
+            if !closed {
+                continue;
+            }
+            let spec = b.spec.clone();
+            let batch: Vec<ChangeId> = members.iter().map(|&j| self.changes[j].id.clone()).collect();
+            let since: Vec<ChangeId> = since_base
+                .iter()
+                .filter(|&&c| b.assumed.binary_search(&c).is_err() && self.landed(c))
+                .map(|&c| self.changes[c].id.clone())
+                .collect();
+            for j in members {
+                self.changes[j].status = Status::Landed(self.mainline.len());
+                self.mainline.push(j);
+                self.pending.remove(&j);
+                self.record_decision(j, true, false);
+                self.stats.landed += 1;
+                self.stats.batch_landed += 1;
+                actions.push(Action::Land {
+                    change: self.changes[j].id.clone(),
+                    proof: LandProof {
+                        build: spec.clone(),
+                        new_version: self.mainline.len() as u64,
+                        landed_since_base: since.clone(),
+                        batch: batch.clone(),
+                    },
+                });
+            }
+            self.stats.batches += 1;
+            return true;
+        }
+        false
+    }
+
+    /// One pass in queue order deciding each change by a build of its own.
+    fn decide_singly(&mut self, actions: &mut Vec<Action>) {
         let order: Vec<usize> = self.pending.iter().copied().collect();
         for i in order {
             // Newest dependencies first: they are the ones most likely still pending.
@@ -859,7 +963,12 @@ impl Planner {
                 self.stats.landed += 1;
                 actions.push(Action::Land {
                     change: self.changes[i].id.clone(),
-                    proof: LandProof { build: spec, new_version: self.mainline.len() as u64, landed_since_base: since },
+                    proof: LandProof {
+                        build: spec,
+                        new_version: self.mainline.len() as u64,
+                        landed_since_base: since,
+                        batch: Vec::new(),
+                    },
                 });
             } else if s.confirmed_failed(self.max_attempts()) {
                 let bid = s.last_failed.expect("failures recorded");
@@ -1018,6 +1127,7 @@ impl Planner {
         let c_default = self.conflict_rate();
         let mut pi = vec![0.0; order.len()];
         let mut bases = vec![0.0; order.len()];
+        let blame = self.blame(&order, &pos);
         for (p, &i) in order.iter().enumerate() {
             let mut pdeps = Vec::new();
             let mut mf = 1.0;
@@ -1045,7 +1155,7 @@ impl Planner {
                 mf = 1.0;
             }
             let mf = mf.max(1.0 - self.config.max_conflict_probability) * mf_override;
-            let base = self.success_probability(i) * mf;
+            let base = self.success_probability(i) * mf * blame[p];
             bases[p] = base;
             let retry_pass = self.retry_pass_rate();
             let mut known_mass = 0.0;
@@ -1075,6 +1185,145 @@ impl Planner {
             pi[p] = (pass_mass + (1.0 - known_mass).max(0.0) * base).clamp(0.0, 1.0);
         }
         (order, pi, bases)
+    }
+
+    /// Marks the pending positions that end a batch. Batches follow queue
+    /// order and grow with the backlog (`pending / capacity`, at most
+    /// `max_batch`) while the batch's predicted P(pass) stays at least
+    /// `batch_min_pass`; a change more likely rejected than landed is built
+    /// alone. A failed tree halves the batch size of its members: bisection.
+    /// Finally every change that no end's tree holds (an independent lane)
+    /// is covered by making the last such change an end, repeatedly.
+    fn batch_ends(&self, order: &[usize], pos: &PosMap, pi: &[f64]) -> Vec<bool> {
+        let n = order.len();
+        let target = (n as f64 / self.config.capacity.max(1) as f64)
+            .ceil()
+            .clamp(1.0, self.config.max_batch.max(1) as f64) as usize;
+        let mut cap = vec![usize::MAX; n];
+        for b in self.builds.values() {
+            if matches!(b.state, BuildState::Failed | BuildState::FailedConclusively)
+                && self.changes[b.change].status == Status::Pending
+                && let Some(key) = self.build_key(b)
+            {
+                let members: Vec<usize> = key.iter().chain([&b.change]).filter_map(|m| pos.get(m).copied()).collect();
+                let half = members.len().div_ceil(2).max(1);
+                for m in members {
+                    cap[m] = cap[m].min(half);
+                }
+            }
+        }
+        let mut ends = vec![false; n];
+        let (mut run, mut run_cap, mut run_pass) = (0usize, usize::MAX, 1.0f64);
+        for p in 0..n {
+            if pi[p] < 0.5 {
+                if run > 0 {
+                    ends[p - 1] = true;
+                }
+                ends[p] = true;
+                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
+                continue;
+            }
+            if run > 0 && (run_pass * pi[p] < self.config.batch_min_pass || run + 1 > run_cap.min(cap[p])) {
+                ends[p - 1] = true;
+                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
+            }
+            run += 1;
+            run_cap = run_cap.min(cap[p]).min(target);
+            run_pass *= pi[p];
+            if run >= run_cap {
+                ends[p] = true;
+                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
+            }
+        }
+        if n > 0 {
+            ends[n - 1] = true;
+        }
+        // Coverage: an end's tree holds its pending dependencies it expects to land.
+        let mut covered = vec![false; n];
+        let cover = |p: usize, covered: &mut Vec<bool>| {
+            covered[p] = true;
+            for d in &self.changes[order[p]].deps {
+                if let Some(&q) = pos.get(d)
+                    && pi[q] >= 0.5
+                {
+                    covered[q] = true;
+                }
+            }
+        };
+        for (p, _) in ends.iter().enumerate().filter(|(_, e)| **e) {
+            cover(p, &mut covered);
+        }
+        for p in (0..n).rev() {
+            if !covered[p] {
+                ends[p] = true;
+                cover(p, &mut covered);
+            }
+        }
+        ends
+    }
+
+    /// Per pending position, the factor by which failed trees it was assumed
+    /// in lower its P(passes). With batching the build steps run on the whole
+    /// tree, so a failure blames every member, not only the change whose build
+    /// it was (that one's own results are in its key statistics). For a failed
+    /// tree of members with P(pass) `p_m` and `P = Π p_m`, member `j` is fine
+    /// with probability `r + (1 − r)·(1 − P/p_j)/(1 − P)` relative to its
+    /// prior, where `r` is the chance the failure was a flake: the posterior
+    /// of "some other member broke it". Trees are treated as independent.
+    fn blame(&self, order: &[usize], pos: &PosMap) -> Vec<f64> {
+        let mut factor = vec![1.0; order.len()];
+        if !self.config.batching {
+            return factor;
+        }
+        let mut trees: BTreeSet<(usize, Vec<usize>)> = BTreeSet::new();
+        for b in self.builds.values() {
+            if matches!(b.state, BuildState::Failed | BuildState::FailedConclusively)
+                && self.changes[b.change].status == Status::Pending
+                && let Some(key) = self.build_key(b)
+                && !key.is_empty()
+            {
+                trees.insert((b.change, key));
+            }
+        }
+        if trees.is_empty() {
+            return factor;
+        }
+        let r = self.retry_pass_rate();
+        // Smallest trees first, each update using the posteriors so far: once a
+        // small failed tree has blamed its culprit, the larger trees holding it
+        // are already explained and barely blame their other members.
+        let mut trees: Vec<(usize, Vec<usize>)> = trees
+            .into_iter()
+            .map(|(k, key)| {
+                (
+                    pos.get(&k).copied().unwrap_or(usize::MAX),
+                    key.iter().chain([&k]).filter_map(|m| pos.get(m).copied()).collect(),
+                )
+            })
+            .collect();
+        trees.sort_by_key(|(_, members): &(usize, Vec<usize>)| members.len());
+        let mut q: Vec<Option<f64>> = vec![None; order.len()];
+        for (own, members) in trees {
+            let mut p_all = 1.0;
+            for &m in &members {
+                p_all *= *q[m].get_or_insert_with(|| self.success_probability(order[m]));
+            }
+            if 1.0 - p_all < 1e-9 {
+                continue;
+            }
+            for &m in &members {
+                let p_m = q[m].expect("computed above");
+                if p_m <= 0.0 {
+                    continue;
+                }
+                let f = r + (1.0 - r) * (1.0 - p_all / p_m) / (1.0 - p_all);
+                q[m] = Some(p_m * f);
+                if m != own {
+                    factor[m] *= f;
+                }
+            }
+        }
+        factor
     }
 
     fn view(&self, i: usize, pos: &PosMap, pi: &[f64]) -> View {
@@ -1148,16 +1397,29 @@ impl Planner {
                 }
             }
         }
+        // Under a backlog with batching, only batch ends get a build: the tree
+        // of a batch end holds its whole batch, which lands in one move.
+        let ends = (overloaded && self.config.batching).then(|| self.batch_ends(&order, &pos, &pi));
+        let mut ends_seen = 0usize;
         let mut views: Vec<Option<View>> = (0..order.len()).map(|_| None).collect();
         let mut heap = BinaryHeap::new();
         for (p, &i) in order.iter().enumerate() {
+            if let Some(ends) = &ends {
+                if !ends[p] {
+                    continue;
+                }
+                ends_seen += 1;
+                if ends_seen > window {
+                    continue;
+                }
+            }
             if strategy == Strategy::Value {
                 let view = self.view(i, &pos, &pi);
                 let main_value: f64 =
                     view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
                 // Under overload, changes deep in the queue wait unless their
                 // build is nearly certain to be needed (e.g. an independent lane).
-                if p < window || main_value >= self.config.overload_certain {
+                if ends.is_some() || p < window || main_value >= self.config.overload_certain {
                     heap.push(Cand {
                         prio: self.quantize(main_value) * weight[p],
                         pos: p,

@@ -150,17 +150,30 @@ pub enum Policy {
     /// speculation.
     #[serde(rename = "oracle-retry")]
     OracleRetry,
+    /// Experimental: sq with batch landing, blame spread over a failed tree's
+    /// members, and batches with bisection under a backlog
+    /// (`PlannerConfig::batching`).
+    #[serde(rename = "sq-batch")]
+    SqBatch,
 }
 
 impl Policy {
     /// All policies, oracle first (it is the normaliser).
-    pub const ALL: [Policy; 6] =
-        [Policy::Oracle, Policy::OracleRetry, Policy::Sq, Policy::SpeculateAll, Policy::Single, Policy::Optimistic];
+    pub const ALL: [Policy; 7] = [
+        Policy::Oracle,
+        Policy::OracleRetry,
+        Policy::Sq,
+        Policy::SqBatch,
+        Policy::SpeculateAll,
+        Policy::Single,
+        Policy::Optimistic,
+    ];
 
     /// Name used in reports.
     pub fn name(self) -> &'static str {
         match self {
             Policy::Sq => "sq",
+            Policy::SqBatch => "sq-batch",
             Policy::Single => "single",
             Policy::Optimistic => "optimistic",
             Policy::SpeculateAll => "speculate-all",
@@ -238,6 +251,10 @@ pub struct Report {
     pub builds_cancelled: u64,
     /// Of those, cancelled to make room for a more valuable build.
     pub builds_preempted: u64,
+    /// Batch landings (one passing tree deciding several changes).
+    pub batches: u64,
+    /// Changes landed by batch landings.
+    pub batch_landed: u64,
     /// Wall-clock seconds the simulation took (not deterministic).
     pub wall_s: f64,
 }
@@ -312,6 +329,12 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
         Policy::Sq => {
             PlannerConfig { capacity: opts.capacity, max_retries: opts.max_retries, ..opts.sq_config.clone() }
         }
+        Policy::SqBatch => PlannerConfig {
+            capacity: opts.capacity,
+            max_retries: opts.max_retries,
+            batching: true,
+            ..opts.sq_config.clone()
+        },
         Policy::Single => PlannerConfig { capacity: 1, strategy: Strategy::Optimistic, use_analyzer: false, ..base },
         Policy::Optimistic => PlannerConfig { strategy: Strategy::Optimistic, use_analyzer: false, ..base },
         Policy::SpeculateAll => PlannerConfig { strategy: Strategy::SpeculateAll, ..base },
@@ -416,7 +439,7 @@ pub fn simulate_logged(
         }
         let acts = planner.handle(Millis(now), event.clone())?;
         log(Millis(now), &event, &acts);
-        if let (Policy::Sq, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
+        if let (Policy::Sq | Policy::SqBatch, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
             let id = ChangeId(trace[i].id.clone());
             for &x in &truth.conflicts[i] {
                 planner.override_conflict(&id, &ChangeId(trace[x].id.clone()), 1.0)?;
@@ -465,6 +488,8 @@ pub fn simulate_logged(
         builds_started: st.builds_started,
         builds_cancelled: st.builds_cancelled,
         builds_preempted: st.builds_preempted,
+        batches: st.batches,
+        batch_landed: st.batch_landed,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }
@@ -503,7 +528,16 @@ fn execute(
                 }
                 let mut tree: HashSet<usize> = mainline[..base.min(mainline.len())].iter().copied().collect();
                 tree.extend(build.assumed.iter().map(|x| truth.idx[&x.0]));
-                let mut passes = trace[c].succeeds_alone && truth.conflicts[c].is_disjoint(&tree);
+                // The build steps run on the whole tree (as the queue's `bazel test`
+                // does), so a broken or conflicting assumed change fails it too.
+                // Failures are monotone: adding a change to a tree never fixes it.
+                tree.insert(c);
+                let mut passes = build
+                    .assumed
+                    .iter()
+                    .map(|x| truth.idx[&x.0])
+                    .chain([c])
+                    .all(|m| trace[m].succeeds_alone && truth.conflicts[m].is_disjoint(&tree));
                 if passes && opts.flaky_rate > 0.0 && rng.random::<f64>() < opts.flaky_rate {
                     passes = false;
                 }
@@ -520,11 +554,21 @@ fn execute(
             Action::Land { change, proof } => {
                 let c = truth.idx[&change.0];
                 let b = &proof.build;
-                if !passed_builds.contains(&b.id.0) || b.change != change {
+                // A batch landing decides every change on the passing tree; the
+                // members after this one land in the same move.
+                let in_batch = !proof.batch.is_empty();
+                let later_members: HashSet<&ChangeId> =
+                    proof.batch.iter().skip_while(|x| **x != change).skip(1).collect();
+                let member_ok = if in_batch {
+                    proof.batch.contains(&change) && proof.batch.last() == Some(&b.change)
+                } else {
+                    b.change == change
+                };
+                if !passed_builds.contains(&b.id.0) || !member_ok {
                     violations.push(format!("{change} landed on build {} that did not pass for it", b.id));
                 }
                 for x in &b.assumed {
-                    if !landed.contains(&truth.idx[&x.0]) {
+                    if !landed.contains(&truth.idx[&x.0]) && !later_members.contains(x) && *x != change {
                         violations.push(format!("{change} landed assuming {x}, which has not landed"));
                     }
                 }

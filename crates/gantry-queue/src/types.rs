@@ -140,6 +140,15 @@ pub struct LandProof {
     /// all are independent of the landing change (parallel lanes). Empty means
     /// the new mainline tree is exactly the tested tree.
     pub landed_since_base: Vec<ChangeId>,
+    /// A batch landing: every change that lands on this build's tree in the same
+    /// mainline move, in queue order (`build.assumed` still pending, then
+    /// `build.change`). The integrator applies them all and moves the mainline
+    /// once, after the last, so it only ever points at the tree that passed;
+    /// each change keeps its own commit in history, but the commits inside the
+    /// batch were not built on their own. Empty for a change decided by a build
+    /// of its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch: Vec<ChangeId>,
 }
 
 /// Why a change was rejected.

@@ -560,6 +560,87 @@ fn trained_model_is_not_discounted_for_conflicts_twice() {
     }
 }
 
+/// Drives a batching planner with one slot through changes `c1..=cn` (c1
+/// first, alone, then the rest as a backlog) where the changes in `broken`
+/// fail every tree holding them. Returns (builds started, shape of each build
+/// in order, landed, rejected, batch sizes).
+#[allow(clippy::type_complexity)]
+fn run_batched(
+    n: usize,
+    broken: &[usize],
+) -> (usize, Vec<(String, Vec<String>)>, Vec<String>, Vec<String>, Vec<usize>) {
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, batching: true, ..PlannerConfig::default() });
+    let mut running: Vec<BuildSpec> = Vec::new();
+    let (mut shapes, mut landed, mut rejected, mut batches) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut absorb = |acts: Vec<Action>, running: &mut Vec<BuildSpec>| {
+        for a in acts {
+            match a {
+                Action::StartBuild { build } => {
+                    shapes.push(shape(&build));
+                    running.push(build);
+                }
+                Action::CancelBuild { id } => running.retain(|b| b.id != id),
+                Action::Land { change, proof } => {
+                    if proof.batch.last() == Some(&change) {
+                        batches.push(proof.batch.len());
+                    }
+                    landed.push(change.0);
+                }
+                Action::Reject { change, .. } => rejected.push(change.0),
+            }
+        }
+    };
+    let mut t = 0;
+    for i in 1..=n {
+        t += 1;
+        absorb(enqueue(&mut p, t, &format!("c{i}"), None), &mut running);
+    }
+    while let Some(b) = running.pop() {
+        t += 1;
+        let tree_ok = b.assumed.iter().chain([&b.change]).all(|c| !broken.contains(&c.0[1..].parse().unwrap()));
+        absorb(finish(&mut p, t, b.id, tree_ok), &mut running);
+    }
+    (shapes.len(), shapes, landed, rejected, batches)
+}
+
+#[test]
+fn a_passing_batch_lands_every_change_in_one_build() {
+    let (builds, shapes, landed, rejected, batches) = run_batched(4, &[]);
+    // c1 arrived to an idle queue and was built alone; c2..c4 queued behind it
+    // (a backlog of 3 on 1 slot) and were built as one tree.
+    assert_eq!(shapes[1], ("c4".to_string(), vec!["c2".to_string(), "c3".to_string()]));
+    assert_eq!(builds, 2, "{shapes:?}");
+    assert_eq!(landed, ["c1", "c2", "c3", "c4"]);
+    assert!(rejected.is_empty());
+    assert_eq!(batches, [3]);
+}
+
+#[test]
+fn a_failing_batch_is_bisected_to_its_culprit() {
+    // Eight changes behind c1, c6 broken. The first batch holds c6 and fails;
+    // halving it finds c6 in log2(batch size) more rounds, and one more build
+    // lands what is left.
+    let (builds, shapes, landed, rejected, batches) = run_batched(9, &[6]);
+    assert_eq!(rejected, ["c6"]);
+    assert_eq!(landed, ["c1", "c2", "c3", "c4", "c5", "c7", "c8", "c9"]);
+    let first = shapes[1].1.len() + 1;
+    assert!(first >= 5 && shapes[1].1[0] == "c2", "the backlog is batched: {shapes:?}");
+    let rounds = first.next_power_of_two().trailing_zeros() as usize;
+    assert!(builds <= 1 + 1 + rounds + 1, "{builds} builds: {shapes:?}");
+    assert!(!batches.is_empty(), "the passing halves land as batches: {shapes:?}");
+}
+
+#[test]
+fn with_batching_off_every_change_is_decided_by_its_own_build() {
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, ..PlannerConfig::default() });
+    assert!(!p.config().batching, "batching is opt-in");
+    enqueue(&mut p, 1, "c1", None);
+    let b = started(&enqueue(&mut p, 2, "c2", None));
+    assert!(b.is_empty());
+    let acts = finish(&mut p, 3, BuildId(0), true);
+    assert!(matches!(&acts[0], Action::Land { proof, .. } if proof.batch.is_empty()));
+}
+
 /// Ground truth for the property test: each change fails alone or conflicts
 /// with some earlier ones; a build passes iff the change is fine and no
 /// conflicting change is in its tree.
@@ -609,6 +690,7 @@ proptest! {
         capacity in 1usize..6,
         picks in proptest::collection::vec(any::<proptest::sample::Index>(), 200),
         arrival_gaps in proptest::collection::vec(0usize..3, 7),
+        batching in any::<bool>(),
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -621,7 +703,7 @@ proptest! {
         for i in 0..n {
             reference[i] = w.ok[i] && w.conflicts[i].iter().all(|&j| !reference[j]);
         }
-        let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, ..PlannerConfig::default() });
+        let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, batching, ..PlannerConfig::default() });
         let name = |i: usize| ChangeId(format!("c{i}"));
         let index = |c: &ChangeId| c.0[1..].parse::<usize>().unwrap();
         let mut running: Vec<BuildSpec> = Vec::new();
@@ -652,8 +734,10 @@ proptest! {
                 let b = running.remove(pick.index(running.len()));
                 let c = index(&b.change);
                 let tree: HashSet<usize> = mainline[..b.base_version as usize].iter().copied()
-                    .chain(b.assumed.iter().map(index)).collect();
-                let ok = w.ok[c] && w.conflicts[c].iter().all(|j| !tree.contains(j));
+                    .chain(b.assumed.iter().map(index)).chain([c]).collect();
+                // The build steps run on the whole tree: every change in it must
+                // be fine and meet none of its conflicts there.
+                let ok = tree.iter().all(|&m| w.ok[m] && w.conflicts[m].iter().all(|j| !tree.contains(j)));
                 if ok { passed.insert(b.id); }
                 p.handle(Millis(t), Event::BuildFinished {
                     build: b.id, outcome: if ok { BuildOutcome::Passed } else { BuildOutcome::Failed },
@@ -676,8 +760,19 @@ proptest! {
                         // change whose assumptions all landed, and anything else
                         // that landed since its base is independent.
                         prop_assert!(passed.contains(&proof.build.id));
-                        prop_assert_eq!(&proof.build.change, &change);
-                        for a in &proof.build.assumed { prop_assert!(mainline.contains(&index(a))); }
+                        // A batch lands its members in queue order, the build's
+                        // own change last; the members after this one follow.
+                        let later: Vec<&ChangeId> = proof.batch.iter().skip_while(|x| **x != change).skip(1).collect();
+                        if proof.batch.is_empty() {
+                            prop_assert_eq!(&proof.build.change, &change);
+                        } else {
+                            prop_assert!(batching, "a batch landing with batching off");
+                            prop_assert!(proof.batch.contains(&change));
+                            prop_assert_eq!(proof.batch.last(), Some(&proof.build.change));
+                        }
+                        for a in &proof.build.assumed {
+                            prop_assert!(mainline.contains(&index(a)) || *a == change || later.contains(&a));
+                        }
                         for &x in &mainline[proof.build.base_version as usize..] {
                             let assumed = proof.build.assumed.iter().any(|a| index(a) == x);
                             prop_assert!(assumed || independent(&w, c, x));

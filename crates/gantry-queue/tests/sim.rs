@@ -16,7 +16,7 @@ fn every_policy_is_correct_and_green() {
         let trace = small(120.0, seed);
         let opts = SimOptions { capacity: 20, ..SimOptions::default() };
         let cmp = compare_policies("test", &trace, &opts).unwrap();
-        assert_eq!(cmp.reports.len(), 6);
+        assert_eq!(cmp.reports.len(), 7);
         for r in &cmp.reports {
             assert!(r.green, "{} went red: {:?}", r.policy, r.violation_examples);
             assert_eq!(r.violations, 0, "{}: {:?}", r.policy, r.violation_examples);

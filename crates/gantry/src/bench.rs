@@ -39,8 +39,8 @@ pub enum BenchCommand {
     /// `gantry run` on a mixed workload: local only, remote only, dynamic with a fixed
     /// 1 s delay, and dynamic with the learned delay.
     Run(crate::bench_run::RunBenchArgs),
-    /// Submit queue: simulate every policy (sq, single, optimistic, speculate-all,
-    /// oracle) on a trace or on generated streams, normalised to the oracle.
+    /// Submit queue: simulate every policy (sq, sq-batch, single, optimistic,
+    /// speculate-all, oracle, oracle-retry) on a trace or on generated streams, normalised to the oracle.
     Queue(crate::bench_queue::QueueBenchArgs),
     /// The scheduler alone, in process with simulated workers: assignments per second at
     /// a steady backlog, arrival-to-assignment latency with a free slot, and memory.

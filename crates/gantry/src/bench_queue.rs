@@ -16,7 +16,7 @@ pub struct QueueBenchArgs {
     /// Concurrent builds.
     #[arg(long, default_value_t = 100)]
     capacity: usize,
-    /// One policy (sq, single, optimistic, speculate-all, oracle, oracle-retry) [default: all, with ratios to the oracle].
+    /// One policy (sq, sq-batch, single, optimistic, speculate-all, oracle, oracle-retry) [default: all, with ratios to the oracle].
     #[arg(long)]
     policy: Option<String>,
     /// Probability that a build that should pass fails anyway (flaky tests).
@@ -48,7 +48,7 @@ fn policy(name: &str) -> anyhow::Result<Policy> {
 fn report_json(r: &sim::Report) -> serde_json::Value {
     serde_json::json!({
         "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
-        "builds_per_landed": r.builds_per_landed, "landed": r.landed, "rejected": r.rejected, "green": r.green,
+        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "landed": r.landed, "rejected": r.rejected, "green": r.green,
     })
 }
 
