@@ -155,13 +155,19 @@ pub enum Policy {
     /// (`PlannerConfig::batching`).
     #[serde(rename = "sq-batch")]
     SqBatch,
+    /// The oracle allowed to batch: knowing every outcome, it builds each
+    /// change that will be rejected alone and the others in batches under a
+    /// backlog. The floor for any batching policy.
+    #[serde(rename = "oracle-batch")]
+    OracleBatch,
 }
 
 impl Policy {
     /// All policies, oracle first (it is the normaliser).
-    pub const ALL: [Policy; 7] = [
+    pub const ALL: [Policy; 8] = [
         Policy::Oracle,
         Policy::OracleRetry,
+        Policy::OracleBatch,
         Policy::Sq,
         Policy::SqBatch,
         Policy::SpeculateAll,
@@ -174,6 +180,7 @@ impl Policy {
         match self {
             Policy::Sq => "sq",
             Policy::SqBatch => "sq-batch",
+            Policy::OracleBatch => "oracle-batch",
             Policy::Single => "single",
             Policy::Optimistic => "optimistic",
             Policy::SpeculateAll => "speculate-all",
@@ -344,6 +351,12 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
         // Knowing outcomes, it retries only when flakes exist at all;
         // `oracle-retry` always retries, as the queue's rule says.
         // Plain queue order among its (all certain) builds.
+        Policy::OracleBatch => PlannerConfig {
+            batching: true,
+            // Batches only pay under a backlog; below it, one build per change.
+            overload_pending_factor: Some(1.0),
+            ..policy_config(Policy::Oracle, opts)
+        },
         Policy::Oracle | Policy::OracleRetry => PlannerConfig {
             blocking_weight: 0.0,
             prior_conflict: 0.0,
@@ -426,7 +439,7 @@ pub fn simulate_logged(
             SimEv::Arrival(i) => Some(i),
             SimEv::BuildDone(_) => None,
         };
-        if let (Policy::Oracle | Policy::OracleRetry, Some(i)) = (policy, arrival) {
+        if let (Policy::Oracle | Policy::OracleRetry | Policy::OracleBatch, Some(i)) = (policy, arrival) {
             // The oracle learns the truth about a change as it arrives, before
             // the arrival is planned (a hedged retry is priced by it).
             let conflicts: Vec<(ChangeId, f64)> =

@@ -26,6 +26,12 @@ pub struct QueueBenchArgs {
     /// `max_retries`; `oracle-retry` is held to it too).
     #[arg(long, default_value_t = 1)]
     max_retries: u32,
+    /// Arrival rates of the generated streams, changes per hour (repeat the flag).
+    #[arg(long = "rate", default_values_t = [100.0, 300.0, 500.0])]
+    rates: Vec<f64>,
+    /// Mean probability that a generated change fails on its own.
+    #[arg(long, default_value_t = 0.10)]
+    failure_rate: f64,
     /// Seed of the generated streams and of flakiness.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -55,6 +61,11 @@ fn report_json(r: &sim::Report) -> serde_json::Value {
 pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.capacity > 0, "--capacity must be at least 1");
     anyhow::ensure!((0.0..1.0).contains(&args.flaky_rate), "--flaky-rate must be in [0, 1)");
+    anyhow::ensure!((0.0..1.0).contains(&args.failure_rate), "--failure-rate must be in [0, 1)");
+    anyhow::ensure!(
+        args.rates.iter().all(|r| r.is_finite() && *r > 0.0 && *r <= 100_000.0),
+        "--rate must be above 0 and at most 100000 changes/hour"
+    );
     // Reject a bad policy name before generating any stream.
     let only = args.policy.as_deref().map(policy).transpose()?;
     let opts = SimOptions {
@@ -70,9 +81,16 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             vec![(p.display().to_string(), sim::parse_trace(&text).with_context(|| format!("trace {}", p.display()))?)]
         }
-        None => [100.0, 300.0, 500.0]
-            .into_iter()
-            .map(|rate| Ok((format!("{rate}/h"), sim::generate(&sim::WorkloadParams::at_rate(rate, args.seed))?)))
+        None => args
+            .rates
+            .iter()
+            .map(|&rate| {
+                let params = sim::WorkloadParams {
+                    failure_rate: args.failure_rate,
+                    ..sim::WorkloadParams::at_rate(rate, args.seed)
+                };
+                Ok((format!("{rate}/h"), sim::generate(&params)?))
+            })
             .collect::<anyhow::Result<_>>()?,
     };
     let mut failed = false;
