@@ -46,6 +46,18 @@
 //! order, without preemption or hedged retries, and only for the head of the
 //! queue ([`PlannerConfig::overload_window`]) plus changes whose build is
 //! more likely than not to be needed.
+//!
+//! # Batching (opt-in, [`PlannerConfig::batching`])
+//!
+//! A passing tree decides every pending change in it when that set is closed
+//! under pending dependencies (`land_a_batch`); it relies on failures being
+//! monotone. A failed tree blames its members by their odds of being the
+//! culprit (`blame`). Under a backlog, free slots go to batch trees instead of
+//! per-change paths (`schedule_batches`): batches cut in queue order, ended by
+//! any change expected to fail (built alone, so the batch before it lands
+//! without waiting for it), each tree closed over the dependencies its changes
+//! expect to land, halved when it already failed, and lane heads always built
+//! so that nothing waits on a cycle.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -1187,79 +1199,229 @@ impl Planner {
         (order, pi, bases)
     }
 
-    /// Marks the pending positions that end a batch. Batches follow queue
-    /// order and grow with the backlog (`pending / capacity`, at most
-    /// `max_batch`) while the batch's predicted P(pass) stays at least
-    /// `batch_min_pass`; a change more likely rejected than landed is built
-    /// alone. A failed tree halves the batch size of its members: bisection.
-    /// Finally every change that no end's tree holds (an independent lane)
-    /// is covered by making the last such change an end, repeatedly.
-    fn batch_ends(&self, order: &[usize], pos: &PosMap, pi: &[f64]) -> Vec<bool> {
+    /// Starts a build of change `i` assuming the pending changes `key` (sorted)
+    /// on the current mainline, and returns its id.
+    fn start_build(&mut self, now: Millis, i: usize, key: Vec<usize>, attempt: u32, actions: &mut Vec<Action>) -> u64 {
+        let id = self.next_build;
+        self.next_build += 1;
+        let spec = BuildSpec {
+            id: BuildId(id),
+            change: self.changes[i].id.clone(),
+            base_version: self.mainline.len() as u64,
+            assumed: key.iter().map(|&a| self.changes[a].id.clone()).collect(),
+            attempt,
+        };
+        self.builds.insert(
+            id,
+            BuildRec {
+                spec: spec.clone(),
+                change: i,
+                assumed: key,
+                base: self.mainline.len(),
+                state: BuildState::Running,
+                started: now,
+            },
+        );
+        self.changes[i].builds.push(id);
+        self.running.insert(id);
+        self.stats.builds_started += 1;
+        actions.push(Action::StartBuild { build: spec });
+        id
+    }
+
+    /// Fills free slots with batch trees, under a backlog with batching.
+    ///
+    /// Walking the pending changes in queue order, skipping those already in
+    /// the tree of a running build, a change more likely rejected than landed
+    /// is built on its own (and left out of every other tree, which assume it
+    /// rejected); the others are cut into batches of `target` changes (the
+    /// backlog per slot, at most `max_batch`), shorter where the batch's
+    /// predicted P(pass) would fall below `batch_min_pass`. A batch's tree is
+    /// its changes plus every pending change they depend on and expect to
+    /// land, so it decides them all when it passes (`land_a_batch`), lanes of
+    /// independent changes included. A batch whose tree already failed is
+    /// halved, and halved again, until its tree is new: bisection. The last,
+    /// short batch waits to fill for up to a typical build's duration.
+    fn schedule_batches(
+        &mut self,
+        now: Millis,
+        order: &[usize],
+        pos: &PosMap,
+        pi: &[f64],
+        mut free: usize,
+        actions: &mut Vec<Action>,
+    ) {
         let n = order.len();
+        if free == 0 || n == 0 {
+            return;
+        }
         let target = (n as f64 / self.config.capacity.max(1) as f64)
             .ceil()
             .clamp(1.0, self.config.max_batch.max(1) as f64) as usize;
-        let mut cap = vec![usize::MAX; n];
-        for b in self.builds.values() {
-            if matches!(b.state, BuildState::Failed | BuildState::FailedConclusively)
-                && self.changes[b.change].status == Status::Pending
-                && let Some(key) = self.build_key(b)
-            {
-                let members: Vec<usize> = key.iter().chain([&b.change]).filter_map(|m| pos.get(m).copied()).collect();
-                let half = members.len().div_ceil(2).max(1);
-                for m in members {
-                    cap[m] = cap[m].min(half);
-                }
-            }
-        }
-        let mut ends = vec![false; n];
-        let (mut run, mut run_cap, mut run_pass) = (0usize, usize::MAX, 1.0f64);
-        for p in 0..n {
-            if pi[p] < 0.5 {
-                if run > 0 {
-                    ends[p - 1] = true;
-                }
-                ends[p] = true;
-                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
+        let patience = self.mean_build_ms().unwrap_or(0.0) as u64;
+        // A running tree holds its changes in flight, unless its own change is
+        // expected to fail: such a tree decides nothing for the others.
+        let mut in_flight = vec![false; n];
+        for bid in &self.running {
+            let b = &self.builds[bid];
+            if pos.get(&b.change).is_some_and(|&q| pi[q] < 0.5) {
                 continue;
             }
-            if run > 0 && (run_pass * pi[p] < self.config.batch_min_pass || run + 1 > run_cap.min(cap[p])) {
-                ends[p - 1] = true;
-                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
-            }
-            run += 1;
-            run_cap = run_cap.min(cap[p]).min(target);
-            run_pass *= pi[p];
-            if run >= run_cap {
-                ends[p] = true;
-                (run, run_cap, run_pass) = (0, usize::MAX, 1.0);
+            if let Some(key) = self.build_key(b) {
+                for m in key.iter().chain([&b.change]) {
+                    if let Some(&q) = pos.get(m) {
+                        in_flight[q] = true;
+                    }
+                }
             }
         }
-        if n > 0 {
-            ends[n - 1] = true;
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        // The current batch, its tree so far (`seen`) and that tree's P(pass).
+        let (mut cur, mut cur_pass): (Vec<usize>, f64) = (Vec::new(), 1.0);
+        let mut seen = vec![false; n];
+        // The changes p's tree adds to a tree `seen`: p and, transitively,
+        // the pending dependencies expected to land; and their P(pass). Stops
+        // early once that falls below `floor` (the caller then drops p).
+        let mut stamp = vec![0u32; n];
+        let mut round = 0u32;
+        let mut grow = |p: usize, seen: &[bool], floor: f64| -> (Vec<usize>, f64) {
+            round += 1;
+            stamp[p] = round;
+            let (mut added, mut pass) = (vec![p], pi[p]);
+            let mut i = 0;
+            while i < added.len() && pass >= floor {
+                for d in &self.changes[order[added[i]]].deps {
+                    if let Some(&q) = pos.get(d)
+                        && pi[q] >= 0.5
+                        && !seen[q]
+                        && stamp[q] != round
+                    {
+                        stamp[q] = round;
+                        added.push(q);
+                        pass *= pi[q];
+                    }
+                }
+                i += 1;
+            }
+            (added, pass)
+        };
+        for p in 0..n {
+            // Enough candidates for the free slots, with room for some that
+            // cannot start.
+            if groups.len() > 2 * free + 4 {
+                break;
+            }
+            if in_flight[p] {
+                continue;
+            }
+            if pi[p] < 0.5 {
+                // It ends the batch before it: that batch can land without
+                // waiting for its decision, which in turn needs that batch.
+                if !cur.is_empty() {
+                    groups.push(std::mem::take(&mut cur));
+                    (cur_pass, seen) = (1.0, vec![false; n]);
+                }
+                groups.push(vec![p]);
+                continue;
+            }
+            let min = self.config.batch_min_pass;
+            let (mut added, mut pass) = grow(p, &seen, if cur.is_empty() { min } else { min / cur_pass });
+            if !cur.is_empty() && (cur.len() >= target || cur_pass * pass < min) {
+                groups.push(std::mem::take(&mut cur));
+                (cur_pass, seen) = (1.0, vec![false; n]);
+                (added, pass) = grow(p, &seen, min);
+            }
+            // A tree unlikely to pass (a long chain of undecided changes
+            // ahead) waits for the changes ahead to be decided.
+            if pass < self.config.batch_min_pass {
+                continue;
+            }
+            for q in added {
+                seen[q] = true;
+            }
+            cur.push(p);
+            cur_pass *= pass;
         }
-        // Coverage: an end's tree holds its pending dependencies it expects to land.
-        let mut covered = vec![false; n];
-        let cover = |p: usize, covered: &mut Vec<bool>| {
-            covered[p] = true;
+        if !cur.is_empty() {
+            let oldest = cur.iter().map(|&p| self.changes[order[p]].enqueued.0).min().unwrap_or(now.0);
+            if cur.len() >= target || now.0.saturating_sub(oldest) >= patience {
+                groups.push(cur);
+            }
+        }
+        groups.sort_by_key(|g| g[0]);
+        let max_attempts = self.max_attempts();
+        for mut g in groups {
+            if free == 0 {
+                break;
+            }
+            let (k, key, stats) = loop {
+                let (k, key) = self.batch_tree(&g, order, pos, pi);
+                let stats = self.key_stats(k);
+                let failed = stats.get(&key).is_some_and(|s| s.failures > 0 && s.passed.is_none());
+                if failed && g.len() > 1 && !key.is_empty() {
+                    g.truncate(g.len().div_ceil(2));
+                    continue;
+                }
+                break (k, key, stats);
+            };
+            // A failed tree of several changes is split, not retried; a
+            // change's own tree is retried before it is rejected.
+            let attempt = match stats.get(&key) {
+                None => 1,
+                Some(s)
+                    if s.running_n == 0 && s.may_attempt(max_attempts, 0) && (key.is_empty() || s.failures == 0) =>
+                {
+                    s.failures + 1
+                }
+                Some(_) => continue,
+            };
+            self.start_build(now, k, key, attempt, actions);
+            free -= 1;
+        }
+        // Liveness: a change with no pending dependency (the head of its
+        // lane) not in any running tree gets a build of its own, which decides
+        // it. Batches whose trees failed wait on such decisions.
+        for p in 0..n {
+            if free == 0 {
+                break;
+            }
+            let c = order[p];
+            if in_flight[p] || self.changes[c].deps.iter().any(|d| pos.get(d).is_some()) {
+                continue;
+            }
+            let attempt = match self.key_stats(c).get(&Vec::new()) {
+                None => 1,
+                Some(s) if s.running_n == 0 && s.may_attempt(max_attempts, 0) => s.failures + 1,
+                Some(_) => continue,
+            };
+            self.start_build(now, c, Vec::new(), attempt, actions);
+            free -= 1;
+        }
+    }
+
+    /// The tree of a batch (positions in the pending order): its last change,
+    /// and as assumed changes the others plus every pending change any of
+    /// them depends on and expects to land, transitively (sorted indices).
+    fn batch_tree(&self, group: &[usize], order: &[usize], pos: &PosMap, pi: &[f64]) -> (usize, Vec<usize>) {
+        let last = *group.last().expect("groups are not empty");
+        let mut seen = vec![false; last + 1];
+        let mut stack: Vec<usize> = group.to_vec();
+        for &p in group {
+            seen[p] = true;
+        }
+        while let Some(p) = stack.pop() {
             for d in &self.changes[order[p]].deps {
                 if let Some(&q) = pos.get(d)
                     && pi[q] >= 0.5
+                    && !seen[q]
                 {
-                    covered[q] = true;
+                    seen[q] = true;
+                    stack.push(q);
                 }
             }
-        };
-        for (p, _) in ends.iter().enumerate().filter(|(_, e)| **e) {
-            cover(p, &mut covered);
         }
-        for p in (0..n).rev() {
-            if !covered[p] {
-                ends[p] = true;
-                cover(p, &mut covered);
-            }
-        }
-        ends
+        // Positions follow change indices, so the key comes out sorted.
+        (order[last], (0..last).filter(|&q| seen[q]).map(|q| order[q]).collect())
     }
 
     /// Per pending position, the factor by which failed trees it was assumed
@@ -1397,29 +1559,21 @@ impl Planner {
                 }
             }
         }
-        // Under a backlog with batching, only batch ends get a build: the tree
-        // of a batch end holds its whole batch, which lands in one move.
-        let ends = (overloaded && self.config.batching).then(|| self.batch_ends(&order, &pos, &pi));
-        let mut ends_seen = 0usize;
+        // Under a backlog with batching, slots go to batch trees instead.
+        if overloaded && self.config.batching {
+            self.schedule_batches(now, &order, &pos, &pi, free, actions);
+            return;
+        }
         let mut views: Vec<Option<View>> = (0..order.len()).map(|_| None).collect();
         let mut heap = BinaryHeap::new();
         for (p, &i) in order.iter().enumerate() {
-            if let Some(ends) = &ends {
-                if !ends[p] {
-                    continue;
-                }
-                ends_seen += 1;
-                if ends_seen > window {
-                    continue;
-                }
-            }
             if strategy == Strategy::Value {
                 let view = self.view(i, &pos, &pi);
                 let main_value: f64 =
                     view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
                 // Under overload, changes deep in the queue wait unless their
                 // build is nearly certain to be needed (e.g. an independent lane).
-                if ends.is_some() || p < window || main_value >= self.config.overload_certain {
+                if p < window || main_value >= self.config.overload_certain {
                     heap.push(Cand {
                         prio: self.quantize(main_value) * weight[p],
                         pos: p,
@@ -1544,34 +1698,10 @@ impl Planner {
             }
             let view = views[c.pos].as_mut().expect("view built above");
             if let Some(attempt) = startable {
-                let i = order[c.pos];
-                let id = self.next_build;
-                self.next_build += 1;
-                let spec = BuildSpec {
-                    id: BuildId(id),
-                    change: self.changes[i].id.clone(),
-                    base_version: self.mainline.len() as u64,
-                    assumed: key.iter().map(|&a| self.changes[a].id.clone()).collect(),
-                    attempt,
-                };
-                let st = view.stats.entry(key.clone()).or_default();
+                let id = self.start_build(now, order[c.pos], key.clone(), attempt, actions);
+                let st = view.stats.entry(key).or_default();
                 st.running = Some(id);
                 st.running_n += 1;
-                self.builds.insert(
-                    id,
-                    BuildRec {
-                        spec: spec.clone(),
-                        change: i,
-                        assumed: key,
-                        base: self.mainline.len(),
-                        state: BuildState::Running,
-                        started: now,
-                    },
-                );
-                self.changes[i].builds.push(id);
-                self.running.insert(id);
-                self.stats.builds_started += 1;
-                actions.push(Action::StartBuild { build: spec });
                 free -= 1;
             }
             if strategy == Strategy::Optimistic || view.pdeps.is_empty() || c.hedge {

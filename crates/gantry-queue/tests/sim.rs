@@ -43,6 +43,11 @@ fn every_policy_is_correct_and_green() {
         );
         let ob = cmp.reports.iter().find(|r| r.policy == "oracle-batch").unwrap();
         assert!(ob.builds_started <= oracle.builds_started, "the batching oracle never needs more builds");
+        // 20 slots for ~60 changes in flight: a backlog, where batches pay.
+        assert!(
+            ob.batches > 0 && ob.p50_s < oracle.p50_s,
+            "batching beats the per-change oracle under a backlog: {ob:?} vs {oracle:?}"
+        );
     }
 }
 
