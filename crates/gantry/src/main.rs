@@ -77,9 +77,16 @@ fn main() -> anyhow::Result<()> {
         gantry_worker::meter::meter_main(&argv[2..]);
     }
     let cli = Cli::parse();
+    // A bench's output is its report: the servers and workers it starts in process
+    // would bury it under their INFO lines (one per simulated worker), so benches
+    // log warnings only unless RUST_LOG asks for more.
+    let default_filter = match cli.command {
+        Command::Bench(_) => "warn",
+        _ => "info,sqlx=warn,h2=warn",
+    };
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,sqlx=warn,h2=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr);
     match cli.log_format {
