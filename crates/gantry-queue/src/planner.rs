@@ -917,11 +917,7 @@ impl Planner {
             }
             let spec = b.spec.clone();
             let batch: Vec<ChangeId> = members.iter().map(|&j| self.changes[j].id.clone()).collect();
-            let since: Vec<ChangeId> = since_base
-                .iter()
-                .filter(|&&c| b.assumed.binary_search(&c).is_err() && self.landed(c))
-                .map(|&c| self.changes[c].id.clone())
-                .collect();
+            let since = self.landed_since_base(b);
             for j in members {
                 self.changes[j].status = Status::Landed(self.mainline.len());
                 self.mainline.push(j);
@@ -945,6 +941,16 @@ impl Planner {
         false
     }
 
+    /// The changes that landed after `b`'s base without being in its tree
+    /// (independent ones, by the landing rules): `LandProof::landed_since_base`.
+    fn landed_since_base(&self, b: &BuildRec) -> Vec<ChangeId> {
+        self.mainline[b.base.min(self.mainline.len())..]
+            .iter()
+            .filter(|&&c| b.assumed.binary_search(&c).is_err() && self.landed(c))
+            .map(|&c| self.changes[c].id.clone())
+            .collect()
+    }
+
     /// One pass in queue order deciding each change by a build of its own.
     fn decide_singly(&mut self, actions: &mut Vec<Action>) {
         let order: Vec<usize> = self.pending.iter().copied().collect();
@@ -956,13 +962,7 @@ impl Planner {
             let stats = self.key_stats(i);
             let Some(s) = stats.get(&Vec::new()) else { continue };
             if let Some(bid) = s.passed {
-                let base = self.builds[&bid].base;
-                let assumed = &self.builds[&bid].assumed;
-                let since: Vec<ChangeId> = self.mainline[base.min(self.mainline.len())..]
-                    .iter()
-                    .filter(|&&c| assumed.binary_search(&c).is_err() && self.landed(c))
-                    .map(|&c| self.changes[c].id.clone())
-                    .collect();
+                let since = self.landed_since_base(&self.builds[&bid]);
                 let spec = self.builds[&bid].spec.clone();
                 self.changes[i].status = Status::Landed(self.mainline.len());
                 self.mainline.push(i);
@@ -1275,6 +1275,7 @@ impl Planner {
                 }
             }
         }
+        let min = self.config.batch_min_pass;
         let mut groups: Vec<Vec<usize>> = Vec::new();
         // The current batch, its tree so far (`seen`) and that tree's P(pass).
         let (mut cur, mut cur_pass): (Vec<usize>, f64) = (Vec::new(), 1.0);
@@ -1324,7 +1325,6 @@ impl Planner {
                 groups.push(vec![p]);
                 continue;
             }
-            let min = self.config.batch_min_pass;
             let (mut added, mut pass) = grow(p, &seen, if cur.is_empty() { min } else { min / cur_pass });
             if !cur.is_empty() && (cur.len() >= target || cur_pass * pass < min) {
                 groups.push(std::mem::take(&mut cur));
@@ -1333,7 +1333,7 @@ impl Planner {
             }
             // A tree unlikely to pass (a long chain of undecided changes
             // ahead) waits for the changes ahead to be decided.
-            if pass < self.config.batch_min_pass {
+            if pass < min {
                 continue;
             }
             for q in added {

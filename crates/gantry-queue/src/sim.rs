@@ -351,12 +351,6 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
         // Knowing outcomes, it retries only when flakes exist at all;
         // `oracle-retry` always retries, as the queue's rule says.
         // Plain queue order among its (all certain) builds.
-        Policy::OracleBatch => PlannerConfig {
-            batching: true,
-            // Batches only pay under a backlog; below it, one build per change.
-            overload_pending_factor: Some(1.0),
-            ..policy_config(Policy::Oracle, opts)
-        },
         Policy::Oracle | Policy::OracleRetry => PlannerConfig {
             blocking_weight: 0.0,
             prior_conflict: 0.0,
@@ -369,6 +363,12 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
             max_conflict_probability: 1.0,
             model_includes_conflicts: false,
             ..base
+        },
+        Policy::OracleBatch => PlannerConfig {
+            batching: true,
+            // Batches only pay under a backlog; below it, one build per change.
+            overload_pending_factor: Some(1.0),
+            ..policy_config(Policy::Oracle, opts)
         },
     }
 }
