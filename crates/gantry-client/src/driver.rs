@@ -251,7 +251,7 @@ async fn local_branch(
     let spec = process::Spec {
         limits: Default::default(),
         cgroups: None,
-        meter: None,
+        spawner: None,
         args: &built.command.arguments,
         env: &env,
         cwd: &cwd,

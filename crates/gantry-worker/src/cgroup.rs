@@ -227,11 +227,8 @@ pub struct ActionCgroup {
 
 impl ActionCgroup {
     /// The `cgroup.procs` files a process writes its pid to, to join the group.
-    pub fn procs_files(&self) -> Vec<CString> {
-        self.dirs
-            .iter()
-            .map(|d| CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).expect("paths have no NUL"))
-            .collect()
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
     pub fn name(&self) -> &str {
@@ -509,7 +506,7 @@ fn probe(cgroups: &Cgroups) -> std::result::Result<(), String> {
     // Joining needs write access to cgroup.procs of the common ancestor too (v2's
     // delegation rule); root passes, a delegated user owns the files.
     for f in files {
-        let parent = Path::new(std::ffi::OsStr::from_bytes(f.as_bytes())).parent().and_then(Path::parent);
+        let parent = f.parent().and_then(Path::parent);
         if let Some(procs) = parent.map(|p| p.join("cgroup.procs")) {
             let c = CString::new(procs.as_os_str().as_bytes()).expect("paths have no NUL");
             // SAFETY: access(2) on a valid C string.

@@ -23,8 +23,9 @@ pub struct Executor {
     pub cache: Arc<FsStore>,
     /// Each action runs in `{work_root}/{job}`; removed afterwards.
     pub work_root: PathBuf,
-    /// The gantry binary, used as the metering trampoline (see meter.rs).
-    pub meter: Option<PathBuf>,
+    /// Starts and reaps the actions' commands (spawner.rs); None: forked from this
+    /// process, whose memory then pollutes their rusage peak.
+    pub spawner: Option<Arc<crate::spawner::Spawner>>,
     /// Limits of this worker's size class.
     pub limits: process::Limits,
     /// Where actions get their cgroup (`cgroup::setup`); None: limits are enforced with
@@ -160,7 +161,7 @@ impl Executor {
             process::Spec {
                 limits: self.limits,
                 cgroups: self.cgroups.as_deref(),
-                meter: self.meter.as_deref(),
+                spawner: self.spawner.as_deref(),
                 args: &command.arguments,
                 env: &env,
                 cwd: &cwd,

@@ -1,5 +1,7 @@
 //! Running one command: its own process group (so a timeout or cancel kills everything it
-//! started), stdout/stderr to files, its size class's limits, and its metering.
+//! started), stdout/stderr to files, its size class's limits, and its metering. The
+//! worker's spawner (spawner.rs) forks and reaps it; without one (`gantry run`'s local
+//! branch, unit tests) it is forked and reaped here.
 //!
 //! With cgroups (cgroup.rs) the command runs in a group of its own, joined between fork
 //! and exec: the kernel enforces its memory and CPU time over the whole process tree, its
@@ -19,6 +21,7 @@
 
 use std::ffi::CString;
 use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Stdio;
@@ -29,6 +32,7 @@ use std::time::{Duration, Instant};
 use gantry_core::{Error, Result};
 
 use crate::cgroup::{ActionCgroup, Cgroups, Oom};
+use crate::spawner::{kill_group, wait_child, Exit, Launched, Spawner, StartAction};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -51,21 +55,6 @@ pub struct RunOutcome {
     pub out_of_memory: bool,
 }
 
-/// Kills the process group if the future running it is dropped (a worker session that
-/// broke, a shutdown): an action must never outlive the task that owns it.
-struct GroupGuard {
-    pgid: i32,
-    armed: bool,
-}
-
-impl Drop for GroupGuard {
-    fn drop(&mut self) {
-        if self.armed {
-            kill_group(self.pgid);
-        }
-    }
-}
-
 /// Resource limits of a size class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Limits {
@@ -78,9 +67,9 @@ pub struct Spec<'a> {
     /// Where this machine makes action cgroups (see cgroup.rs). None: `limits` are
     /// enforced with RLIMIT_AS and pinning, and memory is metered from rusage and samples.
     pub cgroups: Option<&'a Cgroups>,
-    /// A binary that understands `__meter` (gantry itself); without it the command is
-    /// spawned directly and its rusage peak memory includes this process's (see meter.rs).
-    pub meter: Option<&'a Path>,
+    /// The worker's spawner (spawner.rs); without it the command is forked from this
+    /// process, and its rusage peak memory includes this process's.
+    pub spawner: Option<&'a Spawner>,
     pub args: &'a [String],
     pub env: &'a [(String, String)],
     pub cwd: &'a Path,
@@ -137,13 +126,6 @@ fn sample_group(pgid: i32, peak: Arc<AtomicU64>) -> gantry_core::TaskGuard {
             tokio::time::sleep(SAMPLE_EVERY).await;
         }
     })
-}
-
-fn kill_group(pgid: i32) {
-    // SAFETY: kill(2) with a negative pid signals the process group; no memory is touched.
-    unsafe {
-        libc::kill(-pgid, libc::SIGKILL);
-    }
 }
 
 /// Writes the calling process's pid to the cgroup.procs file `procs`, which moves it into
@@ -215,55 +197,28 @@ fn pin_to_cpus(n: usize) {
     }
 }
 
-/// Runs the command to completion, timeout or cancellation.
-pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) -> Result<RunOutcome> {
-    let program = &spec.args[0];
-    // A relative program path with a slash is relative to the action's working directory.
-    if !spec.cwd.is_absolute() {
-        // The trampoline runs inside cwd, so a relative cwd would be resolved twice.
-        return Err(Error::internal(format!("working directory {} is not absolute", spec.cwd.display())));
-    }
-    let program_path = if program.contains('/') && !program.starts_with('/') {
-        spec.cwd.join(program).into_os_string()
-    } else {
-        program.into()
-    };
-    let result_file = spec.stdout.with_extension("meter");
-    let mut cmd = match spec.meter {
-        Some(meter) => {
-            // Resolve the program now: the trampoline does no PATH magic of its own
-            // beyond what the action's environment gives it.
-            let mut c = std::process::Command::new(meter);
-            c.arg(crate::meter::SUBCOMMAND).arg(&result_file).arg("--").arg(&program_path).args(&spec.args[1..]);
-            c
-        }
-        None => {
-            let mut c = std::process::Command::new(&program_path);
-            c.args(&spec.args[1..]);
-            c
-        }
-    };
-    cmd.env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(spec.cwd)
+/// Builds the command of `a`: its environment, directory and output files, its own
+/// process group, and, between fork and exec, its cgroups, address-space limit, CPU
+/// pinning and death signal. `parent` is the pid of the process that will fork it.
+pub(crate) fn command(a: &StartAction, parent: i32) -> std::io::Result<std::process::Command> {
+    let mut cmd = std::process::Command::new(&a.program);
+    cmd.args(&a.args)
+        .env_clear()
+        .envs(a.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(&a.cwd)
         .stdin(Stdio::null())
-        .stdout(File::create(spec.stdout).map_err(|e| Error::io("creating stdout file", e))?)
-        .stderr(File::create(spec.stderr).map_err(|e| Error::io("creating stderr file", e))?)
+        .stdout(File::create(&a.stdout)?)
+        .stderr(File::create(&a.stderr)?)
         .process_group(0);
-    // Made before the fork and joined by the child before it execs: nothing of the action
-    // runs outside its group. Dropped (on any early return), it is removed again.
-    let cgroup: Option<ActionCgroup> = spec.cgroups.map(|c| c.create(spec.limits)).transpose()?;
-    let join = cgroup.as_ref().map(ActionCgroup::procs_files).unwrap_or_default();
-    let address_space = if cgroup.is_none() { spec.limits.memory_bytes } else { None };
-    let cpus = spec.limits.cpus;
-    // If this worker dies (SIGKILL, OOM kill), nobody would supervise the action: ask the
-    // kernel to signal it then. The trampoline turns SIGTERM into a kill of the whole
-    // process group (meter.rs); a command started directly can only be killed itself.
-    let on_parent_death = if spec.meter.is_some() { libc::SIGTERM } else { libc::SIGKILL };
-    // SAFETY: getpid before the fork; the closure runs between fork and exec and calls
-    // only async-signal-safe functions (prctl, getppid, open/write/close, setrlimit,
-    // sched_*affinity) on memory allocated before the fork.
-    let parent = unsafe { libc::getpid() };
+    let join: Vec<CString> = a
+        .cgroup_procs
+        .iter()
+        .map(|p| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other))
+        .collect::<std::io::Result<_>>()?;
+    let (address_space, cpus) = (a.address_space, a.cpus);
+    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+    // functions (prctl, getppid, open/write/close, setrlimit, sched_*affinity) on memory
+    // allocated before the fork.
     unsafe {
         cmd.pre_exec(move || {
             for procs in &join {
@@ -275,28 +230,124 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
             if let Some(n) = cpus {
                 pin_to_cpus(n);
             }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, on_parent_death as libc::c_ulong, 0, 0, 0) != 0 {
+            // If the process that started it dies, nobody would supervise the action.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            // The worker died between the fork and the prctl: nobody will reap us.
+            // It died between the fork and the prctl: nobody will reap us.
             if libc::getppid() != parent {
                 return Err(std::io::Error::other("the worker exited while starting the action"));
             }
             Ok(())
         });
     }
+    Ok(cmd)
+}
+
+/// A started command, waited for either by its spawner or by this process.
+enum Running {
+    Spawned(Launched),
+    /// Forked from this process (no spawner): reaped here with wait4.
+    Direct {
+        pid: i32,
+        wait: tokio::task::JoinHandle<(i32, i32, libc::rusage)>,
+    },
+}
+
+impl Running {
+    fn kill(&self) {
+        match self {
+            Running::Spawned(l) => l.kill(),
+            Running::Direct { pid, .. } => kill_group(*pid),
+        }
+    }
+
+    async fn exited(&mut self) -> Result<Exit> {
+        match self {
+            Running::Spawned(l) => l.exited().await,
+            Running::Direct { pid, wait } => {
+                let pid = *pid;
+                // By reference: a select that timed out polls it again.
+                let (r, status, ru) = wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?;
+                // Whatever the command left running in its group goes with it.
+                kill_group(pid);
+                if r == -1 {
+                    return Err(Error::internal(format!("wait4({pid}): {}", std::io::Error::last_os_error())));
+                }
+                Ok(Exit::from_wait(status, &ru))
+            }
+        }
+    }
+}
+
+/// Kills a directly started command's group if the future running it is dropped (a
+/// worker session that broke, a shutdown); a spawned one's `Launched` does the same.
+struct GroupGuard {
+    pgid: i32,
+    armed: bool,
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            kill_group(self.pgid);
+        }
+    }
+}
+
+/// Runs the command to completion, timeout or cancellation.
+pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) -> Result<RunOutcome> {
+    let program = &spec.args[0];
+    // A relative program path with a slash is relative to the action's working directory.
+    if !spec.cwd.is_absolute() {
+        // The spawner is another process: a relative directory would be its own.
+        return Err(Error::internal(format!("working directory {} is not absolute", spec.cwd.display())));
+    }
+    let program_path =
+        if program.contains('/') && !program.starts_with('/') { spec.cwd.join(program) } else { program.into() };
+    // Made before the fork and joined by the child before it execs: nothing of the action
+    // runs outside its group. Dropped (on any early return), it is removed again.
+    let cgroup: Option<ActionCgroup> = spec.cgroups.map(|c| c.create(spec.limits)).transpose()?;
+    let action = StartAction {
+        id: 0,
+        program: program_path.clone(),
+        args: spec.args[1..].to_vec(),
+        env: spec.env.to_vec(),
+        cwd: spec.cwd.to_path_buf(),
+        stdout: spec.stdout.to_path_buf(),
+        stderr: spec.stderr.to_path_buf(),
+        cgroup_procs: cgroup.as_ref().map(ActionCgroup::procs_files).unwrap_or_default(),
+        address_space: if cgroup.is_none() { spec.limits.memory_bytes } else { None },
+        cpus: spec.limits.cpus,
+    };
+    let could_not_start = |e: &dyn std::fmt::Display| {
+        Error::FailedPrecondition(format!("could not start {}: {e}", program_path.display()))
+    };
     let start = Instant::now();
-    let child = cmd
-        .spawn()
-        .map_err(|e| Error::FailedPrecondition(format!("could not start {}: {e}", program_path.to_string_lossy())))?;
-    let pid = child.id() as i32;
-    // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
-    drop(child);
-    let mut guard = GroupGuard { pgid: pid, armed: true };
+    let (pid, mut running, mut guard) = match spec.spawner {
+        Some(spawner) => {
+            let mut launched = spawner.start(action)?;
+            let pid = match launched.started().await {
+                Ok(pid) => pid,
+                Err(Error::FailedPrecondition(e)) => return Err(could_not_start(&e)),
+                Err(e) => return Err(e),
+            };
+            (pid, Running::Spawned(launched), None)
+        }
+        None => {
+            // SAFETY: getpid has no preconditions.
+            let me = unsafe { libc::getpid() };
+            let child = command(&action, me).and_then(|mut c| c.spawn()).map_err(|e| could_not_start(&e))?;
+            let pid = child.id() as i32;
+            // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
+            drop(child);
+            let wait = tokio::task::spawn_blocking(move || wait_child(pid));
+            (pid, Running::Direct { pid, wait }, Some(GroupGuard { pgid: pid, armed: true }))
+        }
+    };
     // The group's peak covers every process, killed or not; samples are for without one.
     let sampled = Arc::new(AtomicU64::new(0));
     let sampler = cgroup.is_none().then(|| sample_group(pid, sampled.clone()));
-    let mut wait = tokio::task::spawn_blocking(move || crate::meter::wait_child(pid));
     tokio::pin!(cancel);
     let mut forced = None;
     // The last figures before a forced kill: afterwards there is nothing left to read.
@@ -306,25 +357,26 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
             sampled.fetch_max(group_peak(pid), Ordering::Relaxed);
         }
     };
-    let (r, status, ru) = tokio::select! {
-        res = &mut wait => res.map_err(|e| Error::internal(format!("wait task: {e}")))?,
+    let exit = tokio::select! {
+        res = running.exited() => res,
         _ = tokio::time::sleep(spec.timeout) => {
             last_sample();
-            kill_group(pid);
+            running.kill();
             forced = Some(Ending::TimedOut);
-            wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
+            running.exited().await
         }
         _ = &mut cancel => {
             last_sample();
-            kill_group(pid);
+            running.kill();
             forced = Some(Ending::Cancelled);
-            wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?
+            running.exited().await
         }
     };
     drop(sampler);
-    // Whatever the command left running in its group goes with it.
-    kill_group(pid);
-    guard.armed = false;
+    if let Some(g) = guard.as_mut() {
+        g.armed = false;
+    }
+    let exit = exit?;
     // Read the group's figures, then kill what is left in it (also what left the process
     // group) and remove it; rmdir waits for the killed to exit, so off the runtime.
     let from_cgroup = match cgroup {
@@ -338,9 +390,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         .map(Some)?,
         None => None,
     };
-    if r == -1 {
-        return Err(Error::internal(format!("wait4({pid}): {}", std::io::Error::last_os_error())));
-    }
+    let status = exit.status;
     let ending = forced.unwrap_or(if libc::WIFEXITED(status) {
         Ending::Exited(libc::WEXITSTATUS(status))
     } else if libc::WIFSIGNALED(status) {
@@ -348,21 +398,11 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     } else {
         Ending::Exited(-1)
     });
-    let secs = crate::meter::secs;
     // Linux reports ru_maxrss in KiB.
-    let (mut peak, mut user, mut sys) = (ru.ru_maxrss.max(0) as u64 * 1024, secs(ru.ru_utime), secs(ru.ru_stime));
-    if spec.meter.is_some() {
-        // The trampoline's own numbers are polluted the same way; its report on the
-        // command is not. Killed before it could report: the samples, CPU kept.
-        match crate::meter::read_result(&result_file) {
-            Some((p, u, s)) => (peak, user, sys) = (p, u, s),
-            None => peak = 0,
-        }
-        let _ = std::fs::remove_file(&result_file);
-    }
+    let mut peak = exit.maxrss_kib.max(0) as u64 * 1024;
     if forced.is_some() || peak == 0 {
-        // The reaped processes' rusage misses what was killed before it was reaped (the
-        // command's children, when the trampoline died first): the samples cover them.
+        // The reaped processes' rusage misses what was killed and never reaped (the
+        // command's children, when it died first): the samples cover them.
         peak = peak.max(sampled.load(Ordering::Relaxed));
     }
     let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
@@ -383,8 +423,8 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     Ok(RunOutcome {
         ending,
         peak_memory_bytes: peak,
-        user_cpu_seconds: user,
-        system_cpu_seconds: sys,
+        user_cpu_seconds: exit.user_seconds,
+        system_cpu_seconds: exit.system_seconds,
         wall_seconds: start.elapsed().as_secs_f64(),
         out_of_memory,
     })
@@ -398,7 +438,7 @@ mod tests {
         Spec {
             limits: Limits::default(),
             cgroups: None,
-            meter: None,
+            spawner: None,
             args,
             env: &[],
             cwd: dir,

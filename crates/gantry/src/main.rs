@@ -71,10 +71,10 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    // The metering trampoline must stay tiny: dispatch it before any runtime starts.
-    let argv: Vec<String> = std::env::args().collect();
-    if argv.get(1).map(String::as_str) == Some(gantry_worker::meter::SUBCOMMAND) {
-        gantry_worker::meter::meter_main(&argv[2..]);
+    // The action spawner must stay small (its memory is every action's starting
+    // point): dispatch it before any runtime starts.
+    if std::env::args_os().nth(1).is_some_and(|a| a == gantry_worker::spawner::SUBCOMMAND) {
+        gantry_worker::spawner::spawner_main();
     }
     let cli = Cli::parse();
     // A bench's output is its report: the servers and workers it starts in process

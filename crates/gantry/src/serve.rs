@@ -131,7 +131,7 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
     }
     let dir = config.worker_dir();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    // Absolute, because actions run through a trampoline inside their own directory.
+    // Absolute, because actions are started by the spawner, another process.
     let dir = std::fs::canonicalize(&dir).with_context(|| format!("resolving {}", dir.display()))?;
     let cache = Arc::new(
         FsStore::open(dir.join("cache"), config.execution.cache_max_size.as_u64())
@@ -172,7 +172,7 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             cas: services.cas.clone(),
             cache: cache.clone(),
             work_root,
-            meter: std::env::current_exe().ok(),
+            spawner: std::env::current_exe().ok().map(|p| Arc::new(gantry_worker::spawner::Spawner::new(p))),
             limits,
             cgroups: cgroups.clone(),
         });

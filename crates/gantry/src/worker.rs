@@ -59,7 +59,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let channel = gantry_core::client::connect_lazy(&args.scheduler).context("--scheduler")?;
     let id = args.id.clone().unwrap_or_else(|| format!("{}-{}", crate::serve::hostname(), std::process::id()));
     std::fs::create_dir_all(&args.work_dir).with_context(|| format!("creating {}", args.work_dir.display()))?;
-    // Absolute, because actions run through a trampoline inside their own directory.
+    // Absolute, because actions are started by the spawner, another process.
     let work_dir =
         std::fs::canonicalize(&args.work_dir).with_context(|| format!("resolving {}", args.work_dir.display()))?;
     let cache = Arc::new(FsStore::open(work_dir.join("cache"), args.cache_size.as_u64()).await?);
@@ -74,7 +74,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         cas: Arc::new(GrpcStore::new(channel.clone(), "")),
         cache,
         work_root,
-        meter: std::env::current_exe().ok(),
+        spawner: std::env::current_exe().ok().map(|p| Arc::new(gantry_worker::spawner::Spawner::new(p))),
         limits: gantry_worker::process::Limits { memory_bytes: args.memory_limit.map(|m| m.as_u64()), cpus: args.cpus },
         cgroups,
     });

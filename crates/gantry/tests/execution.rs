@@ -182,8 +182,8 @@ async fn cancel_while_running_kills_the_process() {
     let (op, _, resp) = tokio::time::timeout(Duration::from_secs(15), run).await.unwrap().unwrap();
     assert_eq!(op, name);
     assert_eq!(resp.status.unwrap().code, tonic::Code::Cancelled as i32);
-    // Killed with its group; it was the metering trampoline's child, so once orphaned it is
-    // reaped by init. Dead means gone from /proc or a zombie awaiting that reaping.
+    // Killed with its group, then reaped by the spawner. Dead means gone from /proc or a
+    // zombie awaiting that reaping.
     let dead = || match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(stat) => stat.rsplit(')').next().unwrap().trim_start().starts_with('Z'),
@@ -285,8 +285,8 @@ fn alive(pid: i32) -> bool {
     !stat.is_empty() && state != Some('Z')
 }
 
-/// A worker SIGKILLed mid-action takes the action's processes with it (the trampoline
-/// gets PR_SET_PDEATHSIG and kills its process group), not leaving them unsupervised.
+/// A worker SIGKILLed mid-action takes the action's processes with it (its spawner reads
+/// end of file and kills every action's process group), not leaving them unsupervised.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_worker_leaves_no_action_processes_behind() {
     let tmp = tempfile::tempdir().unwrap();
@@ -308,6 +308,55 @@ async fn sigkilled_worker_leaves_no_action_processes_behind() {
     a.wait().unwrap();
     wait_until(|| pids.iter().all(|&p| !alive(p))).await;
     run.abort();
+    server.stop();
+}
+
+/// The children of `parent` started as the action spawner.
+fn spawners_of(parent: u32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(parent) && cmdline.split(|b| *b == 0).any(|a| a == b"__spawner") && alive(*pid)
+        })
+        .collect()
+}
+
+/// The spawner that starts and reaps actions dies mid-action: the action's process dies
+/// with it (nothing runs unsupervised), its run fails as UNAVAILABLE (a client retries
+/// that), and the next action starts a new spawner and succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_spawner_takes_its_actions_and_is_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = serve(tmp.path(), 1);
+    let c = Client::connect(&server.grpc).await;
+    let pidfile = tmp.path().join("pid");
+    let input = c.tree(&root(vec![])).await;
+    let script = format!("echo $$ > {p}.tmp; mv {p}.tmp {p}; exec sleep 60", p = pidfile.display());
+    let action = c.action(command(&["/bin/sh", "-c", &script], &[], &[]), input, 120, false).await;
+    let c2 = Client { channel: c.channel.clone() };
+    let run = tokio::spawn(async move { c2.execute(action, false).await });
+    wait_until(|| pidfile.exists()).await;
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    let spawners = spawners_of(server.child.id());
+    assert_eq!(spawners.len(), 1, "one spawner for the one worker: {spawners:?}");
+    Command::new("kill").args(["-KILL", &spawners[0].to_string()]).status().unwrap();
+    wait_until(|| !alive(pid)).await;
+    let (_, _, resp) = tokio::time::timeout(Duration::from_secs(30), run).await.unwrap().unwrap();
+    let status = resp.status.unwrap();
+    assert_eq!(status.code, tonic::Code::Unavailable as i32, "{status:?}");
+    assert!(status.message.contains("spawner"), "{status:?}");
+    let again = c.action(command(&["/bin/sh", "-c", "echo again"], &[], &[]), input, 60, false).await;
+    let (_, _, resp) = c.execute(again, false).await;
+    assert_eq!(resp.status.as_ref().unwrap().code, 0, "{:?}", resp.status);
+    assert_eq!(c.get(resp.result.unwrap().stdout_digest.as_ref().unwrap()).await, b"again\n");
+    let replaced = spawners_of(server.child.id());
+    assert_eq!(replaced.len(), 1, "{replaced:?}");
+    assert_ne!(replaced, spawners, "a new spawner");
     server.stop();
 }
 
