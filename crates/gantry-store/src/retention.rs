@@ -19,6 +19,7 @@ use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::Result;
 use sqlx::Row;
 
+use crate::metadata_db::Write;
 use crate::MetadataDb;
 
 /// A table under retention.
@@ -160,13 +161,10 @@ impl Retention {
         let batch = self.config.batch_size.max(1) as u64;
         let mut total = 0;
         loop {
-            let n = sqlx::query(&sql)
-                .bind(cut)
-                .bind(batch as i64)
-                .execute(self.db.pool())
-                .await
-                .map_err(self.db.err(&format!("retention of {}", t.name)))?
-                .rows_affected();
+            let n = self
+                .db
+                .write(format!("retention of {}", t.name), Write::new(sql.clone()).bind(cut).bind(batch as i64))
+                .await?;
             total += n;
             if n < batch {
                 return Ok(total);
@@ -188,12 +186,8 @@ impl Retention {
         let mut total = 0;
         while left > 0 {
             let n = left.min(self.config.batch_size.max(1) as u64);
-            let done = sqlx::query(&sql)
-                .bind(n as i64)
-                .execute(self.db.pool())
-                .await
-                .map_err(self.db.err(&format!("retention of {}", t.name)))?
-                .rows_affected();
+            let done =
+                self.db.write(format!("retention of {}", t.name), Write::new(sql.clone()).bind(n as i64)).await?;
             total += done;
             // Another process may have deleted some of them already.
             if done < n {

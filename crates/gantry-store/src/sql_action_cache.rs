@@ -14,7 +14,7 @@ use prost::Message;
 use sqlx::any::AnyRow;
 use sqlx::Row;
 
-use crate::MetadataDb;
+use crate::{metadata_db::Write, MetadataDb};
 
 pub struct SqlActionCache {
     db: MetadataDb,
@@ -72,21 +72,17 @@ impl ActionCache for SqlActionCache {
 
     async fn put(&self, instance: &str, action: &Digest, result: &ActionResult) -> Result<()> {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-        sqlx::query(
+        self.db.write("writing an action cache entry", Write::new(
             "INSERT INTO action_cache (instance_name, digest_function, action_hash, action_size, result, updated_at)
              VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (instance_name, digest_function, action_hash, action_size)
              DO UPDATE SET result = excluded.result, updated_at = excluded.updated_at",
-        )
-        .bind(instance)
+        )        .bind(instance)
         .bind(action.function.name())
         .bind(action.hash_hex())
         .bind(action.size as i64)
         .bind(result.encode_to_vec())
-        .bind(now)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("writing an action cache entry"))?;
+        .bind(now)).await?;
         Ok(())
     }
 

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use gantry_core::{BuildQuery, BuildRow, BuildStore, Error, Result};
 use sqlx::Row;
 
-use crate::MetadataDb;
+use crate::{metadata_db::Write, MetadataDb};
 
 pub struct SqlBuildStore {
     db: MetadataDb,
@@ -36,23 +36,19 @@ const COLUMNS: &str = "build_id, stream_id, parent_id, state, created_unix_ms, f
 #[async_trait]
 impl BuildStore for SqlBuildStore {
     async fn put(&self, r: &BuildRow) -> Result<()> {
-        sqlx::query(
+        self.db.write("writing a build", Write::new(
             "INSERT INTO batch_builds (build_id, stream_id, parent_id, state, created_unix_ms, finished_unix_ms, document)
              VALUES ($1, $2, $3, $4, $5, $6, $7)
              ON CONFLICT (build_id) DO UPDATE SET stream_id = excluded.stream_id, parent_id = excluded.parent_id,
                 state = excluded.state, created_unix_ms = excluded.created_unix_ms,
                 finished_unix_ms = excluded.finished_unix_ms, document = excluded.document",
-        )
-        .bind(&r.id)
+        )        .bind(&r.id)
         .bind(&r.stream_id)
         .bind(&r.parent_id)
         .bind(&r.state)
         .bind(r.created_unix_ms)
         .bind(r.finished_unix_ms)
-        .bind(&r.document)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("writing a build"))?;
+        .bind(&r.document)).await?;
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use gantry_core::{ActionOrder, ActionRecord, ClassRuns, Error, ExecutionLog, InvocationSummary, Result, RunsOf};
 use sqlx::Row;
 
-use crate::MetadataDb;
+use crate::{metadata_db::Write, MetadataDb};
 
 pub struct SqlExecutionLog {
     db: MetadataDb,
@@ -21,13 +21,12 @@ impl SqlExecutionLog {
 #[async_trait]
 impl ExecutionLog for SqlExecutionLog {
     async fn record(&self, r: &ActionRecord) -> Result<()> {
-        sqlx::query(
+        self.db.write("recording an execution", Write::new(
             "INSERT INTO action_executions (operation, instance_name, action_digest, tool_invocation_id,
                 action_mnemonic, target_id, worker, size_class, exit_code, status_code, peak_memory_bytes,
                 user_cpu_seconds, system_cpu_seconds, wall_seconds, queued_seconds, metering, completed_unix_ms, shape_key)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)",
-        )
-        .bind(&r.operation)
+        )        .bind(&r.operation)
         .bind(&r.instance)
         .bind(&r.action_digest)
         .bind(&r.tool_invocation_id)
@@ -44,10 +43,7 @@ impl ExecutionLog for SqlExecutionLog {
         .bind(r.queued_seconds)
         .bind(&r.metering)
         .bind(r.completed_unix_ms)
-        .bind(&r.shape_key)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("recording an execution"))?;
+        .bind(&r.shape_key)).await?;
         Ok(())
     }
 
@@ -314,16 +310,18 @@ impl gantry_core::SizeClassStore for SqlSizeClassStore {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
-        sqlx::query(
-            "INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)
+        self.db
+            .write(
+                "writing size class stats",
+                Write::new(
+                    "INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)
              ON CONFLICT (stats_key) DO UPDATE SET stats = excluded.stats, updated_unix_ms = excluded.updated_unix_ms",
-        )
-        .bind(key)
-        .bind(stats)
-        .bind(now)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("writing size class stats"))?;
+                )
+                .bind(key)
+                .bind(stats)
+                .bind(now),
+            )
+            .await?;
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use gantry_core::{CacheCounts, Error, Invocation, InvocationStore, Result, Targe
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
-use crate::MetadataDb;
+use crate::{metadata_db::Write, MetadataDb};
 
 pub struct SqlInvocationStore {
     db: MetadataDb,
@@ -119,7 +119,7 @@ impl InvocationStore for SqlInvocationStore {
         let document = serde_json::to_string(&doc).map_err(|e| Error::internal(format!("invocation document: {e}")))?;
         let patterns =
             serde_json::to_string(&inv.patterns).map_err(|e| Error::internal(format!("invocation patterns: {e}")))?;
-        sqlx::query(
+        self.db.write("writing an invocation", Write::new(
             "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
                 exit_code, exit_name, target_count, failed_targets, patterns, document, user_name, instance_name,
                 cache_lookups, cache_hits)
@@ -130,8 +130,7 @@ impl InvocationStore for SqlInvocationStore {
                 exit_name = excluded.exit_name, target_count = excluded.target_count,
                 failed_targets = excluded.failed_targets, patterns = excluded.patterns, document = excluded.document,
                 user_name = excluded.user_name, instance_name = excluded.instance_name",
-        )
-        .bind(&inv.id)
+        )        .bind(&inv.id)
         .bind(&inv.build_id)
         .bind(&inv.owner)
         .bind(&inv.command)
@@ -144,10 +143,7 @@ impl InvocationStore for SqlInvocationStore {
         .bind(&patterns)
         .bind(&document)
         .bind(Invocation::user_of(&inv.owner, &inv.metadata))
-        .bind(Invocation::instance_of(&inv.options))
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("writing an invocation"))?;
+        .bind(Invocation::instance_of(&inv.options))).await?;
         Ok(())
     }
 
@@ -212,7 +208,7 @@ impl InvocationStore for SqlInvocationStore {
         let now =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
         let what = "recording remote cache counts";
-        let mut tx = self.db.pool().begin().await.map_err(self.db.err(what))?;
+        let mut tx = self.db.writer().begin().await.map_err(self.db.err(what))?;
         for c in counts {
             sqlx::query(
                 "INSERT INTO invocation_cache_counts (invocation_id, process_id, lookups, hits, updated_unix_ms)

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use gantry_core::{Error, LandingRow, QueueDocRow, QueueEventRow, QueueStore, Result};
 use sqlx::{Executor, Row};
 
-use crate::MetadataDb;
+use crate::{metadata_db::Write, MetadataDb};
 
 pub struct SqlQueueStore {
     db: MetadataDb,
@@ -26,17 +26,19 @@ impl SqlQueueStore {
 
     /// Changes and builds share one shape; `table` is one of our two constant names.
     async fn put_doc(&self, table: &'static str, r: &QueueDocRow) -> Result<()> {
-        sqlx::query(&format!(
-            "INSERT INTO {table} (id, seq, state, document) VALUES ($1, $2, $3, $4)
+        self.db
+            .write(
+                table,
+                Write::new(format!(
+                    "INSERT INTO {table} (id, seq, state, document) VALUES ($1, $2, $3, $4)
              ON CONFLICT (id) DO UPDATE SET seq = excluded.seq, state = excluded.state, document = excluded.document"
-        ))
-        .bind(&r.id)
-        .bind(r.seq)
-        .bind(&r.state)
-        .bind(&r.document)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err(table))?;
+                ))
+                .bind(&r.id)
+                .bind(r.seq)
+                .bind(&r.state)
+                .bind(&r.document),
+            )
+            .await?;
         Ok(())
     }
 
@@ -124,7 +126,7 @@ impl QueueStore for SqlQueueStore {
         // two PostgreSQL transactions could otherwise both read the same MAX(seq).
         // `WHERE true` lets SQLite parse the upsert clause after a SELECT.
         let err = self.db.err("appending to the journal");
-        let mut tx = match self.db.pool().begin().await {
+        let mut tx = match self.db.writer().begin().await {
             Ok(tx) => tx,
             Err(e) => return Err(err(e)),
         };
@@ -175,21 +177,23 @@ impl QueueStore for SqlQueueStore {
     }
 
     async fn put_landing(&self, r: &LandingRow) -> Result<()> {
-        sqlx::query(
-            "INSERT INTO queue_landings (version, change_id, old_commit, new_commit, state, document)
+        self.db
+            .write(
+                "writing a landing",
+                Write::new(
+                    "INSERT INTO queue_landings (version, change_id, old_commit, new_commit, state, document)
              VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (version) DO UPDATE SET change_id = excluded.change_id, old_commit = excluded.old_commit,
                 new_commit = excluded.new_commit, state = excluded.state, document = excluded.document",
-        )
-        .bind(r.version)
-        .bind(&r.change_id)
-        .bind(&r.old_commit)
-        .bind(&r.new_commit)
-        .bind(&r.state)
-        .bind(&r.document)
-        .execute(self.db.pool())
-        .await
-        .map_err(self.db.err("writing a landing"))?;
+                )
+                .bind(r.version)
+                .bind(&r.change_id)
+                .bind(&r.old_commit)
+                .bind(&r.new_commit)
+                .bind(&r.state)
+                .bind(&r.document),
+            )
+            .await?;
         Ok(())
     }
 
@@ -231,12 +235,16 @@ impl QueueStore for SqlQueueStore {
     }
 
     async fn put_graph(&self, commit: &str, graph: &str) -> Result<()> {
-        sqlx::query("INSERT INTO queue_graphs (commit_id, graph) VALUES ($1, $2) ON CONFLICT (commit_id) DO NOTHING")
-            .bind(commit)
-            .bind(graph)
-            .execute(self.db.pool())
-            .await
-            .map_err(self.db.err("caching a target graph"))?;
+        self.db
+            .write(
+                "caching a target graph",
+                Write::new(
+                    "INSERT INTO queue_graphs (commit_id, graph) VALUES ($1, $2) ON CONFLICT (commit_id) DO NOTHING",
+                )
+                .bind(commit)
+                .bind(graph),
+            )
+            .await?;
         Ok(())
     }
 

@@ -670,6 +670,45 @@ async fn run_execute(
 }
 
 /// What one `bench exec` run measured.
+/// The mean time of each stage of the actions' ExecutedActionMetadata, for finding
+/// where the time of a no-op action goes.
+fn stage_means(results: &[reapi::ExecuteResponse]) -> String {
+    let ms = |a: &Option<gantry_core::google::protobuf::Timestamp>,
+              b: &Option<gantry_core::google::protobuf::Timestamp>| {
+        match (a, b) {
+            (Some(a), Some(b)) => Some((b.seconds - a.seconds) as f64 * 1e3 + (b.nanos - a.nanos) as f64 / 1e6),
+            _ => None,
+        }
+    };
+    let mut sums = [0.0f64; 5];
+    let mut n = 0usize;
+    for r in results {
+        let Some(m) = r.result.as_ref().and_then(|r| r.execution_metadata.as_ref()) else { continue };
+        let stages = [
+            ms(&m.queued_timestamp, &m.worker_start_timestamp),
+            ms(&m.input_fetch_start_timestamp, &m.input_fetch_completed_timestamp),
+            ms(&m.execution_start_timestamp, &m.execution_completed_timestamp),
+            ms(&m.output_upload_start_timestamp, &m.output_upload_completed_timestamp),
+            ms(&m.worker_start_timestamp, &m.worker_completed_timestamp),
+        ];
+        if let [Some(a), Some(b), Some(c), Some(d), Some(e)] = stages {
+            for (s, v) in sums.iter_mut().zip([a, b, c, d, e]) {
+                *s += v;
+            }
+            n += 1;
+        }
+    }
+    let n = n.max(1) as f64;
+    format!(
+        "queued {:.2}, inputs {:.2}, run {:.2}, outputs {:.2}, on the worker {:.2}",
+        sums[0] / n,
+        sums[1] / n,
+        sums[2] / n,
+        sums[3] / n,
+        sums[4] / n
+    )
+}
+
 struct ExecResult {
     throughput: f64,
     hit_p50_ms: f64,
@@ -737,6 +776,7 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
         .try_collect()
         .await?;
     let throughput = args.actions as f64 / start.elapsed().as_secs_f64();
+    eprintln!("  where an action's time went (mean ms): {}", stage_means(&results));
     anyhow::ensure!(
         results
             .iter()

@@ -67,7 +67,7 @@ pub async fn run(args: WebBenchArgs) -> anyhow::Result<()> {
     let addr = server.http_addr.to_string();
 
     let started = Instant::now();
-    let mut tx = db.pool().begin().await?;
+    let mut tx = db.writer().begin().await?;
     for i in 0..args.invocations as i64 {
         sqlx::query(
             "INSERT INTO invocations (invocation_id, build_id, owner, command, started_unix_ms, finished_unix_ms,
@@ -137,7 +137,7 @@ pub async fn run(args: WebBenchArgs) -> anyhow::Result<()> {
     tx.commit().await?;
     // What autovacuum (PostgreSQL) would soon do after such a load: without statistics the
     // planner takes a 100,000-action invocation for a few hundred rows.
-    sqlx::query("ANALYZE").execute(db.pool()).await?;
+    sqlx::query("ANALYZE").execute(db.writer()).await?;
     eprintln!(
         "stored {} invocations, {} with {} actions each, and one with {}, in {:.1}s",
         args.invocations,
