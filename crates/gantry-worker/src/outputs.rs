@@ -38,7 +38,11 @@ impl Uploader {
             use std::io::Read;
             let mut file = std::fs::File::open(&p).context(format_args!("opening output {}", p.display()))?;
             let mut h = f.hasher();
-            let mut buf = vec![0u8; UPLOAD_CHUNK];
+            // Sized to the file (one byte more, to read its end in the same call): most
+            // outputs, and stdout and stderr above all, are tiny or empty, and zeroing a
+            // whole chunk for each was a visible share of a no-op action's CPU.
+            let len = file.metadata().map_or(UPLOAD_CHUNK as u64, |m| m.len());
+            let mut buf = vec![0u8; (len.saturating_add(1)).min(UPLOAD_CHUNK as u64) as usize];
             let mut first = Vec::new();
             loop {
                 let n = file.read(&mut buf).context(format_args!("reading {}", p.display()))?;
