@@ -220,7 +220,32 @@ impl Default for MetadataOptions {
 }
 
 fn db_err(name: &str, what: &str, e: sqlx::Error) -> Error {
+    db_error(name, what, &e)
+}
+
+/// A failed statement as the client sees it. A full disk (SQLite's SQLITE_FULL,
+/// PostgreSQL's disk_full) is RESOURCE_EXHAUSTED: nothing was written, and the same write
+/// succeeds once there is room. Anything else is UNAVAILABLE.
+fn db_error(name: &str, what: &str, e: &sqlx::Error) -> Error {
+    if is_disk_full(e) {
+        return Error::ResourceExhausted(format!("metadata database {name}: {what}: the disk is full: {e}"));
+    }
     Error::Unavailable(format!("metadata database {name}: {what}: {e}"))
+}
+
+fn is_disk_full(e: &sqlx::Error) -> bool {
+    match e {
+        // SQLite reports its primary result code (13, SQLITE_FULL) or an extended one with
+        // the same low byte; PostgreSQL the SQLSTATE 53100.
+        sqlx::Error::Database(d) => match d.code().as_deref() {
+            Some("53100") => true,
+            Some(code) => code.parse::<i64>().is_ok_and(|c| c & 0xff == 13),
+            None => false,
+        },
+        // Seen when the full disk fails the file underneath rather than a statement.
+        sqlx::Error::Io(io) => io.kind() == std::io::ErrorKind::StorageFull,
+        _ => false,
+    }
 }
 
 impl MetadataDb {
@@ -258,6 +283,13 @@ impl MetadataDb {
                 .idle_timeout(if memory { None } else { Some(Duration::from_secs(600)) })
                 .max_lifetime(if memory { None } else { Some(Duration::from_secs(1800)) })
                 .acquire_timeout(opts.connect_timeout)
+                // A connection that still counts an open transaction is not handed out
+                // again. After a COMMIT that failed (a full disk), SQLite may have rolled
+                // the transaction back itself; sqlx's ROLLBACK then fails and its count
+                // stays up, and the next transaction on that connection would be a
+                // savepoint inside a transaction that never commits: writes answered OK
+                // and silently lost. A fresh connection starts clean.
+                .before_acquire(|conn, _| Box::pin(async move { Ok(!sqlx::Connection::is_in_transaction(conn)) }))
                 .after_connect(move |conn, _| {
                     Box::pin(async move {
                         if dialect == Dialect::Sqlite {
@@ -473,19 +505,19 @@ impl GroupCommit {
         let task = gantry_core::task::spawn_named("metadata-group-commit", async move {
             let mut group = Vec::with_capacity(MAX_GROUP);
             while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
-                let outcomes = match commit_group(&writer, &group).await {
-                    Ok(outcomes) => outcomes,
-                    Err(e) => {
-                        let msg = e.to_string();
-                        group.iter().map(|p| Err(db_err_msg(&name, &p.what, &msg))).collect()
+                match commit_group(&writer, &group).await {
+                    Ok(outcomes) => {
+                        for (p, outcome) in group.drain(..).zip(outcomes) {
+                            let _ = p.done.send(outcome.map_err(|e| db_err(&name, &p.what, e)));
+                        }
                     }
-                };
-                for (p, outcome) in group.drain(..).zip(outcomes) {
-                    let outcome = outcome.map_err(|e| match e {
-                        GroupError::Sql(e) => db_err(&name, &p.what, e),
-                        GroupError::Done(e) => e,
-                    });
-                    let _ = p.done.send(outcome);
+                    // Nothing of the group was committed: each write fails with the cause.
+                    Err(e) => {
+                        for p in group.drain(..) {
+                            let what = format!("{} (committing)", p.what);
+                            let _ = p.done.send(Err(db_error(&name, &what, &e)));
+                        }
+                    }
                 }
             }
         });
@@ -493,21 +525,12 @@ impl GroupCommit {
     }
 }
 
-enum GroupError {
-    Sql(sqlx::Error),
-    Done(Error),
-}
-
-fn db_err_msg(name: &str, what: &str, msg: &str) -> GroupError {
-    GroupError::Done(Error::Unavailable(format!("metadata database {name}: {what}: committing: {msg}")))
-}
-
 /// Runs each write in a savepoint of one transaction and commits it: every write's own
 /// outcome, or an error for the whole group (nothing of it was committed).
 async fn commit_group(
     writer: &AnyPool,
     group: &[Pending],
-) -> std::result::Result<Vec<std::result::Result<u64, GroupError>>, sqlx::Error> {
+) -> std::result::Result<Vec<std::result::Result<u64, sqlx::Error>>, sqlx::Error> {
     use sqlx::Acquire;
     let mut tx = writer.begin().await?;
     let mut outcomes = Vec::with_capacity(group.len());
@@ -520,7 +543,7 @@ async fn commit_group(
             }
             Err(e) => {
                 savepoint.rollback().await?;
-                outcomes.push(Err(GroupError::Sql(e)));
+                outcomes.push(Err(e));
             }
         }
     }
@@ -753,5 +776,82 @@ mod tests {
         let done =
             db.write("deleting", Write::new("DELETE FROM size_class_stats WHERE stats_key = $1").bind("k1")).await;
         assert_eq!(done.unwrap(), 1);
+    }
+
+    /// The metadata database on a 2 MiB tmpfs that fills up. Runs only inside a mount
+    /// namespace of its own, where this test process is root (see
+    /// `a_full_disk_fails_metadata_writes_cleanly_and_recovers`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "run by a_full_disk_fails_metadata_writes_cleanly_and_recovers in a namespace"]
+    async fn metadata_full_disk_inside_a_namespace() {
+        let Ok(root) = std::env::var("GANTRY_TEST_TMPFS") else {
+            panic!("run by a_full_disk_fails_metadata_writes_cleanly_and_recovers")
+        };
+        let root = std::path::PathBuf::from(root);
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+            .arg(&root)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount tmpfs");
+        let db = MetadataDb::open(&format!("sqlite://{}/meta.db", root.display())).await.unwrap();
+        let put = |key: &str, bytes: usize| {
+            let db = db.clone();
+            let w = Write::new("INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)")
+                .bind(key)
+                .bind("x".repeat(bytes))
+                .bind(1i64);
+            async move { db.write("writing stats", w).await }
+        };
+        let count = || async {
+            sqlx::query("SELECT COUNT(*) FROM size_class_stats")
+                .fetch_one(db.pool())
+                .await
+                .unwrap()
+                .try_get::<i64, _>(0)
+                .unwrap()
+        };
+        put("before", 1000).await.unwrap();
+        // Take the rest of the disk.
+        let filler = root.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![7u8; 64 << 10];
+        while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+        drop(f);
+        // Writes fail as RESOURCE_EXHAUSTED, alone or in a group, and change nothing.
+        let writes: Vec<_> = (0..8).map(|i| tokio::spawn(put(&format!("full{i}"), 200_000))).collect();
+        for w in writes {
+            let e = w.await.unwrap().unwrap_err();
+            assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+            assert!(e.to_string().contains("disk is full") && e.to_string().contains("writing stats"), "{e}");
+        }
+        // Reads go on.
+        assert_eq!(count().await, 1);
+        // Room again: the same writes succeed on the same database object.
+        std::fs::remove_file(&filler).unwrap();
+        for i in 0..4 {
+            put(&format!("after{i}"), 200_000).await.unwrap();
+        }
+        assert_eq!(count().await, 5);
+    }
+
+    /// Disk full for the metadata database, for real: the test above in a user and mount
+    /// namespace (`unshare -Urm`). Under CI=true a machine without them fails, not skips.
+    #[test]
+    fn a_full_disk_fails_metadata_writes_cleanly_and_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new("unshare")
+            .args(["--user", "--map-root-user", "--mount", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "metadata_db::tests::metadata_full_disk_inside_a_namespace", "--ignored", "--nocapture"])
+            .env("GANTRY_TEST_TMPFS", dir.path())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() && text.contains("unshare failed") && std::env::var("CI").as_deref() != Ok("true") {
+            eprintln!("skipped: no user namespaces here ({text})");
+            return;
+        }
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
     }
 }
