@@ -46,6 +46,19 @@ impl GantryServer {
         Self::spawn_env(cwd, listen, data_dir, extra, &[])
     }
 
+    /// Like `start`, with the data directory on a tmpfs of `size` ("24m") that only this
+    /// server sees: it runs in a user and mount namespace of its own (`unshare -Urm`),
+    /// where it may mount one. See [`namespaces_usable`].
+    pub fn start_on_tmpfs(data_dir: &Path, size: &str, extra: &[&str]) -> GantryServer {
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--user", "--map-root-user", "--mount", "--", "sh", "-c"])
+            .arg(format!("mount -t tmpfs -o size={size} tmpfs \"$1\" && shift && exec \"$@\""))
+            .arg("sh")
+            .arg(data_dir)
+            .arg(env!("CARGO_BIN_EXE_gantry"));
+        Self::spawn_cmd(cmd, "127.0.0.1:0", data_dir, extra)
+    }
+
     fn spawn_env(
         cwd: Option<&Path>,
         listen: &str,
@@ -58,6 +71,11 @@ impl GantryServer {
         if let Some(c) = cwd {
             cmd.current_dir(c);
         }
+        Self::spawn_cmd(cmd, listen, data_dir, extra)
+    }
+
+    /// Starts `cmd` (gantry, or a wrapper that execs it last) with serve's arguments.
+    fn spawn_cmd(mut cmd: Command, listen: &str, data_dir: &Path, extra: &[&str]) -> GantryServer {
         let mut child = cmd
             .args(["serve", "--listen", listen, "--http-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
@@ -97,6 +115,18 @@ impl GantryServer {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// Whether this machine lets an unprivileged process make a user and mount namespace and
+/// mount a tmpfs in it. Under CI=true it must.
+pub fn namespaces_usable() -> bool {
+    let ok = Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "--", "sh", "-c", "mount -t tmpfs tmpfs /mnt"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok || std::env::var("CI").as_deref() != Ok("true"), "CI=true: user and mount namespaces are needed");
+    ok
 }
 
 impl GantryServer {
