@@ -894,8 +894,8 @@ impl Scheduler {
 
     /// A worker reports a finished (or failed, timed-out, cancelled) execution. The
     /// scheduler's part is one locked state transition; the durable writes (size-class
-    /// stats, action cache, execution log) follow outside the lock, in that order, and
-    /// only then is the result published.
+    /// stats, action cache, execution log) follow outside the lock, together, and only
+    /// once all three are done is the result published.
     pub async fn finished(&self, worker: &str, f: wpb::ExecutionFinished) {
         let mut result = match f.action_result.as_deref() {
             None => None,
@@ -943,11 +943,6 @@ impl Scheduler {
             md.queued_timestamp = Some(timestamp(queued_at));
         }
         record.exit_code = result.as_ref().map_or(-1, |r| r.exit_code);
-        let mut notes = String::new();
-        if let (Some(sizing), Some(l)) = (&self.sizing, learn) {
-            sizing.record(&l.shape_key, l.largest_class, l.execution, &l.groups, &l.classes).await;
-            notes = l.notes;
-        }
         if let Some(md) = result.as_ref().and_then(|r| r.execution_metadata.as_ref())
             && let (Some(q), Some(s)) = (&md.queued_timestamp, &md.worker_start_timestamp)
         {
@@ -955,11 +950,27 @@ impl Scheduler {
         }
         // Only successful runs are cached: a failure may be flaky or environmental.
         let cacheable = code == 0 && result.as_ref().is_some_and(|r| r.exit_code == 0) && !do_not_cache;
-        if cacheable && let Err(e) = self.ac.put(&instance, &digest, result.as_ref().expect("cacheable")).await {
+        // The three durable writes are independent of each other, and all are done before
+        // the result is published. Issued together, they share one commit of a SQLite
+        // database's group commit instead of waiting for three fsyncs in a row.
+        let notes = learn.as_ref().map(|l| l.notes.clone()).unwrap_or_default();
+        let learned = async {
+            if let (Some(sizing), Some(l)) = (&self.sizing, &learn) {
+                sizing.record(&l.shape_key, l.largest_class, l.execution, &l.groups, &l.classes).await;
+            }
+        };
+        let cached = async {
+            match cacheable {
+                true => self.ac.put(&instance, &digest, result.as_ref().expect("cacheable")).await,
+                false => Ok(()),
+            }
+        };
+        let (_, cached, logged) = tokio::join!(learned, cached, self.log.record(&record));
+        if let Err(e) = cached {
             tracing::error!(action = %digest, error = %e, "could not store the action result");
             message = format!("{message}{}result not cached: {e}", if message.is_empty() { "" } else { "; " });
         }
-        if let Err(e) = self.log.record(&record).await {
+        if let Err(e) = logged {
             tracing::error!(action = %digest, error = %e, "could not record the execution");
         }
         let outcome = match (code, result.as_ref().map(|r| r.exit_code)) {
