@@ -55,6 +55,28 @@ pub use tiered_store::TieredStore;
 
 #[cfg(test)]
 mod store_suite;
+
+/// Runs the ignored unit test `name` of this test binary again inside a user and mount
+/// namespace (`unshare -Urm`), where it is root and may mount a tmpfs on the directory in
+/// `GANTRY_TEST_TMPFS`: how the full-disk tests fill a real disk without privileges.
+/// Under CI=true a machine without user namespaces fails, not skips.
+#[cfg(test)]
+fn run_in_a_namespace(name: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("unshare")
+        .args(["--user", "--map-root-user", "--mount", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture"])
+        .env("GANTRY_TEST_TMPFS", dir.path())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() && text.contains("unshare failed") && std::env::var("CI").as_deref() != Ok("true") {
+        eprintln!("skipped: no user namespaces here ({text})");
+        return;
+    }
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
 pub mod testing;
 
 /// For `blob_store_suite!` expanded in other crates.

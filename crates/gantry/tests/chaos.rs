@@ -60,6 +60,33 @@ struct Acked {
     ac: Vec<(Digest, reapi::ActionResult)>,
 }
 
+fn batch_request(blobs: &[Vec<u8>]) -> reapi::BatchUpdateBlobsRequest {
+    reapi::BatchUpdateBlobsRequest {
+        requests: blobs
+            .iter()
+            .map(|b| batch_update_blobs_request::Request {
+                digest: Some(DigestFunction::Sha256.digest_of(b).to_proto()),
+                data: b.clone(),
+                compressor: 0,
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A ByteStream upload of `data` to `name` in chunks of `chunk` bytes.
+fn write_requests(name: &str, data: &[u8], chunk: usize) -> Vec<WriteRequest> {
+    (0..data.len())
+        .step_by(chunk)
+        .map(|off| WriteRequest {
+            resource_name: if off == 0 { name.to_string() } else { String::new() },
+            write_offset: off as i64,
+            finish_write: off + chunk >= data.len(),
+            data: data[off..(off + chunk).min(data.len())].to_vec(),
+        })
+        .collect()
+}
+
 async fn writer(channel: Channel, mut rng: Rng, acked: Arc<Mutex<Acked>>) {
     let mut cas = ContentAddressableStorageClient::new(channel.clone());
     let mut bs = ByteStreamClient::new(channel.clone());
@@ -73,18 +100,7 @@ async fn writer(channel: Channel, mut rng: Rng, acked: Arc<Mutex<Acked>>) {
                         rng.bytes(n)
                     })
                     .collect();
-                let req = reapi::BatchUpdateBlobsRequest {
-                    requests: blobs
-                        .iter()
-                        .map(|b| batch_update_blobs_request::Request {
-                            digest: Some(DigestFunction::Sha256.digest_of(b).to_proto()),
-                            data: b.clone(),
-                            compressor: 0,
-                        })
-                        .collect(),
-                    ..Default::default()
-                };
-                let Ok(resp) = cas.batch_update_blobs(req).await else { return };
+                let Ok(resp) = cas.batch_update_blobs(batch_request(&blobs)).await else { return };
                 let mut a = acked.lock().unwrap();
                 for (b, r) in blobs.into_iter().zip(resp.into_inner().responses) {
                     if r.status.is_some_and(|s| s.code == 0) {
@@ -97,16 +113,9 @@ async fn writer(channel: Channel, mut rng: Rng, acked: Arc<Mutex<Acked>>) {
                 let data = rng.bytes(n);
                 let d = DigestFunction::Sha256.digest_of(&data);
                 let name = format!("uploads/{:016x}/blobs/{}/{}", rng.next(), d.hash_hex(), d.size);
-                let reqs: Vec<WriteRequest> = (0..data.len())
-                    .step_by(64 << 10)
-                    .map(|off| WriteRequest {
-                        resource_name: if off == 0 { name.clone() } else { String::new() },
-                        write_offset: off as i64,
-                        finish_write: off + (64 << 10) >= data.len(),
-                        data: data[off..(off + (64 << 10)).min(data.len())].to_vec(),
-                    })
-                    .collect();
-                let Ok(resp) = bs.write(futures::stream::iter(reqs)).await else { return };
+                let Ok(resp) = bs.write(futures::stream::iter(write_requests(&name, &data, 64 << 10))).await else {
+                    return;
+                };
                 if resp.into_inner().committed_size == d.size as i64 {
                     acked.lock().unwrap().blobs.push((d, data));
                 }
@@ -258,16 +267,7 @@ async fn a_full_disk_under_the_server_is_resource_exhausted_and_recovers() {
         let d = DigestFunction::Sha256.digest_of(&data);
         for attempt in 0..2 {
             let name = format!("uploads/{round}-{attempt}/blobs/{}/{}", d.hash_hex(), d.size);
-            let reqs: Vec<WriteRequest> = (0..data.len())
-                .step_by(256 << 10)
-                .map(|off| WriteRequest {
-                    resource_name: if off == 0 { name.clone() } else { String::new() },
-                    write_offset: off as i64,
-                    finish_write: off + (256 << 10) >= data.len(),
-                    data: data[off..off + (256 << 10)].to_vec(),
-                })
-                .collect();
-            match bs.write(futures::stream::iter(reqs)).await {
+            match bs.write(futures::stream::iter(write_requests(&name, &data, 256 << 10))).await {
                 Ok(r) => {
                     assert_eq!(r.into_inner().committed_size, d.size as i64);
                     acked.push((d, data.clone()));
@@ -283,18 +283,7 @@ async fn a_full_disk_under_the_server_is_resource_exhausted_and_recovers() {
         }
         // A batch of small blobs: the server retries a full disk itself.
         let blobs: Vec<Vec<u8>> = (0..16).map(|_| rng.bytes(16 << 10)).collect();
-        let req = reapi::BatchUpdateBlobsRequest {
-            requests: blobs
-                .iter()
-                .map(|b| batch_update_blobs_request::Request {
-                    digest: Some(DigestFunction::Sha256.digest_of(b).to_proto()),
-                    data: b.clone(),
-                    compressor: 0,
-                })
-                .collect(),
-            ..Default::default()
-        };
-        let resp = cas.batch_update_blobs(req).await.expect("BatchUpdateBlobs answers").into_inner();
+        let resp = cas.batch_update_blobs(batch_request(&blobs)).await.expect("BatchUpdateBlobs answers").into_inner();
         for (b, r) in blobs.into_iter().zip(resp.responses) {
             let code = r.status.map_or(0, |s| s.code);
             assert_eq!(code, 0, "round {round}: a small blob was refused");
