@@ -300,11 +300,14 @@ impl Runner {
         tokio::pin!(deadline);
         // The watcher reports a stuck server once; it is aborted when this build ends.
         let (stuck_tx, mut stuck_rx) = tokio::sync::mpsc::channel(1);
+        // What it last saw goes into the message of a build that reaches its deadline.
+        let (seen_tx, seen_rx) = tokio::sync::watch::channel(None);
         let watcher = tails.map(|(gc_log, jvm_out)| {
-            let bep_file = bep_file.clone();
+            // The file was removed above: every line of it is this build's.
+            let bep = stuck::Tail::at_end(&bep_file);
             let (heap, rule) = (self.settings.heap_bytes, SpiralRule::with_window(self.settings.gc_spiral_window));
             spawn_named("oom-watch", async move {
-                let stuck = stuck::watch(gc_log, jvm_out, &bep_file, heap, rule, started).await;
+                let stuck = stuck::watch(gc_log, jvm_out, bep, heap, rule, started, seen_tx).await;
                 let _ = stuck_tx.send(stuck).await;
             })
         });
@@ -346,7 +349,12 @@ impl Runner {
         // A server stopped as stuck is OOM (classify), and the note says why.
         let message = stuck_note.unwrap_or_else(|| match outcome {
             BuildOutcome::Success => String::new(),
-            BuildOutcome::DeadlineExceeded => format!("stopped at the {:?} deadline", self.settings.deadline),
+            BuildOutcome::DeadlineExceeded => {
+                let seen = seen_rx
+                    .borrow()
+                    .map(|s| format!("; {}", s.describe(self.settings.heap_bytes, self.settings.gc_spiral_window)));
+                format!("stopped at the {:?} deadline{}", self.settings.deadline, seen.unwrap_or_default())
+            }
             _ => error_line(&log_tail).unwrap_or_else(|| {
                 format!(
                     "bazel exited with {:?} ({})",
@@ -563,13 +571,17 @@ mod tests {
         assert_eq!(report.exit_code, Some(8), "the client exited on SIGINT: {report:?}");
         assert!(!survived, "the server that ignored SIGTERM outlived the build's deadline and grace");
         assert!(report.wall_seconds < 5.0, "{report:?}");
+        // What the watcher saw says it was no GC: the next person knows where to look.
+        assert!(report.message.starts_with("stopped at the 800ms deadline; in the 30s before "), "{report:?}");
+        assert!(report.message.contains("did 0 full GCs and spent 0% of the time in GC"), "{report:?}");
     }
 
     /// A stand-in for Bazel with a server (its own session, deaf to SIGTERM like a JVM in
     /// GC) that writes the GC log it is given with `-Xlog`: for `//:stuck`, a full GC
     /// leaving 60 of 64 MiB every 100 ms, 80 ms each, and no BEP event, forever; for
-    /// `//:busy`, the same GCs for 4 s while the build writes a BEP event every 300 ms,
-    /// then success; for `//:oom`, no GC at all but an OutOfMemoryError in `jvm.out`, and
+    /// `//:crawl`, the same with a BEP `progress` event (stderr text) every 300 ms; for
+    /// `//:busy`, the same GCs for 4 s while a target completes every 300 ms, then
+    /// success; for `//:oom`, no GC at all but an OutOfMemoryError in `jvm.out`, and
     /// no end.
     const GC_BAZEL: &str = r#"#!/bin/sh
 for a in "$@"; do
@@ -588,8 +600,11 @@ else
 fi
 echo $! > "$ob/server/server.pid.txt"
 trap 'exit 8' INT
+if [ "$target" = "//:crawl" ]; then
+  while :; do echo '{"id":{"progress":{"opaqueCount":1}},"progress":{"stderr":"[1 / 9] 1 action running"}}' >> "$bep"; sleep 0.3; done
+fi
 if [ "$target" = "//:busy" ]; then
-  for i in 1 2 3 4 5 6 7 8 9 10 11 12 13; do echo '{"id":{"progress":{}}}' >> "$bep"; sleep 0.3; done
+  for i in 1 2 3 4 5 6 7 8 9 10 11 12 13; do echo '{"id":{"targetCompleted":{"label":"//:t'$i'"}},"completed":{"success":true}}' >> "$bep"; sleep 0.3; done
   kill -9 "$(cat "$ob/server/server.pid.txt")"
   echo '{"id":{"buildFinished":{}},"finished":{"exitCode":{"name":"SUCCESS"}}}' >> "$bep"
   exit 0
@@ -650,6 +665,13 @@ wait
     #[tokio::test]
     async fn a_server_idle_after_an_out_of_memory_error_is_stopped_as_oom() {
         assert_stopped_stuck("//:oom", OomSignal::OomErrorInLog, "OutOfMemoryError in its jvm.out").await;
+    }
+
+    /// Bazel writes its buffered stderr into the BEP on a timer while its server crawls
+    /// from one full GC to the next: the file grows, the build does not.
+    #[tokio::test]
+    async fn a_server_in_gc_that_only_reports_progress_text_is_stopped_as_oom() {
+        assert_stopped_stuck("//:crawl", OomSignal::GcSpiral, "of its 64 MiB heap in use").await;
     }
 
     #[tokio::test]

@@ -92,7 +92,8 @@ fn size(s: &str) -> Option<u64> {
 /// - at least `min_full_gcs` full GCs, and every one of them left at least
 ///   `min_heap_fraction` of `-Xmx` in use (nothing to reclaim: the live set is the heap);
 /// - pauses took at least `min_gc_time_fraction` of the window (GC, not the build, runs);
-/// - no build progress (the BEP file did not grow) during the window.
+/// - no build progress (no BEP event but `progress`, see [`is_build_progress`]) during
+///   the window.
 ///
 /// A heap that fills up and recovers fails the first (a full GC frees it) or the third
 /// (the build moves on); one full GC near the limit fails the count.
@@ -193,6 +194,78 @@ impl Spiral {
     }
 }
 
+/// The pauses of the `window` before `now`, summed up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GcWindow {
+    pub full_gcs: usize,
+    /// The least heap any full GC of the window left in use (u64::MAX without one).
+    pub min_after_bytes: u64,
+    /// Time in pauses over the window's length (may pass 1 when pauses were read late).
+    pub gc_time_fraction: f64,
+}
+
+impl GcWindow {
+    pub fn of(events: &[GcEvent], window: Duration, now: Duration) -> GcWindow {
+        let since = now.saturating_sub(window);
+        let (mut full_gcs, mut min_after_bytes, mut gc_time) = (0usize, u64::MAX, Duration::ZERO);
+        for e in events.iter().filter(|e| e.at > since && e.at <= now) {
+            gc_time += e.pause.pause;
+            if e.pause.full {
+                full_gcs += 1;
+                min_after_bytes = min_after_bytes.min(e.pause.after_bytes);
+            }
+        }
+        let gc_time_fraction = if window.is_zero() { 0.0 } else { gc_time.as_secs_f64() / window.as_secs_f64() };
+        GcWindow { full_gcs, min_after_bytes, gc_time_fraction }
+    }
+}
+
+/// What the watcher last saw of a build, for the message of one that ran into its
+/// deadline anyway: whatever held the server then, this says whether it was GC.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Seen {
+    /// When the watcher looked, from the build's start.
+    pub at: Duration,
+    pub gc: GcWindow,
+    /// When the build last made progress (see [`is_build_progress`]).
+    pub last_progress: Duration,
+    pub oom_error_at: Option<Duration>,
+}
+
+impl Seen {
+    /// One clause for the build's message. Times are seconds into the build.
+    pub fn describe(&self, heap_bytes: u64, window: Duration) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let heap = if self.gc.full_gcs == 0 {
+            String::new()
+        } else {
+            format!(" (the least any left in use: {:.1} of {:.0} MiB)", mib(self.gc.min_after_bytes), mib(heap_bytes))
+        };
+        let oom = self.oom_error_at.map_or(String::new(), |t| {
+            format!("; java.lang.OutOfMemoryError in its jvm.out at {:.1}s", t.as_secs_f64())
+        });
+        format!(
+            "in the {}s before {:.1}s Bazel's server did {} full GCs{heap} and spent {:.0}% of the time in GC; its last build progress was at {:.1}s{oom}",
+            window.as_secs(),
+            self.at.as_secs_f64(),
+            self.gc.full_gcs,
+            self.gc.gc_time_fraction * 100.0,
+            self.last_progress.as_secs_f64(),
+        )
+    }
+}
+
+/// Whether a line of the BEP JSON file is build progress: any event but `progress`.
+/// Bazel writes `progress` events (its buffered stdout and stderr, e.g. "[1,200 / 1,920]
+/// 2 actions running") on a timer even while its server crawls from one full GC to the
+/// next, so a growing file is no sign the build moves; a configured, completed or failed
+/// target or action is. A line that is not an event as expected counts as progress: the
+/// watcher must never stop a build on a misreading.
+pub fn is_build_progress(line: &str) -> bool {
+    let Some(rest) = line.strip_prefix("{\"id\":{\"") else { return !line.trim().is_empty() };
+    !rest.starts_with("progress\"")
+}
+
 /// Whether the build is in a GC death spiral at `now`. `events` are the pauses read so
 /// far in the order read (those after `now` are ignored), `last_progress` is when the
 /// BEP file last grew (or the build started), all counted from the build's start.
@@ -212,15 +285,7 @@ pub fn detect(
         return None;
     }
     let full_enough = |after_bytes: u64| after_bytes as f64 >= rule.min_heap_fraction * heap_bytes as f64;
-    let (mut full_gcs, mut min_after, mut gc_time) = (0usize, u64::MAX, Duration::ZERO);
-    for e in events.iter().filter(|e| e.at > since && e.at <= now) {
-        gc_time += e.pause.pause;
-        if e.pause.full {
-            full_gcs += 1;
-            min_after = min_after.min(e.pause.after_bytes);
-        }
-    }
-    let gc_time_fraction = gc_time.as_secs_f64() / rule.window.as_secs_f64();
+    let GcWindow { full_gcs, min_after_bytes: min_after, gc_time_fraction } = GcWindow::of(events, rule.window, now);
     if full_gcs < rule.min_full_gcs.max(1) || !full_enough(min_after) || gc_time_fraction < rule.min_gc_time_fraction {
         return None;
     }
@@ -242,19 +307,20 @@ pub fn detect(
 
 /// Watches one build from `started` until its server is stuck, and says how; runs until
 /// then (the runner aborts it when the build ends). Reads the GC log, the server's
-/// `jvm.out` and the BEP file's size four times a second; keeps the pauses of the last
-/// few windows, enough to date the start of a spiral.
+/// `jvm.out` and the BEP file four times a second; keeps the pauses of the last few
+/// windows, enough to date the start of a spiral, and publishes what it saw to `seen`.
 pub async fn watch(
     mut gc_log: Tail,
     mut jvm_out: Tail,
-    bep_file: &Path,
+    mut bep: Tail,
     heap_bytes: u64,
     rule: SpiralRule,
     started: std::time::Instant,
+    seen: tokio::sync::watch::Sender<Option<Seen>>,
 ) -> Stuck {
     let keep = rule.window * 4;
     let mut events: std::collections::VecDeque<GcEvent> = std::collections::VecDeque::new();
-    let (mut bep_len, mut last_progress, mut oom_error_at) = (0u64, Duration::ZERO, None);
+    let (mut last_progress, mut oom_error_at) = (Duration::ZERO, None);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
@@ -266,12 +332,11 @@ pub async fn watch(
         if oom_error_at.is_none() && jvm_out.read_lines().iter().any(|l| is_oom_error(l)) {
             oom_error_at = Some(now);
         }
-        // Any event Bazel writes is progress; the file is removed before each build.
-        let len = std::fs::metadata(bep_file).map_or(0, |m| m.len());
-        if len > bep_len {
-            bep_len = len;
+        if bep.read_lines().iter().any(|l| is_build_progress(l)) {
             last_progress = now;
         }
+        let gc = GcWindow::of(events.make_contiguous(), rule.window, now);
+        seen.send_replace(Some(Seen { at: now, gc, last_progress, oom_error_at }));
         if let Some(spiral) = detect(&rule, events.make_contiguous(), heap_bytes, last_progress, now) {
             return Stuck::GcSpiral(spiral);
         }
@@ -281,10 +346,11 @@ pub async fn watch(
     }
 }
 
-/// Reads the lines a file gained since the last call: the GC log or `jvm.out` while the
-/// server writes it. A file replaced (rotation, a new server) or cut shorter is read again from
-/// its start; bytes that are not yet a whole line wait for the next call; a line longer
-/// than any GC line is dropped rather than buffered without bound.
+/// Reads the lines a file gained since the last call: the GC log, `jvm.out` or the BEP
+/// file while they are written. A file replaced (rotation, a new server) or cut shorter is
+/// read again from its start; bytes that are not yet a whole line wait for the next call;
+/// of a line longer than any GC line only its start is kept (enough to tell a BEP event's
+/// kind), rather than buffering it without bound.
 #[derive(Debug)]
 pub struct Tail {
     path: std::path::PathBuf,
@@ -332,17 +398,13 @@ impl Tail {
         for chunk in buf.split_inclusive(|&b| b == b'\n') {
             if chunk.last() == Some(&b'\n') {
                 self.partial.extend_from_slice(&chunk[..chunk.len() - 1]);
-                if self.partial.len() <= MAX_LINE {
-                    lines.push(String::from_utf8_lossy(&self.partial).into_owned());
-                }
+                self.partial.truncate(MAX_LINE);
+                lines.push(String::from_utf8_lossy(&self.partial).into_owned());
                 self.partial.clear();
             } else {
                 self.partial.extend_from_slice(chunk);
+                self.partial.truncate(MAX_LINE);
             }
-        }
-        if self.partial.len() > MAX_LINE {
-            // Keep a marker byte so the rest of the overlong line is dropped too.
-            self.partial.truncate(MAX_LINE + 1);
         }
         lines
     }
@@ -486,6 +548,44 @@ mod tests {
     }
 
     #[test]
+    fn only_bep_events_other_than_progress_are_build_progress() {
+        // Lines as Bazel 4.2.3 writes them with --build_event_json_file.
+        assert!(!is_build_progress(
+            r#"{"id":{"progress":{"opaqueCount":7}},"children":[{"progress":{"opaqueCount":8}}],"progress":{"stderr":"[1,200 / 1,920] 2 actions running\n"}}"#
+        ));
+        for line in [
+            r#"{"id":{"targetCompleted":{"label":"//p0:t0","configuration":{"id":"x"}}},"completed":{"success":true}}"#,
+            r#"{"id":{"namedSet":{"id":"3"}},"namedSetOfFiles":{"files":[]}}"#,
+            r#"{"id":{"progressive":{}}}"#,
+            "something else",
+        ] {
+            assert!(is_build_progress(line), "{line}");
+        }
+        assert!(!is_build_progress(""));
+    }
+
+    #[test]
+    fn what_was_seen_says_whether_the_server_was_in_gc() {
+        let events = stuck(15, 60);
+        let gc = GcWindow::of(&events, rule().window, Duration::from_secs(45));
+        assert_eq!((gc.full_gcs, gc.min_after_bytes), (334, 21 * MIB), "a pause every 60 ms in (25 s, 45 s]");
+        let seen = Seen { at: Duration::from_secs(45), gc, last_progress: Duration::from_secs(12), oom_error_at: None };
+        let m = seen.describe(24 * MIB, rule().window);
+        assert!(m.contains("334 full GCs (the least any left in use: 21.0 of 24 MiB)") && m.contains("92%"), "{m}");
+        assert!(m.contains("last build progress was at 12.0s") && !m.contains("OutOfMemoryError"), "{m}");
+        let idle = Seen {
+            gc: GcWindow::of(&[], rule().window, Duration::from_secs(45)),
+            oom_error_at: Some(Duration::from_secs(3)),
+            ..seen
+        };
+        let m = idle.describe(24 * MIB, rule().window);
+        assert!(
+            m.contains("did 0 full GCs and spent 0% ") && m.contains("OutOfMemoryError in its jvm.out at 3.0s"),
+            "{m}"
+        );
+    }
+
+    #[test]
     fn a_server_still_running_a_window_after_an_oom_error_without_progress_is_stuck() {
         let w = Duration::from_secs(20);
         let s = |x: u64| Duration::from_secs(x);
@@ -517,7 +617,11 @@ mod tests {
         writeln!(f, "o").unwrap();
         assert_eq!(t.read_lines(), ["two"]);
         write!(f, "{}\nthree\n", "x".repeat(3 * MAX_LINE)).unwrap();
-        assert_eq!(t.read_lines(), ["three"]);
+        assert_eq!(t.read_lines(), ["x".repeat(MAX_LINE).as_str(), "three"], "an overlong line's start");
+        write!(f, "{}", "y".repeat(2 * MAX_LINE)).unwrap();
+        assert!(t.read_lines().is_empty());
+        writeln!(f, "{}", "y".repeat(MAX_LINE)).unwrap();
+        assert_eq!(t.read_lines(), ["y".repeat(MAX_LINE)], "written over several calls");
         // Rotation: the JVM renames the file and starts a new one.
         std::fs::rename(&path, d.path().join("gc.log.0")).unwrap();
         assert!(t.read_lines().is_empty(), "no file for a moment");
