@@ -184,9 +184,18 @@ impl JobSpec {
     }
 }
 
+/// An operation's name, shared by the maps that refer to it (a clone is a count, not a
+/// copy).
+type Name = Arc<str>;
+
+/// The operations by name. The names are the scheduler's own (never a client's choice),
+/// so the hasher needs no flooding protection; SipHash and the compares of long keys were
+/// a tenth of an event.
+type ByName<V> = HashMap<Name, V, foldhash::fast::RandomState>;
+
 struct Job {
     id: JobId,
-    name: String,
+    name: Name,
     key: (String, Digest),
     spec: Arc<JobSpec>,
     /// Identities whose Execute calls share this operation (requests for the same action
@@ -325,18 +334,19 @@ struct State {
     d: Dispatcher,
     /// Every operation by name, until its retention ends. Boxed: a map of large entries
     /// moves them all whenever it rehashes.
-    jobs: HashMap<String, Box<Job>>,
+    jobs: ByName<Box<Job>>,
     /// Operations the dispatcher holds (queued or running), by its id.
-    live: IdMap<String>,
+    live: IdMap<Name>,
     /// Hedge copies the dispatcher holds, by their id: the operation each belongs to.
-    hedges: IdMap<String>,
+    hedges: IdMap<Name>,
     /// Operations whose hedge time is still to come: (that time, their dispatcher id).
     hedge_due: BTreeSet<(Instant, JobId)>,
-    in_flight: HashMap<(String, Digest), String>,
+    in_flight: HashMap<(String, Digest), Name>,
     workers: HashMap<String, WorkerEntry>,
     worker_names: IdMap<String>,
     /// Completed operations, oldest first, for retention.
-    completed: VecDeque<(Instant, String)>,
+    completed: VecDeque<(Instant, Name)>,
+    names: NameSource,
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: HashMap<u32, f64>,
 }
@@ -404,7 +414,58 @@ struct Finale {
     tx: watch::Sender<OpState>,
 }
 
+/// Operations past their retention that each finished run forgets on its way (see
+/// [`State::expire`]): more than one, so that the completions keep up with themselves
+/// (a run may be retried or hedged), few enough that none waits long. Not on submit:
+/// that is the arrival-to-assignment path.
+const EXPIRE_PER_FINISH: usize = 4;
+
+/// Operation names: random version-4 UUIDs, unguessable as before, drawn from a ChaCha
+/// stream seeded once from the OS instead of one `getrandom` call per operation (a
+/// fortieth of an event).
+struct NameSource(rand_chacha::ChaCha12Rng);
+
+impl Default for NameSource {
+    fn default() -> Self {
+        use rand::SeedableRng;
+        let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let mut seed = [0u8; 32];
+        seed[..16].copy_from_slice(a.as_bytes());
+        seed[16..].copy_from_slice(b.as_bytes());
+        NameSource(rand_chacha::ChaCha12Rng::from_seed(seed))
+    }
+}
+
+impl NameSource {
+    fn next(&mut self) -> String {
+        use rand::RngCore;
+        let mut bytes = [0u8; 16];
+        self.0.fill_bytes(&mut bytes);
+        format!("operations/{}", uuid::Builder::from_random_bytes(bytes).into_uuid())
+    }
+}
+
 impl State {
+    /// Forgets up to `max` completed operations whose retention has ended, oldest first.
+    /// Finished runs do a few each, so that a busy scheduler frees its old operations on the
+    /// threads that made them, a few at a time, instead of the monitor dropping tens of
+    /// thousands at once under the lock (which stalled every request meanwhile, and
+    /// handed the allocator cross-thread frees); the monitor sweeps what is left.
+    fn expire(&mut self, now: Instant, keep: Duration, max: usize) {
+        for _ in 0..max {
+            match self.completed.front() {
+                Some((at, _)) if now.saturating_duration_since(*at) >= keep => {}
+                _ => return,
+            }
+            let (_, name) = self.completed.pop_front().expect("front exists");
+            if let Some(job) = self.jobs.remove(&name)
+                && self.in_flight.get(&job.key) == Some(&name)
+            {
+                self.in_flight.remove(&job.key);
+            }
+        }
+    }
+
     /// Carries out the dispatcher's assignments: the operation moves to EXECUTING and its
     /// worker is sent the action. A worker whose channel is closed is gone: it is removed
     /// and its actions placed again.
@@ -483,7 +544,7 @@ impl State {
     fn promote_hedge(&mut self, name: &str, cancel: bool) -> Vec<Assign> {
         let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
         let Some(h) = job.hedge.take() else { return Vec::new() };
-        let (old, old_wire, old_worker) = (job.id, job.wire(false), job.worker.take());
+        let (old, old_wire, old_worker, shared) = (job.id, job.wire(false), job.worker.take(), job.name.clone());
         job.id = h.id;
         job.worker = h.worker;
         job.dispatched_at = h.dispatched_at;
@@ -495,7 +556,7 @@ impl State {
         }
         self.hedges.remove(&h.id);
         self.live.remove(&old);
-        self.live.insert(h.id, name.to_string());
+        self.live.insert(h.id, shared);
         self.end_run(old, old_worker.as_deref(), old_wire, cancel)
     }
 
@@ -564,7 +625,7 @@ impl State {
                 s.stage = Stage::Completed;
                 s.response = Some(response);
             });
-            if self.in_flight.get(&job.key).map(String::as_str) == Some(name) {
+            if self.in_flight.get(&job.key).map(|n| &**n) == Some(name) {
                 self.in_flight.remove(&job.key);
             }
         }
@@ -586,7 +647,7 @@ impl State {
         job.spec = Arc::new(job.spec.without_action());
         let (id, hedged) = (job.id, job.hedge.is_some());
         self.live.remove(&id);
-        self.completed.push_back((now, name.to_string()));
+        self.completed.push_back((now, job.name.clone()));
         let mut out = if hedged { self.drop_hedge(name, true) } else { Vec::new() };
         out.extend(self.d.finish(id));
         out
@@ -711,7 +772,7 @@ impl Scheduler {
                 {
                     job.owners.push(o);
                 }
-                return Ok((name, job.tx.subscribe()));
+                return Ok((name.to_string(), job.tx.subscribe()));
             }
             st.in_flight.remove(&key);
         }
@@ -752,9 +813,9 @@ impl Scheduler {
         };
         // A run on a smaller class still going at this time gets a copy on the largest.
         let hedge_at = hedge_after.filter(|_| size_class < Some(largest_class)).map(|h| Instant::now() + h);
-        let name = format!("operations/{}", uuid::Uuid::new_v4());
+        let name: Name = st.names.next().into();
         let state =
-            OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
+            OpState { name: name.to_string(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
         let (id, assigns) = st.d.submit(spec.priority, required.clone(), size_class);
         if let Some(at) = hedge_at {
@@ -794,7 +855,7 @@ impl Scheduler {
         );
         st.apply(&self.config, assigns);
         self.update_gauges(&st);
-        Ok((name, rx))
+        Ok((name.to_string(), rx))
     }
 
     fn update_gauges(&self, st: &State) {
@@ -1017,6 +1078,7 @@ impl Scheduler {
         let job_id = f.job_id.as_str();
         let mut st = self.lock();
         let st = &mut *st;
+        st.expire(Instant::now(), self.config.completed_retention, EXPIRE_PER_FINISH);
         let Some(w) = st.workers.get_mut(worker) else { return After::Nothing };
         w.last_seen = Instant::now();
         let (wid, size_class) = (w.id, w.size_class);
@@ -1173,7 +1235,7 @@ impl Scheduler {
     fn reclaim_overdue(&self, now: Instant) {
         let mut st = self.lock();
         let grace = self.config.timeout_grace;
-        let late: Vec<(JobId, String, String, Duration, bool)> = st
+        let late: Vec<(JobId, Name, String, Duration, bool)> = st
             .workers
             .iter()
             .flat_map(|(wname, w)| st.d.running_on(w.id).map(move |j| (j, wname)))
@@ -1201,7 +1263,7 @@ impl Scheduler {
                 assigns.extend(st.drop_hedge(&name, true));
                 continue;
             }
-            let wire = st.jobs[&name].wire(false);
+            let wire = st.jobs[&*name].wire(false);
             let avoid = st.d.take_back(id);
             if let Some(w) = st.workers.get_mut(&worker) {
                 w.overdue.insert(wire.clone(), id);
@@ -1234,7 +1296,7 @@ impl Scheduler {
         let (id, worker, wire) = (job.id, job.worker.clone(), job.wire(false));
         let mut assigns = st.drop_hedge(name, true);
         // New requests for the same action start afresh instead of joining a cancelled one.
-        if st.in_flight.get(&key).map(String::as_str) == Some(name) {
+        if st.in_flight.get(&key).map(|n| &**n) == Some(name) {
             st.in_flight.remove(&key);
         }
         match worker.filter(|_| st.d.worker_of(id).is_some()) {
@@ -1288,7 +1350,7 @@ impl Scheduler {
             ))),
             Some(_) => {
                 if let Some(job) = st.jobs.remove(name)
-                    && st.in_flight.get(&job.key).map(String::as_str) == Some(name)
+                    && st.in_flight.get(&job.key).map(|n| &**n) == Some(name)
                 {
                     st.in_flight.remove(&job.key);
                 }
@@ -1326,17 +1388,7 @@ impl Scheduler {
         }
         self.reclaim_overdue(Instant::now());
         let mut st = self.lock();
-        let keep = self.config.completed_retention;
-        while let Some((at, _)) = st.completed.front()
-            && at.elapsed() >= keep
-        {
-            let (_, name) = st.completed.pop_front().expect("front exists");
-            if let Some(job) = st.jobs.remove(&name)
-                && st.in_flight.get(&job.key) == Some(&name)
-            {
-                st.in_flight.remove(&job.key);
-            }
-        }
+        st.expire(Instant::now(), self.config.completed_retention, usize::MAX);
         st.d.compact();
     }
 }
@@ -1367,7 +1419,7 @@ impl gantry_core::Fleet for Scheduler {
                         let since =
                             if hedge { job.hedge.as_ref().and_then(|h| h.dispatched_at) } else { job.dispatched_at };
                         Some(RunningView {
-                            operation: op.clone(),
+                            operation: op.to_string(),
                             instance: job.spec.instance.clone(),
                             action_digest: job.spec.action_digest.to_string(),
                             mnemonic: job.spec.requester.action_mnemonic.clone(),
@@ -1411,7 +1463,7 @@ fn run_record(
     m: &wpb::Metering,
 ) -> ActionRecord {
     ActionRecord {
-        operation: job.name.clone(),
+        operation: job.name.to_string(),
         instance: job.spec.instance.clone(),
         action_digest: job.spec.action_digest.to_string(),
         tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),

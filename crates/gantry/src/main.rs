@@ -19,6 +19,13 @@ mod serve;
 mod sizeclass;
 mod worker;
 
+/// mimalloc instead of glibc's malloc: the server allocates and frees many small,
+/// short-lived values per request from many threads, where glibc's arenas spend their
+/// time consolidating and unlinking free chunks (a quarter of the scheduler bench's
+/// samples). Measured in `gantry bench scheduler` and `gantry bench exec`.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
