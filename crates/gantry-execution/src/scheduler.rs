@@ -203,7 +203,7 @@ struct Job {
     owners: Vec<String>,
     timeout: Duration,
     queued_at: SystemTime,
-    worker: Option<String>,
+    worker: Option<Name>,
     /// When the current worker was handed the action.
     dispatched_at: Option<Instant>,
     losses: u32,
@@ -240,7 +240,7 @@ impl Job {
 /// A hedge copy of a running action, on the largest size class.
 struct HedgeRun {
     id: JobId,
-    worker: Option<String>,
+    worker: Option<Name>,
     dispatched_at: Option<Instant>,
 }
 
@@ -343,7 +343,8 @@ struct State {
     hedge_due: BTreeSet<(Instant, JobId)>,
     in_flight: HashMap<(String, Digest), Name>,
     workers: HashMap<String, WorkerEntry>,
-    worker_names: IdMap<String>,
+    /// Worker names by dispatcher id, shared with the jobs that run on them.
+    worker_names: IdMap<Name>,
     /// Completed operations, oldest first, for retention.
     completed: VecDeque<(Instant, Name)>,
     names: NameSource,
@@ -355,7 +356,19 @@ struct Gauges {
     queued: prometheus::IntGauge,
     running: prometheus::IntGauge,
     workers: prometheus::IntGauge,
-    completed: prometheus::IntCounterVec,
+    /// `gantry_executions_total` per outcome, looked up once: a labelled lookup hashes
+    /// the label and takes the vector's lock on every finished action.
+    completed: [(&'static str, prometheus::IntCounter); OUTCOMES.len()],
+}
+
+/// The outcomes `gantry_executions_total` counts.
+const OUTCOMES: [&str; 6] = ["success", "nonzero_exit", "out_of_memory", "timeout", "cancelled", "error"];
+
+impl Gauges {
+    fn completed(&self, outcome: &str) -> &prometheus::IntCounter {
+        let i = self.completed.iter().position(|(o, _)| *o == outcome).unwrap_or(OUTCOMES.len() - 1);
+        &self.completed[i].1
+    }
 }
 
 pub struct Scheduler {
@@ -489,7 +502,7 @@ impl State {
                 timeout: if hedge { job.trial.requested_timeout } else { job.timeout },
                 queued_at: job.queued_at,
             }));
-            let w = self.workers.get(wname).expect("named workers exist");
+            let w = self.workers.get(&**wname).expect("named workers exist");
             if w.tx.send(msg).is_ok() {
                 match job.hedge.as_mut().filter(|_| hedge) {
                     Some(h) => {
@@ -677,7 +690,7 @@ impl Scheduler {
             queued: g("gantry_execution_queue_depth", "Actions waiting for a worker"),
             running: g("gantry_execution_running", "Actions running on workers"),
             workers: g("gantry_execution_workers", "Registered workers"),
-            completed,
+            completed: OUTCOMES.map(|o| (o, completed.with_label_values(&[o]))),
         };
         let s = Arc::new(Scheduler {
             stopping: watch::channel(false).0,
@@ -880,7 +893,7 @@ impl Scheduler {
             return Err(Error::FailedPrecondition(format!("worker id {} is already registered", reg.worker_id)));
         }
         let (id, assigns) = st.d.add_worker(props.into(), size_class, reg.slots.max(1) as usize);
-        st.worker_names.insert(id, reg.worker_id.clone());
+        st.worker_names.insert(id, reg.worker_id.as_str().into());
         st.workers.insert(
             reg.worker_id.clone(),
             WorkerEntry {
@@ -1042,7 +1055,7 @@ impl Scheduler {
             (c, _) if c == tonic::Code::Cancelled as i32 => "cancelled",
             _ => "error",
         };
-        self.gauges.completed.with_label_values(&[outcome]).inc();
+        self.gauges.completed(outcome).inc();
         let mut human = if f.message.is_empty() { message.clone() } else { f.message.clone() };
         if !notes.is_empty() {
             human = if human.is_empty() { notes } else { format!("{human}; {notes}") };
@@ -1302,7 +1315,7 @@ impl Scheduler {
         match worker.filter(|_| st.d.worker_of(id).is_some()) {
             None => assigns.extend(st.complete(name, cancelled_response())),
             Some(w) => {
-                if let Some(w) = st.workers.get(&w) {
+                if let Some(w) = st.workers.get(&*w) {
                     let _ = w.tx.send(ToWorker::Cancel(wire));
                 }
             }
@@ -1361,7 +1374,7 @@ impl Scheduler {
 
     /// The worker an operation's action is on, if it is running.
     pub fn worker_of(&self, name: &str) -> Option<String> {
-        self.lock().jobs.get(name).and_then(|j| j.worker.clone())
+        self.lock().jobs.get(name).and_then(|j| j.worker.as_deref().map(str::to_string))
     }
 
     pub fn worker_count(&self) -> usize {
@@ -1618,6 +1631,42 @@ mod tests {
             s.finished("w", finished_ok(&got[0])).await;
         }
         assert_eq!(order, vec![d, b, a, c], "lower priority value first, FIFO within a priority");
+    }
+
+    #[tokio::test]
+    async fn executions_are_counted_by_outcome_and_completed_operations_expire() {
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
+        let registry = prometheus::Registry::new();
+        let cfg = SchedulerConfig { completed_retention: Duration::ZERO, ..Default::default() };
+        let s = Scheduler::new(cfg, ac, log, &registry, None);
+        let mut w = s.register(reg("w", 1, &[]), true).unwrap();
+        let (a, _) = s.submit(spec("a", 0, &[])).await.unwrap();
+        let (b, _) = s.submit(spec("b", 0, &[])).await.unwrap();
+        assert_eq!(assigned(&mut w), std::slice::from_ref(&a));
+        s.finished("w", finished_ok(&a)).await;
+        assert_eq!(assigned(&mut w), std::slice::from_ref(&b));
+        let failed = wpb::ExecutionFinished {
+            action_result: Some(ActionResult { exit_code: 1, ..Default::default() }.encode_to_vec()),
+            ..finished_ok(&b)
+        };
+        s.finished("w", failed).await;
+        let counts: HashMap<String, f64> = registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == "gantry_executions_total")
+            .flat_map(|f| f.get_metric().iter())
+            .map(|m| (m.get_label()[0].value().to_string(), m.get_counter().get_value()))
+            .collect();
+        assert_eq!(counts.len(), OUTCOMES.len(), "every outcome is exported from the start: {counts:?}");
+        assert_eq!((counts["success"], counts["nonzero_exit"], counts["timeout"]), (1.0, 1.0, 0.0));
+        // With no retention, finishing b forgot a (finished runs expire a few each); the
+        // monitor's sweep forgets b.
+        assert!(s.watch(&a).is_none() && s.watch(&b).is_some());
+        s.check_workers_and_gc();
+        assert!(s.watch(&b).is_none());
+        s.check_invariants().unwrap();
     }
 
     #[tokio::test]
