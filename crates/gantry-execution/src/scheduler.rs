@@ -188,13 +188,20 @@ impl JobSpec {
 /// copy).
 type Name = Arc<str>;
 
-/// The operations by name. The names are the scheduler's own (never a client's choice),
-/// so the hasher needs no flooding protection; SipHash and the compares of long keys were
-/// a tenth of an event.
+/// Operations by name, for the calls that name one (a worker's report, a client's wait,
+/// cancel or delete). The names are the scheduler's own (never a client's choice), so the
+/// hasher needs no flooding protection.
 type ByName<V> = HashMap<Name, V, foldhash::fast::RandomState>;
+
+/// An operation's number, in submission order. Everything inside the scheduler refers to
+/// an operation by it, not by its name: a numeric key sits in the map's own slots, while
+/// a name is a pointer to chase and a string to hash and compare (a tenth of an event).
+/// Not the dispatcher's id, which changes when a hedge copy takes over the operation.
+type OpId = u64;
 
 struct Job {
     id: JobId,
+    op: OpId,
     name: Name,
     key: (String, Digest),
     spec: Arc<JobSpec>,
@@ -334,19 +341,22 @@ struct State {
     d: Dispatcher,
     /// Every operation by name, until its retention ends. Boxed: a map of large entries
     /// moves them all whenever it rehashes.
-    jobs: ByName<Box<Job>>,
+    jobs: IdMap<Box<Job>>,
+    /// Every operation in `jobs`, by its name.
+    by_name: ByName<OpId>,
+    next_op: OpId,
     /// Operations the dispatcher holds (queued or running), by its id.
-    live: IdMap<Name>,
+    live: IdMap<OpId>,
     /// Hedge copies the dispatcher holds, by their id: the operation each belongs to.
-    hedges: IdMap<Name>,
+    hedges: IdMap<OpId>,
     /// Operations whose hedge time is still to come: (that time, their dispatcher id).
     hedge_due: BTreeSet<(Instant, JobId)>,
-    in_flight: HashMap<(String, Digest), Name>,
+    in_flight: HashMap<(String, Digest), OpId>,
     workers: HashMap<String, WorkerEntry>,
     /// Worker names by dispatcher id, shared with the jobs that run on them.
     worker_names: IdMap<Name>,
     /// Completed operations, oldest first, for retention.
-    completed: VecDeque<(Instant, Name)>,
+    completed: VecDeque<(Instant, OpId)>,
     names: NameSource,
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: HashMap<u32, f64>,
@@ -470,13 +480,24 @@ impl State {
                 Some((at, _)) if now.saturating_duration_since(*at) >= keep => {}
                 _ => return,
             }
-            let (_, name) = self.completed.pop_front().expect("front exists");
-            if let Some(job) = self.jobs.remove(&name)
-                && self.in_flight.get(&job.key) == Some(&name)
-            {
+            let (_, op) = self.completed.pop_front().expect("front exists");
+            self.forget(op);
+        }
+    }
+
+    /// Removes an operation from every map that knows it.
+    fn forget(&mut self, op: OpId) {
+        if let Some(job) = self.jobs.remove(&op) {
+            self.by_name.remove(&job.name);
+            if self.in_flight.get(&job.key) == Some(&op) {
                 self.in_flight.remove(&job.key);
             }
         }
+    }
+
+    /// The operation called `name`.
+    fn op_named(&self, name: &str) -> Option<OpId> {
+        self.by_name.get(name).copied()
     }
 
     /// Carries out the dispatcher's assignments: the operation moves to EXECUTING and its
@@ -486,12 +507,12 @@ impl State {
         let mut todo: VecDeque<Assign> = assigns.into();
         while let Some(a) = todo.pop_front() {
             let Some(wname) = self.worker_names.get(&a.worker) else { continue };
-            let (name, hedge) = match (self.live.get(&a.job), self.hedges.get(&a.job)) {
-                (Some(name), _) => (name, false),
-                (None, Some(name)) => (name, true),
+            let (op, hedge) = match (self.live.get(&a.job), self.hedges.get(&a.job)) {
+                (Some(&op), _) => (op, false),
+                (None, Some(&op)) => (op, true),
                 (None, None) => continue,
             };
-            let job = self.jobs.get_mut(name).expect("live jobs exist");
+            let job = self.jobs.get_mut(&op).expect("live jobs exist");
             if self.d.worker_of(a.job) != Some(a.worker) {
                 continue; // superseded by a later event in this same batch
             }
@@ -531,9 +552,9 @@ impl State {
         tracing::warn!(worker, why, running = running.len(), "worker lost");
         let mut out = Vec::new();
         for j in running {
-            if let Some(name) = self.hedges.get(&j).cloned() {
+            if let Some(&op) = self.hedges.get(&j) {
                 // A lost copy: the first run goes on alone.
-                out.extend(self.drop_hedge(&name, false));
+                out.extend(self.drop_hedge(op, false));
             } else {
                 out.extend(self.lose_job(config, j, worker, why, None));
             }
@@ -544,8 +565,8 @@ impl State {
     /// Ends an operation's hedge copy: it is cancelled on its worker when `cancel` and it
     /// runs there (the slot stays taken until the worker reports it, as for an overdue
     /// run), else it just leaves the dispatcher. The first run goes on.
-    fn drop_hedge(&mut self, name: &str, cancel: bool) -> Vec<Assign> {
-        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+    fn drop_hedge(&mut self, op: OpId, cancel: bool) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(&op) else { return Vec::new() };
         let Some(h) = job.hedge.take() else { return Vec::new() };
         self.hedges.remove(&h.id);
         let wire = job.wire(true);
@@ -554,10 +575,10 @@ impl State {
 
     /// The hedge copy takes over the operation: its first run failed, was lost, or lost
     /// the race (`cancel`: it is still running, and is cancelled).
-    fn promote_hedge(&mut self, name: &str, cancel: bool) -> Vec<Assign> {
-        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+    fn promote_hedge(&mut self, op: OpId, cancel: bool) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(&op) else { return Vec::new() };
         let Some(h) = job.hedge.take() else { return Vec::new() };
-        let (old, old_wire, old_worker, shared) = (job.id, job.wire(false), job.worker.take(), job.name.clone());
+        let (old, old_wire, old_worker) = (job.id, job.wire(false), job.worker.take());
         job.id = h.id;
         job.worker = h.worker;
         job.dispatched_at = h.dispatched_at;
@@ -569,7 +590,7 @@ impl State {
         }
         self.hedges.remove(&h.id);
         self.live.remove(&old);
-        self.live.insert(h.id, shared);
+        self.live.insert(h.id, op);
         self.end_run(old, old_worker.as_deref(), old_wire, cancel)
     }
 
@@ -598,11 +619,11 @@ impl State {
         why: &str,
         avoid: Option<WorkerId>,
     ) -> Vec<Assign> {
-        let Some(name) = self.live.get(&id).cloned() else { return Vec::new() };
-        let job = self.jobs.get_mut(&name).expect("live jobs exist");
+        let Some(&op) = self.live.get(&id) else { return Vec::new() };
+        let job = self.jobs.get_mut(&op).expect("live jobs exist");
         if job.hedge.is_some() {
             // Its copy on the largest class carries on: nothing is lost.
-            return self.promote_hedge(&name, false);
+            return self.promote_hedge(op, false);
         }
         // An action placed on the worker but never delivered to it (its channel closed
         // first) did not lose a worker: it never had one.
@@ -612,7 +633,7 @@ impl State {
         job.worker = None;
         job.dispatched_at = None;
         if job.cancel_requested {
-            self.complete(&name, cancelled_response())
+            self.complete(op, cancelled_response())
         } else if job.losses > config.max_worker_losses {
             let losses = job.losses;
             let resp = ExecuteResponse {
@@ -622,7 +643,7 @@ impl State {
                 )),
                 ..Default::default()
             };
-            self.complete(&name, resp)
+            self.complete(op, resp)
         } else {
             job.tx.send_modify(|s| s.stage = Stage::Queued);
             self.d.requeue(id, avoid)
@@ -631,14 +652,14 @@ impl State {
 
     /// Ends an operation and publishes its response at once (cancelled, failed by the
     /// scheduler). Returns the assignments that follow from the freed slot.
-    fn complete(&mut self, name: &str, response: ExecuteResponse) -> Vec<Assign> {
-        let out = self.retire(name);
-        if let Some(job) = self.jobs.get(name) {
+    fn complete(&mut self, op: OpId, response: ExecuteResponse) -> Vec<Assign> {
+        let out = self.retire(op);
+        if let Some(job) = self.jobs.get(&op) {
             job.tx.send_modify(|s| {
                 s.stage = Stage::Completed;
                 s.response = Some(response);
             });
-            if self.in_flight.get(&job.key).map(|n| &**n) == Some(name) {
+            if self.in_flight.get(&job.key) == Some(&op) {
                 self.in_flight.remove(&job.key);
             }
         }
@@ -647,8 +668,8 @@ impl State {
 
     /// Takes an operation out of the dispatcher and starts its retention; publishing its
     /// response is up to the caller.
-    fn retire(&mut self, name: &str) -> Vec<Assign> {
-        let Some(job) = self.jobs.get_mut(name) else { return Vec::new() };
+    fn retire(&mut self, op: OpId) -> Vec<Assign> {
+        let Some(job) = self.jobs.get_mut(&op) else { return Vec::new() };
         if job.completed_at.is_some() {
             return Vec::new();
         }
@@ -660,8 +681,8 @@ impl State {
         job.spec = Arc::new(job.spec.without_action());
         let (id, hedged) = (job.id, job.hedge.is_some());
         self.live.remove(&id);
-        self.completed.push_back((now, job.name.clone()));
-        let mut out = if hedged { self.drop_hedge(name, true) } else { Vec::new() };
+        self.completed.push_back((now, op));
+        let mut out = if hedged { self.drop_hedge(op, true) } else { Vec::new() };
         out.extend(self.d.finish(id));
         out
     }
@@ -776,16 +797,16 @@ impl Scheduler {
         // REAPI: in-flight requests for a do_not_cache action may not be merged.
         let mergeable = !spec.action.do_not_cache;
         let mut st = self.lock();
-        if let Some(name) = st.in_flight.get(&key).filter(|_| mergeable).cloned() {
+        if let Some(op) = st.in_flight.get(&key).filter(|_| mergeable).copied() {
             // Joined until its result is published; after that (or once it is deleted)
             // the entry is stale and a new execution starts.
-            if let Some(job) = st.jobs.get_mut(&name).filter(|j| !j.published()) {
+            if let Some(job) = st.jobs.get_mut(&op).filter(|j| !j.published()) {
                 if let Some(o) = spec.owner
                     && !job.owners.contains(&o)
                 {
                     job.owners.push(o);
                 }
-                return Ok((name.to_string(), job.tx.subscribe()));
+                return Ok((job.name.to_string(), job.tx.subscribe()));
             }
             st.in_flight.remove(&key);
         }
@@ -834,14 +855,18 @@ impl Scheduler {
         if let Some(at) = hedge_at {
             st.hedge_due.insert((at, id));
         }
+        let op = st.next_op;
+        st.next_op += 1;
         if mergeable {
-            st.in_flight.insert(key.clone(), name.clone());
+            st.in_flight.insert(key.clone(), op);
         }
-        st.live.insert(id, name.clone());
+        st.live.insert(id, op);
+        st.by_name.insert(name.clone(), op);
         st.jobs.insert(
-            name.clone(),
+            op,
             Box::new(Job {
                 id,
+                op,
                 name: name.clone(),
                 key,
                 owners: spec.owner.iter().cloned().collect(),
@@ -961,7 +986,11 @@ impl Scheduler {
         if let Some(w) = st.workers.get_mut(worker) {
             w.last_seen = Instant::now();
         }
-        if let Some(job) = st.jobs.get(split_wire_id(job_id).0).filter(|j| j.worker.as_deref() == Some(worker)) {
+        if let Some(job) = st
+            .op_named(split_wire_id(job_id).0)
+            .and_then(|op| st.jobs.get(&op))
+            .filter(|j| j.worker.as_deref() == Some(worker))
+        {
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
     }
@@ -1102,13 +1131,14 @@ impl Scheduler {
             st.apply(&self.config, assigns);
             self.update_gauges(st);
             // Its cost was spent all the same (a hedge's loser, an overdue run): logged.
-            return match st.jobs.get(split_wire_id(job_id).0) {
+            return match st.op_named(split_wire_id(job_id).0).and_then(|op| st.jobs.get(&op)) {
                 Some(job) => After::Logged(Box::new(run_record(job, worker, size_class, code, exit_code, m))),
                 None => After::Nothing,
             };
         }
         let (name, is_hedge) = split_wire_id(job_id);
-        let Some(job) = st.jobs.get_mut(name) else { return After::Nothing };
+        let Some(op) = st.op_named(name) else { return After::Nothing };
+        let job = st.jobs.get_mut(&op).expect("named operations exist");
         let primary =
             is_hedge == job.promoted && job.worker.as_deref() == Some(worker) && st.d.worker_of(job.id) == Some(wid);
         let hedge = is_hedge
@@ -1135,7 +1165,7 @@ impl Scheduler {
         if hedge && !ran {
             // The copy could not run (an input went missing, its worker failed): the first
             // run goes on alone.
-            let assigns = st.drop_hedge(name, false);
+            let assigns = st.drop_hedge(op, false);
             st.apply(&self.config, assigns);
             self.update_gauges(st);
             return After::Logged(Box::new(record));
@@ -1146,23 +1176,23 @@ impl Scheduler {
             let first_class = job.size_class.unwrap_or(size_class);
             let ran_for = job.dispatched_at.map(|t| t.elapsed()).unwrap_or_default();
             job.trial.hedge_won(first_class, ran_for);
-            let assigns = st.promote_hedge(name, true);
+            let assigns = st.promote_hedge(op, true);
             st.apply(&self.config, assigns);
         } else if job.hedge.is_some() {
             if this_outcome.is_success() {
                 job.trial.first_won(size_class);
-                let assigns = st.drop_hedge(name, true);
+                let assigns = st.drop_hedge(op, true);
                 st.apply(&self.config, assigns);
             } else {
                 // The first run failed (or could not run): the copy decides.
                 job.trial.retry_after(job.size_class, &run, job.cancel_requested);
-                let assigns = st.promote_hedge(name, false);
+                let assigns = st.promote_hedge(op, false);
                 st.apply(&self.config, assigns);
                 self.update_gauges(st);
                 return After::Logged(Box::new(record));
             }
         }
-        let job = st.jobs.get_mut(name).expect("checked above");
+        let job = st.jobs.get_mut(&op).expect("checked above");
         if let Some(class) = job.trial.retry_after(job.size_class, &run, job.cancel_requested) {
             job.size_class = Some(class);
             job.timeout = job.trial.requested_timeout;
@@ -1185,8 +1215,7 @@ impl Scheduler {
             learn,
             tx: job.tx.clone(),
         };
-        let name = job.name.clone();
-        let assigns = st.retire(&name);
+        let assigns = st.retire(op);
         st.apply(&self.config, assigns);
         self.update_gauges(st);
         After::Final(Box::new(fin))
@@ -1205,8 +1234,8 @@ impl Scheduler {
         let due = std::mem::replace(&mut st.hedge_due, later);
         let mut assigns = Vec::new();
         for (_, id) in due {
-            let Some(name) = st.live.get(&id) else { continue };
-            let job = st.jobs.get_mut(name).expect("live jobs exist");
+            let Some(&op) = st.live.get(&id) else { continue };
+            let job = st.jobs.get_mut(&op).expect("live jobs exist");
             let largest = job.trial.largest_class;
             let Some(class) = job.size_class.filter(|&c| c < largest) else { continue };
             if job.hedge.is_some() || job.promoted || job.cancel_requested || job.completed_at.is_some() {
@@ -1220,7 +1249,7 @@ impl Scheduler {
             } else if st.d.worker_of(id).is_some() {
                 let (hid, placed) = st.d.submit(job.spec.priority, job.required.clone(), Some(largest));
                 job.hedge = Some(HedgeRun { id: hid, worker: None, dispatched_at: None });
-                st.hedges.insert(hid, name.clone());
+                st.hedges.insert(hid, op);
                 assigns.extend(placed);
             } else {
                 continue;
@@ -1248,35 +1277,35 @@ impl Scheduler {
     fn reclaim_overdue(&self, now: Instant) {
         let mut st = self.lock();
         let grace = self.config.timeout_grace;
-        let late: Vec<(JobId, Name, String, Duration, bool)> = st
+        let late: Vec<(JobId, OpId, String, Duration, bool)> = st
             .workers
             .iter()
             .flat_map(|(wname, w)| st.d.running_on(w.id).map(move |j| (j, wname)))
             .filter_map(|(id, wname)| {
-                let (hedge, name) = match st.live.get(&id) {
-                    Some(name) => (false, name),
-                    None => (true, st.hedges.get(&id)?),
+                let (hedge, op) = match st.live.get(&id) {
+                    Some(&op) => (false, op),
+                    None => (true, *st.hedges.get(&id)?),
                 };
-                let job = &st.jobs[name];
+                let job = &st.jobs[&op];
                 let (at, timeout) = match &job.hedge {
                     Some(h) if hedge => (h.dispatched_at?, job.trial.requested_timeout),
                     _ => (job.dispatched_at?, job.timeout),
                 };
-                overdue(at, timeout, grace, now).then(|| (id, job.name.clone(), wname.clone(), timeout, hedge))
+                overdue(at, timeout, grace, now).then(|| (id, op, wname.clone(), timeout, hedge))
             })
             .collect();
         if late.is_empty() {
             return;
         }
         let mut assigns = Vec::new();
-        for (id, name, worker, timeout, hedge) in late {
+        for (id, op, worker, timeout, hedge) in late {
             let why = format!("no result {:.0?} after its {timeout:.0?} timeout", grace);
-            tracing::warn!(worker = %worker, operation = %name, hedge, "{why}; taking the action back");
+            tracing::warn!(worker = %worker, operation = %st.jobs[&op].name, hedge, "{why}; taking the action back");
             if hedge {
-                assigns.extend(st.drop_hedge(&name, true));
+                assigns.extend(st.drop_hedge(op, true));
                 continue;
             }
-            let wire = st.jobs[&*name].wire(false);
+            let wire = st.jobs[&op].wire(false);
             let avoid = st.d.take_back(id);
             if let Some(w) = st.workers.get_mut(&worker) {
                 w.overdue.insert(wire.clone(), id);
@@ -1294,7 +1323,8 @@ impl Scheduler {
     /// keeps running for that identity; the caller only lets go of it.
     pub fn cancel(&self, name: &str, by: Option<&str>) -> Result<()> {
         let mut st = self.lock();
-        let job = st.jobs.get_mut(name).filter(|j| may_touch(j, by)).ok_or_else(|| not_found(name))?;
+        let op = st.op_named(name).ok_or_else(|| not_found(name))?;
+        let job = st.jobs.get_mut(&op).filter(|j| may_touch(j, by)).ok_or_else(|| not_found(name))?;
         if job.completed_at.is_some() {
             return Ok(());
         }
@@ -1307,13 +1337,13 @@ impl Scheduler {
         job.cancel_requested = true;
         let key = job.key.clone();
         let (id, worker, wire) = (job.id, job.worker.clone(), job.wire(false));
-        let mut assigns = st.drop_hedge(name, true);
+        let mut assigns = st.drop_hedge(op, true);
         // New requests for the same action start afresh instead of joining a cancelled one.
-        if st.in_flight.get(&key).map(|n| &**n) == Some(name) {
+        if st.in_flight.get(&key) == Some(&op) {
             st.in_flight.remove(&key);
         }
         match worker.filter(|_| st.d.worker_of(id).is_some()) {
-            None => assigns.extend(st.complete(name, cancelled_response())),
+            None => assigns.extend(st.complete(op, cancelled_response())),
             Some(w) => {
                 if let Some(w) = st.workers.get(&*w) {
                     let _ = w.tx.send(ToWorker::Cancel(wire));
@@ -1339,14 +1369,15 @@ impl Scheduler {
     }
 
     pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
-        self.lock().jobs.get(name).map(|j| j.tx.subscribe())
+        let st = self.lock();
+        st.op_named(name).and_then(|op| st.jobs.get(&op)).map(|j| j.tx.subscribe())
     }
 
     /// Operations in submission order: all of them, or those `owner` shares.
     pub fn list(&self, owner: Option<&str>) -> Vec<OpState> {
         let st = self.lock();
         let mut v: Vec<_> =
-            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.id, j.tx.borrow().clone())).collect();
+            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.op, j.tx.borrow().clone())).collect();
         v.sort_by_key(|(s, _)| *s);
         v.into_iter().map(|(_, s)| s).collect()
     }
@@ -1355,18 +1386,16 @@ impl Scheduler {
     /// `by` as for [`Scheduler::cancel`].
     pub fn delete(&self, name: &str, by: Option<&str>) -> Result<()> {
         let mut st = self.lock();
-        match st.jobs.get(name).filter(|j| may_touch(j, by)) {
+        let op = st.op_named(name);
+        match op.and_then(|op| st.jobs.get(&op)).filter(|j| may_touch(j, by)) {
             None => Err(not_found(name)),
             Some(j) if !j.published() => Err(Error::FailedPrecondition(format!(
                 "operation {} is still running; cancel it first",
                 shown_name(name)
             ))),
-            Some(_) => {
-                if let Some(job) = st.jobs.remove(name)
-                    && st.in_flight.get(&job.key).map(|n| &**n) == Some(name)
-                {
-                    st.in_flight.remove(&job.key);
-                }
+            Some(j) => {
+                let op = j.op;
+                st.forget(op);
                 Ok(())
             }
         }
@@ -1374,7 +1403,8 @@ impl Scheduler {
 
     /// The worker an operation's action is on, if it is running.
     pub fn worker_of(&self, name: &str) -> Option<String> {
-        self.lock().jobs.get(name).and_then(|j| j.worker.as_deref().map(str::to_string))
+        let st = self.lock();
+        st.op_named(name).and_then(|op| st.jobs.get(&op)).and_then(|j| j.worker.as_deref().map(str::to_string))
     }
 
     pub fn worker_count(&self) -> usize {
@@ -1432,7 +1462,7 @@ impl gantry_core::Fleet for Scheduler {
                         let since =
                             if hedge { job.hedge.as_ref().and_then(|h| h.dispatched_at) } else { job.dispatched_at };
                         Some(RunningView {
-                            operation: op.to_string(),
+                            operation: job.name.to_string(),
                             instance: job.spec.instance.clone(),
                             action_digest: job.spec.action_digest.to_string(),
                             mnemonic: job.spec.requester.action_mnemonic.clone(),
@@ -1516,8 +1546,23 @@ fn queue_state(st: &State, classes: &BTreeSet<u32>) -> gantry_sizeclass::QueueSt
 /// The dispatcher's invariants, and that the scheduler's maps agree with it.
 fn check_state(st: &State) -> std::result::Result<(), String> {
     st.d.check()?;
-    for (id, name) in &st.live {
-        let job = st.jobs.get(name).ok_or(format!("live operation {name} is missing"))?;
+    if st.by_name.len() != st.jobs.len() {
+        return Err(format!("{} operations, {} names", st.jobs.len(), st.by_name.len()));
+    }
+    for (op, job) in &st.jobs {
+        if job.op != *op || st.by_name.get(&job.name) != Some(op) {
+            return Err(format!("operation {} is out of step with its name", job.name));
+        }
+    }
+    // An action in flight names an operation still kept, for that action.
+    for (key, op) in &st.in_flight {
+        if st.jobs.get(op).is_none_or(|j| &j.key != key) {
+            return Err(format!("the action {} in flight names operation #{op}, which is not its", key.1));
+        }
+    }
+    for (id, op) in &st.live {
+        let job = st.jobs.get(op).ok_or(format!("live operation #{op} is missing"))?;
+        let name = &job.name;
         if job.id != *id || job.completed_at.is_some() {
             return Err(format!("live operation {name} is out of step"));
         }
@@ -1525,8 +1570,9 @@ fn check_state(st: &State) -> std::result::Result<(), String> {
             return Err(format!("operation {name} is neither queued nor running"));
         }
     }
-    for (id, name) in &st.hedges {
-        let job = st.jobs.get(name).ok_or(format!("hedged operation {name} is missing"))?;
+    for (id, op) in &st.hedges {
+        let job = st.jobs.get(op).ok_or(format!("hedged operation #{op} is missing"))?;
+        let name = &job.name;
         if job.hedge.as_ref().map(|h| h.id) != Some(*id) || job.completed_at.is_some() || job.promoted {
             return Err(format!("hedge copy of {name} is out of step"));
         }
@@ -1661,9 +1707,10 @@ mod tests {
             .collect();
         assert_eq!(counts.len(), OUTCOMES.len(), "every outcome is exported from the start: {counts:?}");
         assert_eq!((counts["success"], counts["nonzero_exit"], counts["timeout"]), (1.0, 1.0, 0.0));
-        // With no retention, finishing b forgot a (finished runs expire a few each); the
-        // monitor's sweep forgets b.
-        assert!(s.watch(&a).is_none() && s.watch(&b).is_some());
+        // With no retention, a is gone once b has finished (b's finish expires it, unless
+        // the monitor's sweep, which runs at the awaits, got there first), and the sweep
+        // forgets b.
+        assert!(s.watch(&a).is_none());
         s.check_workers_and_gc();
         assert!(s.watch(&b).is_none());
         s.check_invariants().unwrap();
@@ -2141,5 +2188,151 @@ mod tests {
         assert_eq!(resp.status.unwrap().code, tonic::Code::Cancelled as i32);
         assert!(idle(&s));
         s.check_invariants().unwrap();
+    }
+}
+
+/// The scheduler's own maps (operations by number and by name, live runs, hedge copies,
+/// actions in flight, retention) against random sequences of what its callers do.
+#[cfg(test)]
+mod random_sequences {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// An action with one of a few digests (so identical ones join), maybe do_not_cache.
+        Submit {
+            tag: u8,
+            do_not_cache: bool,
+        },
+        Register {
+            worker: u8,
+            slots: u32,
+        },
+        Lose {
+            worker: u8,
+        },
+        /// The worker reports the k-th run it holds, succeeded or failed.
+        Finish {
+            worker: u8,
+            k: u8,
+            ok: bool,
+        },
+        Cancel {
+            k: u8,
+        },
+        Delete {
+            k: u8,
+        },
+        /// The monitor's sweep (retention is zero here).
+        Sweep,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => (0u8..6, any::<bool>()).prop_map(|(tag, do_not_cache)| Step::Submit { tag, do_not_cache }),
+            1 => (0u8..3, 1u32..3).prop_map(|(worker, slots)| Step::Register { worker, slots }),
+            1 => (0u8..3).prop_map(|worker| Step::Lose { worker }),
+            4 => (0u8..3, 0u8..3, any::<bool>()).prop_map(|(worker, k, ok)| Step::Finish { worker, k, ok }),
+            1 => any::<u8>().prop_map(|k| Step::Cancel { k }),
+            1 => any::<u8>().prop_map(|k| Step::Delete { k }),
+            1 => Just(Step::Sweep),
+        ]
+    }
+
+    async fn run(steps: Vec<Step>) -> std::result::Result<(), String> {
+        let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
+        let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
+        let cfg = SchedulerConfig { completed_retention: Duration::ZERO, ..Default::default() };
+        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
+        let mut links: HashMap<String, WorkerLink> = HashMap::new();
+        let mut held: HashMap<String, Vec<String>> = HashMap::new();
+        let mut names: Vec<String> = Vec::new();
+        for (i, st) in steps.into_iter().enumerate() {
+            match st {
+                Step::Submit { tag, do_not_cache } => {
+                    let spec = JobSpec {
+                        instance: String::new(),
+                        action_digest: DigestFunction::Sha256.digest_of(&[tag]),
+                        action: reapi::Action { do_not_cache, ..Default::default() },
+                        command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
+                        priority: i32::from(tag % 2),
+                        requester: Requester::default(),
+                        owner: None,
+                    };
+                    let (name, _) = s.submit(spec).await.map_err(|e| e.to_string())?;
+                    names.push(name);
+                }
+                Step::Register { worker, slots } => {
+                    let id = format!("w{worker}");
+                    let reg = wpb::Register { worker_id: id.clone(), slots, size_class: 1, ..Default::default() };
+                    if let Ok(link) = s.register(reg, true) {
+                        links.insert(id, link);
+                    }
+                }
+                Step::Lose { worker } => {
+                    let id = format!("w{worker}");
+                    s.worker_lost(&id, "test");
+                    links.remove(&id);
+                    held.remove(&id);
+                }
+                Step::Finish { worker, k, ok } => {
+                    let id = format!("w{worker}");
+                    let runs = held.entry(id.clone()).or_default();
+                    if !runs.is_empty() {
+                        let job = runs.remove(k as usize % runs.len());
+                        let f = wpb::ExecutionFinished {
+                            job_id: job,
+                            action_result: Some(
+                                ActionResult { exit_code: if ok { 0 } else { 1 }, ..Default::default() }
+                                    .encode_to_vec(),
+                            ),
+                            ..Default::default()
+                        };
+                        s.finished(&id, f).await;
+                    }
+                }
+                Step::Cancel { k } if !names.is_empty() => {
+                    let _ = s.cancel(&names[k as usize % names.len()], None);
+                }
+                Step::Delete { k } if !names.is_empty() => {
+                    let _ = s.delete(&names[k as usize % names.len()], None);
+                }
+                Step::Cancel { .. } | Step::Delete { .. } => {}
+                Step::Sweep => s.check_workers_and_gc(),
+            }
+            // What each worker was sent: a run it holds until it reports it (a cancelled
+            // run too: the worker reports it when its process is gone).
+            for (id, link) in links.iter_mut() {
+                while let Ok(m) = link.messages.try_recv() {
+                    if let ToWorker::Assign(a) = m {
+                        held.entry(id.clone()).or_default().push(a.job_id.clone());
+                    }
+                }
+            }
+            s.check_invariants().map_err(|e| format!("after step {i}: {e}"))?;
+            // Every name handed out is known until it is swept or deleted, and each known
+            // one answers to its own name.
+            for n in &names {
+                if let Some(rx) = s.watch(n) {
+                    let shown = rx.borrow().name.clone();
+                    if &shown != n {
+                        return Err(format!("after step {i}: {n} answers as {shown}"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn the_scheduler_maps_stay_in_step(steps in proptest::collection::vec(step(), 1..80)) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let result = rt.block_on(run(steps));
+            prop_assert!(result.is_ok(), "{}", result.unwrap_err());
+        }
     }
 }
