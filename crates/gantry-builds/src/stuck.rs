@@ -268,9 +268,23 @@ pub fn is_build_progress(line: &str) -> bool {
 
 /// Whether the build is in a GC death spiral at `now`. `events` are the pauses read so
 /// far in the order read (those after `now` are ignored), `last_progress` is when the
-/// BEP file last grew (or the build started), all counted from the build's start.
+/// build last made progress (see [`is_build_progress`]; or when it started), all counted
+/// from the build's start.
 pub fn detect(
     rule: &SpiralRule,
+    events: &[GcEvent],
+    heap_bytes: u64,
+    last_progress: Duration,
+    now: Duration,
+) -> Option<Spiral> {
+    detect_in(rule, GcWindow::of(events, rule.window, now), events, heap_bytes, last_progress, now)
+}
+
+/// [`detect`] with the window's pauses already summed up (the watcher sums them once per
+/// look, for its report too).
+fn detect_in(
+    rule: &SpiralRule,
+    gc: GcWindow,
     events: &[GcEvent],
     heap_bytes: u64,
     last_progress: Duration,
@@ -285,7 +299,7 @@ pub fn detect(
         return None;
     }
     let full_enough = |after_bytes: u64| after_bytes as f64 >= rule.min_heap_fraction * heap_bytes as f64;
-    let GcWindow { full_gcs, min_after_bytes: min_after, gc_time_fraction } = GcWindow::of(events, rule.window, now);
+    let GcWindow { full_gcs, min_after_bytes: min_after, gc_time_fraction } = gc;
     if full_gcs < rule.min_full_gcs.max(1) || !full_enough(min_after) || gc_time_fraction < rule.min_gc_time_fraction {
         return None;
     }
@@ -335,9 +349,10 @@ pub async fn watch(
         if bep.read_lines().iter().any(|l| is_build_progress(l)) {
             last_progress = now;
         }
-        let gc = GcWindow::of(events.make_contiguous(), rule.window, now);
+        let events = events.make_contiguous();
+        let gc = GcWindow::of(events, rule.window, now);
         seen.send_replace(Some(Seen { at: now, gc, last_progress, oom_error_at }));
-        if let Some(spiral) = detect(&rule, events.make_contiguous(), heap_bytes, last_progress, now) {
+        if let Some(spiral) = detect_in(&rule, gc, events, heap_bytes, last_progress, now) {
             return Stuck::GcSpiral(spiral);
         }
         if let Some(stuck_since) = detect_after_oom_error(rule.window, oom_error_at, last_progress, now) {

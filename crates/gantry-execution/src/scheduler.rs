@@ -339,8 +339,8 @@ struct WorkerEntry {
 struct State {
     /// Which queued action runs on which worker slot.
     d: Dispatcher,
-    /// Every operation by name, until its retention ends. Boxed: a map of large entries
-    /// moves them all whenever it rehashes.
+    /// Every operation by number, until its retention ends. Boxed: a map of large
+    /// entries moves them all whenever it rehashes.
     jobs: IdMap<Box<Job>>,
     /// Every operation in `jobs`, by its name.
     by_name: ByName<OpId>,
@@ -498,6 +498,10 @@ impl State {
     /// The operation called `name`.
     fn op_named(&self, name: &str) -> Option<OpId> {
         self.by_name.get(name).copied()
+    }
+
+    fn job_named(&self, name: &str) -> Option<&Job> {
+        self.jobs.get(&self.op_named(name)?).map(|j| &**j)
     }
 
     /// Carries out the dispatcher's assignments: the operation moves to EXECUTING and its
@@ -986,11 +990,7 @@ impl Scheduler {
         if let Some(w) = st.workers.get_mut(worker) {
             w.last_seen = Instant::now();
         }
-        if let Some(job) = st
-            .op_named(split_wire_id(job_id).0)
-            .and_then(|op| st.jobs.get(&op))
-            .filter(|j| j.worker.as_deref() == Some(worker))
-        {
+        if let Some(job) = st.job_named(split_wire_id(job_id).0).filter(|j| j.worker.as_deref() == Some(worker)) {
             job.tx.send_modify(|s| s.stage = Stage::Executing);
         }
     }
@@ -1131,7 +1131,7 @@ impl Scheduler {
             st.apply(&self.config, assigns);
             self.update_gauges(st);
             // Its cost was spent all the same (a hedge's loser, an overdue run): logged.
-            return match st.op_named(split_wire_id(job_id).0).and_then(|op| st.jobs.get(&op)) {
+            return match st.job_named(split_wire_id(job_id).0) {
                 Some(job) => After::Logged(Box::new(run_record(job, worker, size_class, code, exit_code, m))),
                 None => After::Nothing,
             };
@@ -1370,7 +1370,7 @@ impl Scheduler {
 
     pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
         let st = self.lock();
-        st.op_named(name).and_then(|op| st.jobs.get(&op)).map(|j| j.tx.subscribe())
+        st.job_named(name).map(|j| j.tx.subscribe())
     }
 
     /// Operations in submission order: all of them, or those `owner` shares.
@@ -1386,8 +1386,7 @@ impl Scheduler {
     /// `by` as for [`Scheduler::cancel`].
     pub fn delete(&self, name: &str, by: Option<&str>) -> Result<()> {
         let mut st = self.lock();
-        let op = st.op_named(name);
-        match op.and_then(|op| st.jobs.get(&op)).filter(|j| may_touch(j, by)) {
+        match st.job_named(name).filter(|j| may_touch(j, by)) {
             None => Err(not_found(name)),
             Some(j) if !j.published() => Err(Error::FailedPrecondition(format!(
                 "operation {} is still running; cancel it first",
@@ -1404,7 +1403,7 @@ impl Scheduler {
     /// The worker an operation's action is on, if it is running.
     pub fn worker_of(&self, name: &str) -> Option<String> {
         let st = self.lock();
-        st.op_named(name).and_then(|op| st.jobs.get(&op)).and_then(|j| j.worker.as_deref().map(str::to_string))
+        st.job_named(name).and_then(|j| j.worker.as_deref().map(str::to_string))
     }
 
     pub fn worker_count(&self) -> usize {
