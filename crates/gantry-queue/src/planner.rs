@@ -58,6 +58,14 @@
 //! without waiting for it), each tree closed over the dependencies its changes
 //! expect to land, halved when it already failed, and lane heads always built
 //! so that nothing waits on a cycle.
+//!
+//! Monotone failures also let a pass outlive its tree: a passed tree stays a
+//! pass for its change when an assumed change is rejected (`build_key`), and
+//! with [`PlannerConfig::attribution`] a failed tree whose build reports its
+//! failing targets decides every member whose own targets passed
+//! (`attribute`): it lands once the members it depends on are decided,
+//! whatever their outcome, and the failure blames only the members whose
+//! targets failed.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -174,6 +182,14 @@ pub struct PlannerConfig {
     /// would fall below this.
     #[serde(default = "default_batch_min_pass")]
     pub batch_min_pass: f64,
+    /// With batching: use the failing targets a build reports to decide the
+    /// members of a failed tree whose own targets passed (attribution).
+    #[serde(default = "default_attribution")]
+    pub attribution: bool,
+}
+
+fn default_attribution() -> bool {
+    true
 }
 
 fn default_max_batch() -> usize {
@@ -216,6 +232,7 @@ impl Default for PlannerConfig {
             batching: false,
             max_batch: default_max_batch(),
             batch_min_pass: default_batch_min_pass(),
+            attribution: default_attribution(),
         }
     }
 }
@@ -266,6 +283,13 @@ struct BuildRec {
     base: usize,
     state: BuildState,
     started: Millis,
+    /// `Passed` here means only this change's own targets passed; the tree as
+    /// a whole failed (attribution, with batching). Such a record proves this
+    /// change, never a batch.
+    member_only: bool,
+    /// For a failed tree with attribution: the members whose targets failed.
+    /// Only they are blamed for the failure.
+    implicated: Option<Vec<usize>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -685,7 +709,7 @@ impl Planner {
         let mut actions = Vec::new();
         match event {
             Event::Enqueue { change, features, analysis } => self.enqueue(now, change, features, analysis)?,
-            Event::BuildFinished { build, outcome } => {
+            Event::BuildFinished { build, outcome, failed_targets } => {
                 if build.0 >= self.next_build {
                     return Err(QueueError::UnknownBuild(build.0));
                 }
@@ -720,6 +744,13 @@ impl Planner {
                 // Bounded so a change with many builds does not dominate training.
                 if ch.snapshots.len() < MAX_SNAPSHOTS {
                     ch.snapshots.push((ch.spec_passed, ch.spec_failed));
+                }
+                if self.config.batching
+                    && self.config.attribution
+                    && outcome == BuildOutcome::Failed
+                    && let Some(failed) = failed_targets
+                {
+                    self.attribute(build.0, &failed);
                 }
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
@@ -815,11 +846,100 @@ impl Planner {
         Ok(())
     }
 
+    /// Attribution of a failed tree (batching only): each pending member whose
+    /// affected targets are all outside `failed` passed on the tree, so by
+    /// monotone failures it passes on any part of the tree that holds it.
+    /// Each such member, the build's own change included, gets a passed
+    /// record (`member_only`) whose tree is the members before it that it
+    /// depends on, which decides it once they are decided, whatever their
+    /// outcome. The build itself stays failed: its tree did fail, and
+    /// bisection must not build that tree again. Failing targets no member claims, or a member whose
+    /// targets are unknown, make the attribution worthless: nothing is
+    /// cleared then.
+    fn attribute(&mut self, bid: u64, failed: &[String]) {
+        let mut f: Vec<u32> = Vec::with_capacity(failed.len());
+        for t in failed {
+            match self.targets.get(t) {
+                Some(&n) => f.push(n),
+                None => return,
+            }
+        }
+        if f.is_empty() {
+            return;
+        }
+        f.sort_unstable();
+        let rec = &self.builds[&bid];
+        let members: Vec<usize> = rec.assumed.iter().copied().chain([rec.change]).collect();
+        let claimed = |t: &u32| {
+            members.iter().any(|&m| self.analysis[m].as_ref().is_some_and(|(a, _)| a.binary_search(t).is_ok()))
+        };
+        if !f.iter().all(claimed) {
+            return;
+        }
+        let (mut cleared, mut implicated) = (Vec::new(), Vec::new());
+        for &m in &members {
+            match &self.analysis[m] {
+                Some((a, _)) if disjoint(a, &f) => cleared.push(m),
+                _ => implicated.push(m),
+            }
+        }
+        let (spec, base, started) = (rec.spec.clone(), rec.base, rec.started);
+        let assumed = rec.assumed.clone();
+        self.builds.get_mut(&bid).expect("looked up above").implicated = Some(implicated);
+        for m in cleared {
+            if self.changes[m].status != Status::Pending {
+                continue;
+            }
+            // Only the members it depends on can matter to its targets.
+            let deps = &self.changes[m].deps;
+            let before: Vec<usize> =
+                assumed.iter().copied().filter(|&a| a < m && deps.binary_search(&a).is_ok()).collect();
+            let id = self.next_build;
+            self.next_build += 1;
+            self.builds.insert(
+                id,
+                BuildRec {
+                    spec: spec.clone(),
+                    change: m,
+                    assumed: before,
+                    base,
+                    state: BuildState::Passed,
+                    started,
+                    member_only: true,
+                    implicated: None,
+                },
+            );
+            self.changes[m].builds.push(id);
+            self.changes[m].spec_passed += 1;
+        }
+    }
+
+    /// Whether change `i` holds a pass that decides it whatever its pending
+    /// dependencies do (batching only): a passed tree that holds every one
+    /// of them. Such a change needs no more builds.
+    fn certified(&self, i: usize) -> bool {
+        self.config.batching
+            && self.changes[i].builds.iter().any(|bid| {
+                let b = &self.builds[bid];
+                b.state == BuildState::Passed
+                    && self.build_key(b).is_some()
+                    && self.changes[i]
+                        .deps
+                        .iter()
+                        .all(|d| self.changes[*d].status != Status::Pending || b.assumed.binary_search(d).is_ok())
+            })
+    }
+
     /// The set of pending changes a build assumes, or `None` when its
     /// assumptions can no longer all hold (the build can never be decisive).
+    ///
+    /// With batching (monotone failures), a passed tree stays a pass for every
+    /// part of it: assumed changes that were rejected or cancelled are
+    /// dropped from its key instead of voiding it.
     fn build_key(&self, b: &BuildRec) -> Option<Vec<usize>> {
+        let monotone = self.config.batching && b.state == BuildState::Passed;
         for &a in &b.assumed {
-            if matches!(self.changes[a].status, Status::Rejected | Status::Cancelled) {
+            if !monotone && matches!(self.changes[a].status, Status::Rejected | Status::Cancelled) {
                 return None;
             }
         }
@@ -892,7 +1012,9 @@ impl Planner {
         let mut passed: Vec<(usize, u64)> = self
             .builds
             .iter()
-            .filter(|(_, b)| b.state == BuildState::Passed && self.changes[b.change].status == Status::Pending)
+            .filter(|(_, b)| {
+                b.state == BuildState::Passed && !b.member_only && self.changes[b.change].status == Status::Pending
+            })
             .map(|(&id, b)| (b.change, id))
             .collect();
         passed.sort_unstable();
@@ -918,6 +1040,13 @@ impl Planner {
             let spec = b.spec.clone();
             let batch: Vec<ChangeId> = members.iter().map(|&j| self.changes[j].id.clone()).collect();
             let since = self.landed_since_base(b);
+            // Assumed changes rejected or cancelled since (monotone failures).
+            let omitted: Vec<ChangeId> = b
+                .assumed
+                .iter()
+                .filter(|&&a| members.binary_search(&a).is_err() && !self.landed(a))
+                .map(|&a| self.changes[a].id.clone())
+                .collect();
             for j in members {
                 self.changes[j].status = Status::Landed(self.mainline.len());
                 self.mainline.push(j);
@@ -932,6 +1061,8 @@ impl Planner {
                         new_version: self.mainline.len() as u64,
                         landed_since_base: since.clone(),
                         batch: batch.clone(),
+                        omitted: omitted.clone(),
+                        by_attribution: false,
                     },
                 });
             }
@@ -962,8 +1093,20 @@ impl Planner {
             let stats = self.key_stats(i);
             let Some(s) = stats.get(&Vec::new()) else { continue };
             if let Some(bid) = s.passed {
-                let since = self.landed_since_base(&self.builds[&bid]);
-                let spec = self.builds[&bid].spec.clone();
+                let b = &self.builds[&bid];
+                let since = self.landed_since_base(b);
+                let spec = b.spec.clone();
+                let by_attribution = b.member_only;
+                // Members of the tested tree not on the mainline it lands on:
+                // rejected or cancelled ones, and (for a pass by attribution)
+                // those after this change.
+                let omitted: Vec<ChangeId> = spec
+                    .assumed
+                    .iter()
+                    .chain([&spec.change])
+                    .filter(|&x| *x != self.changes[i].id && self.by_id.get(x).is_none_or(|&j| !self.landed(j)))
+                    .cloned()
+                    .collect();
                 self.changes[i].status = Status::Landed(self.mainline.len());
                 self.mainline.push(i);
                 self.pending.remove(&i);
@@ -980,6 +1123,8 @@ impl Planner {
                         new_version: self.mainline.len() as u64,
                         landed_since_base: since,
                         batch: Vec::new(),
+                        omitted,
+                        by_attribution,
                     },
                 });
             } else if s.confirmed_failed(self.max_attempts()) {
@@ -1172,8 +1317,19 @@ impl Planner {
             let retry_pass = self.retry_pass_rate();
             let mut known_mass = 0.0;
             let mut pass_mass = 0.0;
+            // With batching, a pass holds for every part of its tree: it
+            // decides the change unless a dependency outside it lands.
+            let mut certain: f64 = 0.0;
             if !self.changes[i].builds.is_empty() {
                 for (k, s) in self.key_stats(i) {
+                    if self.config.batching && s.passed.is_some() {
+                        let held: f64 = pdeps
+                            .iter()
+                            .filter(|&&q| k.binary_search(&order[q]).is_err())
+                            .map(|&q| 1.0 - pi[q])
+                            .product();
+                        certain = certain.max(held);
+                    }
                     // P(this assumption set passes eventually): certain after a
                     // pass or confirmed failure; after an unconfirmed failure,
                     // only a flake would save it.
@@ -1194,7 +1350,7 @@ impl Planner {
                     pass_mass += pk * p_pass;
                 }
             }
-            pi[p] = (pass_mass + (1.0 - known_mass).max(0.0) * base).clamp(0.0, 1.0);
+            pi[p] = (pass_mass + (1.0 - known_mass).max(0.0) * base).max(certain).clamp(0.0, 1.0);
         }
         (order, pi, bases)
     }
@@ -1220,6 +1376,8 @@ impl Planner {
                 base: self.mainline.len(),
                 state: BuildState::Running,
                 started: now,
+                member_only: false,
+                implicated: None,
             },
         );
         self.changes[i].builds.push(id);
@@ -1262,6 +1420,10 @@ impl Planner {
         // A running tree holds its changes in flight, unless its own change is
         // expected to fail: such a tree decides nothing for the others.
         let mut in_flight = vec![false; n];
+        for (p, &c) in order.iter().enumerate() {
+            // Passed by attribution on a tree that holds all it waits for.
+            in_flight[p] = self.certified(c);
+        }
         for bid in &self.running {
             let b = &self.builds[bid];
             if pos.get(&b.change).is_some_and(|&q| pi[q] < 0.5) {
@@ -1437,14 +1599,22 @@ impl Planner {
         if !self.config.batching {
             return factor;
         }
+        // (the build's own change, the members the failure may blame).
         let mut trees: BTreeSet<(usize, Vec<usize>)> = BTreeSet::new();
         for b in self.builds.values() {
-            if matches!(b.state, BuildState::Failed | BuildState::FailedConclusively)
+            let failed = matches!(b.state, BuildState::Failed | BuildState::FailedConclusively);
+            if (failed || b.implicated.is_some())
                 && self.changes[b.change].status == Status::Pending
-                && let Some(key) = self.build_key(b)
-                && !key.is_empty()
+                && let Some(mut key) = self.build_key(b)
             {
-                trees.insert((b.change, key));
+                key.push(b.change);
+                if let Some(implicated) = &b.implicated {
+                    // Attribution: only the members whose targets failed.
+                    key.retain(|m| implicated.contains(m));
+                }
+                if key.len() > 1 || (key.len() == 1 && key[0] != b.change) {
+                    trees.insert((b.change, key));
+                }
             }
         }
         if trees.is_empty() {
@@ -1457,10 +1627,7 @@ impl Planner {
         let mut trees: Vec<(usize, Vec<usize>)> = trees
             .into_iter()
             .map(|(k, key)| {
-                (
-                    pos.get(&k).copied().unwrap_or(usize::MAX),
-                    key.iter().chain([&k]).filter_map(|m| pos.get(m).copied()).collect(),
-                )
+                (pos.get(&k).copied().unwrap_or(usize::MAX), key.iter().filter_map(|m| pos.get(m).copied()).collect())
             })
             .collect();
         trees.sort_by_key(|(_, members): &(usize, Vec<usize>)| members.len());
@@ -1567,13 +1734,15 @@ impl Planner {
         let mut views: Vec<Option<View>> = (0..order.len()).map(|_| None).collect();
         let mut heap = BinaryHeap::new();
         for (p, &i) in order.iter().enumerate() {
+            // Decided once its dependencies are; no build can add to that.
+            let certified = self.certified(i);
             if strategy == Strategy::Value {
                 let view = self.view(i, &pos, &pi);
                 let main_value: f64 =
                     view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
                 // Under overload, changes deep in the queue wait unless their
                 // build is nearly certain to be needed (e.g. an independent lane).
-                if p < window || main_value >= self.config.overload_certain {
+                if !certified && (p < window || main_value >= self.config.overload_certain) {
                     heap.push(Cand {
                         prio: self.quantize(main_value) * weight[p],
                         pos: p,
@@ -1583,7 +1752,7 @@ impl Planner {
                     });
                 }
                 views[p] = Some(view);
-            } else {
+            } else if !certified {
                 // Baselines rank by queue position only; views are built on demand.
                 heap.push(Cand { prio: 0.0, pos: p, flips: Vec::new(), value: 1.0, hedge: false });
             }

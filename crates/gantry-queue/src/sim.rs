@@ -262,6 +262,14 @@ pub struct Report {
     pub batches: u64,
     /// Changes landed by batch landings.
     pub batch_landed: u64,
+    /// Changes landed because their own targets passed on a failed tree.
+    #[serde(default)]
+    pub attributed_landed: u64,
+    /// Slot utilisation: build time spent (cancelled builds up to their
+    /// cancellation) over `capacity ×` the time from the first arrival to
+    /// the last decision.
+    #[serde(default)]
+    pub utilisation: f64,
     /// Wall-clock seconds the simulation took (not deterministic).
     pub wall_s: f64,
 }
@@ -281,6 +289,8 @@ fn to_ms(s: f64) -> u64 {
 
 struct Truth {
     order: Vec<usize>,
+    /// Position of each change in queue order.
+    rank: Vec<usize>,
     idx: HashMap<String, usize>,
     conflicts: Vec<HashSet<usize>>,
     /// x -> changes listing x in their conflicts.
@@ -318,7 +328,11 @@ impl Truth {
                     .map(|a| ChangeAnalysis { affected: a.iter().cloned().collect(), alters_graph: c.alters_graph })
             })
             .collect();
-        Ok(Truth { order, idx, conflicts, rev_conflicts, reference_lands, analysis })
+        let mut rank = vec![0; trace.len()];
+        for (r, &i) in order.iter().enumerate() {
+            rank[i] = r;
+        }
+        Ok(Truth { order, rank, idx, conflicts, rev_conflicts, reference_lands, analysis })
     }
 
     fn independent(&self, a: usize, b: usize) -> bool {
@@ -381,6 +395,10 @@ enum SimEv {
 
 struct SimBuild {
     passes: bool,
+    started_ms: u64,
+    /// When it fails: the targets whose build steps failed (per-target test
+    /// results), `None` when a failing member's targets are unknown.
+    failed_targets: Option<Vec<String>>,
 }
 
 /// Runs one policy over a trace in simulated time.
@@ -409,6 +427,8 @@ pub fn simulate_logged(
     }
     let mut running: HashMap<u64, SimBuild> = HashMap::new();
     let mut passed_builds: HashSet<u64> = HashSet::new();
+    // (build, member) whose own build steps truly pass on the build's tree.
+    let mut member_pass: HashSet<(u64, usize)> = HashSet::new();
     let mut mainline: Vec<usize> = Vec::new();
     let mut landed: HashSet<usize> = HashSet::new();
     let mut decided: HashMap<usize, bool> = HashMap::new();
@@ -416,8 +436,18 @@ pub fn simulate_logged(
     let mut violations: Vec<String> = Vec::new();
     let mut green = true;
     let mut builds_started = 0u64;
+    let mut busy_ms = 0u64;
+    let mut last_decision_ms = 0u64;
+    let mut attributed = 0u64;
 
+    // A policy that stops deciding would otherwise build forever in simulated
+    // time; no sane policy comes near this many builds per change.
+    let build_limit = 200 * trace.len() as u64 + 1000;
     while let Some(Reverse((now, _, ev))) = events.pop() {
+        if builds_started > build_limit {
+            violations.push(format!("stopped after {builds_started} builds: the policy makes no progress"));
+            break;
+        }
         let event = match ev {
             SimEv::Arrival(i) => Event::Enqueue {
                 change: ChangeId(trace[i].id.clone()),
@@ -426,12 +456,14 @@ pub fn simulate_logged(
             },
             SimEv::BuildDone(b) => {
                 let Some(sb) = running.remove(&b) else { continue }; // cancelled
+                busy_ms += now - sb.started_ms;
                 if sb.passes {
                     passed_builds.insert(b);
                 }
                 Event::BuildFinished {
                     build: BuildId(b),
                     outcome: if sb.passes { BuildOutcome::Passed } else { BuildOutcome::Failed },
+                    failed_targets: if sb.passes { None } else { sb.failed_targets },
                 }
             }
         };
@@ -452,6 +484,21 @@ pub fn simulate_logged(
         }
         let acts = planner.handle(Millis(now), event.clone())?;
         log(Millis(now), &event, &acts);
+        for a in &acts {
+            match a {
+                Action::CancelBuild { id } => {
+                    if let Some(sb) = running.get(&id.0) {
+                        busy_ms += now - sb.started_ms;
+                    }
+                }
+                Action::Land { proof, .. } => {
+                    last_decision_ms = now;
+                    attributed += u64::from(proof.by_attribution);
+                }
+                Action::Reject { .. } => last_decision_ms = now,
+                Action::StartBuild { .. } => {}
+            }
+        }
         if let (Policy::Sq | Policy::SqBatch, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
             let id = ChangeId(trace[i].id.clone());
             for &x in &truth.conflicts[i] {
@@ -467,6 +514,7 @@ pub fn simulate_logged(
             &mut seq,
             &mut running,
             &passed_builds,
+            &mut member_pass,
             &mut mainline,
             &mut landed,
             &mut decided,
@@ -503,6 +551,16 @@ pub fn simulate_logged(
         builds_preempted: st.builds_preempted,
         batches: st.batches,
         batch_landed: st.batch_landed,
+        attributed_landed: attributed,
+        utilisation: {
+            let first = truth.order.first().map_or(0, |&i| to_ms(trace[i].arrival_s));
+            let span = last_decision_ms.saturating_sub(first) as f64 * opts.capacity as f64;
+            if span > 0.0 {
+                busy_ms as f64 / span
+            } else {
+                0.0
+            }
+        },
         wall_s: started.elapsed().as_secs_f64(),
     })
 }
@@ -517,6 +575,7 @@ fn execute(
     seq: &mut u64,
     running: &mut HashMap<u64, SimBuild>,
     passed_builds: &HashSet<u64>,
+    member_pass: &mut HashSet<(u64, usize)>,
     mainline: &mut Vec<usize>,
     landed: &mut HashSet<usize>,
     decided: &mut HashMap<usize, bool>,
@@ -545,17 +604,39 @@ fn execute(
                 // does), so a broken or conflicting assumed change fails it too.
                 // Failures are monotone: adding a change to a tree never fixes it.
                 tree.insert(c);
-                let mut passes = build
-                    .assumed
+                let members: Vec<usize> = build.assumed.iter().map(|x| truth.idx[&x.0]).chain([c]).collect();
+                // Each member's own build steps (its affected targets) fail when
+                // it is broken or a change it conflicts with is in the tree.
+                let failing: Vec<usize> = members
                     .iter()
-                    .map(|x| truth.idx[&x.0])
-                    .chain([c])
-                    .all(|m| trace[m].succeeds_alone && truth.conflicts[m].is_disjoint(&tree));
+                    .copied()
+                    .filter(|&m| !(trace[m].succeeds_alone && truth.conflicts[m].is_disjoint(&tree)))
+                    .collect();
+                for &m in &members {
+                    if !failing.contains(&m) {
+                        member_pass.insert((build.id.0, m));
+                    }
+                }
+                let mut passes = failing.is_empty();
+                // A failing member fails its targets (conservatively: all of
+                // them); a flaky failure fails the targets of one member.
+                let mut culprits = failing;
                 if passes && opts.flaky_rate > 0.0 && rng.random::<f64>() < opts.flaky_rate {
                     passes = false;
+                    culprits = vec![members[rng.random_range(0..members.len())]];
                 }
+                let failed_targets = culprits
+                    .iter()
+                    .map(|&m| trace[m].affected_targets.clone())
+                    .collect::<Option<Vec<Vec<String>>>>()
+                    .map(|v| {
+                        let mut f: Vec<String> = v.into_iter().flatten().collect();
+                        f.sort();
+                        f.dedup();
+                        f
+                    });
                 *builds_started += 1;
-                running.insert(build.id.0, SimBuild { passes });
+                running.insert(build.id.0, SimBuild { passes, started_ms: now, failed_targets });
                 events.push(Reverse((now + to_ms(trace[c].build_s), *seq, SimEv::BuildDone(build.id.0))));
                 *seq += 1;
             }
@@ -572,16 +653,31 @@ fn execute(
                 let in_batch = !proof.batch.is_empty();
                 let later_members: HashSet<&ChangeId> =
                     proof.batch.iter().skip_while(|x| **x != change).skip(1).collect();
-                let member_ok = if in_batch {
-                    proof.batch.contains(&change) && proof.batch.last() == Some(&b.change)
+                let proved = if in_batch {
+                    passed_builds.contains(&b.id.0)
+                        && proof.batch.contains(&change)
+                        && proof.batch.last() == Some(&b.change)
+                } else if proof.by_attribution {
+                    // Its own targets passed on a tree that failed as a whole.
+                    member_pass.contains(&(b.id.0, c)) && (b.change == change || b.assumed.contains(&change))
                 } else {
-                    b.change == change
+                    passed_builds.contains(&b.id.0) && b.change == change
                 };
-                if !passed_builds.contains(&b.id.0) || !member_ok {
+                if !proved {
                     violations.push(format!("{change} landed on build {} that did not pass for it", b.id));
                 }
                 for x in &b.assumed {
-                    if !landed.contains(&truth.idx[&x.0]) && !later_members.contains(x) && *x != change {
+                    let xi = truth.idx[&x.0];
+                    if proof.omitted.contains(x) {
+                        // Left out of the landed tree: it must come after the
+                        // change or have been turned down.
+                        if truth.rank[xi] < truth.rank[c]
+                            && decided.get(&xi) != Some(&false)
+                            && !truth.independent(c, xi)
+                        {
+                            violations.push(format!("{change} landed omitting {x}, which was not rejected"));
+                        }
+                    } else if !landed.contains(&xi) && !later_members.contains(x) && *x != change {
                         violations.push(format!("{change} landed assuming {x}, which has not landed"));
                     }
                 }

@@ -102,6 +102,15 @@ pub enum Event {
         build: BuildId,
         /// Its outcome.
         outcome: BuildOutcome,
+        /// When the build failed, the targets whose build steps failed, if the
+        /// integrator knows them (per-target test results). It must be
+        /// complete: a target that did not run to a pass (skipped after an
+        /// earlier failure, say, without `--keep_going`) counts as failed.
+        /// `None`: unknown, so the whole tree failed. With batching, a member change whose
+        /// affected targets are all outside this set passed on the tree
+        /// (attribution), even though the tree as a whole failed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failed_targets: Option<Vec<String>>,
     },
     /// The developer withdrew a pending change.
     Cancel {
@@ -127,9 +136,10 @@ pub enum Event {
 
 /// Evidence attached to every `Land`: the build that proved the change.
 ///
-/// Check: `build.assumed` ⊆ landed changes, every change in
+/// Check: `build.assumed` ⊆ landed changes ∪ `omitted`, every change in
 /// `landed_since_base` was proven independent of `change`, and then the new
-/// mainline tree equals the tested tree up to those independent changes.
+/// mainline tree equals the tested tree up to those independent changes and
+/// without the omitted ones.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LandProof {
     /// The passing build whose tree decides the change.
@@ -149,6 +159,20 @@ pub struct LandProof {
     /// of its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub batch: Vec<ChangeId>,
+    /// Only with batching, which assumes failures are monotone (removing a
+    /// change from a tree never breaks it): changes of the tested tree that
+    /// are not on the mainline this change lands on, because they were
+    /// rejected or cancelled, come after it in queue order (the build was of
+    /// a later change and this change's own targets passed on it), or are
+    /// independent of it and still pending.
+    /// Empty: the landed tree is the tested one (up to `landed_since_base`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub omitted: Vec<ChangeId>,
+    /// The change's own build steps passed on the tree although the tree as a
+    /// whole failed (another member's targets failed: see
+    /// `Event::BuildFinished::failed_targets`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub by_attribution: bool,
 }
 
 /// Why a change was rejected.

@@ -24,7 +24,7 @@ fn enqueue(p: &mut Planner, t: u64, name: &str, a: Option<ChangeAnalysis>) -> Ve
 
 fn finish(p: &mut Planner, t: u64, b: BuildId, ok: bool) -> Vec<Action> {
     let outcome = if ok { BuildOutcome::Passed } else { BuildOutcome::Failed };
-    p.handle(Millis(t), Event::BuildFinished { build: b, outcome }).unwrap()
+    p.handle(Millis(t), Event::BuildFinished { build: b, outcome, failed_targets: None }).unwrap()
 }
 
 fn started(actions: &[Action]) -> Vec<BuildSpec> {
@@ -289,7 +289,10 @@ fn conclusive_failure_is_not_retried() {
     let mut p = Planner::new(PlannerConfig { max_retries: 2, ..cfg(4) });
     let b = started(&enqueue(&mut p, 0, "c1", None));
     let acts = p
-        .handle(Millis(1), Event::BuildFinished { build: b[0].id, outcome: BuildOutcome::FailedConclusively })
+        .handle(
+            Millis(1),
+            Event::BuildFinished { build: b[0].id, outcome: BuildOutcome::FailedConclusively, failed_targets: None },
+        )
         .unwrap();
     assert!(started(&acts).is_empty(), "no retry of a tree that cannot pass: {acts:?}");
     assert!(matches!(&acts[0], Action::Reject { change, reason } if *change == id("c1") && reason.attempts == 1));
@@ -297,8 +300,12 @@ fn conclusive_failure_is_not_retried() {
     let b2 = started(&enqueue(&mut p, 2, "c2", None));
     let b3 = started(&enqueue(&mut p, 2, "c3", None));
     let on_c2 = find(&b3, "c3", &["c2"]);
-    let acts =
-        p.handle(Millis(3), Event::BuildFinished { build: on_c2, outcome: BuildOutcome::FailedConclusively }).unwrap();
+    let acts = p
+        .handle(
+            Millis(3),
+            Event::BuildFinished { build: on_c2, outcome: BuildOutcome::FailedConclusively, failed_targets: None },
+        )
+        .unwrap();
     assert!(!acts.iter().any(|a| matches!(a, Action::Reject { .. })), "c2 is undecided: {acts:?}");
     assert!(started(&acts).iter().all(|s| shape(s) != ("c3".to_string(), vec!["c2".to_string()])), "{acts:?}");
     // c2 lands: c3 is then decided by nothing but a build on a tree with c2,
@@ -326,7 +333,10 @@ fn cancelling_a_change_cancels_builds_that_assume_it() {
     // A late result of a cancelled build is ignored, an invented one is an error.
     assert!(finish(&mut p, 3, find(&builds, "c1", &[]), true).is_empty());
     assert!(matches!(
-        p.handle(Millis(3), Event::BuildFinished { build: BuildId(999), outcome: BuildOutcome::Passed }),
+        p.handle(
+            Millis(3),
+            Event::BuildFinished { build: BuildId(999), outcome: BuildOutcome::Passed, failed_targets: None }
+        ),
         Err(QueueError::UnknownBuild(999))
     ));
 }
@@ -641,6 +651,65 @@ fn with_batching_off_every_change_is_decided_by_its_own_build() {
     assert!(matches!(&acts[0], Action::Land { proof, .. } if proof.batch.is_empty()));
 }
 
+#[test]
+fn attribution_decides_the_members_a_failed_tree_clears() {
+    // c1 alone on an idle queue; c2..c5 queue behind it and are built as one
+    // tree. c3 is broken. The tree fails in //a only, c3's target (c2 shares
+    // it): c4 and c5, whose targets passed, land at once, by attribution,
+    // without c2 and c3; c2 and c3 are then decided by builds of their own.
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, batching: true, ..PlannerConfig::default() });
+    let b1 = started(&enqueue(&mut p, 1, "c1", analysis(&["//z"])));
+    for (t, (c, target)) in [("c2", "//a"), ("c3", "//a"), ("c4", "//b"), ("c5", "//c")].into_iter().enumerate() {
+        enqueue(&mut p, 2 + t as u64, c, analysis(&[target]));
+    }
+    let acts = finish(&mut p, 10, b1[0].id, true);
+    let tree = started(&acts);
+    assert_eq!(tree.iter().map(shape).collect::<Vec<_>>(), [shape(&tree[0])]);
+    assert_eq!(shape(&tree[0]), ("c5".to_string(), vec!["c2".into(), "c3".into(), "c4".into()]));
+    let acts = p
+        .handle(
+            Millis(11),
+            Event::BuildFinished {
+                build: tree[0].id,
+                outcome: BuildOutcome::Failed,
+                failed_targets: Some(vec!["//a".to_string()]),
+            },
+        )
+        .unwrap();
+    let landed: Vec<(String, bool, Vec<ChangeId>)> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::Land { change, proof } => Some((change.0.clone(), proof.by_attribution, proof.omitted.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        landed,
+        [
+            ("c4".to_string(), true, vec![id("c2"), id("c3"), id("c5")]),
+            ("c5".to_string(), true, vec![id("c2"), id("c3")])
+        ]
+    );
+    // The rest: c2 is the head of its lane; c3 follows on it and fails.
+    let mut builds = 2;
+    let mut running = started(&acts);
+    let mut decided = Vec::new();
+    while let Some(b) = running.pop() {
+        builds += 1;
+        let acts = finish(&mut p, 20 + builds, b.id, b.change != id("c3"));
+        for a in &acts {
+            match a {
+                Action::Land { change, .. } => decided.push(format!("{change} landed")),
+                Action::Reject { change, .. } => decided.push(format!("{change} rejected")),
+                _ => {}
+            }
+        }
+        running.extend(started(&acts));
+    }
+    assert_eq!(decided, ["c2 landed", "c3 rejected"]);
+    assert_eq!(builds, 4, "c1, the tree, c2, c3");
+}
+
 /// Ground truth for the property test: each change fails alone or conflicts
 /// with some earlier ones; a build passes iff the change is fine and no
 /// conflicting change is in its tree.
@@ -691,6 +760,7 @@ proptest! {
         picks in proptest::collection::vec(any::<proptest::sample::Index>(), 200),
         arrival_gaps in proptest::collection::vec(0usize..3, 7),
         batching in any::<bool>(),
+        attribution in any::<bool>(),
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -708,6 +778,8 @@ proptest! {
         let index = |c: &ChangeId| c.0[1..].parse::<usize>().unwrap();
         let mut running: Vec<BuildSpec> = Vec::new();
         let mut passed: HashSet<BuildId> = HashSet::new();
+        // (build, member) whose own targets passed on the build's tree.
+        let mut member_pass: HashSet<(BuildId, usize)> = HashSet::new();
         let mut mainline: Vec<usize> = Vec::new();
         let mut decided: HashMap<usize, bool> = HashMap::new();
         let mut next_arrival = 0;
@@ -737,10 +809,23 @@ proptest! {
                     .chain(b.assumed.iter().map(index)).chain([c]).collect();
                 // The build steps run on the whole tree: every change in it must
                 // be fine and meet none of its conflicts there.
-                let ok = tree.iter().all(|&m| w.ok[m] && w.conflicts[m].iter().all(|j| !tree.contains(j)));
+                let member_ok = |m: usize| w.ok[m] && w.conflicts[m].iter().all(|j| !tree.contains(j));
+                let members: Vec<usize> = b.assumed.iter().map(index).chain([c]).collect();
+                for &m in &members {
+                    if member_ok(m) { member_pass.insert((b.id, m)); }
+                }
+                let failing: Vec<usize> = members.iter().copied().filter(|&m| !member_ok(m)).collect();
+                let ok = failing.is_empty();
                 if ok { passed.insert(b.id); }
+                // Per-target results: a failing member fails all its targets.
+                let failed_targets = if ok || !attribution {
+                    None
+                } else {
+                    failing.iter().map(|&m| w.targets[m].clone()).collect::<Option<Vec<Vec<u8>>>>()
+                        .map(|v| v.into_iter().flatten().map(|t| format!("//t{t}")).collect())
+                };
                 p.handle(Millis(t), Event::BuildFinished {
-                    build: b.id, outcome: if ok { BuildOutcome::Passed } else { BuildOutcome::Failed },
+                    build: b.id, outcome: if ok { BuildOutcome::Passed } else { BuildOutcome::Failed }, failed_targets,
                 }).unwrap()
             } else { unreachable!() };
             for a in acts {
@@ -759,19 +844,31 @@ proptest! {
                         // Every landed tree was tested: a passed build of this
                         // change whose assumptions all landed, and anything else
                         // that landed since its base is independent.
-                        prop_assert!(passed.contains(&proof.build.id));
+                        if proof.by_attribution {
+                            // Its own targets passed on a tree that failed.
+                            prop_assert!(batching && attribution);
+                            prop_assert!(member_pass.contains(&(proof.build.id, c)));
+                        } else {
+                            prop_assert!(passed.contains(&proof.build.id));
+                        }
                         // A batch lands its members in queue order, the build's
                         // own change last; the members after this one follow.
                         let later: Vec<&ChangeId> = proof.batch.iter().skip_while(|x| **x != change).skip(1).collect();
                         if proof.batch.is_empty() {
-                            prop_assert_eq!(&proof.build.change, &change);
+                            prop_assert!(proof.build.change == change || proof.by_attribution);
                         } else {
                             prop_assert!(batching, "a batch landing with batching off");
                             prop_assert!(proof.batch.contains(&change));
                             prop_assert_eq!(proof.batch.last(), Some(&proof.build.change));
                         }
+                        prop_assert!(proof.omitted.is_empty() || batching, "omitted changes with batching off");
                         for a in &proof.build.assumed {
-                            prop_assert!(mainline.contains(&index(a)) || *a == change || later.contains(&a));
+                            // Left out of the landed tree (monotone failures): a
+                            // rejected change, or one after this change.
+                            let omitted = proof.omitted.contains(a)
+                                && (index(a) > c || decided.get(&index(a)) == Some(&false) || independent(&w, c, index(a)));
+                            prop_assert!(mainline.contains(&index(a)) || *a == change || later.contains(&a) || omitted,
+                                "c{} landed assuming {} without it", c, a);
                         }
                         for &x in &mainline[proof.build.base_version as usize..] {
                             let assumed = proof.build.assumed.iter().any(|a| index(a) == x);

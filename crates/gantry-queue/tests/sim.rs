@@ -48,6 +48,15 @@ fn every_policy_is_correct_and_green() {
             ob.batches > 0 && ob.p50_s < oracle.p50_s,
             "batching beats the per-change oracle under a backlog: {ob:?} vs {oracle:?}"
         );
+        for r in &cmp.reports {
+            assert!(r.utilisation > 0.0 && r.utilisation <= 1.0 + 1e-9, "{}: utilisation {}", r.policy, r.utilisation);
+        }
+        // Only a batching policy lands by attribution.
+        for r in cmp.reports.iter().filter(|r| !batching.contains(&r.policy.as_str())) {
+            assert_eq!(r.attributed_landed, 0, "{} landed by attribution", r.policy);
+        }
+        let sb = cmp.reports.iter().find(|r| r.policy == "sq-batch").unwrap();
+        assert!(sb.attributed_landed > 0, "sq-batch decides members of failed trees: {sb:?}");
     }
 }
 

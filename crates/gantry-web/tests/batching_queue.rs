@@ -322,7 +322,7 @@ impl Queue {
         b.message = message.into();
         self.put_build(id).await;
         let outcome = if passed { QueueOutcome::Passed } else { QueueOutcome::Failed };
-        self.apply(at, Event::BuildFinished { build: gantry_queue::BuildId(id), outcome }).await;
+        self.apply(at, Event::BuildFinished { build: gantry_queue::BuildId(id), outcome, failed_targets: None }).await;
     }
 
     fn running(&self, change: &str) -> Vec<u64> {

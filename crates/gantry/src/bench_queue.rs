@@ -39,6 +39,10 @@ pub struct QueueBenchArgs {
     /// the gap to the oracle perfect conflict prediction would close).
     #[arg(long)]
     sq_knows_conflicts: bool,
+    /// Batching policies ignore which targets a failed build reports failing, so a
+    /// failed tree decides none of its members (how much attribution buys).
+    #[arg(long)]
+    no_attribution: bool,
     /// Print JSON: one object per policy (with --policy: exactly one object).
     #[arg(long)]
     json: bool,
@@ -54,7 +58,7 @@ fn policy(name: &str) -> anyhow::Result<Policy> {
 fn report_json(r: &sim::Report) -> serde_json::Value {
     serde_json::json!({
         "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
-        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "landed": r.landed, "rejected": r.rejected, "green": r.green,
+        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green,
     })
 }
 
@@ -74,7 +78,10 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         max_retries: args.max_retries,
         seed: args.seed,
         sq_knows_conflicts: args.sq_knows_conflicts,
-        ..SimOptions::default()
+        sq_config: gantry_queue::PlannerConfig {
+            attribution: !args.no_attribution,
+            ..gantry_queue::PlannerConfig::default()
+        },
     };
     let workloads: Vec<(String, Vec<sim::TraceChange>)> = match &args.trace {
         Some(p) => {
@@ -102,7 +109,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                 println!("{}", report_json(&r));
             } else {
                 eprintln!("{name}: {}", sim::describe(trace));
-                println!("{:<14} p50 {:>8.0}s p95 {:>8.0}s p99 {:>8.0}s  builds/landed {:>5.2}  landed {:>5} rejected {:>5} green {}", r.policy, r.p50_s, r.p95_s, r.p99_s, r.builds_per_landed, r.landed, r.rejected, r.green);
+                println!("{:<14} p50 {:>8.0}s p95 {:>8.0}s p99 {:>8.0}s  builds/landed {:>5.2}  util {:>4.2}  landed {:>5} rejected {:>5} green {}", r.policy, r.p50_s, r.p95_s, r.p99_s, r.builds_per_landed, r.utilisation, r.landed, r.rejected, r.green);
             }
             continue;
         }
@@ -110,7 +117,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         if !args.json {
             println!("{name} ({}), capacity {}:", sim::describe(trace), args.capacity);
             println!(
-                "{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>7} {:>8} {:>6}",
+                "{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>5} {:>7} {:>8} {:>6}",
                 "policy",
                 "p50 s",
                 "p95 s",
@@ -119,6 +126,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                 "p95/or",
                 "p99/or",
                 "builds/lnd",
+                "util",
                 "landed",
                 "rejected",
                 "green"
@@ -134,7 +142,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                 println!("{v}");
             } else {
                 println!(
-                    "{:<14} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>7} {:>8} {:>6}",
+                    "{:<14} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>5.2} {:>7} {:>8} {:>6}",
                     r.policy,
                     r.p50_s,
                     r.p95_s,
@@ -143,6 +151,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                     n.p95_ratio,
                     n.p99_ratio,
                     r.builds_per_landed,
+                    r.utilisation,
                     r.landed,
                     r.rejected,
                     r.green

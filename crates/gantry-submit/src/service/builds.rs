@@ -262,8 +262,12 @@ impl QueueService {
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, doc.state.as_str(), doc)?).await?;
         let build = gantry_queue::BuildId(f.id);
-        self.apply(&mut inner, Event::BuildFinished { build, outcome: f.outcome }, Some(format!("finished:{}", f.id)))
-            .await
+        self.apply(
+            &mut inner,
+            Event::BuildFinished { build, outcome: f.outcome, failed_targets: None },
+            Some(format!("finished:{}", f.id)),
+        )
+        .await
     }
 }
 
