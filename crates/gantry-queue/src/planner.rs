@@ -853,9 +853,9 @@ impl Planner {
     /// record (`member_only`) whose tree is the members before it that it
     /// depends on, which decides it once they are decided, whatever their
     /// outcome. The build itself stays failed: its tree did fail, and
-    /// bisection must not build that tree again. Failing targets no member claims, or a member whose
-    /// targets are unknown, make the attribution worthless: nothing is
-    /// cleared then.
+    /// bisection must not build that tree again. Failing targets no member
+    /// claims, or a member whose targets are unknown, make the attribution
+    /// worthless: nothing is cleared then.
     fn attribute(&mut self, bid: u64, failed: &[String]) {
         let mut f: Vec<u32> = Vec::with_capacity(failed.len());
         for t in failed {
@@ -1612,7 +1612,9 @@ impl Planner {
                     // Attribution: only the members whose targets failed.
                     key.retain(|m| implicated.contains(m));
                 }
-                if key.len() > 1 || (key.len() == 1 && key[0] != b.change) {
+                // A failure the build's own change alone is blamed for is
+                // already in its key statistics.
+                if key.iter().any(|&m| m != b.change) {
                     trees.insert((b.change, key));
                 }
             }

@@ -106,9 +106,9 @@ pub enum Event {
         /// integrator knows them (per-target test results). It must be
         /// complete: a target that did not run to a pass (skipped after an
         /// earlier failure, say, without `--keep_going`) counts as failed.
-        /// `None`: unknown, so the whole tree failed. With batching, a member change whose
-        /// affected targets are all outside this set passed on the tree
-        /// (attribution), even though the tree as a whole failed.
+        /// `None`: unknown, so the whole tree failed. With batching, a member
+        /// change whose affected targets are all outside this set passed on
+        /// the tree (attribution), even though the tree as a whole failed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         failed_targets: Option<Vec<String>>,
     },
