@@ -65,7 +65,20 @@
 //! failing targets decides every member whose own targets passed
 //! (`attribute`): it lands once the members it depends on are decided,
 //! whatever their outcome, and the failure blames only the members whose
-//! targets failed.
+//! targets failed. A member of a failed tree independent of all the others
+//! bypasses their bisection: it is built alone, ahead of other batches.
+//!
+//! # Priorities
+//!
+//! Queue order is arrival order within a priority. A change that arrives with
+//! a higher priority than pending changes that depend on it is ordered before
+//! them: they, and the changes behind them that depend on them, are re-queued
+//! behind it under new indices (the old records become `Moved`, and their
+//! builds, which did not hold the new change, are cancelled). Changes
+//! independent of it keep their place and their builds. Among dependent
+//! changes, queue order therefore never goes against priority, which is what
+//! keeps every other record's dependencies valid. A change's most likely
+//! build is ranked by its priority first.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -244,6 +257,9 @@ enum Status {
     Landed(usize),
     Rejected,
     Cancelled,
+    /// Re-queued behind a higher-priority change: the change lives on in a
+    /// later record (`by_id` points there); this one and its builds are dead.
+    Moved,
 }
 
 #[derive(Clone, Debug)]
@@ -263,6 +279,8 @@ struct Change {
     /// exactly as it is asked at prediction time.
     snapshots: Vec<(u32, u32)>,
     enqueued: Millis,
+    /// See `Event::Enqueue::priority`.
+    priority: i32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -337,6 +355,9 @@ pub struct PlannerStats {
     /// Changes landed by those batches.
     #[serde(default)]
     pub batch_landed: u64,
+    /// Changes re-queued behind a higher-priority arrival.
+    #[serde(default)]
+    pub requeued: u64,
 }
 
 /// Read-only view of one pending change, for dashboards and debugging.
@@ -354,6 +375,9 @@ pub struct PendingView {
 
 /// A candidate in the global selection heap.
 struct Cand {
+    /// The change's `Event::Enqueue::priority` for its most likely path;
+    /// 0 for speculative alternatives and hedges, which compete on value.
+    urgency: i32,
     prio: f64,
     pos: usize,
     flips: Vec<u32>,
@@ -375,10 +399,11 @@ impl PartialOrd for Cand {
 }
 impl Ord for Cand {
     fn cmp(&self, o: &Self) -> Ordering {
-        // Max-heap: higher priority, then earlier change, then fewer flips,
-        // then higher exact value.
-        self.prio
-            .total_cmp(&o.prio)
+        // Max-heap: more urgent, then higher ranking, then earlier change,
+        // then fewer flips, then higher exact value.
+        self.urgency
+            .cmp(&o.urgency)
+            .then_with(|| self.prio.total_cmp(&o.prio))
             .then_with(|| o.pos.cmp(&self.pos))
             .then_with(|| o.flips.len().cmp(&self.flips.len()))
             .then_with(|| self.value.total_cmp(&o.value))
@@ -708,7 +733,9 @@ impl Planner {
         self.last_now = now;
         let mut actions = Vec::new();
         match event {
-            Event::Enqueue { change, features, analysis } => self.enqueue(now, change, features, analysis)?,
+            Event::Enqueue { change, features, analysis, priority } => {
+                self.enqueue(now, change, features, analysis, priority)?
+            }
             Event::BuildFinished { build, outcome, failed_targets } => {
                 if build.0 >= self.next_build {
                     return Err(QueueError::UnknownBuild(build.0));
@@ -791,6 +818,7 @@ impl Planner {
         id: ChangeId,
         features: ChangeFeatures,
         analysis: Option<ChangeAnalysis>,
+        priority: i32,
     ) -> Result<(), QueueError> {
         if self.by_id.contains_key(&id) {
             return Err(QueueError::DuplicateChange(id.0));
@@ -807,25 +835,29 @@ impl Planner {
             v.sort_unstable();
             (v, a.alters_graph)
         });
-        let deps: Vec<usize> = self
-            .pending
-            .iter()
-            .copied()
-            .filter(|&j| {
-                if !self.config.use_analyzer {
-                    return true;
-                }
-                match (&interned, &self.analysis[j]) {
-                    (Some((a, ga)), Some((b, gb))) => *ga || *gb || !disjoint(a, b),
-                    _ => true,
-                }
-            })
-            .collect();
-        let i = self.changes.len();
-        self.changes.push(Change {
+        // Pending changes of lower priority that must come after this one:
+        // the ones that depend on it, and, to keep every dependent pair in
+        // order, the ones behind those that depend on them. Nothing else
+        // moves: an independent change's place does not matter to this one.
+        // Queue order among dependent changes is therefore never against
+        // priority, so no change left in place depends on a moved one.
+        let mut moved: Vec<usize> = Vec::new();
+        for &j in &self.pending {
+            if self.changes[j].priority < priority
+                && (self.dependent_on(&interned, j)
+                    || self.changes[j].deps.iter().any(|d| moved.binary_search(d).is_ok()))
+            {
+                moved.push(j);
+            }
+        }
+        for &j in &moved {
+            self.pending.remove(&j);
+            self.changes[j].status = Status::Moved;
+        }
+        let change = Change {
             id: id.clone(),
             features,
-            deps,
+            deps: Vec::new(),
             status: Status::Pending,
             builds: Vec::new(),
             success_override: None,
@@ -833,17 +865,64 @@ impl Planner {
             spec_failed: 0,
             snapshots: vec![(0, 0)],
             enqueued: now,
-        });
-        self.analysis.push(interned);
+            priority,
+        };
+        let i = self.push_change(change, interned);
         if let Some(pre) = self.presets.remove(&id) {
             self.changes[i].success_override = Some(pre.success);
             for (e, p) in pre.conflicts {
                 self.conflict_override.insert((i, e), p);
             }
         }
-        self.by_id.insert(id, i);
-        self.pending.insert(i);
+        // Re-queue the moved changes behind it, in their order. They keep
+        // what describes them (features, overrides, evidence counts, arrival
+        // time); their builds stay with the dead records and are cancelled.
+        let mut renumbered: HashMap<usize, usize> = HashMap::new();
+        for j in moved {
+            let old = &self.changes[j];
+            let change = Change { deps: Vec::new(), status: Status::Pending, builds: Vec::new(), ..old.clone() };
+            let interned = self.analysis[j].clone();
+            renumbered.insert(j, self.push_change(change, interned));
+            self.stats.requeued += 1;
+        }
+        if !renumbered.is_empty() {
+            let map = |x: usize| renumbered.get(&x).copied().unwrap_or(x);
+            let touched: Vec<((usize, usize), f64)> = self
+                .conflict_override
+                .iter()
+                .filter(|((l, e), _)| renumbered.contains_key(l) || renumbered.contains_key(e))
+                .map(|(&k, &p)| (k, p))
+                .collect();
+            for ((l, e), p) in touched {
+                // Keyed (later, earlier): a pair whose order flipped swaps.
+                let (l2, e2) = (map(l), map(e));
+                self.conflict_override.insert((l2.max(e2), l2.min(e2)), p);
+            }
+        }
         Ok(())
+    }
+
+    /// Whether a change with analysis `a` depends on change `j`.
+    fn dependent_on(&self, a: &Option<(Vec<u32>, bool)>, j: usize) -> bool {
+        if !self.config.use_analyzer {
+            return true;
+        }
+        match (a, &self.analysis[j]) {
+            (Some((a, ga)), Some((b, gb))) => *ga || *gb || !disjoint(a, b),
+            _ => true,
+        }
+    }
+
+    /// Appends `change` at the end of the queue (a new index), with its
+    /// dependencies among the pending changes ahead of it.
+    fn push_change(&mut self, mut change: Change, analysis: Option<(Vec<u32>, bool)>) -> usize {
+        change.deps = self.pending.iter().copied().filter(|&j| self.dependent_on(&analysis, j)).collect();
+        let i = self.changes.len();
+        self.by_id.insert(change.id.clone(), i);
+        self.changes.push(change);
+        self.analysis.push(analysis);
+        self.pending.insert(i);
+        i
     }
 
     /// Attribution of a failed tree (batching only): each pending member whose
@@ -939,7 +1018,7 @@ impl Planner {
     fn build_key(&self, b: &BuildRec) -> Option<Vec<usize>> {
         let monotone = self.config.batching && b.state == BuildState::Passed;
         for &a in &b.assumed {
-            if !monotone && matches!(self.changes[a].status, Status::Rejected | Status::Cancelled) {
+            if !monotone && matches!(self.changes[a].status, Status::Rejected | Status::Cancelled | Status::Moved) {
                 return None;
             }
         }
@@ -1437,6 +1516,29 @@ impl Planner {
                 }
             }
         }
+        // Bypass: a member of a failed tree that no other member depends on,
+        // and that depends on none of them, can neither be the culprit of the
+        // others nor theirs. It is not held by their bisection: it is built
+        // alone, ahead of the other batches (its own lane).
+        let mut bypass = vec![false; n];
+        for b in self.builds.values() {
+            if !matches!(b.state, BuildState::Failed | BuildState::FailedConclusively) || b.assumed.is_empty() {
+                continue;
+            }
+            let members: Vec<usize> = b.assumed.iter().copied().chain([b.change]).collect();
+            for &m in &members {
+                if let Some(&q) = pos.get(&m)
+                    && !bypass[q]
+                    && members.iter().all(|&o| {
+                        o == m
+                            || (self.changes[m].deps.binary_search(&o).is_err()
+                                && self.changes[o].deps.binary_search(&m).is_err())
+                    })
+                {
+                    bypass[q] = true;
+                }
+            }
+        }
         let min = self.config.batch_min_pass;
         let mut groups: Vec<Vec<usize>> = Vec::new();
         // The current batch, its tree so far (`seen`) and that tree's P(pass).
@@ -1477,6 +1579,11 @@ impl Planner {
             if in_flight[p] {
                 continue;
             }
+            if bypass[p] {
+                // Independent of the batch being cut too: it does not end it.
+                groups.push(vec![p]);
+                continue;
+            }
             if pi[p] < 0.5 {
                 // It ends the batch before it: that batch can land without
                 // waiting for its decision, which in turn needs that batch.
@@ -1510,7 +1617,10 @@ impl Planner {
                 groups.push(cur);
             }
         }
-        groups.sort_by_key(|g| g[0]);
+        // The most urgent first, then the bypassing changes, then queue order.
+        groups.sort_by_key(|g| {
+            (std::cmp::Reverse(g.iter().map(|&p| self.changes[order[p]].priority).max()), !bypass[g[0]], g[0])
+        });
         let max_attempts = self.max_attempts();
         for mut g in groups {
             if free == 0 {
@@ -1744,8 +1854,10 @@ impl Planner {
                     view.pdeps.iter().zip(&view.main).map(|(&q, &m)| if m { pi[q] } else { 1.0 - pi[q] }).product();
                 // Under overload, changes deep in the queue wait unless their
                 // build is nearly certain to be needed (e.g. an independent lane).
-                if !certified && (p < window || main_value >= self.config.overload_certain) {
+                let urgency = self.changes[i].priority;
+                if !certified && (p < window || main_value >= self.config.overload_certain || urgency > 0) {
                     heap.push(Cand {
+                        urgency,
                         prio: self.quantize(main_value) * weight[p],
                         pos: p,
                         flips: Vec::new(),
@@ -1756,7 +1868,14 @@ impl Planner {
                 views[p] = Some(view);
             } else if !certified {
                 // Baselines rank by queue position only; views are built on demand.
-                heap.push(Cand { prio: 0.0, pos: p, flips: Vec::new(), value: 1.0, hedge: false });
+                heap.push(Cand {
+                    urgency: self.changes[i].priority,
+                    prio: 0.0,
+                    pos: p,
+                    flips: Vec::new(),
+                    value: 1.0,
+                    hedge: false,
+                });
             }
         }
         let max_attempts = self.max_attempts();
@@ -1835,6 +1954,7 @@ impl Planner {
                 if can_hedge {
                     let v = c.value * (1.0 - bases[c.pos]);
                     heap.push(Cand {
+                        urgency: 0,
                         prio: self.quantize(v) * weight[c.pos],
                         pos: c.pos,
                         flips: c.flips.clone(),
@@ -1909,7 +2029,7 @@ impl Planner {
                     ext.push(next);
                     let v = c.value * ratios[next as usize];
                     let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
-                    heap.push(Cand { prio, pos: c.pos, flips: ext, value: v, hedge: false });
+                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: ext, value: v, hedge: false });
                 }
                 if let Some(t) = t {
                     let mut rep = c.flips.clone();
@@ -1917,7 +2037,7 @@ impl Planner {
                     let rt = ratios[t as usize];
                     let v = if rt > 0.0 { c.value / rt * ratios[next as usize] } else { 0.0 };
                     let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
-                    heap.push(Cand { prio, pos: c.pos, flips: rep, value: v, hedge: false });
+                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: rep, value: v, hedge: false });
                 }
             }
         }

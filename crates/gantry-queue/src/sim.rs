@@ -453,6 +453,7 @@ pub fn simulate_logged(
                 change: ChangeId(trace[i].id.clone()),
                 features: trace[i].features.clone(),
                 analysis: truth.analysis[i].clone(),
+                priority: 0,
             },
             SimEv::BuildDone(b) => {
                 let Some(sb) = running.remove(&b) else { continue }; // cancelled

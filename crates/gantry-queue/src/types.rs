@@ -83,10 +83,15 @@ pub enum BuildOutcome {
     FailedConclusively,
 }
 
+fn is_zero(p: &i32) -> bool {
+    *p == 0
+}
+
 /// Inputs to the planner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Event {
-    /// A developer enqueued a change. Queue order is enqueue order.
+    /// A developer enqueued a change. Queue order is enqueue order, except
+    /// that a change goes ahead of the dependent changes of lower `priority`.
     Enqueue {
         /// New change id.
         change: ChangeId,
@@ -95,6 +100,14 @@ pub enum Event {
         /// Conflict analysis against the current mainline; `None` means unknown,
         /// which makes the change dependent on every other change.
         analysis: Option<ChangeAnalysis>,
+        /// Higher is more urgent. The change is ordered before every pending
+        /// change of lower priority that depends on it (and the ones behind
+        /// those that depend on them); those are re-queued behind it and
+        /// their builds, which did not include it, are cancelled. Changes it
+        /// is independent of keep their place and their builds. Equal
+        /// priorities keep enqueue order.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        priority: i32,
     },
     /// A build started by a `StartBuild` action finished.
     BuildFinished {

@@ -19,7 +19,11 @@ fn analysis(targets: &[&str]) -> Option<ChangeAnalysis> {
 }
 
 fn enqueue(p: &mut Planner, t: u64, name: &str, a: Option<ChangeAnalysis>) -> Vec<Action> {
-    p.handle(Millis(t), Event::Enqueue { change: id(name), features: ChangeFeatures::default(), analysis: a }).unwrap()
+    p.handle(
+        Millis(t),
+        Event::Enqueue { change: id(name), features: ChangeFeatures::default(), analysis: a, priority: 0 },
+    )
+    .unwrap()
 }
 
 fn finish(p: &mut Planner, t: u64, b: BuildId, ok: bool) -> Vec<Action> {
@@ -466,7 +470,10 @@ fn errors_are_reported() {
     let mut p = Planner::new(cfg(1));
     enqueue(&mut p, 10, "c1", None);
     assert!(matches!(
-        p.handle(Millis(10), Event::Enqueue { change: id("c1"), features: ChangeFeatures::default(), analysis: None }),
+        p.handle(
+            Millis(10),
+            Event::Enqueue { change: id("c1"), features: ChangeFeatures::default(), analysis: None, priority: 0 }
+        ),
         Err(QueueError::DuplicateChange(_))
     ));
     assert!(matches!(
@@ -484,8 +491,12 @@ fn model_is_trained_from_decisions() {
         let name = format!("c{k}");
         let features =
             ChangeFeatures { presubmit_passed: k % 4 != 0, lines_changed: 10 + k, ..ChangeFeatures::default() };
-        let mut acts =
-            p.handle(Millis(t), Event::Enqueue { change: id(&name), features, analysis: analysis(&[&name]) }).unwrap();
+        let mut acts = p
+            .handle(
+                Millis(t),
+                Event::Enqueue { change: id(&name), features, analysis: analysis(&[&name]), priority: 0 },
+            )
+            .unwrap();
         // Independent changes: the one build decides; fail exactly the presubmit failures.
         while let Some(b) = started(&acts).first().cloned() {
             t += 1;
@@ -750,6 +761,23 @@ fn independent(w: &World, a: usize, b: usize) -> bool {
     }
 }
 
+fn at(serial: &[usize], x: usize) -> usize {
+    serial.iter().position(|&y| y == x).expect("arrived")
+}
+
+/// Whether `c` lands in the serial order: it is fine on its own and no
+/// conflict partner before it landed (`decided` holds them all).
+fn serial_outcome(
+    w: &World,
+    partners: &[Vec<usize>],
+    serial: &[usize],
+    decided: &HashMap<usize, bool>,
+    c: usize,
+) -> bool {
+    let before = &serial[..at(serial, c)];
+    w.ok[c] && partners[c].iter().all(|j| !before.contains(j) || decided.get(j) == Some(&false))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
@@ -761,6 +789,7 @@ proptest! {
         arrival_gaps in proptest::collection::vec(0usize..3, 7),
         batching in any::<bool>(),
         attribution in any::<bool>(),
+        priorities in proptest::collection::vec(prop_oneof![4 => Just(0i32), 1 => Just(1), 1 => Just(2)], 7),
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -769,10 +798,19 @@ proptest! {
             let keep: Vec<usize> = w.conflicts[i].iter().copied().filter(|&j| !independent(&w, i, j)).collect();
             w.conflicts[i] = keep;
         }
-        let mut reference = vec![false; n];
+        // Conflicts are between pairs: whichever of the two is later in the
+        // serial order fails when the other is in its tree. Priorities can
+        // put a later arrival first.
+        let mut partners: Vec<Vec<usize>> = w.conflicts.clone();
         for i in 0..n {
-            reference[i] = w.ok[i] && w.conflicts[i].iter().all(|&j| !reference[j]);
+            for &j in &w.conflicts[i] {
+                partners[j].push(i);
+            }
         }
+        // The serial order: arrival order, except that an arrival goes ahead
+        // of the undecided changes of lower priority that depend on it, and
+        // of the ones behind those that depend on them.
+        let mut serial: Vec<usize> = Vec::new();
         let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, batching, ..PlannerConfig::default() });
         let name = |i: usize| ChangeId(format!("c{i}"));
         let index = |c: &ChangeId| c.0[1..].parse::<usize>().unwrap();
@@ -794,11 +832,24 @@ proptest! {
                 gap = 0;
                 let i = next_arrival;
                 next_arrival += 1;
+                let mut moved: Vec<usize> = Vec::new();
+                for &j in &serial {
+                    if !decided.contains_key(&j) && priorities[j] < priorities[i]
+                        && (!independent(&w, i, j) || moved.iter().any(|&k| !independent(&w, j, k)))
+                    {
+                        moved.push(j);
+                    }
+                }
+                serial.retain(|j| !moved.contains(j));
+                serial.push(i);
+                serial.extend(moved);
                 let analysis = w.targets[i].as_ref().map(|ts| ChangeAnalysis {
                     affected: ts.iter().map(|t| format!("//t{t}")).collect(),
                     alters_graph: false,
                 });
-                p.handle(Millis(t), Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis }).unwrap()
+                p.handle(Millis(t), Event::Enqueue {
+                    change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i],
+                }).unwrap()
             } else if let Some(pick) = picks.get(step % picks.len()) {
                 gap += 1;
                 step += 1;
@@ -809,7 +860,8 @@ proptest! {
                     .chain(b.assumed.iter().map(index)).chain([c]).collect();
                 // The build steps run on the whole tree: every change in it must
                 // be fine and meet none of its conflicts there.
-                let member_ok = |m: usize| w.ok[m] && w.conflicts[m].iter().all(|j| !tree.contains(j));
+                let member_ok =
+                    |m: usize| w.ok[m] && partners[m].iter().all(|&j| !tree.contains(&j) || at(&serial, j) > at(&serial, m));
                 let members: Vec<usize> = b.assumed.iter().map(index).chain([c]).collect();
                 for &m in &members {
                     if member_ok(m) { member_pass.insert((b.id, m)); }
@@ -866,7 +918,9 @@ proptest! {
                             // Left out of the landed tree (monotone failures): a
                             // rejected change, or one after this change.
                             let omitted = proof.omitted.contains(a)
-                                && (index(a) > c || decided.get(&index(a)) == Some(&false) || independent(&w, c, index(a)));
+                                && (at(&serial, index(a)) > at(&serial, c)
+                                    || decided.get(&index(a)) == Some(&false)
+                                    || independent(&w, c, index(a)));
                             prop_assert!(mainline.contains(&index(a)) || *a == change || later.contains(&a) || omitted,
                                 "c{} landed assuming {} without it", c, a);
                         }
@@ -875,33 +929,159 @@ proptest! {
                             prop_assert!(assumed || independent(&w, c, x));
                         }
                         // In order: every earlier dependent change is decided.
-                        for e in 0..c {
+                        for &e in &serial[..at(&serial, c)] {
                             prop_assert!(decided.contains_key(&e) || independent(&w, c, e), "c{} landed before c{}", c, e);
                         }
-                        prop_assert!(reference[c], "c{} landed but must be rejected", c);
+                        prop_assert!(serial_outcome(&w, &partners, &serial, &decided, c), "c{} landed but must be rejected", c);
                         mainline.push(c);
                         decided.insert(c, true);
                     }
                     Action::Reject { change, .. } => {
                         let c = index(&change);
-                        prop_assert!(!reference[c], "c{} rejected but must land", c);
-                        for e in 0..c {
+                        for &e in &serial[..at(&serial, c)] {
                             prop_assert!(decided.contains_key(&e) || independent(&w, c, e));
                         }
+                        prop_assert!(!serial_outcome(&w, &partners, &serial, &decided, c), "c{} rejected but must land", c);
                         decided.insert(c, false);
                     }
                 }
             }
             if next_arrival == n && running.is_empty() { break; }
         }
-        // Everything decided, and the landed set is exactly the serial reference.
+        // Everything decided, and the landed set is exactly the serial
+        // reference: each change in the final serial order, tried on the
+        // changes before it that landed.
         prop_assert_eq!(decided.len(), n);
-        for i in 0..n { prop_assert_eq!(decided[&i], reference[i]); }
-        // With no independence, the landed sequence is in queue order.
+        let mut reference: HashMap<usize, bool> = HashMap::new();
+        for &c in &serial {
+            let fine = serial_outcome(&w, &partners, &serial, &reference, c);
+            reference.insert(c, fine);
+        }
+        prop_assert_eq!(&decided, &reference);
+        // With no independence, the landed sequence is the serial order.
         if w.targets.iter().all(Option::is_none) {
-            let mut sorted = mainline.clone();
-            sorted.sort_unstable();
-            prop_assert_eq!(sorted, mainline);
+            let in_order: Vec<usize> = serial.iter().copied().filter(|c| decided[c]).collect();
+            prop_assert_eq!(in_order, mainline);
         }
     }
+}
+
+/// Runs every build to its end (the oldest first), each passing when `ok`
+/// says so, and returns the decisions in order ("c1 landed", "c3 rejected")
+/// and the shapes of the builds started on the way.
+fn run_to_end(
+    p: &mut Planner,
+    mut t: u64,
+    mut running: Vec<BuildSpec>,
+    ok: impl Fn(&BuildSpec) -> bool,
+) -> (Vec<String>, Vec<(String, Vec<String>)>) {
+    let (mut decided, mut shapes) = (Vec::new(), Vec::new());
+    while !running.is_empty() {
+        let b = running.remove(0);
+        t += 1;
+        for a in finish(p, t, b.id, ok(&b)) {
+            match a {
+                Action::StartBuild { build } => {
+                    shapes.push(shape(&build));
+                    running.push(build);
+                }
+                Action::CancelBuild { id } => running.retain(|b| b.id != id),
+                Action::Land { change, .. } => decided.push(format!("{change} landed")),
+                Action::Reject { change, .. } => decided.push(format!("{change} rejected")),
+            }
+        }
+    }
+    (decided, shapes)
+}
+
+fn enqueue_urgent(p: &mut Planner, t: u64, name: &str, a: Option<ChangeAnalysis>, priority: i32) -> Vec<Action> {
+    p.handle(Millis(t), Event::Enqueue { change: id(name), features: ChangeFeatures::default(), analysis: a, priority })
+        .unwrap()
+}
+
+#[test]
+fn a_higher_priority_change_goes_ahead_of_the_lower_ones_that_depend_on_it() {
+    let mut p = Planner::new(PlannerConfig { max_retries: 0, ..cfg(1) });
+    let b1 = started(&enqueue(&mut p, 1, "c1", analysis(&["//a"])));
+    assert_eq!(b1.len(), 1);
+    enqueue(&mut p, 2, "c2", analysis(&["//a"]));
+    enqueue(&mut p, 3, "c3", analysis(&["//b"]));
+    let acts = enqueue_urgent(&mut p, 4, "u", analysis(&["//a"]), 1);
+    // u touches c1's and c2's target, so they go behind it; c3 is
+    // independent of u and keeps its place.
+    assert_eq!(p.pending(), [id("c3"), id("u"), id("c1"), id("c2")]);
+    assert_eq!(p.stats().requeued, 2);
+    assert!(cancelled(&acts).contains(&b1[0].id), "c1's build did not hold u: {acts:?}");
+    // The one slot goes to the urgent change, ahead of the independent c3.
+    let first = started(&acts);
+    assert_eq!(first.iter().map(shape).collect::<Vec<_>>(), [("u".to_string(), vec![])]);
+    // Equal or lower priority: enqueue order, nothing moves.
+    enqueue(&mut p, 5, "c4", analysis(&["//a"]));
+    enqueue_urgent(&mut p, 6, "c5", analysis(&["//a"]), -1);
+    assert_eq!(p.pending(), [id("c3"), id("u"), id("c1"), id("c2"), id("c4"), id("c5")]);
+    assert_eq!(p.stats().requeued, 2);
+    let (decided, _) = run_to_end(&mut p, 10, first, |_| true);
+    let lane: Vec<&str> = decided.iter().map(String::as_str).filter(|d| *d != "c3 landed").collect();
+    assert_eq!(lane, ["u landed", "c1 landed", "c2 landed", "c4 landed", "c5 landed"], "{decided:?}");
+    assert_eq!(p.mainline().len(), 6);
+}
+
+#[test]
+fn an_independent_change_is_not_held_behind_a_failing_batch() {
+    // c1 alone on an idle queue; c2..c5 (all on //a, c3 broken) and x (//b,
+    // independent of all of them) queue behind it and are built as one tree.
+    // The tree fails with no per-target results. x cannot be the culprit, so
+    // it is built alone next and lands while c2..c5 are bisected.
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, batching: true, ..PlannerConfig::default() });
+    let b1 = started(&enqueue(&mut p, 1, "c1", analysis(&["//z"])));
+    for (t, (c, target)) in
+        [("c2", "//a"), ("c3", "//a"), ("c4", "//a"), ("c5", "//a"), ("x", "//b")].into_iter().enumerate()
+    {
+        enqueue(&mut p, 2 + t as u64, c, analysis(&[target]));
+    }
+    let tree = started(&finish(&mut p, 10, b1[0].id, true));
+    assert_eq!(
+        tree.iter().map(shape).collect::<Vec<_>>(),
+        [("x".to_string(), ["c2", "c3", "c4", "c5"].map(String::from).to_vec())]
+    );
+    let next = started(&finish(&mut p, 11, tree[0].id, false));
+    assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [("x".to_string(), vec![])], "x goes first, alone");
+    let broken = id("c3");
+    let (decided, shapes) = run_to_end(&mut p, 12, next, |b| b.change != broken && !b.assumed.contains(&broken));
+    assert_eq!(decided[0], "x landed", "{decided:?} after {shapes:?}");
+    let mut rest = decided[1..].to_vec();
+    rest.sort();
+    assert_eq!(rest, ["c2 landed", "c3 rejected", "c4 landed", "c5 landed"]);
+}
+
+#[test]
+fn a_flaky_batch_failure_rejects_no_one() {
+    // The tree of c2..c5 fails once, a flake; every later build passes. The
+    // failure costs builds (the tree is split), but every change lands.
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 1, batching: true, ..PlannerConfig::default() });
+    let b1 = started(&enqueue(&mut p, 1, "c1", None));
+    for (t, c) in ["c2", "c3", "c4", "c5"].into_iter().enumerate() {
+        enqueue(&mut p, 2 + t as u64, c, None);
+    }
+    let tree = started(&finish(&mut p, 10, b1[0].id, true));
+    assert_eq!(tree.len(), 1);
+    assert_eq!(tree[0].assumed.len(), 3, "{tree:?}");
+    let acts = finish(&mut p, 11, tree[0].id, false);
+    assert!(!acts.iter().any(|a| matches!(a, Action::Reject { .. })));
+    let (decided, _) = run_to_end(&mut p, 12, started(&acts), |_| true);
+    assert_eq!(decided, ["c2 landed", "c3 landed", "c4 landed", "c5 landed"]);
+}
+
+#[test]
+fn an_enqueue_journalled_before_priorities_replays_at_the_default() {
+    // Journals written before `priority` existed must replay unchanged.
+    let old = r#"{"Enqueue":{"change":"c1","features":{"files_changed":1,"lines_changed":2,"affected_targets":0,"author":"a","presubmit_passed":true},"analysis":null}}"#;
+    let ev: Event = serde_json::from_str(old).unwrap();
+    assert!(matches!(&ev, Event::Enqueue { priority: 0, .. }), "{ev:?}");
+    // The default is not written, so such journals also stay byte-identical.
+    assert_eq!(serde_json::to_string(&ev).unwrap(), old);
+    let urgent = Event::Enqueue { change: id("c2"), features: ChangeFeatures::default(), analysis: None, priority: 3 };
+    let text = serde_json::to_string(&urgent).unwrap();
+    assert!(text.contains(r#""priority":3"#), "{text}");
+    assert_eq!(serde_json::from_str::<Event>(&text).unwrap(), urgent);
 }

@@ -312,7 +312,8 @@ impl Queue {
         });
         self.put_change(&format!("c{seq}")).await;
         let features = ChangeFeatures { author: author.into(), ..Default::default() };
-        self.apply(at, Event::Enqueue { change: ChangeId(format!("c{seq}")), features, analysis: None }).await;
+        self.apply(at, Event::Enqueue { change: ChangeId(format!("c{seq}")), features, analysis: None, priority: 0 })
+            .await;
     }
 
     async fn finish(&mut self, at: i64, id: u64, passed: bool, message: &str) {

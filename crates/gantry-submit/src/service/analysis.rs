@@ -115,7 +115,7 @@ impl QueueService {
             return Ok(()); // cancelled while being analysed
         }
         doc.state = ChangeState::Pending;
-        let event = Event::Enqueue { change: ChangeId(doc.id.clone()), features, analysis };
+        let event = Event::Enqueue { change: ChangeId(doc.id.clone()), features, analysis, priority: doc.priority };
         self.apply(&mut inner, event, Some(format!("enqueue:{}", doc.id))).await?;
         self.store.put_change(&doc_row(&doc.id, doc.seq, doc.state.as_str(), &doc)?).await?;
         inner_doc_update(&mut inner, &doc);
