@@ -239,6 +239,12 @@ pub struct QueueConfig {
     pub prior_success: f64,
     /// P(two dependent changes conflict) before history exists. Default 0.05.
     pub prior_conflict: f64,
+    /// Batching: under a backlog, build several queued changes as one tree, land them
+    /// all in one mainline move when it passes, and bisect it when it fails. Each change
+    /// keeps its own commit in history, but the commits inside a batch were not built on
+    /// their own: keep this off (the default) where every commit must have been built.
+    /// Fixed when the queue is created, like `max_retries` and the priors.
+    pub batching: bool,
     /// Output bases and worktrees of the queue's builds. Default `{data_dir}/queue`.
     pub work_dir: Option<PathBuf>,
 }
@@ -254,6 +260,7 @@ impl Default for QueueConfig {
             deadline: Duration::from_secs(30 * 60),
             prior_success: 0.9,
             prior_conflict: 0.05,
+            batching: false,
             work_dir: None,
         }
     }

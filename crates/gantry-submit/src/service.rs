@@ -68,6 +68,8 @@ pub struct QueueSettings {
     pub runner: RunnerSettings,
     pub prior_success: f64,
     pub prior_conflict: f64,
+    /// `[queue] batching`.
+    pub batching: bool,
 }
 
 struct Inner {
@@ -175,6 +177,7 @@ impl QueueService {
             max_retries: settings.max_retries,
             prior_success: settings.prior_success,
             prior_conflict: settings.prior_conflict,
+            batching: settings.batching,
             ..PlannerConfig::default()
         };
         // Version 0 is the mainline when the queue was created; its record also keeps the
@@ -204,9 +207,10 @@ impl QueueService {
         if planner_config.max_retries != wanted.max_retries
             || planner_config.prior_success != wanted.prior_success
             || planner_config.prior_conflict != wanted.prior_conflict
+            || planner_config.batching != wanted.batching
         {
             tracing::warn!(
-                "queue.max_retries and the priors are those the queue was created with; changed values are ignored"
+                "queue.max_retries, queue.batching and the priors are those the queue was created with; changed values are ignored"
             );
         }
         let versions = versions_of(&landings);

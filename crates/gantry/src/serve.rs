@@ -404,6 +404,7 @@ async fn start_queue(
         runner: runner_settings(config, q.deadline, grpc_addr),
         prior_success: q.prior_success,
         prior_conflict: q.prior_conflict,
+        batching: q.batching,
     };
     // One queue per metadata database: two would both journal, build and land. The
     // holder names this host and repository, so the same server restarted after a crash

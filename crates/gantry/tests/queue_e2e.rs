@@ -5,6 +5,9 @@
 //! each, in queue order, iff it applies and the tests pass on top of those landed before)
 //! and compared with what the queue did; then every commit the mainline pointed to is
 //! checked out afresh and `bazel test //...` must pass on it.
+//!
+//! A second case runs the queue with batching on and one slot: eight changes, one broken,
+//! decided in fewer builds than changes, the mainline moving only to trees that passed.
 
 mod common;
 
@@ -17,7 +20,7 @@ use common::{fixture_flags, gantry, git, metric_value, toml_list, wait_metrics, 
 use serde_json::Value;
 
 const PACKAGES: [&str; 5] = ["p1", "p2", "p3", "p4", "p5"];
-const LINES: usize = 7;
+const LINES: usize = 20;
 
 /// The repository's state as the test models it: file -> lines.
 type Files = BTreeMap<String, Vec<String>>;
@@ -101,7 +104,7 @@ fn generate_repo(dir: &Path, specs: &[Spec]) {
     git(dir, &["config", "user.name", "dev"]);
     std::fs::write(dir.join("WORKSPACE"), "").unwrap();
     let check =
-        "#!/bin/sh\nfor f in \"$@\"; do\n  if grep -q BROKEN \"$f\"; then echo \"$f is BROKEN\"; exit 1; fi\ndone\n";
+        "#!/bin/sh\nfor f in \"$@\"; do\n  if grep -q SLOW \"$f\"; then sleep 20; fi\n  if grep -q BROKEN \"$f\"; then echo \"$f is BROKEN\"; exit 1; fi\ndone\n";
     let pair = "#!/bin/sh\nif grep -q ON \"$1\" && grep -q ON \"$2\"; then echo 'a and b are both ON'; exit 1; fi\n";
     for p in PACKAGES {
         std::fs::create_dir_all(dir.join(p)).unwrap();
@@ -433,4 +436,137 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     common::browser::look_at(&server.http, &[("/queue", "queue", &expect[..])]);
     server.stop();
     println!("queue_e2e took {:.1} s", t0.elapsed().as_secs_f64());
+}
+
+/// Batching on, capacity 1: eight changes, one of them broken. The first change (another
+/// package, with a test that takes 20 s) holds the only slot while the other seven are
+/// analysed and queue behind it, all on one package's test; they are then built as one
+/// tree, which fails, and bisected.
+#[test]
+fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
+    let t0 = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let s = |branch, file, line, text| Spec { branch, file, line, text };
+    // Lines two apart: git merges edits of adjacent lines as a conflict.
+    let specs = vec![
+        s("slow", "p2/value.txt", 0, "p2 SLOW edit"),
+        s("e1", "p1/value.txt", 0, "p1 edit 1"),
+        s("e2", "p1/value.txt", 3, "p1 edit 2"),
+        s("e3", "p1/value.txt", 6, "p1 edit 3"),
+        s("e4-broken", "p1/value.txt", 9, "p1 BROKEN 4"),
+        s("e5", "p1/value.txt", 12, "p1 edit 5"),
+        s("e6", "p1/value.txt", 15, "p1 edit 6"),
+        s("e7", "p1/value.txt", 18, "p1 edit 7"),
+    ];
+    generate_repo(&repo, &specs);
+    let (expected, final_files) = reference(&specs);
+    assert_eq!(expected.len(), 7);
+
+    let config = dir.path().join("gantry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[batch]\nrunners = 0\n\
+             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
+             [execution]\nworkers = 2\n\
+             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 1\nmax_retries = 0\ndeadline = \"5m\"\nbatching = true\n",
+            toml_list(&fixture_flags()),
+            repo.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let server = GantryServer::start(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+    let mut ids: BTreeMap<String, &'static str> = BTreeMap::new();
+    for c in &specs {
+        let out =
+            gantry().args(["queue", "submit", "--json", "--change", c.branch, "--server", &url]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        ids.insert(v["change_id"].as_str().unwrap().to_string(), c.branch);
+    }
+    let h = wait_decided(&url, specs.len(), Duration::from_secs(600));
+    let changes: Vec<&Value> = h["changes"].as_array().unwrap().iter().collect();
+    let branch_of = |c: &Value| ids[c["change_id"].as_str().unwrap()];
+    for c in changes.iter().rev() {
+        println!("{:<10} {:<9} {}", branch_of(c), c["state"].as_str().unwrap(), c["reason"].as_str().unwrap());
+    }
+    let landed: BTreeSet<&str> = changes.iter().filter(|c| c["state"] == "LANDED").map(|c| branch_of(c)).collect();
+    assert_eq!(landed, expected, "every passing change lands");
+    let broken = changes.iter().find(|c| branch_of(c) == "e4-broken").unwrap();
+    assert_eq!(broken["state"], "REJECTED");
+    assert!(broken["reason"].as_str().unwrap().contains("TESTS_FAILED"), "{broken:#}");
+
+    // Fewer builds than changes.
+    let m = wait_metrics(&server.http, Duration::from_secs(10), |m| {
+        metric_value(m, "gantry_queue_changes{state=\"LANDED\"}") == Some(expected.len() as f64)
+    });
+    let builds = metric_value(&m, "gantry_queue_builds_started_total").unwrap();
+    let all: Vec<&Value> = changes.iter().flat_map(|c| c["builds"].as_array().unwrap().iter()).collect();
+    for b in &all {
+        println!("build {} of {} assuming {} : {}", b["build_id"], b["change_id"], b["assumed"], b["state"]);
+    }
+    assert!(builds < specs.len() as f64, "{builds} builds for {} changes", specs.len());
+
+    // One version per landed change, each its own commit on the one before; the mainline
+    // itself moved only to the last commit of each batch, a tree that passed.
+    let moves: Vec<&Value> = h["mainline"].as_array().unwrap().iter().filter(|m| m["state"] == "DONE").collect();
+    assert_eq!(moves.len(), expected.len() + 1, "{h:#}");
+    for w in moves.windows(2) {
+        assert_eq!(w[1]["old_commit"], w[0]["new_commit"]);
+        let parent = git(&repo, &["rev-parse", &format!("{}^", w[1]["new_commit"].as_str().unwrap())]);
+        assert_eq!(parent, w[1]["old_commit"].as_str().unwrap(), "each change keeps its own commit");
+    }
+    let in_batch = |m: &Value| m["how"].as_str().unwrap().starts_with("batch with");
+    assert!(moves.iter().any(|m| in_batch(m)), "no batch landed: {h:#}");
+    let pointed: Vec<&Value> = moves.iter().copied().filter(|m| !in_batch(m)).collect();
+    let head = git(&repo, &["rev-parse", "main"]);
+    assert_eq!(head, moves.last().unwrap()["new_commit"].as_str().unwrap());
+    for (path, lines) in &final_files {
+        assert_eq!(git(&repo, &["show", &format!("main:{path}")]), lines.join("\n"), "{path} at the final mainline");
+    }
+    let builds_by_id: BTreeMap<String, &Value> =
+        all.iter().map(|b| (b["build_id"].as_str().unwrap().to_string(), *b)).collect();
+    for m in &pointed[1..] {
+        let b = builds_by_id[m["build_id"].as_str().unwrap()];
+        assert_eq!(b["state"], "PASSED", "{b:#}");
+        if m["how"] == "fast-forward" {
+            assert_eq!(b["commit"], m["new_commit"], "the mainline points at the tree that passed");
+        }
+    }
+
+    // Every commit the mainline pointed to passes `bazel test //...`.
+    let recheck_base = dir.path().join("recheck-output-base");
+    for m in &pointed {
+        let commit = m["new_commit"].as_str().unwrap();
+        let wt = dir.path().join(format!("recheck-{}", m["version"]));
+        git(&repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
+        let out = Command::new("bazel")
+            .args(["--nohome_rc", "--noworkspace_rc", "--max_idle_secs=60"])
+            .arg(format!("--output_base={}", recheck_base.display()))
+            .args(["test", "//...", &format!("--remote_cache={url}"), "--spawn_strategy=local"])
+            .args(fixture_flags())
+            .current_dir(&wt)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "bazel test //... at version {} ({commit}): {}",
+            m["version"],
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = Command::new("bazel")
+        .args(["--nohome_rc", "--noworkspace_rc"])
+        .arg(format!("--output_base={}", recheck_base.display()))
+        .arg("shutdown")
+        .current_dir(&repo)
+        .output();
+    server.stop();
+    println!(
+        "{builds} builds; the mainline pointed at {} commits; took {:.1} s",
+        pointed.len(),
+        t0.elapsed().as_secs_f64()
+    );
 }

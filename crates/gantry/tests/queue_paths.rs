@@ -17,6 +17,9 @@
 //!    the planner on the real mainline and lands. On the way, a crash between recording
 //!    the failed landing and journaling the planner's event is simulated (stop, remove
 //!    the event, start): the startup applies it again.
+//!
+//! A second server runs with `[queue] batching` and one slot: a batch whose one move of
+//! the mainline fails (the branch moved outside the queue) rejects every member.
 
 mod common;
 
@@ -385,4 +388,81 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
 
     server.stop();
     println!("queue_paths took {:.1} s", t0.elapsed().as_secs_f64());
+}
+
+/// Batching on, one slot: d holds the slot while x and w (both package a) queue behind
+/// it; they are then built as one tree. While that tree builds, the mainline is moved
+/// outside the queue, so the batch's one compare-and-swap fails: both members are
+/// rejected, no version is recorded as landed for either, and the mainline stays where
+/// the outside move put it.
+#[test]
+fn a_batch_whose_mainline_move_fails_rejects_every_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    generate_repo(
+        &repo,
+        &[
+            ("d-edit", "d/value.txt", "d edit"),
+            ("x-a-on", "a/value.txt", "a ON"),
+            ("w-a-other", "a/other.txt", "a other edit"),
+        ],
+    );
+    let gates = dir.path().join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let script = dir.path().join("check.sh");
+    write_build_script(&script, &gates);
+    let config = dir.path().join("gantry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[batch]\nrunners = 0\n\
+             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=60\"]\nextra_flags = {}\n\
+             [execution]\nworkers = 1\n\
+             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 1\nmax_retries = 0\ndeadline = \"5m\"\n\
+             batching = true\nbuild_command = [{:?}]\n",
+            toml_list(&fixture_flags()),
+            repo.display().to_string(),
+            script.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let server = GantryServer::start(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+
+    let d = submit(&url, "d-edit");
+    let x = submit(&url, "x-a-on");
+    let w = submit(&url, "w-a-other");
+    wait_history(&url, "x and w queue behind d's build", Duration::from_secs(120), |h| {
+        state(h, &x) == "PENDING"
+            && state(h, &w) == "PENDING"
+            && builds(change(h, &d)).iter().any(|b| b["state"] == "RUNNING")
+    });
+    std::fs::write(gates.join("go-d"), "").unwrap();
+    let h = wait_history(&url, "x and w built as one tree", Duration::from_secs(60), |h| {
+        builds(change(h, &w)).iter().any(|b| b["state"] == "RUNNING" && assumed(b) == [x.as_str()])
+    });
+    assert_eq!(state(&h, &d), "LANDED");
+    assert!(builds(change(&h, &x)).is_empty(), "x is decided by w's tree alone: {h:#}");
+
+    // Someone pushes to the mainline while the batch builds.
+    git(&repo, &["checkout", "--quiet", "main"]);
+    std::fs::write(repo.join("c/other.txt"), "c pushed outside the queue\n").unwrap();
+    git(&repo, &["commit", "--quiet", "-am", "outside the queue"]);
+    let outside = git(&repo, &["rev-parse", "main"]);
+    std::fs::write(gates.join("go-a"), "").unwrap();
+
+    let h = wait_history(&url, "the batch is decided", Duration::from_secs(60), |h| {
+        state(h, &x) != "PENDING" && state(h, &w) != "PENDING"
+    });
+    for c in [&x, &w] {
+        assert_eq!(state(&h, c), "REJECTED", "{h:#}");
+        let why = change(&h, c)["reason"].as_str().unwrap();
+        assert!(why.contains("mainline did not move"), "{why}");
+    }
+    let rows: Vec<&Value> =
+        h["mainline"].as_array().unwrap().iter().filter(|m| m["version"].as_u64() >= Some(2)).collect();
+    assert_eq!(rows.len(), 2, "one version per member: {h:#}");
+    assert!(rows.iter().all(|m| m["state"] == "FAILED" && m["new_commit"] == m["old_commit"]), "{h:#}");
+    assert_eq!(git(&repo, &["rev-parse", "main"]), outside, "the mainline is where the outside push left it");
+    server.stop();
 }

@@ -19,6 +19,13 @@ use super::{blocking, unix_ms, ChangeDoc, ChangeState, Inner, QueueService, Resu
 use crate::error::SubmitError;
 use crate::git::{short, GitError};
 
+/// What the lander may do for a batch: like [`Move`], with a commit per member.
+enum BatchMove {
+    To { commits: Vec<String>, how: String },
+    Refuse(String),
+    Stopping,
+}
+
 /// What the lander may do for one landing.
 enum Move {
     /// Move the mainline to this commit; `how` says why that commit is the tested tree.
@@ -31,11 +38,248 @@ enum Move {
 
 impl QueueService {
     pub(super) async fn lander(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<(ChangeId, LandProof)>) {
+        // The members of a batch arrive as one Land each, in version order, the build's
+        // own change last; they land together, in one move, when the last one arrives.
+        let mut batch: Vec<(ChangeId, LandProof)> = Vec::new();
         while let Some((change, proof)) = rx.recv().await {
-            if let Err(e) = self.land(&change, &proof).await {
+            let landed = if proof.batch.len() > 1 {
+                if batch.first().is_some_and(|(_, p)| p.batch != proof.batch) {
+                    tracing::error!(change = %change, "a batch landing interleaved with another; the earlier one is dropped");
+                    batch.clear();
+                }
+                let last = proof.batch.last() == Some(&change);
+                batch.push((change.clone(), proof));
+                if !last {
+                    continue;
+                }
+                self.land_batch(&std::mem::take(&mut batch)).await
+            } else {
+                self.land(&change, &proof).await
+            };
+            if let Err(e) = landed {
                 tracing::error!(change = %change, error = %e, "landing failed");
             }
             self.updates.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// A batch: its members land in one move of the mainline, to the tree that passed.
+    /// Each member gets its own version and its own commit in history, but the mainline
+    /// only ever points at the last one. Every member's landing is recorded as an intent
+    /// before the compare-and-swap and as done (or, for all of them, failed) after it, so
+    /// a crash at any point neither moves the mainline twice nor records a member landed
+    /// without the move.
+    async fn land_batch(self: &Arc<Self>, items: &[(ChangeId, LandProof)]) -> Result<()> {
+        let (last_change, last) = items.last().expect("a batch has members");
+        let first = items[0].1.new_version;
+        for (i, (c, p)) in items.iter().enumerate() {
+            if p.new_version != first + i as u64 {
+                return Err(SubmitError::FailedPrecondition(format!(
+                    "batch landing of {c} at version {}: expected version {}",
+                    p.new_version,
+                    first + i as u64
+                )));
+            }
+        }
+        let (existing, docs, build) = {
+            let inner = self.inner.lock().await;
+            let existing: Vec<Option<LandingRow>> =
+                items.iter().map(|(_, p)| inner.landings.get(&p.new_version).cloned()).collect();
+            let docs = items
+                .iter()
+                .map(|(c, _)| inner.changes.get(&c.0).cloned().ok_or_else(|| SubmitError::NotFound(c.0.clone())))
+                .collect::<Result<Vec<ChangeDoc>>>()?;
+            (existing, docs, inner.builds.get(&last.build.id.0).cloned())
+        };
+        if existing.iter().all(|r| r.as_ref().and_then(LandingState::of).is_some_and(LandingState::finished)) {
+            return Ok(());
+        }
+        let old = self.versions.borrow().get(first as usize - 1).cloned().ok_or_else(|| {
+            SubmitError::FailedPrecondition(format!("landing version {first} before version {}", first - 1))
+        })?;
+        if let Some(failed) = existing.iter().flatten().find(|r| LandingState::of(r) == Some(LandingState::Failed)) {
+            // Crashed while recording the batch's failure: record it for the rest.
+            let why = serde_json::from_str::<LandingDoc>(&failed.document).map(|d| d.message).unwrap_or_default();
+            let rows = existing.iter().zip(items).map(|(r, (c, p))| {
+                r.clone().unwrap_or_else(|| LandingRow {
+                    version: p.new_version as i64,
+                    change_id: c.0.clone(),
+                    old_commit: old.clone(),
+                    new_commit: old.clone(),
+                    state: LandingState::Intent.as_str().into(),
+                    document: String::new(),
+                })
+            });
+            return self.fail_batch(rows.collect(), &old, why, &docs).await;
+        }
+        let repo = self.repo.clone();
+        let rows: Vec<LandingRow> = if let Some(Some(intent)) =
+            existing.last().filter(|_| existing.iter().all(Option::is_some))
+        {
+            // Crashed after recording every intent: the move happened iff the mainline
+            // is at the last member's commit.
+            let rows: Vec<LandingRow> = existing.iter().flatten().cloned().collect();
+            let new = intent.new_commit.clone();
+            let head = blocking(move || repo.head()).await?;
+            if head == old {
+                let (o, n, repo) = (old.clone(), new.clone(), self.repo.clone());
+                blocking(move || repo.move_mainline(&o, &n)).await?;
+            } else if head != new {
+                let why = format!("the mainline moved outside the queue (to {})", short(&head));
+                return self.fail_batch(rows, &old, why, &docs).await;
+            }
+            rows
+        } else {
+            let landing_doc =
+                |how: String| LandingDoc { build_id: last.build.id.0, landed_ms: unix_ms(), how, ..Default::default() };
+            let mut rows: Vec<LandingRow> = items
+                .iter()
+                .map(|(c, p)| LandingRow {
+                    version: p.new_version as i64,
+                    change_id: c.0.clone(),
+                    old_commit: old.clone(),
+                    new_commit: old.clone(),
+                    state: LandingState::Intent.as_str().into(),
+                    document: String::new(),
+                })
+                .collect();
+            let tested = build.map(|b| b.commit).unwrap_or_default();
+            let commits = match self.batch_commits(&docs, &old, &tested, last).await {
+                BatchMove::To { commits, how } => {
+                    let mut prev = old.clone();
+                    for (i, (row, commit)) in rows.iter_mut().zip(commits).enumerate() {
+                        row.old_commit = std::mem::replace(&mut prev, commit.clone());
+                        row.new_commit = commit;
+                        let h = if i + 1 == items.len() {
+                            how.clone()
+                        } else {
+                            format!("batch with {last_change} ({how}): not built alone")
+                        };
+                        row.document = serde_json::to_string(&landing_doc(h))?;
+                    }
+                    rows
+                }
+                BatchMove::Refuse(why) => {
+                    for row in &mut rows {
+                        row.document = serde_json::to_string(&landing_doc(String::new()))?;
+                    }
+                    return self.fail_batch(rows, &old, why, &docs).await;
+                }
+                BatchMove::Stopping => return Ok(()),
+            };
+            for row in &commits {
+                self.store.put_landing(row).await?;
+            }
+            let (o, n) = (old.clone(), commits.last().expect("not empty").new_commit.clone());
+            if let Err(e) = blocking(move || repo.move_mainline(&o, &n)).await {
+                let why = format!("moving {}: {e}", self.settings.mainline);
+                return self.fail_batch(commits, &old, why, &docs).await;
+            }
+            commits
+        };
+        for (row, doc) in rows.into_iter().zip(&docs) {
+            self.finish_landing(row, LandingState::Done, String::new(), doc).await?;
+        }
+        Ok(())
+    }
+
+    /// Every member of a batch rejected: the mainline stays at `old`.
+    async fn fail_batch(
+        self: &Arc<Self>,
+        rows: Vec<LandingRow>,
+        old: &str,
+        why: String,
+        docs: &[ChangeDoc],
+    ) -> Result<()> {
+        for (mut row, doc) in rows.into_iter().zip(docs) {
+            row.old_commit = old.to_string();
+            self.finish_landing(row, LandingState::Failed, why.clone(), doc).await?;
+        }
+        Ok(())
+    }
+
+    /// The commit of each member of a batch landing on `old`, given the commit its
+    /// build tested: that build's own chain when it sits on `old` (or on `old`'s tree),
+    /// one commit per member; otherwise (independent changes landed since, or a change
+    /// of the tested tree was rejected) the members applied on `old` in order, whose
+    /// tree must pass the build steps first.
+    async fn batch_commits(
+        self: &Arc<Self>,
+        docs: &[ChangeDoc],
+        old: &str,
+        tested: &str,
+        proof: &LandProof,
+    ) -> BatchMove {
+        if tested.is_empty() {
+            return BatchMove::Refuse("the deciding build left no commit".into());
+        }
+        // The tested chain is base, then the assumed changes, then the build's change,
+        // one commit each: its tail is the batch when the batch is the tail of that list.
+        let spec = &proof.build;
+        let members: Vec<&ChangeId> = spec.assumed.iter().chain([&spec.change]).collect();
+        let tail = members.len() >= docs.len()
+            && members[members.len() - docs.len()..]
+                .iter()
+                .map(|c| c.0.as_str())
+                .eq(docs.iter().map(|d| d.id.as_str()));
+        if tail && proof.omitted.is_empty() && !proof.by_attribution {
+            let (repo, o, t, likes) = (
+                self.repo.clone(),
+                old.to_string(),
+                tested.to_string(),
+                docs.iter().map(|d| d.commit.clone()).collect::<Vec<_>>(),
+            );
+            let quick: Result<_, GitError> = blocking(move || {
+                let mut chain = vec![t];
+                for _ in 1..likes.len() {
+                    let p = repo.parent(chain.last().expect("not empty"))?;
+                    chain.push(p);
+                }
+                chain.reverse();
+                let below = repo.parent(&chain[0])?;
+                if below == o {
+                    return Ok(Some((chain, "fast-forward".to_string())));
+                }
+                if repo.tree(&below)? == repo.tree(&o)? {
+                    let mut prev = o;
+                    let mut out = Vec::new();
+                    for (c, like) in chain.iter().zip(&likes) {
+                        prev = repo.commit_like(like, &repo.tree(c)?, &prev)?;
+                        out.push(prev.clone());
+                    }
+                    return Ok(Some((out, "same-tree".to_string())));
+                }
+                Ok(None)
+            })
+            .await;
+            match quick {
+                Ok(Some((commits, how))) => return BatchMove::To { commits, how },
+                Ok(None) => {}
+                Err(why) => return BatchMove::Refuse(why.to_string()),
+            }
+        }
+        let (repo, o, patches) =
+            (self.repo.clone(), old.to_string(), docs.iter().map(ChangeDoc::patch).collect::<Vec<_>>());
+        let applied: Result<Vec<String>, GitError> = blocking(move || {
+            let mut prev = o;
+            let mut out = Vec::new();
+            for p in &patches {
+                prev = repo.apply(p, &prev)?;
+                out.push(prev.clone());
+            }
+            Ok(out)
+        })
+        .await;
+        let commits = match applied {
+            Ok(c) => c,
+            Err(why) => return BatchMove::Refuse(why.to_string()),
+        };
+        let candidate = commits.last().expect("a batch has members").clone();
+        let names: Vec<&str> = docs.iter().map(|d| d.id.as_str()).collect();
+        match self.verify(&candidate, &Self::targets_of(docs), &names.join(", ")).await {
+            Move::To { how, .. } => BatchMove::To { commits, how },
+            Move::Refuse(why) => BatchMove::Refuse(why),
+            Move::Stopping => BatchMove::Stopping,
         }
     }
 
@@ -149,30 +393,35 @@ impl QueueService {
             Ok(c) => c,
             Err(why) => return Move::Refuse(why.to_string()),
         };
-        let targets = Self::targets_of(std::slice::from_ref(doc));
+        self.verify(&candidate, &Self::targets_of(std::slice::from_ref(doc)), &doc.id).await
+    }
+
+    /// The combined-tree check: the build steps on `candidate`, the changes `what`
+    /// applied on the mainline with the independent changes landed since their build.
+    /// An infrastructure error in it is not a verdict; it is tried again after a backoff.
+    async fn verify(self: &Arc<Self>, candidate: &str, targets: &[String], what: &str) -> Move {
         let mut retry = 0;
         loop {
             let verdict = {
                 // Held for one try only: the analyzer shares this runner.
                 let aux = self.aux.lock().await;
-                let (repo, c, dir) = (self.repo.clone(), candidate.clone(), aux.dir().to_path_buf());
+                let (repo, c, dir) = (self.repo.clone(), candidate.to_string(), aux.dir().to_path_buf());
                 match blocking(move || gantry_builds::workspace::checkout(&repo.path, &c, &dir)).await {
-                    Ok(tree) => self.run_steps(&aux, &tree, &targets).await,
-                    Err(e) => Verdict::Infra(format!("checking out {}: {e}", short(&candidate))),
+                    Ok(tree) => self.run_steps(&aux, &tree, targets).await,
+                    Err(e) => Verdict::Infra(format!("checking out {}: {e}", short(candidate))),
                 }
             };
             match verdict {
-                Verdict::Passed => return Move::To { commit: candidate, how: "verified".into() },
+                Verdict::Passed => return Move::To { commit: candidate.to_string(), how: "verified".into() },
                 Verdict::Failed(message) => {
                     return Move::Refuse(format!(
-                        "the combined-tree check failed: {} on the mainline with the independent changes landed since its build ({}) failed the build steps: {message}",
-                        doc.id,
-                        short(&candidate)
+                        "the combined-tree check failed: {what} on the mainline with the independent changes landed since its build ({}) failed the build steps: {message}",
+                        short(candidate)
                     ))
                 }
                 Verdict::Infra(_) if self.stopping() => return Move::Stopping,
                 Verdict::Infra(why) => {
-                    let wait = self.infra_retry(&format!("combined-tree check of {}", doc.id), retry, &why);
+                    let wait = self.infra_retry(&format!("combined-tree check of {what}"), retry, &why);
                     retry += 1;
                     tokio::time::sleep(wait).await;
                 }
