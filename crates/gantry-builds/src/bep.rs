@@ -1,6 +1,7 @@
 //! Reading Bazel's Build Event Protocol JSON file (`--build_event_json_file`): the few
 //! facts the runner needs, tolerant of a file cut short by a killed Bazel.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
@@ -21,6 +22,19 @@ pub struct BepSummary {
     pub targets_failed: u64,
     /// Events read; 0 means Bazel never got as far as writing one.
     pub events: u64,
+    /// Per target label: whether it passed. A test passes on its `testSummary` (PASSED
+    /// or FLAKY), any other target on its `targetCompleted`; a test whose summary was
+    /// not written counts by its build alone, so readers must not take a missing label
+    /// for a pass.
+    pub targets: BTreeMap<String, bool>,
+}
+
+impl BepSummary {
+    /// The labels of `requested` that did not pass: failed, or never reported (Bazel
+    /// stopped before them). Complete by construction, since only a reported pass counts.
+    pub fn not_passed(&self, requested: &[String]) -> Vec<String> {
+        requested.iter().filter(|l| self.targets.get(*l) != Some(&true)).cloned().collect()
+    }
 }
 
 /// BEP encodes int64 as JSON strings; accept numbers too.
@@ -48,17 +62,38 @@ pub fn parse(text: &str) -> BepSummary {
             s.used_heap_post_build = mem.get("usedHeapSizePostBuild").and_then(as_u64).filter(|&v| v > 0);
             s.peak_post_gc_heap = mem.get("peakPostGcHeapSize").and_then(as_u64).filter(|&v| v > 0);
         }
+        let label = |kind: &str| {
+            ev.get("id")
+                .and_then(|i| i.get(kind))
+                .and_then(|k| k.get("label"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
         if let Some(ts) = ev.get("testSummary") {
-            match ts.get("overallStatus").and_then(Value::as_str) {
-                Some("PASSED") | Some("FLAKY") => s.tests_passed += 1,
-                Some(_) => s.tests_failed += 1,
-                None => {}
+            let passed = match ts.get("overallStatus").and_then(Value::as_str) {
+                Some("PASSED") | Some("FLAKY") => {
+                    s.tests_passed += 1;
+                    true
+                }
+                Some(_) => {
+                    s.tests_failed += 1;
+                    false
+                }
+                None => false,
+            };
+            if let Some(l) = label("testSummary") {
+                s.targets.insert(l, passed);
             }
         }
         if ev.get("id").and_then(|i| i.get("targetCompleted")).is_some() {
             let ok = ev.get("completed").and_then(|c| c.get("success")).and_then(Value::as_bool).unwrap_or(false);
             if !ok {
                 s.targets_failed += 1;
+            }
+            if let Some(l) = label("targetCompleted") {
+                // A test's summary, which comes after, has the last word.
+                let e = s.targets.entry(l).or_insert(ok);
+                *e &= ok;
             }
         }
     }
@@ -100,6 +135,8 @@ mod tests {
         assert_eq!(s.peak_post_gc_heap, None, "a zero peak means no major GC ran: absent, not 0");
         assert_eq!((s.tests_passed, s.tests_failed, s.targets_failed), (1, 1, 1));
         assert_eq!(s.events, 7);
+        let requested: Vec<String> = ["//a:b", "//a:c", "//a:t", "//a:u", "//a:never"].map(String::from).to_vec();
+        assert_eq!(s.not_passed(&requested), ["//a:c", "//a:t", "//a:never"], "failed, or never reported");
     }
 
     #[test]

@@ -506,5 +506,6 @@ fn build_proto(b: &BuildDoc) -> pb::Build {
         finished_unix_ms: b.finished_ms.unwrap_or(0),
         message: b.message.clone(),
         targets: b.targets.clone(),
+        failed_targets: b.failed_targets.clone(),
     }
 }

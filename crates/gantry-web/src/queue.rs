@@ -397,6 +397,7 @@ mod tests {
             started_ms: 1_700_000_000_000,
             finished_ms: None,
             message: evil.into(),
+            failed_targets: vec![evil.into()],
         };
         let pending = PendingChange {
             id: evil.into(),

@@ -238,6 +238,7 @@ impl Queue {
                         started_ms: at,
                         finished_ms: None,
                         message: String::new(),
+                        failed_targets: Vec::new(),
                     };
                     self.builds.insert(build.id.0, doc);
                     self.put_build(build.id.0).await;

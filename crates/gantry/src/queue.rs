@@ -64,7 +64,7 @@ fn build_json(b: &pb::Build) -> Value {
     json!({
         "build_id": b.build_id, "change_id": b.change_id, "base_version": b.base_version, "assumed": b.assumed,
         "attempt": b.attempt, "state": b.state, "commit": b.commit, "started_unix_ms": b.started_unix_ms,
-        "finished_unix_ms": b.finished_unix_ms, "message": b.message, "targets": b.targets,
+        "finished_unix_ms": b.finished_unix_ms, "message": b.message, "targets": b.targets, "failed_targets": b.failed_targets,
     })
 }
 

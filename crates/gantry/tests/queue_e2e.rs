@@ -438,10 +438,12 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     println!("queue_e2e took {:.1} s", t0.elapsed().as_secs_f64());
 }
 
-/// Batching on, capacity 1: eight changes, one of them broken. The first change (another
-/// package, with a test that takes 20 s) holds the only slot while the other seven are
-/// analysed and queue behind it, all on one package's test; they are then built as one
-/// tree, which fails, and bisected.
+/// Batching on, capacity 1: nine changes, one of them broken. The first change (another
+/// package, with a test that takes 20 s) holds the only slot while the other eight are
+/// analysed and queue behind it: seven on one package's test, and p3, independent of
+/// them, third in line. They are then built as trees; the first fails, in p1's test
+/// only, so p3, whose own test passed there, lands by attribution, and the rest is
+/// bisected.
 #[test]
 fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     let t0 = Instant::now();
@@ -453,6 +455,7 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
         s("slow", "p2/value.txt", 0, "p2 SLOW edit"),
         s("e1", "p1/value.txt", 0, "p1 edit 1"),
         s("e2", "p1/value.txt", 3, "p1 edit 2"),
+        s("p3", "p3/value.txt", 0, "p3 edit"),
         s("e3", "p1/value.txt", 6, "p1 edit 3"),
         s("e4-broken", "p1/value.txt", 9, "p1 BROKEN 4"),
         s("e5", "p1/value.txt", 12, "p1 edit 5"),
@@ -461,7 +464,7 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     ];
     generate_repo(&repo, &specs);
     let (expected, final_files) = reference(&specs);
-    assert_eq!(expected.len(), 7);
+    assert_eq!(expected.len(), 8);
 
     let config = dir.path().join("gantry.toml");
     std::fs::write(
@@ -505,7 +508,14 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     let builds = metric_value(&m, "gantry_queue_builds_started_total").unwrap();
     let all: Vec<&Value> = changes.iter().flat_map(|c| c["builds"].as_array().unwrap().iter()).collect();
     for b in &all {
-        println!("build {} of {} assuming {} : {}", b["build_id"], b["change_id"], b["assumed"], b["state"]);
+        println!(
+            "build {} of {} assuming {} : {} {}",
+            b["build_id"], b["change_id"], b["assumed"], b["state"], b["failed_targets"]
+        );
+    }
+    // Every failed build names the one target that failed, from Bazel's build events.
+    for b in all.iter().filter(|b| b["state"] == "FAILED") {
+        assert_eq!(b["failed_targets"], serde_json::json!(["//p1:value_test"]), "{b:#}");
     }
     assert!(builds < specs.len() as f64, "{builds} builds for {} changes", specs.len());
 
@@ -518,6 +528,11 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
         let parent = git(&repo, &["rev-parse", &format!("{}^", w[1]["new_commit"].as_str().unwrap())]);
         assert_eq!(parent, w[1]["old_commit"].as_str().unwrap(), "each change keeps its own commit");
     }
+    // p3 was decided by the failed tree it was in (attribution), checked on the mainline.
+    let p3 = changes.iter().find(|c| branch_of(c) == "p3").unwrap();
+    let p3_move = moves.iter().find(|m| m["change_id"] == p3["change_id"]).unwrap();
+    let by = all.iter().find(|b| b["build_id"] == p3_move["build_id"]).unwrap();
+    assert_eq!((by["state"].as_str(), p3_move["how"].as_str()), (Some("FAILED"), Some("verified")), "{h:#}");
     let in_batch = |m: &Value| m["how"].as_str().unwrap().starts_with("batch with");
     assert!(moves.iter().any(|m| in_batch(m)), "no batch landed: {h:#}");
     let pointed: Vec<&Value> = moves.iter().copied().filter(|m| !in_batch(m)).collect();
@@ -530,6 +545,9 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
         all.iter().map(|b| (b["build_id"].as_str().unwrap().to_string(), *b)).collect();
     for m in &pointed[1..] {
         let b = builds_by_id[m["build_id"].as_str().unwrap()];
+        if m["how"] == "verified" {
+            continue; // its own build steps ran on the landed commit before the move
+        }
         assert_eq!(b["state"], "PASSED", "{b:#}");
         if m["how"] == "fast-forward" {
             assert_eq!(b["commit"], m["new_commit"], "the mainline points at the tree that passed");

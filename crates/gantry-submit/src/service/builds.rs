@@ -26,6 +26,8 @@ pub(super) struct Finished {
     commit: String,
     targets: Vec<String>,
     message: String,
+    /// For a failed `bazel test` of named targets: those that did not pass.
+    failed_targets: Option<Vec<String>>,
 }
 
 /// What the build steps made of a tree.
@@ -181,8 +183,9 @@ impl QueueService {
             v[spec.base_version as usize].clone()
         };
         let id = spec.id.0;
-        let done =
-            move |outcome, commit, targets, message| Attempt::Done(Finished { id, outcome, commit, targets, message });
+        let done = move |outcome, commit, targets, message| {
+            Attempt::Done(Finished { id, outcome, commit, targets, message, failed_targets: None })
+        };
         let docs = match self.patches(spec).await {
             Ok(d) => d,
             Err(message) => return done(BuildOutcome::Failed, String::new(), vec![], message),
@@ -216,9 +219,13 @@ impl QueueService {
             Ok(x) => x,
             Err(ended) => return ended,
         };
-        match self.run_steps(lease.runner(), &tree, &targets).await {
+        let (verdict, failed_targets) = self.run_steps_reporting(lease.runner(), &tree, &targets).await;
+        match verdict {
             Verdict::Passed => done(BuildOutcome::Passed, commit, targets, String::new()),
-            Verdict::Failed(message) => done(BuildOutcome::Failed, commit, targets, message),
+            Verdict::Failed(message) => match done(BuildOutcome::Failed, commit, targets, message) {
+                Attempt::Done(f) => Attempt::Done(Finished { failed_targets, ..f }),
+                other => other,
+            },
             Verdict::Infra(why) => Attempt::Infra(why),
         }
     }
@@ -226,8 +233,20 @@ impl QueueService {
     /// The build steps in a checked-out tree: `[queue] build_command`, or `bazel test`
     /// of the targets.
     pub(super) async fn run_steps(&self, runner: &Runner, tree: &std::path::Path, targets: &[String]) -> Verdict {
+        self.run_steps_reporting(runner, tree, targets).await.0
+    }
+
+    /// The build steps, and for a failed `bazel test` of named targets the ones that did
+    /// not pass (failed, or never reported: complete, as the planner's attribution needs).
+    /// `None` where that is unknown: a `build_command`, `//...`, or no build events.
+    async fn run_steps_reporting(
+        &self,
+        runner: &Runner,
+        tree: &std::path::Path,
+        targets: &[String],
+    ) -> (Verdict, Option<Vec<String>>) {
         if !self.settings.build_command.is_empty() {
-            return run_build_command(&self.settings.build_command, tree, self.settings.runner.deadline).await;
+            return (run_build_command(&self.settings.build_command, tree, self.settings.runner.deadline).await, None);
         }
         let spec = RunSpec {
             workspace: tree.to_path_buf(),
@@ -236,7 +255,14 @@ impl QueueService {
             targets: targets.to_vec(),
             invocation_id: uuid::Uuid::new_v4().to_string(),
         };
-        Verdict::of_bazel(&runner.run(&spec).await)
+        let report = runner.run(&spec).await;
+        let verdict = Verdict::of_bazel(&report);
+        let named = !targets.iter().any(|t| t.contains("..."));
+        let failed = match verdict {
+            Verdict::Failed(_) if named && report.bep.events > 0 => Some(report.bep.not_passed(targets)),
+            _ => None,
+        };
+        (verdict, failed)
     }
 
     pub(super) async fn event_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Finished>) {
@@ -259,12 +285,17 @@ impl QueueService {
         doc.commit = f.commit;
         doc.targets = f.targets;
         doc.message = f.message;
+        doc.failed_targets = f.failed_targets.clone().unwrap_or_default();
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, doc.state.as_str(), doc)?).await?;
         let build = gantry_queue::BuildId(f.id);
         self.apply(
             &mut inner,
-            Event::BuildFinished { build, outcome: f.outcome, failed_targets: None },
+            Event::BuildFinished {
+                build,
+                outcome: f.outcome,
+                failed_targets: f.failed_targets.filter(|t| !t.is_empty()),
+            },
             Some(format!("finished:{}", f.id)),
         )
         .await

@@ -180,6 +180,9 @@ pub struct BuildDoc {
     pub started_ms: i64,
     pub finished_ms: Option<i64>,
     pub message: String,
+    /// See `Finished::failed_targets`; empty when unknown.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_targets: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -290,6 +293,7 @@ impl QueueService {
                         started_ms: inner.last_ms as i64,
                         finished_ms: None,
                         message: String::new(),
+                        failed_targets: Vec::new(),
                     };
                     self.store.put_build(&doc_row(&id.to_string(), id as i64, doc.state.as_str(), &doc)?).await?;
                     inner.builds.insert(id, doc);
