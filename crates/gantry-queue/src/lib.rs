@@ -23,5 +23,5 @@ pub mod types;
 pub use conflict::{ChangeAnalysis, ConflictAnalyzer, TargetGraph, TargetNode};
 pub use error::QueueError;
 pub use model::{ChangeFeatures, FeatureVector, LogisticModel, TrainParams, TrainingExample};
-pub use planner::{PendingView, Planner, PlannerConfig, PlannerStats, Strategy};
+pub use planner::{FlakyTarget, PendingView, Planner, PlannerConfig, PlannerStats, Strategy};
 pub use types::{Action, BuildId, BuildOutcome, BuildSpec, ChangeId, Event, LandProof, Millis, RejectReason};

@@ -199,6 +199,29 @@ pub struct PlannerConfig {
     /// members of a failed tree whose own targets passed (attribution).
     #[serde(default = "default_attribution")]
     pub attribution: bool,
+    /// With batching: a failed tree whose failing targets (as its build reports
+    /// them) are all known to be flaky is tried again whole instead of being
+    /// bisected, and blames no one. A target is known flaky when at least this
+    /// share of its failures passed on the same tree later (`flaky_targets`).
+    /// Above 1 never.
+    #[serde(default = "default_known_flaky_share")]
+    pub known_flaky_share: f64,
+}
+
+fn default_known_flaky_share() -> f64 {
+    0.3
+}
+
+/// A target whose failures are recorded (see [`Planner::flaky_targets`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlakyTarget {
+    /// The target's label.
+    pub target: String,
+    /// Builds that reported it failing.
+    pub failures: u32,
+    /// Of those, the failures whose tree passed in another build (or passed
+    /// before): flaky, not broken.
+    pub flaky: u32,
 }
 
 fn default_attribution() -> bool {
@@ -246,6 +269,7 @@ impl Default for PlannerConfig {
             max_batch: default_max_batch(),
             batch_min_pass: default_batch_min_pass(),
             attribution: default_attribution(),
+            known_flaky_share: default_known_flaky_share(),
         }
     }
 }
@@ -308,6 +332,10 @@ struct BuildRec {
     /// For a failed tree with attribution: the members whose targets failed.
     /// Only they are blamed for the failure.
     implicated: Option<Vec<usize>>,
+    /// The failing targets the build reported (interned, sorted).
+    failed_targets: Option<Vec<u32>>,
+    /// Its failing targets were already counted as flaky.
+    flake_counted: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -358,6 +386,10 @@ pub struct PlannerStats {
     /// Changes re-queued behind a higher-priority arrival.
     #[serde(default)]
     pub requeued: u64,
+    /// Failed trees tried again whole because every failing target was known
+    /// to be flaky (instead of a bisection).
+    #[serde(default)]
+    pub flaky_retries: u64,
 }
 
 /// Read-only view of one pending change, for dashboards and debugging.
@@ -444,6 +476,8 @@ pub struct Planner {
     next_build: u64,
     last_now: Millis,
     targets: HashMap<String, u32>,
+    /// Per interned target: (failures reported, of which flaky).
+    flakes: BTreeMap<u32, (u32, u32)>,
     /// Interned, sorted affected targets and graph flag per change (None = unknown).
     analysis: Vec<Option<(Vec<u32>, bool)>>,
     conflict_override: HashMap<(usize, usize), f64>,
@@ -530,6 +564,7 @@ impl Planner {
             next_build: 0,
             last_now: Millis(0),
             targets: HashMap::new(),
+            flakes: BTreeMap::new(),
             analysis: Vec::new(),
             conflict_override: HashMap::new(),
             presets: HashMap::new(),
@@ -775,10 +810,11 @@ impl Planner {
                 if self.config.batching
                     && self.config.attribution
                     && outcome == BuildOutcome::Failed
-                    && let Some(failed) = failed_targets
+                    && let Some(failed) = &failed_targets
                 {
-                    self.attribute(build.0, &failed);
+                    self.attribute(build.0, failed);
                 }
+                self.record_flakes(build.0, outcome, failed_targets.as_deref());
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
             Event::LandingFailed { change } => {
@@ -986,11 +1022,108 @@ impl Planner {
                     started,
                     member_only: true,
                     implicated: None,
+                    failed_targets: None,
+                    flake_counted: false,
                 },
             );
             self.changes[m].builds.push(id);
             self.changes[m].spec_passed += 1;
         }
+    }
+
+    /// Per-target flaky records. A failed build keeps the targets it reported
+    /// failing, each counted as a failure. When the same tree (same change and
+    /// same pending assumptions, up to independent changes) passes in another
+    /// build, before or after, each of those failures was flaky.
+    fn record_flakes(&mut self, bid: u64, outcome: BuildOutcome, failed: Option<&[String]>) {
+        let change = self.builds[&bid].change;
+        let Some(key) = self.build_key(&self.builds[&bid]) else { return };
+        let same_tree = |p: &Planner, o: &BuildRec| o.change == change && p.build_key(o).as_ref() == Some(&key);
+        match (outcome, failed) {
+            (BuildOutcome::Failed, Some(failed)) if !failed.is_empty() => {
+                let mut ids: Vec<u32> = failed
+                    .iter()
+                    .map(|t| {
+                        let n = self.targets.len() as u32;
+                        *self.targets.entry(t.clone()).or_insert(n)
+                    })
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                let passed_before = self.changes[change].builds.iter().any(|o| {
+                    let o = &self.builds[o];
+                    o.state == BuildState::Passed && !o.member_only && same_tree(self, o)
+                });
+                for &t in &ids {
+                    let e = self.flakes.entry(t).or_default();
+                    e.0 += 1;
+                    e.1 += u32::from(passed_before);
+                }
+                let rec = self.builds.get_mut(&bid).expect("recorded");
+                rec.failed_targets = Some(ids);
+                rec.flake_counted = passed_before;
+            }
+            (BuildOutcome::Passed, _) => {
+                let explained: Vec<u64> = self.changes[change]
+                    .builds
+                    .iter()
+                    .copied()
+                    .filter(|o| {
+                        let o = &self.builds[o];
+                        o.state == BuildState::Failed
+                            && !o.flake_counted
+                            && o.failed_targets.is_some()
+                            && same_tree(self, o)
+                    })
+                    .collect();
+                for o in explained {
+                    let rec = self.builds.get_mut(&o).expect("listed");
+                    rec.flake_counted = true;
+                    for t in rec.failed_targets.clone().unwrap_or_default() {
+                        self.flakes.entry(t).or_default().1 += 1;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether a failed build's failure is explained by known flaky targets
+    /// (batching only): it reported its failing targets and each of them is
+    /// known to be flaky.
+    fn flaky_failure(&self, bid: Option<u64>) -> bool {
+        self.flake_odds(bid).is_some()
+    }
+
+    /// For a failure explained by known flaky targets (`flaky_failure`): the
+    /// odds it was a flake, the least flaky share among its failing targets.
+    fn flake_odds(&self, bid: Option<u64>) -> Option<f64> {
+        let b = bid.and_then(|b| self.builds.get(&b))?;
+        let failed = b.failed_targets.as_ref().filter(|f| self.config.batching && !f.is_empty())?;
+        let mut odds: f64 = 1.0;
+        for t in failed {
+            let &(n, k) = self.flakes.get(t)?;
+            let share = f64::from(k) / f64::from(n.max(1));
+            if k == 0 || share < self.config.known_flaky_share {
+                return None;
+            }
+            odds = odds.min(share);
+        }
+        Some(odds)
+    }
+
+    /// Targets that failed and later passed on the same tree, most flaky first:
+    /// for `gantry queue status` and the metrics.
+    pub fn flaky_targets(&self) -> Vec<FlakyTarget> {
+        let names: HashMap<u32, &str> = self.targets.iter().map(|(k, &v)| (v, k.as_str())).collect();
+        let mut out: Vec<FlakyTarget> = self
+            .flakes
+            .iter()
+            .filter(|(_, v)| v.1 > 0)
+            .map(|(t, &(n, k))| FlakyTarget { target: names[t].to_string(), failures: n, flaky: k })
+            .collect();
+        out.sort_by(|a, b| b.flaky.cmp(&a.flaky).then_with(|| a.target.cmp(&b.target)));
+        out
     }
 
     /// Whether change `i` holds a pass that decides it whatever its pending
@@ -1419,7 +1552,8 @@ impl Planner {
                     } else if s.confirmed_failed(self.max_attempts()) {
                         0.0
                     } else {
-                        retry_pass
+                        // Known flaky targets make a flake likelier than usual.
+                        self.flake_odds(s.last_failed).unwrap_or(0.0).max(retry_pass)
                     };
                     let mut pk = 1.0;
                     for &q in &pdeps {
@@ -1457,6 +1591,8 @@ impl Planner {
                 started: now,
                 member_only: false,
                 implicated: None,
+                failed_targets: None,
+                flake_counted: false,
             },
         );
         self.changes[i].builds.push(id);
@@ -1626,10 +1762,13 @@ impl Planner {
             if free == 0 {
                 break;
             }
+            // A failure every failing target of which is known to be flaky is
+            // tried again whole, while attempts remain, instead of bisected.
+            let flaky = |s: &KeyStat| self.flaky_failure(s.last_failed) && s.may_attempt(max_attempts, s.running_n);
             let (k, key, stats) = loop {
                 let (k, key) = self.batch_tree(&g, order, pos, pi);
                 let stats = self.key_stats(k);
-                let failed = stats.get(&key).is_some_and(|s| s.failures > 0 && s.passed.is_none());
+                let failed = stats.get(&key).is_some_and(|s| s.failures > 0 && s.passed.is_none() && !flaky(s));
                 if failed && g.len() > 1 && !key.is_empty() {
                     g.truncate(g.len().div_ceil(2));
                     continue;
@@ -1641,12 +1780,17 @@ impl Planner {
             let attempt = match stats.get(&key) {
                 None => 1,
                 Some(s)
-                    if s.running_n == 0 && s.may_attempt(max_attempts, 0) && (key.is_empty() || s.failures == 0) =>
+                    if s.running_n == 0
+                        && s.may_attempt(max_attempts, 0)
+                        && (key.is_empty() || s.failures == 0 || flaky(s)) =>
                 {
                     s.failures + 1
                 }
                 Some(_) => continue,
             };
+            if attempt > 1 && !key.is_empty() {
+                self.stats.flaky_retries += 1;
+            }
             self.start_build(now, k, key, attempt, actions);
             free -= 1;
         }
@@ -1711,8 +1855,12 @@ impl Planner {
         }
         // (the build's own change, the members the failure may blame).
         let mut trees: BTreeSet<(usize, Vec<usize>)> = BTreeSet::new();
-        for b in self.builds.values() {
+        for (&bid, b) in &self.builds {
             let failed = matches!(b.state, BuildState::Failed | BuildState::FailedConclusively);
+            // Known flaky targets explain the failure: it blames no one.
+            if failed && self.flaky_failure(Some(bid)) {
+                continue;
+            }
             if (failed || b.implicated.is_some())
                 && self.changes[b.change].status == Status::Pending
                 && let Some(mut key) = self.build_key(b)

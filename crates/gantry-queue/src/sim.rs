@@ -195,6 +195,16 @@ impl Policy {
     }
 }
 
+/// Whether `target` is one of the flaky ones (`SimOptions::flaky_target_share`):
+/// a fixed draw per target and seed (FNV-1a of both).
+fn flaky_target(target: &str, seed: u64, share: f64) -> bool {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
+    for b in target.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    ((h >> 11) as f64 / (1u64 << 53) as f64) < share
+}
+
 /// Simulation settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SimOptions {
@@ -214,6 +224,12 @@ pub struct SimOptions {
     /// prediction would close; individual outcomes stay unknown.
     #[serde(default)]
     pub sq_knows_conflicts: bool,
+    /// 0: a flaky failure fails the targets of a random member of the tree
+    /// (every target is as flaky as any other). Above 0: only this share of
+    /// the targets is flaky (a fixed set, chosen by the seed); a tree holding
+    /// none of them never flakes, and a flaky failure fails one of them.
+    #[serde(default)]
+    pub flaky_target_share: f64,
 }
 
 impl Default for SimOptions {
@@ -225,6 +241,7 @@ impl Default for SimOptions {
             seed: 1,
             sq_config: PlannerConfig::default(),
             sq_knows_conflicts: false,
+            flaky_target_share: 0.0,
         }
     }
 }
@@ -622,20 +639,35 @@ fn execute(
                 // A failing member fails its targets (conservatively: all of
                 // them); a flaky failure fails the targets of one member.
                 let mut culprits = failing;
-                if passes && opts.flaky_rate > 0.0 && rng.random::<f64>() < opts.flaky_rate {
+                let mut flaked: Option<Vec<String>> = None;
+                if passes && opts.flaky_rate > 0.0 && opts.flaky_target_share > 0.0 {
+                    let mut flaky: Vec<&String> = members
+                        .iter()
+                        .flat_map(|&m| trace[m].affected_targets.iter().flatten())
+                        .filter(|t| flaky_target(t, opts.seed, opts.flaky_target_share))
+                        .collect();
+                    flaky.sort();
+                    flaky.dedup();
+                    if !flaky.is_empty() && rng.random::<f64>() < opts.flaky_rate {
+                        passes = false;
+                        flaked = Some(vec![flaky[rng.random_range(0..flaky.len())].clone()]);
+                    }
+                } else if passes && opts.flaky_rate > 0.0 && rng.random::<f64>() < opts.flaky_rate {
                     passes = false;
                     culprits = vec![members[rng.random_range(0..members.len())]];
                 }
-                let failed_targets = culprits
-                    .iter()
-                    .map(|&m| trace[m].affected_targets.clone())
-                    .collect::<Option<Vec<Vec<String>>>>()
-                    .map(|v| {
-                        let mut f: Vec<String> = v.into_iter().flatten().collect();
-                        f.sort();
-                        f.dedup();
-                        f
-                    });
+                let failed_targets = flaked.or_else(|| {
+                    culprits
+                        .iter()
+                        .map(|&m| trace[m].affected_targets.clone())
+                        .collect::<Option<Vec<Vec<String>>>>()
+                        .map(|v| {
+                            let mut f: Vec<String> = v.into_iter().flatten().collect();
+                            f.sort();
+                            f.dedup();
+                            f
+                        })
+                });
                 *builds_started += 1;
                 running.insert(build.id.0, SimBuild { passes, started_ms: now, failed_targets });
                 events.push(Reverse((now + to_ms(trace[c].build_s), *seq, SimEv::BuildDone(build.id.0))));

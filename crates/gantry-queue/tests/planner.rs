@@ -1085,3 +1085,67 @@ fn an_enqueue_journalled_before_priorities_replays_at_the_default() {
     assert!(text.contains(r#""priority":3"#), "{text}");
     assert_eq!(serde_json::from_str::<Event>(&text).unwrap(), urgent);
 }
+
+fn fail_with(p: &mut Planner, t: u64, b: BuildId, targets: &[&str]) -> Vec<Action> {
+    let failed_targets = Some(targets.iter().map(|t| t.to_string()).collect());
+    p.handle(Millis(t), Event::BuildFinished { build: b, outcome: BuildOutcome::Failed, failed_targets }).unwrap()
+}
+
+/// c1 fails in //t and passes on its retry of the same tree: //t is recorded as flaky.
+/// Then c3..c5, all on //t, are built as one tree behind c2, and that tree fails in //t
+/// only. Returns the planner and the actions of that failure.
+fn flaky_then_batch(known_flaky_share: f64) -> (Planner, Vec<Action>, BuildSpec) {
+    let mut p = Planner::new(PlannerConfig {
+        capacity: 1,
+        max_retries: 1,
+        batching: true,
+        known_flaky_share,
+        ..PlannerConfig::default()
+    });
+    let b = started(&enqueue(&mut p, 1, "c1", analysis(&["//t"])));
+    let retry = started(&fail_with(&mut p, 2, b[0].id, &["//t"]));
+    assert_eq!(shape(&retry[0]), shape(&b[0]));
+    assert_eq!(retry[0].attempt, 2);
+    finish(&mut p, 3, retry[0].id, true);
+    assert_eq!(p.mainline(), [id("c1")]);
+    let b2 = started(&enqueue(&mut p, 4, "c2", analysis(&["//u"])));
+    for (t, c) in ["c3", "c4", "c5"].into_iter().enumerate() {
+        enqueue(&mut p, 5 + t as u64, c, analysis(&["//t"]));
+    }
+    let tree = started(&finish(&mut p, 10, b2[0].id, true));
+    assert_eq!(shape(&tree[0]), ("c5".to_string(), vec!["c3".into(), "c4".into()]));
+    let acts = fail_with(&mut p, 11, tree[0].id, &["//t"]);
+    (p, acts, tree[0].clone())
+}
+
+#[test]
+fn a_known_flaky_target_costs_a_retry_not_a_bisection() {
+    let (mut p, acts, tree) = flaky_then_batch(0.3);
+    let flaky = p.flaky_targets();
+    assert_eq!(flaky.len(), 1);
+    assert_eq!((flaky[0].target.as_str(), flaky[0].failures, flaky[0].flaky), ("//t", 2, 1));
+    // Every failing target is known flaky: the same tree again, not a half of it.
+    let next = started(&acts);
+    assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [shape(&tree)]);
+    assert_eq!(next[0].attempt, 2);
+    assert_eq!(p.stats().flaky_retries, 1);
+    let acts = finish(&mut p, 12, next[0].id, true);
+    let landed: Vec<String> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::Land { change, .. } => Some(change.0.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(landed, ["c3", "c4", "c5"], "one batch");
+    // The retry's pass proved that failure flaky too.
+    assert_eq!(p.flaky_targets()[0].flaky, 2);
+}
+
+#[test]
+fn without_flaky_records_the_same_failure_is_bisected() {
+    let (p, acts, _) = flaky_then_batch(2.0);
+    let next = started(&acts);
+    assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [("c4".to_string(), vec!["c3".to_string()])]);
+    assert_eq!(p.stats().flaky_retries, 0);
+}

@@ -88,6 +88,29 @@ fn flaky_builds_are_retried() {
 }
 
 #[test]
+fn flaky_targets_confine_flakes_and_batching_stays_correct() {
+    // Only a fixed share of the targets flakes. sq-batch, with and without its
+    // flaky-target records, decides every change as the serial reference does.
+    let trace = small(200.0, 5);
+    let base =
+        SimOptions { capacity: 10, flaky_rate: 0.2, max_retries: 1, flaky_target_share: 0.3, ..SimOptions::default() };
+    for known_flaky_share in [0.3, 2.0] {
+        let opts = SimOptions {
+            sq_config: gantry_queue::PlannerConfig { known_flaky_share, ..Default::default() },
+            ..base.clone()
+        };
+        let r = simulate(&trace, Policy::SqBatch, &opts).unwrap();
+        assert!(r.green && r.violations == 0, "{:?}", r.violation_examples);
+        assert_eq!(r.landed + r.rejected, trace.len());
+    }
+    // No flaky target in any tree: no flakes at all, whatever the rate.
+    let none = SimOptions { flaky_target_share: 1e-12, ..base };
+    let clean = SimOptions { flaky_rate: 0.0, ..none.clone() };
+    let (a, b) = (simulate(&trace, Policy::Sq, &none).unwrap(), simulate(&trace, Policy::Sq, &clean).unwrap());
+    assert_eq!((a.p50_s, a.landed), (b.p50_s, b.landed));
+}
+
+#[test]
 fn checks_catch_an_analyzer_that_is_wrong() {
     // b conflicts with a although the analyzer calls them independent: a
     // policy trusting the analyzer lands b on a tree it never tested.

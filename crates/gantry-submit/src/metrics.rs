@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use gantry_queue::PlannerStats;
+use gantry_queue::{FlakyTarget, PlannerStats};
 use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
 
 use crate::error::SubmitError;
@@ -22,6 +22,10 @@ pub struct QueueMetrics {
     builds_preempted: IntCounter,
     landing_failures: IntCounter,
     pub(crate) infra_retries: IntCounter,
+    batches: IntCounter,
+    batch_landed: IntCounter,
+    flaky_retries: IntCounter,
+    flaky_targets: IntGaugeVec,
     turnaround: HistogramVec,
     /// Decided changes already in the histogram.
     observed: std::sync::Mutex<HashSet<String>>,
@@ -53,6 +57,19 @@ impl QueueMetrics {
                 "gantry_queue_infra_retries_total",
                 "Build steps tried again after an infrastructure error, since gantry started",
             )?,
+            batches: counter("gantry_queue_batches_total", "Batches landed: several changes in one mainline move")?,
+            batch_landed: counter("gantry_queue_batch_landed_total", "Changes landed by batches")?,
+            flaky_retries: counter(
+                "gantry_queue_flaky_retries_total",
+                "Failed batch trees tried again whole, not bisected, because every failing target is known flaky",
+            )?,
+            flaky_targets: IntGaugeVec::new(
+                Opts::new(
+                    "gantry_queue_flaky_target_failures",
+                    "Failures of a target that passed on the same tree in another build (the most flaky targets)",
+                ),
+                &["target"],
+            )?,
             turnaround: HistogramVec::new(
                 HistogramOpts::new("gantry_queue_turnaround_seconds", "Submit queue time from submission to decision, by decision")
                     .buckets(vec![5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 14400.0]),
@@ -67,6 +84,10 @@ impl QueueMetrics {
         registry.register(Box::new(m.builds_preempted.clone()))?;
         registry.register(Box::new(m.landing_failures.clone()))?;
         registry.register(Box::new(m.infra_retries.clone()))?;
+        registry.register(Box::new(m.batches.clone()))?;
+        registry.register(Box::new(m.batch_landed.clone()))?;
+        registry.register(Box::new(m.flaky_retries.clone()))?;
+        registry.register(Box::new(m.flaky_targets.clone()))?;
         registry.register(Box::new(m.turnaround.clone()))?;
         Ok(m)
     }
@@ -76,6 +97,7 @@ impl QueueMetrics {
     pub(crate) fn refresh<'a>(
         &self,
         stats: &PlannerStats,
+        flaky: &[FlakyTarget],
         running_builds: usize,
         landing_failures: u64,
         changes: impl IntoIterator<Item = &'a ChangeDoc>,
@@ -99,8 +121,18 @@ impl QueueMetrics {
         advance(&self.builds_cancelled, stats.builds_cancelled);
         advance(&self.builds_preempted, stats.builds_preempted);
         advance(&self.landing_failures, landing_failures);
+        advance(&self.batches, stats.batches);
+        advance(&self.batch_landed, stats.batch_landed);
+        advance(&self.flaky_retries, stats.flaky_retries);
+        // One series per target, so only the most flaky few.
+        for f in flaky.iter().take(MAX_FLAKY_SERIES) {
+            self.flaky_targets.with_label_values(&[f.target.as_str()]).set(i64::from(f.flaky));
+        }
     }
 }
+
+/// Flaky targets exported as series; the rest are in `gantry queue status`.
+const MAX_FLAKY_SERIES: usize = 50;
 
 /// Raises a counter to a total kept elsewhere (a counter only goes up).
 fn advance(c: &IntCounter, total: u64) {

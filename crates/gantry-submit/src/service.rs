@@ -285,7 +285,13 @@ impl QueueService {
                 let inner = self.inner.lock().await;
                 let failed = inner.landings.values().filter(|r| LandingState::of(r) == Some(LandingState::Failed));
                 let running = inner.planner.running_count();
-                self.metrics.refresh(inner.planner.stats(), running, failed.count() as u64, inner.changes.values());
+                self.metrics.refresh(
+                    inner.planner.stats(),
+                    &inner.planner.flaky_targets(),
+                    running,
+                    failed.count() as u64,
+                    inner.changes.values(),
+                );
             }
             if updates.changed().await.is_err() {
                 return;
@@ -414,11 +420,20 @@ impl QueueService {
                 .filter(|d| d.state == ChangeState::Submitted)
                 .map(|d| self.change_proto(&inner, d, &snapshot)),
         );
+        let stats = inner.planner.stats();
         Ok(pb::QueueStatus {
             mainline: self.settings.mainline.clone(),
             mainline_commit: self.versions.borrow().last().cloned().unwrap_or_default(),
             capacity: self.settings.capacity as u32,
             changes,
+            flaky_targets: inner
+                .planner
+                .flaky_targets()
+                .into_iter()
+                .map(|f| pb::FlakyTarget { target: f.target, failures: f.failures, flaky: f.flaky })
+                .collect(),
+            batches: stats.batches,
+            batch_landed: stats.batch_landed,
         })
     }
 

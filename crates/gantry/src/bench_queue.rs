@@ -22,6 +22,15 @@ pub struct QueueBenchArgs {
     /// Probability that a build that should pass fails anyway (flaky tests).
     #[arg(long, default_value_t = 0.0)]
     flaky_rate: f64,
+    /// Only this share of the targets is flaky (a fixed set per seed): a tree holding
+    /// none of them never flakes, and a flaky failure fails one of them. 0: a flaky
+    /// failure fails a random member's targets.
+    #[arg(long, default_value_t = 0.0)]
+    flaky_targets: f64,
+    /// Batching policies keep no flaky-target records, so a failure in a known flaky
+    /// target is bisected like any other (how much the records buy).
+    #[arg(long)]
+    no_flaky_records: bool,
     /// Retries of a failing build before its change is rejected (the queue's
     /// `max_retries`; `oracle-retry` is held to it too).
     #[arg(long, default_value_t = 1)]
@@ -65,6 +74,7 @@ fn report_json(r: &sim::Report) -> serde_json::Value {
 pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.capacity > 0, "--capacity must be at least 1");
     anyhow::ensure!((0.0..1.0).contains(&args.flaky_rate), "--flaky-rate must be in [0, 1)");
+    anyhow::ensure!((0.0..=1.0).contains(&args.flaky_targets), "--flaky-targets must be in [0, 1]");
     anyhow::ensure!((0.0..1.0).contains(&args.failure_rate), "--failure-rate must be in [0, 1)");
     anyhow::ensure!(
         args.rates.iter().all(|r| r.is_finite() && *r > 0.0 && *r <= 100_000.0),
@@ -80,8 +90,15 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         sq_knows_conflicts: args.sq_knows_conflicts,
         sq_config: gantry_queue::PlannerConfig {
             attribution: !args.no_attribution,
+            // Above 1: no target is ever known flaky.
+            known_flaky_share: if args.no_flaky_records {
+                2.0
+            } else {
+                gantry_queue::PlannerConfig::default().known_flaky_share
+            },
             ..gantry_queue::PlannerConfig::default()
         },
+        flaky_target_share: args.flaky_targets,
     };
     let workloads: Vec<(String, Vec<sim::TraceChange>)> = match &args.trace {
         Some(p) => {

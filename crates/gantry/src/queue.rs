@@ -126,15 +126,30 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
             let s = client(&common.server).await?.get_status(pb::GetStatusRequest {}).await?.into_inner();
             if common.json {
                 let changes: Vec<Value> = s.changes.iter().map(change_json).collect();
+                let flaky: Vec<Value> = s
+                    .flaky_targets
+                    .iter()
+                    .map(|f| json!({"target": f.target, "failures": f.failures, "flaky": f.flaky}))
+                    .collect();
                 println!(
                     "{}",
-                    json!({"mainline": s.mainline, "mainline_commit": s.mainline_commit, "capacity": s.capacity, "changes": changes})
+                    json!({"mainline": s.mainline, "mainline_commit": s.mainline_commit, "capacity": s.capacity, "changes": changes,
+                           "flaky_targets": flaky, "batches": s.batches, "batch_landed": s.batch_landed})
                 );
                 return Ok(());
             }
             println!("{} at {}, {} build slots", s.mainline, short(&s.mainline_commit), s.capacity);
+            if s.batches > 0 {
+                println!("{} batches landed {} changes", s.batches, s.batch_landed);
+            }
             for c in &s.changes {
                 print_change(c, false, true);
+            }
+            if !s.flaky_targets.is_empty() {
+                println!("flaky targets (failures that passed on the same tree / failures):");
+                for f in &s.flaky_targets {
+                    println!("  {} {}/{}", f.target, f.flaky, f.failures);
+                }
             }
         }
         QueueCommand::Watch { id, common } => {

@@ -518,6 +518,15 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
         assert_eq!(b["failed_targets"], serde_json::json!(["//p1:value_test"]), "{b:#}");
     }
     assert!(builds < specs.len() as f64, "{builds} builds for {} changes", specs.len());
+    // Status and metrics count the batches; nothing failed and then passed on the same
+    // tree, so no target is recorded as flaky.
+    let out = gantry().args(["queue", "status", "--json", "--server", &url]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let batches = status["batches"].as_u64().unwrap();
+    assert!(batches >= 1 && status["batch_landed"].as_u64().unwrap() >= 2 * batches, "{status:#}");
+    assert_eq!(status["flaky_targets"], serde_json::json!([]), "{status:#}");
+    assert_eq!(metric_value(&m, "gantry_queue_batches_total"), Some(batches as f64), "{m}");
 
     // One version per landed change, each its own commit on the one before; the mainline
     // itself moved only to the last commit of each batch, a tree that passed.
