@@ -282,6 +282,13 @@ pub struct Report {
     /// Changes landed because their own targets passed on a failed tree.
     #[serde(default)]
     pub attributed_landed: u64,
+    /// Failed trees retried whole because their failing targets were known flaky.
+    #[serde(default)]
+    pub flaky_retries: u64,
+    /// Targets the planner has recorded as flaky (a failure that passed on the
+    /// same tree), at the end.
+    #[serde(default)]
+    pub flaky_targets: usize,
     /// Slot utilisation: build time spent (cancelled builds up to their
     /// cancellation) over `capacity ×` the time from the first arrival to
     /// the last decision.
@@ -570,6 +577,8 @@ pub fn simulate_logged(
         batches: st.batches,
         batch_landed: st.batch_landed,
         attributed_landed: attributed,
+        flaky_retries: st.flaky_retries,
+        flaky_targets: planner.flaky_targets().len(),
         utilisation: {
             let first = truth.order.first().map_or(0, |&i| to_ms(trace[i].arrival_s));
             let span = last_decision_ms.saturating_sub(first) as f64 * opts.capacity as f64;

@@ -67,7 +67,7 @@ fn policy(name: &str) -> anyhow::Result<Policy> {
 fn report_json(r: &sim::Report) -> serde_json::Value {
     serde_json::json!({
         "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
-        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green,
+        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "flaky_retries": r.flaky_retries, "flaky_targets": r.flaky_targets, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green,
     })
 }
 
@@ -122,6 +122,9 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         if let Some(p) = only {
             let r = sim::simulate(trace, p, &opts)?;
             failed |= r.violations > 0 || !r.green;
+            for v in &r.violation_examples {
+                eprintln!("{name} {}: violation: {v}", r.policy);
+            }
             if args.json {
                 println!("{}", report_json(&r));
             } else {

@@ -154,6 +154,56 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// A gantry.toml in `dir` for a queue over `repo`, with `queue` (TOML lines) added to
+/// its `[queue]` table.
+fn write_config(dir: &Path, repo: &Path, queue: &str) -> PathBuf {
+    let config = dir.join("gantry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[batch]\nrunners = 0\n\
+             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
+             [execution]\nworkers = 2\n\
+             [queue]\nrepository = {:?}\nmainline = \"main\"\ndeadline = \"5m\"\n{queue}",
+            toml_list(&fixture_flags()),
+            repo.display().to_string(),
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// `bazel test //...` must pass at each of these mainline versions, checked out afresh
+/// in worktrees under `dir` (with gantry at `url` as the remote cache, so it is quick).
+fn recheck(repo: &Path, dir: &Path, url: &str, versions: &[&Value]) {
+    let recheck_base = dir.join("recheck-output-base");
+    for m in versions {
+        let commit = m["new_commit"].as_str().unwrap();
+        let wt = dir.join(format!("recheck-{}", m["version"]));
+        git(repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
+        let out = Command::new("bazel")
+            .args(["--nohome_rc", "--noworkspace_rc", "--max_idle_secs=60"])
+            .arg(format!("--output_base={}", recheck_base.display()))
+            .args(["test", "//...", &format!("--remote_cache={url}"), "--spawn_strategy=local"])
+            .args(fixture_flags())
+            .current_dir(&wt)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "bazel test //... at version {} ({commit}): {}",
+            m["version"],
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = Command::new("bazel")
+        .args(["--nohome_rc", "--noworkspace_rc"])
+        .arg(format!("--output_base={}", recheck_base.display()))
+        .arg("shutdown")
+        .current_dir(repo)
+        .output();
+}
+
 fn history(url: &str) -> Value {
     let out = gantry().args(["queue", "history", "--json", "--server", url]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -191,19 +241,7 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     let (expected, final_files) = reference(&specs);
     let initial = git(&repo, &["rev-parse", "main"]);
 
-    let config = dir.path().join("gantry.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[batch]\nrunners = 0\n\
-             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
-             [execution]\nworkers = 2\n\
-             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 4\nmax_retries = 1\ndeadline = \"5m\"\n",
-            toml_list(&fixture_flags()),
-            repo.display().to_string(),
-        ),
-    )
-    .unwrap();
+    let config = write_config(dir.path(), &repo, "capacity = 4\nmax_retries = 1\n");
     let data = dir.path().join("data");
     let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
     let url = format!("grpc://{}", server.grpc);
@@ -401,34 +439,8 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     println!("independent changes decided by concurrent builds: {parallel:?}");
     assert!(!parallel.is_empty(), "no two independent changes were decided in parallel");
 
-    // Every commit the mainline pointed to passes `bazel test //...`, re-checked from a
-    // fresh worktree (with gantry as the remote cache, so it is quick).
-    let recheck_base = dir.path().join("recheck-output-base");
-    for m in &moves {
-        let commit = m["new_commit"].as_str().unwrap();
-        let wt = dir.path().join(format!("recheck-{}", m["version"]));
-        git(&repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
-        let out = Command::new("bazel")
-            .args(["--nohome_rc", "--noworkspace_rc", "--max_idle_secs=60"])
-            .arg(format!("--output_base={}", recheck_base.display()))
-            .args(["test", "//...", &format!("--remote_cache={url}"), "--spawn_strategy=local"])
-            .args(fixture_flags())
-            .current_dir(&wt)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "bazel test //... at version {} ({commit}): {}",
-            m["version"],
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let _ = Command::new("bazel")
-        .args(["--nohome_rc", "--noworkspace_rc"])
-        .arg(format!("--output_base={}", recheck_base.display()))
-        .arg("shutdown")
-        .current_dir(&repo)
-        .output();
+    // Every commit the mainline pointed to passes `bazel test //...`.
+    recheck(&repo, dir.path(), &url, &moves);
     // The queue's history as a person sees it: every change decided, with its outcome.
     let change_ids: Vec<&str> = changes.iter().map(|c| c["change_id"].as_str().unwrap()).collect();
     let mut expect = vec!["History", "LANDED", "REJECTED"];
@@ -466,19 +478,7 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     let (expected, final_files) = reference(&specs);
     assert_eq!(expected.len(), 8);
 
-    let config = dir.path().join("gantry.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[batch]\nrunners = 0\n\
-             startup_flags = [\"--nohome_rc\", \"--noworkspace_rc\", \"--max_idle_secs=120\"]\nextra_flags = {}\n\
-             [execution]\nworkers = 2\n\
-             [queue]\nrepository = {:?}\nmainline = \"main\"\ncapacity = 1\nmax_retries = 0\ndeadline = \"5m\"\nbatching = true\n",
-            toml_list(&fixture_flags()),
-            repo.display().to_string(),
-        ),
-    )
-    .unwrap();
+    let config = write_config(dir.path(), &repo, "capacity = 1\nmax_retries = 0\nbatching = true\n");
     let server = GantryServer::start(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
     let url = format!("grpc://{}", server.grpc);
     let mut ids: BTreeMap<String, &'static str> = BTreeMap::new();
@@ -564,32 +564,7 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     }
 
     // Every commit the mainline pointed to passes `bazel test //...`.
-    let recheck_base = dir.path().join("recheck-output-base");
-    for m in &pointed {
-        let commit = m["new_commit"].as_str().unwrap();
-        let wt = dir.path().join(format!("recheck-{}", m["version"]));
-        git(&repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
-        let out = Command::new("bazel")
-            .args(["--nohome_rc", "--noworkspace_rc", "--max_idle_secs=60"])
-            .arg(format!("--output_base={}", recheck_base.display()))
-            .args(["test", "//...", &format!("--remote_cache={url}"), "--spawn_strategy=local"])
-            .args(fixture_flags())
-            .current_dir(&wt)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "bazel test //... at version {} ({commit}): {}",
-            m["version"],
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let _ = Command::new("bazel")
-        .args(["--nohome_rc", "--noworkspace_rc"])
-        .arg(format!("--output_base={}", recheck_base.display()))
-        .arg("shutdown")
-        .current_dir(&repo)
-        .output();
+    recheck(&repo, dir.path(), &url, &pointed);
     server.stop();
     println!(
         "{builds} builds; the mainline pointed at {} commits; took {:.1} s",

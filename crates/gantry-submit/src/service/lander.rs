@@ -19,18 +19,12 @@ use super::{blocking, unix_ms, ChangeDoc, ChangeState, Inner, QueueService, Resu
 use crate::error::SubmitError;
 use crate::git::{short, GitError};
 
-/// What the lander may do for a batch: like [`Move`], with a commit per member.
-enum BatchMove {
-    To { commits: Vec<String>, how: String },
-    Refuse(String),
-    Stopping,
-}
-
-/// What the lander may do for one landing.
+/// What the lander may do for a landing (one change, or a batch).
 enum Move {
-    /// Move the mainline to this commit; `how` says why that commit is the tested tree.
-    To { commit: String, how: String },
-    /// Do not move it, and reject the change for this reason.
+    /// Move the mainline to the last of these commits, one per change in order; `how`
+    /// says why they hold the tested trees.
+    To { commits: Vec<String>, how: String },
+    /// Do not move it, and reject the changes for this reason.
     Refuse(String),
     /// The queue is stopping: record nothing; the replay emits the Land again.
     Stopping,
@@ -97,19 +91,19 @@ impl QueueService {
         let old = self.versions.borrow().get(first as usize - 1).cloned().ok_or_else(|| {
             SubmitError::FailedPrecondition(format!("landing version {first} before version {}", first - 1))
         })?;
+        // A member's landing before anything is known of it: the mainline stays at `old`.
+        let intent = |(c, p): &(ChangeId, LandProof)| LandingRow {
+            version: p.new_version as i64,
+            change_id: c.0.clone(),
+            old_commit: old.clone(),
+            new_commit: old.clone(),
+            state: LandingState::Intent.as_str().into(),
+            document: String::new(),
+        };
         if let Some(failed) = existing.iter().flatten().find(|r| LandingState::of(r) == Some(LandingState::Failed)) {
             // Crashed while recording the batch's failure: record it for the rest.
             let why = serde_json::from_str::<LandingDoc>(&failed.document).map(|d| d.message).unwrap_or_default();
-            let rows = existing.iter().zip(items).map(|(r, (c, p))| {
-                r.clone().unwrap_or_else(|| LandingRow {
-                    version: p.new_version as i64,
-                    change_id: c.0.clone(),
-                    old_commit: old.clone(),
-                    new_commit: old.clone(),
-                    state: LandingState::Intent.as_str().into(),
-                    document: String::new(),
-                })
-            });
+            let rows = existing.iter().zip(items).map(|(r, item)| r.clone().unwrap_or_else(|| intent(item)));
             return self.fail_batch(rows.collect(), &old, why, &docs).await;
         }
         let repo = self.repo.clone();
@@ -132,20 +126,10 @@ impl QueueService {
         } else {
             let landing_doc =
                 |how: String| LandingDoc { build_id: last.build.id.0, landed_ms: unix_ms(), how, ..Default::default() };
-            let mut rows: Vec<LandingRow> = items
-                .iter()
-                .map(|(c, p)| LandingRow {
-                    version: p.new_version as i64,
-                    change_id: c.0.clone(),
-                    old_commit: old.clone(),
-                    new_commit: old.clone(),
-                    state: LandingState::Intent.as_str().into(),
-                    document: String::new(),
-                })
-                .collect();
+            let mut rows: Vec<LandingRow> = items.iter().map(intent).collect();
             let tested = build.map(|b| b.commit).unwrap_or_default();
-            let commits = match self.batch_commits(&docs, &old, &tested, last).await {
-                BatchMove::To { commits, how } => {
+            let commits = match self.landing_commits(&docs, &old, &tested, last).await {
+                Move::To { commits, how } => {
                     let mut prev = old.clone();
                     for (i, (row, commit)) in rows.iter_mut().zip(commits).enumerate() {
                         row.old_commit = std::mem::replace(&mut prev, commit.clone());
@@ -159,13 +143,13 @@ impl QueueService {
                     }
                     rows
                 }
-                BatchMove::Refuse(why) => {
+                Move::Refuse(why) => {
                     for row in &mut rows {
                         row.document = serde_json::to_string(&landing_doc(String::new()))?;
                     }
                     return self.fail_batch(rows, &old, why, &docs).await;
                 }
-                BatchMove::Stopping => return Ok(()),
+                Move::Stopping => return Ok(()),
             };
             for row in &commits {
                 self.store.put_landing(row).await?;
@@ -198,20 +182,16 @@ impl QueueService {
         Ok(())
     }
 
-    /// The commit of each member of a batch landing on `old`, given the commit its
-    /// build tested: that build's own chain when it sits on `old` (or on `old`'s tree),
-    /// one commit per member; otherwise (independent changes landed since, or a change
-    /// of the tested tree was rejected) the members applied on `old` in order, whose
-    /// tree must pass the build steps first.
-    async fn batch_commits(
-        self: &Arc<Self>,
-        docs: &[ChangeDoc],
-        old: &str,
-        tested: &str,
-        proof: &LandProof,
-    ) -> BatchMove {
+    /// The commit of each change of a landing on `old` (one change, or a batch's
+    /// members in order), given the commit their deciding build tested: that build's own
+    /// chain of commits when it sits on `old` (a fast-forward), commits with the same
+    /// trees when it sits on `old`'s tree; otherwise (independent changes landed since,
+    /// a change of the tested tree was rejected, or a change decided by attribution)
+    /// the changes applied on `old` in order, whose tree must pass their build steps
+    /// first: the combined-tree check.
+    async fn landing_commits(self: &Arc<Self>, docs: &[ChangeDoc], old: &str, tested: &str, proof: &LandProof) -> Move {
         if tested.is_empty() {
-            return BatchMove::Refuse("the deciding build left no commit".into());
+            return Move::Refuse("the deciding build left no commit".into());
         }
         // The tested chain is base, then the assumed changes, then the build's change,
         // one commit each: its tail is the batch when the batch is the tail of that list.
@@ -253,9 +233,9 @@ impl QueueService {
             })
             .await;
             match quick {
-                Ok(Some((commits, how))) => return BatchMove::To { commits, how },
+                Ok(Some((commits, how))) => return Move::To { commits, how },
                 Ok(None) => {}
-                Err(why) => return BatchMove::Refuse(why.to_string()),
+                Err(why) => return Move::Refuse(why.to_string()),
             }
         }
         let (repo, o, patches) =
@@ -272,14 +252,13 @@ impl QueueService {
         .await;
         let commits = match applied {
             Ok(c) => c,
-            Err(why) => return BatchMove::Refuse(why.to_string()),
+            Err(why) => return Move::Refuse(why.to_string()),
         };
         let candidate = commits.last().expect("a batch has members").clone();
         let names: Vec<&str> = docs.iter().map(|d| d.id.as_str()).collect();
         match self.verify(&candidate, &Self::targets_of(docs), &names.join(", ")).await {
-            Move::To { how, .. } => BatchMove::To { commits, how },
-            Move::Refuse(why) => BatchMove::Refuse(why),
-            Move::Stopping => BatchMove::Stopping,
+            Move::To { how, .. } => Move::To { commits, how },
+            other => other,
         }
     }
 
@@ -329,9 +308,9 @@ impl QueueService {
                     document: String::new(),
                 };
                 let tested = build.map(|b| b.commit).unwrap_or_default();
-                match self.landing_commit(&doc, &old, &tested).await {
-                    Move::To { commit, how } => {
-                        row.new_commit = commit;
+                match self.landing_commits(std::slice::from_ref(&doc), &old, &tested, proof).await {
+                    Move::To { commits, how } => {
+                        row.new_commit = commits.into_iter().last().expect("one per change");
                         landing_doc.how = how;
                     }
                     Move::Refuse(why) => {
@@ -360,42 +339,6 @@ impl QueueService {
         self.finish_landing(row, LandingState::Done, String::new(), &doc).await
     }
 
-    /// The commit the mainline moves to when `doc` lands on `old`, given the commit its
-    /// deciding build tested: that very commit when its parent is `old`; a commit with
-    /// its tree when its parent has `old`'s tree; otherwise (independent changes landed
-    /// since the build's base) the change applied on `old`, which must pass the build
-    /// steps first: the combined-tree check. An infrastructure error in that check is
-    /// not a verdict on the change; it is tried again after a backoff.
-    async fn landing_commit(self: &Arc<Self>, doc: &ChangeDoc, old: &str, tested: &str) -> Move {
-        if tested.is_empty() {
-            return Move::Refuse("the deciding build left no commit".into());
-        }
-        let (repo, o, t, like) = (self.repo.clone(), old.to_string(), tested.to_string(), doc.commit.clone());
-        let quick: Result<_, GitError> = blocking(move || {
-            let parent = repo.parent(&t)?;
-            if parent == o {
-                return Ok(Some((t, "fast-forward".to_string())));
-            }
-            if repo.tree(&parent)? == repo.tree(&o)? {
-                let c = repo.commit_like(&like, &repo.tree(&t)?, &o)?;
-                return Ok(Some((c, "same-tree".to_string())));
-            }
-            Ok(None)
-        })
-        .await;
-        match quick {
-            Ok(Some((commit, how))) => return Move::To { commit, how },
-            Ok(None) => {}
-            Err(why) => return Move::Refuse(why.to_string()),
-        }
-        let (repo, o, patch) = (self.repo.clone(), old.to_string(), doc.patch());
-        let candidate = match blocking(move || repo.apply(&patch, &o)).await {
-            Ok(c) => c,
-            Err(why) => return Move::Refuse(why.to_string()),
-        };
-        self.verify(&candidate, &Self::targets_of(std::slice::from_ref(doc)), &doc.id).await
-    }
-
     /// The combined-tree check: the build steps on `candidate`, the changes `what`
     /// applied on the mainline with the independent changes landed since their build.
     /// An infrastructure error in it is not a verdict; it is tried again after a backoff.
@@ -412,7 +355,7 @@ impl QueueService {
                 }
             };
             match verdict {
-                Verdict::Passed => return Move::To { commit: candidate.to_string(), how: "verified".into() },
+                Verdict::Passed => return Move::To { commits: vec![candidate.to_string()], how: "verified".into() },
                 Verdict::Failed(message) => {
                     return Move::Refuse(format!(
                         "the combined-tree check failed: {what} on the mainline with the independent changes landed since its build ({}) failed the build steps: {message}",
