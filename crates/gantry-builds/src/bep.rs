@@ -27,6 +27,8 @@ pub struct BepSummary {
     /// not written counts by its build alone, so readers must not take a missing label
     /// for a pass.
     pub targets: BTreeMap<String, bool>,
+    /// Tests whose summary is FLAKY: they failed, then passed on a retry in the build.
+    pub flaky: Vec<String>,
 }
 
 impl BepSummary {
@@ -70,7 +72,11 @@ pub fn parse(text: &str) -> BepSummary {
                 .map(str::to_string)
         };
         if let Some(ts) = ev.get("testSummary") {
-            let passed = match ts.get("overallStatus").and_then(Value::as_str) {
+            let status = ts.get("overallStatus").and_then(Value::as_str);
+            if let (Some("FLAKY"), Some(l)) = (status, label("testSummary")) {
+                s.flaky.push(l);
+            }
+            let passed = match status {
                 Some("PASSED") | Some("FLAKY") => {
                     s.tests_passed += 1;
                     true
@@ -122,6 +128,8 @@ mod tests {
             "\n",
             r#"{"id":{"testSummary":{"label":"//a:u"}},"testSummary":{"overallStatus":"PASSED"}}"#,
             "\n",
+            r#"{"id":{"testSummary":{"label":"//a:f"}},"testSummary":{"overallStatus":"FLAKY"}}"#,
+            "\n",
             r#"{"id":{"buildFinished":{}},"finished":{"overallSuccess":false,"exitCode":{"name":"TESTS_FAILED","code":3}}}"#,
             "\n",
             r#"{"id":{"buildMetrics":{}},"buildMetrics":{"memoryMetrics":{"usedHeapSizePostBuild":"31690800","peakPostGcHeapSize":"0"}}}"#,
@@ -133,9 +141,11 @@ mod tests {
         assert_eq!(s.exit_code, Some(3));
         assert_eq!(s.used_heap_post_build, Some(31_690_800));
         assert_eq!(s.peak_post_gc_heap, None, "a zero peak means no major GC ran: absent, not 0");
-        assert_eq!((s.tests_passed, s.tests_failed, s.targets_failed), (1, 1, 1));
-        assert_eq!(s.events, 7);
-        let requested: Vec<String> = ["//a:b", "//a:c", "//a:t", "//a:u", "//a:never"].map(String::from).to_vec();
+        assert_eq!((s.tests_passed, s.tests_failed, s.targets_failed), (2, 1, 1));
+        assert_eq!(s.events, 8);
+        assert_eq!(s.flaky, ["//a:f"]);
+        let requested: Vec<String> =
+            ["//a:b", "//a:c", "//a:t", "//a:u", "//a:f", "//a:never"].map(String::from).to_vec();
         assert_eq!(s.not_passed(&requested), ["//a:c", "//a:t", "//a:never"], "failed, or never reported");
     }
 

@@ -817,6 +817,15 @@ impl Planner {
                 self.record_flakes(build.0, outcome, failed_targets.as_deref());
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
+            Event::FlakyTargets { targets } => {
+                for t in targets {
+                    let n = self.targets.len() as u32;
+                    let id = *self.targets.entry(t).or_insert(n);
+                    let e = self.flakes.entry(id).or_default();
+                    e.0 += 1;
+                    e.1 += 1;
+                }
+            }
             Event::LandingFailed { change } => {
                 let i = self.index(&change)?;
                 if !self.landed(i) {

@@ -139,6 +139,13 @@ pub enum Event {
         /// The change whose landing failed.
         change: ChangeId,
     },
+    /// A build's test runner retried these targets within the build and they
+    /// passed on a later attempt (Bazel's FLAKY status): each had a failure
+    /// that passed on the same tree, which the flaky-target records count.
+    FlakyTargets {
+        /// The targets.
+        targets: Vec<String>,
+    },
     /// The build farm's capacity changed. Lowering it cancels nothing:
     /// running builds finish and no new ones start until below capacity.
     SetCapacity {

@@ -1149,3 +1149,22 @@ fn without_flaky_records_the_same_failure_is_bisected() {
     assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [("c4".to_string(), vec!["c3".to_string()])]);
     assert_eq!(p.stats().flaky_retries, 0);
 }
+
+#[test]
+fn a_target_bazel_reports_flaky_is_known_flaky() {
+    // Bazel retried //t within a build and it passed: the first failure of //t in a
+    // batch tree is then retried whole instead of bisected.
+    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 1, batching: true, ..PlannerConfig::default() });
+    p.handle(Millis(1), Event::FlakyTargets { targets: vec!["//t".into()] }).unwrap();
+    let flaky = p.flaky_targets();
+    assert_eq!((flaky[0].target.as_str(), flaky[0].failures, flaky[0].flaky), ("//t", 1, 1));
+    let b1 = started(&enqueue(&mut p, 2, "c1", analysis(&["//u"])));
+    for (t, c) in ["c2", "c3", "c4"].into_iter().enumerate() {
+        enqueue(&mut p, 3 + t as u64, c, analysis(&["//t"]));
+    }
+    let tree = started(&finish(&mut p, 10, b1[0].id, true));
+    assert_eq!(tree[0].assumed.len(), 2);
+    let next = started(&fail_with(&mut p, 11, tree[0].id, &["//t"]));
+    assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [shape(&tree[0])]);
+    assert_eq!(p.stats().flaky_retries, 1);
+}

@@ -28,6 +28,8 @@ pub(super) struct Finished {
     message: String,
     /// For a failed `bazel test` of named targets: those that did not pass.
     failed_targets: Option<Vec<String>>,
+    /// Tests Bazel reported FLAKY (failed, then passed on a retry in the build).
+    flaky_targets: Vec<String>,
 }
 
 /// What the build steps made of a tree.
@@ -81,7 +83,7 @@ async fn run_build_command(command: &[String], tree: &std::path::Path, deadline:
 /// How one try of a queue build ended.
 enum Attempt {
     /// A result for the planner (`FailedConclusively`: the patch does not apply on the tree).
-    Done(Finished),
+    Done(Box<Finished>),
     /// Not the tree's doing: try the same build again later.
     Infra(String),
     /// The queue is stopping: report nothing.
@@ -112,7 +114,7 @@ impl QueueService {
         let mut retry = 0;
         let finished = loop {
             match self.build(&spec).await {
-                Attempt::Done(f) => break f,
+                Attempt::Done(f) => break *f,
                 Attempt::Stopping => return,
                 Attempt::Infra(_) if self.stopping() => return,
                 Attempt::Infra(why) => {
@@ -184,7 +186,15 @@ impl QueueService {
         };
         let id = spec.id.0;
         let done = move |outcome, commit, targets, message| {
-            Attempt::Done(Finished { id, outcome, commit, targets, message, failed_targets: None })
+            Attempt::Done(Box::new(Finished {
+                id,
+                outcome,
+                commit,
+                targets,
+                message,
+                failed_targets: None,
+                flaky_targets: vec![],
+            }))
         };
         let docs = match self.patches(spec).await {
             Ok(d) => d,
@@ -219,13 +229,14 @@ impl QueueService {
             Ok(x) => x,
             Err(ended) => return ended,
         };
-        let (verdict, failed_targets) = self.run_steps_reporting(lease.runner(), &tree, &targets).await;
+        let (verdict, failed_targets, flaky_targets) = self.run_steps_reporting(lease.runner(), &tree, &targets).await;
+        let reported = |a: Attempt| match a {
+            Attempt::Done(f) => Attempt::Done(Box::new(Finished { failed_targets, flaky_targets, ..*f })),
+            other => other,
+        };
         match verdict {
-            Verdict::Passed => done(BuildOutcome::Passed, commit, targets, String::new()),
-            Verdict::Failed(message) => match done(BuildOutcome::Failed, commit, targets, message) {
-                Attempt::Done(f) => Attempt::Done(Finished { failed_targets, ..f }),
-                other => other,
-            },
+            Verdict::Passed => reported(done(BuildOutcome::Passed, commit, targets, String::new())),
+            Verdict::Failed(message) => reported(done(BuildOutcome::Failed, commit, targets, message)),
             Verdict::Infra(why) => Attempt::Infra(why),
         }
     }
@@ -236,17 +247,19 @@ impl QueueService {
         self.run_steps_reporting(runner, tree, targets).await.0
     }
 
-    /// The build steps, and for a failed `bazel test` of named targets the ones that did
-    /// not pass (failed, or never reported: complete, as the planner's attribution needs).
-    /// `None` where that is unknown: a `build_command`, `//...`, or no build events.
+    /// The build steps; for a failed `bazel test` of named targets the ones that did not
+    /// pass (failed, or never reported: complete, as the planner's attribution needs),
+    /// `None` where that is unknown (a `build_command`, `//...`, or no build events);
+    /// and the tests Bazel reported FLAKY.
     async fn run_steps_reporting(
         &self,
         runner: &Runner,
         tree: &std::path::Path,
         targets: &[String],
-    ) -> (Verdict, Option<Vec<String>>) {
+    ) -> (Verdict, Option<Vec<String>>, Vec<String>) {
         if !self.settings.build_command.is_empty() {
-            return (run_build_command(&self.settings.build_command, tree, self.settings.runner.deadline).await, None);
+            let verdict = run_build_command(&self.settings.build_command, tree, self.settings.runner.deadline).await;
+            return (verdict, None, Vec::new());
         }
         let spec = RunSpec {
             workspace: tree.to_path_buf(),
@@ -262,7 +275,7 @@ impl QueueService {
             Verdict::Failed(_) if named && report.bep.events > 0 => Some(report.bep.not_passed(targets)),
             _ => None,
         };
-        (verdict, failed)
+        (verdict, failed, report.bep.flaky)
     }
 
     pub(super) async fn event_loop(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Finished>) {
@@ -289,6 +302,11 @@ impl QueueService {
         doc.finished_ms = Some(now);
         self.store.put_build(&doc_row(&f.id.to_string(), f.id as i64, doc.state.as_str(), doc)?).await?;
         let build = gantry_queue::BuildId(f.id);
+        if !f.flaky_targets.is_empty() {
+            // Before the result, so the records are current when the planner weighs it.
+            let event = Event::FlakyTargets { targets: f.flaky_targets.clone() };
+            self.apply(&mut inner, event, Some(format!("flaky:{}", f.id))).await?;
+        }
         self.apply(
             &mut inner,
             Event::BuildFinished {
