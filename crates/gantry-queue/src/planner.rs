@@ -818,12 +818,9 @@ impl Planner {
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
             Event::FlakyTargets { targets } => {
-                for t in targets {
-                    let n = self.targets.len() as u32;
-                    let id = *self.targets.entry(t).or_insert(n);
-                    let e = self.flakes.entry(id).or_default();
-                    e.0 += 1;
-                    e.1 += 1;
+                for t in &targets {
+                    let id = self.intern(t);
+                    self.count_failure(id, true);
                 }
             }
             Event::LandingFailed { change } => {
@@ -869,14 +866,7 @@ impl Planner {
             return Err(QueueError::DuplicateChange(id.0));
         }
         let interned = analysis.map(|a| {
-            let mut v: Vec<u32> = a
-                .affected
-                .iter()
-                .map(|t| {
-                    let n = self.targets.len() as u32;
-                    *self.targets.entry(t.clone()).or_insert(n)
-                })
-                .collect();
+            let mut v: Vec<u32> = a.affected.iter().map(|t| self.intern(t)).collect();
             v.sort_unstable();
             (v, a.alters_graph)
         });
@@ -1050,13 +1040,7 @@ impl Planner {
         let same_tree = |p: &Planner, o: &BuildRec| o.change == change && p.build_key(o).as_ref() == Some(&key);
         match (outcome, failed) {
             (BuildOutcome::Failed, Some(failed)) if !failed.is_empty() => {
-                let mut ids: Vec<u32> = failed
-                    .iter()
-                    .map(|t| {
-                        let n = self.targets.len() as u32;
-                        *self.targets.entry(t.clone()).or_insert(n)
-                    })
-                    .collect();
+                let mut ids: Vec<u32> = failed.iter().map(|t| self.intern(t)).collect();
                 ids.sort_unstable();
                 ids.dedup();
                 let passed_before = self.changes[change].builds.iter().any(|o| {
@@ -1064,9 +1048,7 @@ impl Planner {
                     o.state == BuildState::Passed && !o.member_only && same_tree(self, o)
                 });
                 for &t in &ids {
-                    let e = self.flakes.entry(t).or_default();
-                    e.0 += 1;
-                    e.1 += u32::from(passed_before);
+                    self.count_failure(t, passed_before);
                 }
                 let rec = self.builds.get_mut(&bid).expect("recorded");
                 rec.failed_targets = Some(ids);
@@ -1097,22 +1079,30 @@ impl Planner {
         }
     }
 
-    /// Whether a failed build's failure is explained by known flaky targets
-    /// (batching only): it reported its failing targets and each of them is
-    /// known to be flaky.
-    fn flaky_failure(&self, bid: Option<u64>) -> bool {
-        self.flake_odds(bid).is_some()
+    /// The interned id of a target label (new labels get the next id).
+    fn intern(&mut self, target: &str) -> u32 {
+        let n = self.targets.len() as u32;
+        *self.targets.entry(target.to_string()).or_insert(n)
     }
 
-    /// For a failure explained by known flaky targets (`flaky_failure`): the
-    /// odds it was a flake, the least flaky share among its failing targets.
+    /// One reported failure of target `t`, flaky when its tree also passed.
+    fn count_failure(&mut self, t: u32, flaky: bool) {
+        let e = self.flakes.entry(t).or_default();
+        e.0 += 1;
+        e.1 += u32::from(flaky);
+    }
+
+    /// For a failed build whose failure known flaky targets explain (batching
+    /// only: it reported its failing targets and each of them is known to be
+    /// flaky), the odds it was a flake: the least flaky share among them.
+    /// `None`: a real failure, as far as the records tell.
     fn flake_odds(&self, bid: Option<u64>) -> Option<f64> {
         let b = bid.and_then(|b| self.builds.get(&b))?;
         let failed = b.failed_targets.as_ref().filter(|f| self.config.batching && !f.is_empty())?;
         let mut odds: f64 = 1.0;
         for t in failed {
             let &(n, k) = self.flakes.get(t)?;
-            let share = f64::from(k) / f64::from(n.max(1));
+            let share = f64::from(k) / f64::from(n);
             if k == 0 || share < self.config.known_flaky_share {
                 return None;
             }
@@ -1773,7 +1763,8 @@ impl Planner {
             }
             // A failure every failing target of which is known to be flaky is
             // tried again whole, while attempts remain, instead of bisected.
-            let flaky = |s: &KeyStat| self.flaky_failure(s.last_failed) && s.may_attempt(max_attempts, s.running_n);
+            let flaky =
+                |s: &KeyStat| self.flake_odds(s.last_failed).is_some() && s.may_attempt(max_attempts, s.running_n);
             let (k, key, stats) = loop {
                 let (k, key) = self.batch_tree(&g, order, pos, pi);
                 let stats = self.key_stats(k);
@@ -1867,7 +1858,7 @@ impl Planner {
         for (&bid, b) in &self.builds {
             let failed = matches!(b.state, BuildState::Failed | BuildState::FailedConclusively);
             // Known flaky targets explain the failure: it blames no one.
-            if failed && self.flaky_failure(Some(bid)) {
+            if failed && self.flake_odds(Some(bid)).is_some() {
                 continue;
             }
             if (failed || b.implicated.is_some())

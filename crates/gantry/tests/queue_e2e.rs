@@ -204,6 +204,13 @@ fn recheck(repo: &Path, dir: &Path, url: &str, versions: &[&Value]) {
         .output();
 }
 
+/// `gantry queue submit --json` of a branch, which must succeed: the change as JSON.
+fn submit(url: &str, branch: &str) -> Value {
+    let out = gantry().args(["queue", "submit", "--json", "--change", branch, "--server", url]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn history(url: &str) -> Value {
     let out = gantry().args(["queue", "history", "--json", "--server", url]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -254,10 +261,7 @@ fn submit_queue_lands_exactly_the_right_changes_with_real_bazel() {
     // Twelve submissions in quick succession.
     let mut ids: BTreeMap<String, &'static str> = BTreeMap::new();
     for c in &specs {
-        let out =
-            gantry().args(["queue", "submit", "--json", "--change", c.branch, "--server", &url]).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = submit(&url, c.branch);
         assert_eq!(v["state"], "SUBMITTED");
         ids.insert(v["change_id"].as_str().unwrap().to_string(), c.branch);
     }
@@ -483,10 +487,7 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     let url = format!("grpc://{}", server.grpc);
     let mut ids: BTreeMap<String, &'static str> = BTreeMap::new();
     for c in &specs {
-        let out =
-            gantry().args(["queue", "submit", "--json", "--change", c.branch, "--server", &url]).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = submit(&url, c.branch);
         ids.insert(v["change_id"].as_str().unwrap().to_string(), c.branch);
     }
     let h = wait_decided(&url, specs.len(), Duration::from_secs(600));

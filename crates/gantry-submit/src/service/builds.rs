@@ -230,15 +230,12 @@ impl QueueService {
             Err(ended) => return ended,
         };
         let (verdict, failed_targets, flaky_targets) = self.run_steps_reporting(lease.runner(), &tree, &targets).await;
-        let reported = |a: Attempt| match a {
-            Attempt::Done(f) => Attempt::Done(Box::new(Finished { failed_targets, flaky_targets, ..*f })),
-            other => other,
+        let (outcome, message) = match verdict {
+            Verdict::Passed => (BuildOutcome::Passed, String::new()),
+            Verdict::Failed(message) => (BuildOutcome::Failed, message),
+            Verdict::Infra(why) => return Attempt::Infra(why),
         };
-        match verdict {
-            Verdict::Passed => reported(done(BuildOutcome::Passed, commit, targets, String::new())),
-            Verdict::Failed(message) => reported(done(BuildOutcome::Failed, commit, targets, message)),
-            Verdict::Infra(why) => Attempt::Infra(why),
-        }
+        Attempt::Done(Box::new(Finished { id, outcome, commit, targets, message, failed_targets, flaky_targets }))
     }
 
     /// The build steps in a checked-out tree: `[queue] build_command`, or `bazel test`
@@ -274,7 +271,8 @@ impl QueueService {
         let failed = match verdict {
             Verdict::Failed(_) if named && report.bep.events > 0 => Some(report.bep.not_passed(targets)),
             _ => None,
-        };
+        }
+        .filter(|t| !t.is_empty());
         (verdict, failed, report.bep.flaky)
     }
 
@@ -309,11 +307,7 @@ impl QueueService {
         }
         self.apply(
             &mut inner,
-            Event::BuildFinished {
-                build,
-                outcome: f.outcome,
-                failed_targets: f.failed_targets.filter(|t| !t.is_empty()),
-            },
+            Event::BuildFinished { build, outcome: f.outcome, failed_targets: f.failed_targets },
             Some(format!("finished:{}", f.id)),
         )
         .await

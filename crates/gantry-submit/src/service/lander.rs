@@ -36,34 +36,30 @@ impl QueueService {
         // own change last; they land together, in one move, when the last one arrives.
         let mut batch: Vec<(ChangeId, LandProof)> = Vec::new();
         while let Some((change, proof)) = rx.recv().await {
-            let landed = if proof.batch.len() > 1 {
-                if batch.first().is_some_and(|(_, p)| p.batch != proof.batch) {
-                    tracing::error!(change = %change, "a batch landing interleaved with another; the earlier one is dropped");
-                    batch.clear();
-                }
-                let last = proof.batch.last() == Some(&change);
-                batch.push((change.clone(), proof));
-                if !last {
-                    continue;
-                }
-                self.land_batch(&std::mem::take(&mut batch)).await
-            } else {
-                self.land(&change, &proof).await
-            };
-            if let Err(e) = landed {
+            if batch.first().is_some_and(|(_, p)| p.batch != proof.batch) {
+                tracing::error!(change = %change, "a batch landing interleaved with another; the earlier one is dropped");
+                batch.clear();
+            }
+            // A change decided alone (no batch) is a batch of one.
+            let last = proof.batch.len() <= 1 || proof.batch.last() == Some(&change);
+            batch.push((change.clone(), proof));
+            if !last {
+                continue;
+            }
+            if let Err(e) = self.land(&std::mem::take(&mut batch)).await {
                 tracing::error!(change = %change, error = %e, "landing failed");
             }
             self.updates.send_modify(|n| *n += 1);
         }
     }
 
-    /// A batch: its members land in one move of the mainline, to the tree that passed.
-    /// Each member gets its own version and its own commit in history, but the mainline
-    /// only ever points at the last one. Every member's landing is recorded as an intent
-    /// before the compare-and-swap and as done (or, for all of them, failed) after it, so
-    /// a crash at any point neither moves the mainline twice nor records a member landed
-    /// without the move.
-    async fn land_batch(self: &Arc<Self>, items: &[(ChangeId, LandProof)]) -> Result<()> {
+    /// A landing: one change, or a batch whose members land in one move of the mainline,
+    /// to the tree that passed. Each member gets its own version and its own commit in
+    /// history, but the mainline only ever points at the last one. Every member's landing
+    /// is recorded as an intent before the compare-and-swap and as done (or, for all of
+    /// them, failed) after it, so a crash at any point neither moves the mainline twice
+    /// nor records a member landed without the move.
+    async fn land(self: &Arc<Self>, items: &[(ChangeId, LandProof)]) -> Result<()> {
         let (last_change, last) = items.last().expect("a batch has members");
         let first = items[0].1.new_version;
         for (i, (c, p)) in items.iter().enumerate() {
@@ -107,13 +103,13 @@ impl QueueService {
             return self.fail_batch(rows.collect(), &old, why, &docs).await;
         }
         let repo = self.repo.clone();
-        let rows: Vec<LandingRow> = if let Some(Some(intent)) =
+        let rows: Vec<LandingRow> = if let Some(Some(last_row)) =
             existing.last().filter(|_| existing.iter().all(Option::is_some))
         {
             // Crashed after recording every intent: the move happened iff the mainline
             // is at the last member's commit.
             let rows: Vec<LandingRow> = existing.iter().flatten().cloned().collect();
-            let new = intent.new_commit.clone();
+            let new = last_row.new_commit.clone();
             let head = blocking(move || repo.head()).await?;
             if head == old {
                 let (o, n, repo) = (old.clone(), new.clone(), self.repo.clone());
@@ -260,83 +256,6 @@ impl QueueService {
             Move::To { how, .. } => Move::To { commits, how },
             other => other,
         }
-    }
-
-    async fn land(self: &Arc<Self>, change: &ChangeId, proof: &LandProof) -> Result<()> {
-        let version = proof.new_version;
-        let (existing, doc, build) = {
-            let inner = self.inner.lock().await;
-            let doc = inner.changes.get(&change.0).cloned().ok_or_else(|| SubmitError::NotFound(change.0.clone()))?;
-            let build = inner.builds.get(&proof.build.id.0).cloned();
-            (inner.landings.get(&version).cloned(), doc, build)
-        };
-        let repo = self.repo.clone();
-        let row = match existing {
-            Some(r) if LandingState::of(&r).is_some_and(LandingState::finished) => return Ok(()),
-            Some(intent) => {
-                // Crashed between recording the intent and recording the result.
-                let (old, new) = (intent.old_commit.clone(), intent.new_commit.clone());
-                let head = blocking(move || repo.head()).await?;
-                if head == old {
-                    let repo = self.repo.clone();
-                    let (o, n) = (old.clone(), new.clone());
-                    blocking(move || repo.move_mainline(&o, &n)).await?;
-                } else if head != new {
-                    return self
-                        .finish_landing(
-                            intent,
-                            LandingState::Failed,
-                            format!("the mainline moved outside the queue (to {})", short(&head)),
-                            &doc,
-                        )
-                        .await;
-                }
-                intent
-            }
-            None => {
-                let old = self.versions.borrow().get(version as usize - 1).cloned().ok_or_else(|| {
-                    SubmitError::FailedPrecondition(format!("landing version {version} before version {}", version - 1))
-                })?;
-                let mut landing_doc =
-                    LandingDoc { build_id: proof.build.id.0, landed_ms: unix_ms(), ..Default::default() };
-                let mut row = LandingRow {
-                    version: version as i64,
-                    change_id: change.0.clone(),
-                    old_commit: old.clone(),
-                    new_commit: old.clone(),
-                    state: LandingState::Intent.as_str().into(),
-                    document: String::new(),
-                };
-                let tested = build.map(|b| b.commit).unwrap_or_default();
-                match self.landing_commits(std::slice::from_ref(&doc), &old, &tested, proof).await {
-                    Move::To { commits, how } => {
-                        row.new_commit = commits.into_iter().last().expect("one per change");
-                        landing_doc.how = how;
-                    }
-                    Move::Refuse(why) => {
-                        row.document = serde_json::to_string(&landing_doc)?;
-                        return self.finish_landing(row, LandingState::Failed, why, &doc).await;
-                    }
-                    // Nothing is recorded yet; the journal's replay emits this Land again.
-                    Move::Stopping => return Ok(()),
-                }
-                row.document = serde_json::to_string(&landing_doc)?;
-                self.store.put_landing(&row).await?;
-                let (o, n) = (old.clone(), row.new_commit.clone());
-                if let Err(e) = blocking(move || repo.move_mainline(&o, &n)).await {
-                    return self
-                        .finish_landing(
-                            row,
-                            LandingState::Failed,
-                            format!("moving {}: {e}", self.settings.mainline),
-                            &doc,
-                        )
-                        .await;
-                }
-                row
-            }
-        };
-        self.finish_landing(row, LandingState::Done, String::new(), &doc).await
     }
 
     /// The combined-tree check: the build steps on `candidate`, the changes `what`
