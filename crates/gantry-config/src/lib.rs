@@ -558,11 +558,17 @@ pub struct FsStoreConfig {
     pub path: Option<PathBuf>,
     /// Size past which the least recently used blobs are evicted. Default "10GiB".
     pub max_size: ByteSize,
+    /// Whether small writes (up to 1 MiB) are made durable through the store's journal:
+    /// one shared `fdatasync` for all writes in flight, and a background `syncfs` of the
+    /// CAS filesystem that retires it. `false` fsyncs each blob's file and directory
+    /// instead: slower, but it never flushes other programs' writes on the same
+    /// filesystem. Both acknowledge a write only once it is durable. Default true.
+    pub journal: bool,
 }
 
 impl Default for FsStoreConfig {
     fn default() -> Self {
-        FsStoreConfig { path: None, max_size: ByteSize::gib(10) }
+        FsStoreConfig { path: None, max_size: ByteSize::gib(10), journal: true }
     }
 }
 

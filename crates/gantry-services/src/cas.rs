@@ -18,8 +18,10 @@ use tonic::{Request, Response, Status};
 use crate::compression;
 use crate::metrics::Metrics;
 
-/// Blobs in one batch are written or read this many at a time.
-const BATCH_CONCURRENCY: usize = 16;
+/// Blobs in one batch are written or read this many at a time. Journaled writes (see
+/// gantry-store's `FsStore`) share one sync per round, so the more in flight, the fewer
+/// syncs; their waits hold no thread.
+const BATCH_CONCURRENCY: usize = 64;
 const DEFAULT_TREE_PAGE: usize = 1000;
 const MAX_TREE_PAGE: usize = 10_000;
 

@@ -17,7 +17,7 @@ pub async fn build_cas(config: &Config) -> Result<Arc<dyn BlobStore>> {
         CasConfig::Fs(fs) => {
             let path = config.fs_cas_path(fs);
             Arc::new(
-                FsStore::open(&path, fs.max_size.as_u64())
+                FsStore::open_with_journal(&path, fs.max_size.as_u64(), fs.journal)
                     .await
                     .context(format_args!("[cas] kind = \"fs\" at {}", path.display()))?,
             )

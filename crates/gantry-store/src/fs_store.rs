@@ -6,14 +6,20 @@
 //! blob under its name or nothing (leftover temp files are removed at the next start).
 //! Small writes stay in memory until commit, which then costs one blocking task.
 //!
-//! A write is acknowledged only once its directory entry is durable too: after the
-//! rename the shard directory is fsynced (and, when the shard was just created, the
-//! function directory that holds it), so a power loss or kernel crash cannot take back
-//! a blob the client was told is stored. Those directory fsyncs are group-committed per
-//! directory ([`DirSync`]): every commit into a shard that arrives while that shard's
-//! sync runs joins the next one, a single fsync for all of them. The data fsyncs of the temp
-//! files run in parallel on the blocking pool, where the filesystem's journal merges
-//! concurrent ones into shared commits.
+//! A write is acknowledged only once it is durable, so a power loss or kernel crash
+//! cannot take back a blob the client was told is stored. Two ways:
+//! - Small writes (buffered, up to 1 MiB) go through the store's journal
+//!   ([`crate::fs_journal`], on unless `[cas] journal = false`): the file is put in place
+//!   without a sync, the bytes are appended to a journal, and one `fdatasync` serves every
+//!   write in flight. A background `syncfs` later makes the files durable and retires the
+//!   journal; after a crash the next open writes the journal's records back, and re-hashes
+//!   the small files written since its oldest segment began (a power loss can keep a
+//!   file's name and lose its data) before trusting them.
+//! - Larger writes, and every write when the journal is off, fsync their temp file before
+//!   the rename, then the shard directory (and, when the shard was just created, the
+//!   function directory that holds it). Those directory fsyncs are group-committed per
+//!   directory ([`DirSync`]): every commit into a shard that arrives while that shard's
+//!   sync runs joins the next one, a single fsync for all of them.
 //!
 //! Recency is tracked in memory (O(1) per touch). At startup the index is rebuilt from
 //! the files, oldest modification time first; that approximates the previous LRU order
@@ -36,6 +42,7 @@ use futures::StreamExt;
 use gantry_core::blob_store::read_range;
 use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, DigestFunction, Error, Result, ResultExt, StoreUsage};
 
+use crate::fs_journal::{self, Journal};
 use crate::lru_index::LruIndex;
 
 /// Writes up to this size are buffered in memory and written in one go at commit.
@@ -44,6 +51,8 @@ const SPILL_THRESHOLD: usize = 1 << 20;
 const MIN_ROOM: u64 = 1 << 20;
 /// Reads are streamed in chunks of this size.
 const READ_CHUNK: u64 = 1 << 20;
+/// Journaled writes that may put their files in place at once (each on a blocking thread).
+const PLACING: usize = 8;
 
 pub struct FsStore {
     inner: Arc<Inner>,
@@ -54,6 +63,25 @@ struct Inner {
     tmp: PathBuf,
     index: Mutex<LruIndex<()>>,
     dir_sync: DirSync,
+    /// None when `[cas] journal = false`: every write fsyncs its own file.
+    journal: Option<Journal>,
+    /// Journaled writes putting their files in place at once. Their waits for the
+    /// journal hold no thread, so hundreds may be in flight; this keeps the blocking pool
+    /// from growing a thread for each.
+    placing: tokio::sync::Semaphore,
+    /// What the last open found of a crash (for tests and the startup log).
+    recovered: Recovered,
+}
+
+/// What `open` repaired after an earlier process died with journal segments left.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Recovered {
+    /// Records written back from orphaned journal segments.
+    pub replayed: u64,
+    /// Recent small files re-hashed because a crash could have lost their data.
+    pub rehashed: u64,
+    /// Of those, files whose bytes did not match their name, removed.
+    pub removed: u64,
 }
 
 /// Group commit of directory fsyncs, per directory. A caller joins the open round of
@@ -142,12 +170,31 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 }
 
 impl FsStore {
-    /// Opens (creating if needed) the store at `root`, removes leftover temp files and
-    /// rebuilds the LRU index from the blobs on disk.
+    /// Opens (creating if needed) the store at `root`, with its journal, removes leftover
+    /// temp files, repairs what a crash left (see the module doc) and rebuilds the LRU
+    /// index from the blobs on disk.
     pub async fn open(root: impl Into<PathBuf>, max_bytes: u64) -> Result<Self> {
+        Self::open_with_journal(root, max_bytes, true).await
+    }
+
+    /// As `open`; `journal = false` makes every write fsync its own file (`[cas] journal`).
+    pub async fn open_with_journal(root: impl Into<PathBuf>, max_bytes: u64, journal: bool) -> Result<Self> {
         let root = root.into();
-        let inner = blocking(move || Inner::open(root, max_bytes)).await?;
+        let inner = blocking(move || Inner::open(root, max_bytes, journal)).await?;
         Ok(FsStore { inner: Arc::new(inner) })
+    }
+
+    /// What this open repaired of an earlier crash.
+    pub fn recovered(&self) -> Recovered {
+        self.inner.recovered
+    }
+
+    /// Test-only: behave as if the process died now (the journal is left as it is).
+    #[cfg(test)]
+    fn crash(self) {
+        if let Some(j) = &self.inner.journal {
+            j.abandon();
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -177,13 +224,27 @@ impl FsStore {
 }
 
 impl Inner {
-    fn open(root: PathBuf, max_bytes: u64) -> Result<Inner> {
+    fn open(root: PathBuf, max_bytes: u64, journal: bool) -> Result<Inner> {
         let tmp = root.join("tmp");
         fs::create_dir_all(&tmp).context(format_args!("creating CAS directory {}", tmp.display()))?;
         for entry in fs::read_dir(&tmp).context(format_args!("listing {}", tmp.display()))? {
             let entry = entry.context("listing temp dir")?;
             let _ = fs::remove_file(entry.path());
         }
+        // A process that died left its journal: write back what it acknowledged first,
+        // then distrust every small file written since its oldest segment began.
+        let journal_dir = root.join("journal");
+        fs::create_dir_all(&journal_dir).context(format_args!("creating {}", journal_dir.display()))?;
+        let orphans = fs_journal::claim_orphans(&journal_dir)?;
+        let replayed = orphans.replay(|d, data| {
+            let t = TempFile::create(&tmp)?.with(data)?;
+            let dest = blob_path(&root, d);
+            fs::create_dir_all(dest.parent().expect("blob path has a parent"))
+                .context(format_args!("creating {}", dest.display()))?;
+            fs::rename(&t.path, &dest).context(format_args!("replaying blob {d}"))
+        })?;
+        let mut recovered = Recovered { replayed, ..Default::default() };
+        let suspect_since = orphans.oldest().map(|t| t.checked_sub(fs_journal::CLOCK_SLACK).unwrap_or(t));
         let mut found: Vec<(SystemTime, Digest)> = Vec::new();
         for function in DigestFunction::ALL {
             let fdir = root.join(function.name());
@@ -207,9 +268,29 @@ impl Inner {
                         let _ = fs::remove_file(&path);
                         continue;
                     }
-                    found.push((meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), digest));
+                    let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                    if suspect_since.is_some_and(|t| mtime >= t) && digest.size <= fs_journal::MAX_RECORD_DATA {
+                        recovered.rehashed += 1;
+                        let intact = fs::read(&path).is_ok_and(|data| function.digest_of(&data) == digest);
+                        if !intact {
+                            tracing::warn!(path = %path.display(), "removing a blob a crash left with the wrong bytes");
+                            recovered.removed += 1;
+                            let _ = fs::remove_file(&path);
+                            continue;
+                        }
+                    }
+                    found.push((mtime, digest));
                 }
             }
+        }
+        if !orphans.is_empty() {
+            // What was replayed, and the files that were checked, are durable before the
+            // segments that vouch for them go.
+            let fs_root = File::open(&root).context(format_args!("opening {}", root.display()))?;
+            fs_journal::syncfs(&fs_root).context(format_args!("syncfs of {}", root.display()))?;
+            orphans.retire()?;
+            tracing::warn!(root = %root.display(), replayed = recovered.replayed, rehashed = recovered.rehashed,
+                removed = recovered.removed, "the CAS journal of a process that died was replayed");
         }
         // The layout itself must survive a crash before any blob is acknowledged in it.
         for d in DirSync::layout(&root) {
@@ -232,8 +313,17 @@ impl Inner {
         for (d, ()) in evicted {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
+        let journal = if journal { Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES)?) } else { None };
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
-        Ok(Inner { root, tmp, index: Mutex::new(index), dir_sync: DirSync::default() })
+        Ok(Inner {
+            root,
+            tmp,
+            index: Mutex::new(index),
+            dir_sync: DirSync::default(),
+            journal,
+            placing: tokio::sync::Semaphore::new(PLACING),
+            recovered,
+        })
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
@@ -243,6 +333,18 @@ impl Inner {
     /// Returns only once the directory entry is durable (see the module doc); the sync
     /// happens after the lock is released, so commits to other shards are not held up.
     fn publish(&self, tmp_path: &Path, digest: &Digest) -> Result<()> {
+        let (parent, created_shard) = self.place(tmp_path, digest)?;
+        // A new shard's own entry lives in the function directory: sync that too, or the
+        // blob could survive a crash in a directory that did not.
+        let function_dir = created_shard.then(|| parent.parent().expect("shard has a parent").to_path_buf());
+        self.dir_sync
+            .sync(std::iter::once(parent).chain(function_dir))
+            .map_err(|e| e.context(format_args!("blob {digest}")))
+    }
+
+    /// Renames the temp file into place and accounts for it, with no sync. Returns the
+    /// shard directory and whether it was just created.
+    fn place(&self, tmp_path: &Path, digest: &Digest) -> Result<(PathBuf, bool)> {
         let dest = blob_path(&self.root, digest);
         let parent = dest.parent().expect("blob path has a parent").to_path_buf();
         let mut created_shard = false;
@@ -256,24 +358,101 @@ impl Inner {
                 created_shard = true;
                 fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
             }
-            for (old, ()) in index.insert(*digest, digest.size, ()) {
-                if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
-                    tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
-                }
+            self.account(&mut index, digest);
+        }
+        Ok((parent, created_shard))
+    }
+
+    /// Takes a blob whose file is in place into the index, removing the files of the
+    /// blobs that makes room for.
+    fn account(&self, index: &mut LruIndex<()>, digest: &Digest) {
+        for (old, ()) in index.insert(*digest, digest.size, ()) {
+            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
+                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
             }
         }
-        // A new shard's own entry lives in the function directory: sync that too, or the
-        // blob could survive a crash in a directory that did not.
-        let function_dir = created_shard.then(|| parent.parent().expect("shard has a parent").to_path_buf());
-        self.dir_sync
-            .sync(std::iter::once(parent).chain(function_dir))
-            .map_err(|e| e.context(format_args!("blob {digest}")))
+    }
+
+    /// Writes a small blob's file straight under its name, with no temp file and no
+    /// sync: a journaled write needs neither (see the module doc). A reader never takes
+    /// a file for a blob before it has the blob's full size, which it reaches only once
+    /// every byte is in. Returns the shard directory and whether it was just created.
+    fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
+        let dest = blob_path(&self.root, digest);
+        let shard = dest.parent().expect("blob path has a parent").to_path_buf();
+        let mut created_shard = false;
+        let create = || File::options().write(true).create_new(true).open(&dest);
+        let file = match create() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                fs::create_dir_all(&shard).context(format_args!("creating {}", shard.display()))?;
+                created_shard = true;
+                create()
+            }
+            other => other,
+        };
+        match file {
+            Ok(mut f) => {
+                if let Err(e) = f.write_all(data) {
+                    drop(f);
+                    let _ = fs::remove_file(&dest);
+                    return Err(Error::io(format!("writing blob {digest}"), e));
+                }
+                drop(f);
+                self.account(&mut self.index.lock().expect("poisoned"), digest);
+                Ok((shard, created_shard))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                {
+                    // Another write of the same blob, done or under way: at its full size
+                    // it holds every byte. Checked under the lock, so that no eviction
+                    // removes it between the check and the accounting.
+                    let mut index = self.index.lock().expect("poisoned");
+                    if fs::metadata(&dest).is_ok_and(|m| m.len() == digest.size) {
+                        self.account(&mut index, digest);
+                        return Ok((shard, false));
+                    }
+                }
+                // What a write that died left: replace it whole.
+                let mut t = TempFile::create(&self.tmp)?.with(data)?;
+                t.file.take();
+                self.place(&t.path, digest)
+            }
+            Err(e) => Err(Error::io(format!("creating blob {digest}"), e)),
+        }
+    }
+
+    /// A small blob's file in place, unsynced: the first half of a journaled commit.
+    /// A full disk makes room and tries once more, as `stage` does. Returns the shard
+    /// directory and whether it was just created.
+    fn place_unsynced(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
+        match self.write_in_place(digest, data) {
+            Err(e) if is_disk_full(&e) => {
+                self.make_room(digest.size.max(MIN_ROOM));
+                self.write_in_place(digest, data)
+            }
+            other => other,
+        }
+    }
+
+    /// The journal had no room for a placed blob: makes it durable on its own, as without
+    /// the journal, and has the journal's segments retired to free their space.
+    fn sync_placed(&self, digest: &Digest, (shard, created_shard): (PathBuf, bool)) -> Result<()> {
+        if let Some(j) = &self.journal {
+            j.checkpoint_now();
+        }
+        let dest = blob_path(&self.root, digest);
+        File::open(&dest).and_then(|f| f.sync_all()).context(format_args!("fsync {}", dest.display()))?;
+        let function_dir = created_shard.then(|| shard.parent().expect("shard has a parent").to_path_buf());
+        self.dir_sync.sync(std::iter::once(shard).chain(function_dir))
     }
 
     /// The disk is full before the store's budget is (other files share it, or
     /// `max_size` is larger than the disk): removes least recently used blobs worth at
     /// least `bytes`, so that the next write fits. Returns the bytes freed.
     fn make_room(&self, bytes: u64) -> u64 {
+        if let Some(j) = &self.journal {
+            j.checkpoint_now();
+        }
         let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
         let mut freed = 0;
         for (old, ()) in evicted {
@@ -610,8 +789,36 @@ impl BlobWriter for FsWriter {
         }
     }
 
-    async fn commit(self: Box<Self>) -> Result<()> {
-        self.stage().await?.publish().await
+    async fn commit(mut self: Box<Self>) -> Result<()> {
+        if self.inner.journal.is_none() || !matches!(self.state, WriteState::Buffered(_)) {
+            return self.stage().await?.publish().await;
+        }
+        if self.committed != self.digest.size {
+            return Err(Error::invalid(format!(
+                "blob {}: received {} bytes, digest says {}",
+                self.digest, self.committed, self.digest.size
+            )));
+        }
+        let WriteState::Buffered(buf) = std::mem::replace(&mut self.state, WriteState::Busy) else {
+            unreachable!("checked above")
+        };
+        // The file first, then its record: the order the journal's checkpoints rely on.
+        let (inner, digest, buf) = (self.inner.clone(), self.digest, buf.freeze());
+        let data = buf.clone();
+        let placed = {
+            let _permit = self.inner.placing.acquire().await.map_err(|_| Error::internal("store closed"))?;
+            blocking(move || inner.place_unsynced(&digest, &data)).await
+        }
+        .map_err(|e| self.inner.write_failed(e, digest.size))?;
+        let journal = self.inner.journal.as_ref().expect("checked above");
+        match journal.append(&digest, &buf).await {
+            Err(e) if is_disk_full(&e) => {
+                let inner = self.inner.clone();
+                blocking(move || inner.sync_placed(&digest, placed)).await
+            }
+            other => other,
+        }
+        .map_err(|e| self.inner.write_failed(e, digest.size))
     }
 }
 
@@ -723,7 +930,7 @@ mod tests {
     #[tokio::test]
     async fn a_commit_syncs_its_shard_and_a_new_shards_parent() {
         let dir = tempfile::tempdir().unwrap();
-        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        let store = FsStore::open_with_journal(dir.path(), 1 << 30, false).await.unwrap();
         let fsyncs = || store.inner.dir_sync.fsyncs.load(std::sync::atomic::Ordering::Relaxed);
         let a = Bytes::from_static(b"first blob");
         let d = DigestFunction::Sha256.digest_of(&a);
@@ -758,6 +965,54 @@ mod tests {
         let e = sync.sync([dir.path().join("missing")]).unwrap_err();
         assert!(matches!(e, Error::Unavailable(_)) && e.to_string().contains("missing"), "{e}");
         sync.sync([good]).unwrap();
+    }
+
+    /// A power loss after small writes were acknowledged through the journal: files that
+    /// vanished or lost their bytes come back from the journal, a file whose write was
+    /// never acknowledged (its bytes lost) is removed, and a large blob (fsynced on its
+    /// own) is untouched. A clean shutdown then leaves nothing to repair.
+    #[tokio::test]
+    async fn a_crash_after_journaled_writes_is_repaired_at_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs: Vec<(Digest, Bytes)> = (0..50u32)
+            .map(|i| {
+                let b = Bytes::from(format!("small blob {i} ").repeat(100));
+                (DigestFunction::Sha256.digest_of(&b), b)
+            })
+            .collect();
+        let large = Bytes::from(vec![9u8; 3 << 20]);
+        let large_d = DigestFunction::Sha256.digest_of(&large);
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        futures::future::try_join_all(blobs.iter().map(|(d, b)| store.put(d, b.clone()))).await.unwrap();
+        store.put(&large_d, large.clone()).await.unwrap();
+        assert!(store.inner.journal.as_ref().unwrap().syncs() < 51, "appends in flight share their syncs");
+        store.crash();
+        // What a power loss can do to files that were never synced.
+        for (d, _) in &blobs[..10] {
+            fs::remove_file(blob_path(dir.path(), d)).unwrap();
+        }
+        for (d, b) in &blobs[10..15] {
+            fs::write(blob_path(dir.path(), d), vec![0u8; b.len()]).unwrap();
+        }
+        let unacked = DigestFunction::Sha256.digest_of(b"never acknowledged");
+        fs::create_dir_all(blob_path(dir.path(), &unacked).parent().unwrap()).unwrap();
+        fs::write(blob_path(dir.path(), &unacked), vec![0u8; unacked.size as usize]).unwrap();
+
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        let r = store.recovered();
+        assert_eq!((r.replayed, r.removed), (50, 1), "{r:?}");
+        assert!(r.rehashed >= 51, "{r:?}");
+        for (d, b) in &blobs {
+            assert_eq!(store.get(d).await.unwrap(), *b, "{d}");
+        }
+        assert_eq!(store.get(&large_d).await.unwrap(), large);
+        assert!(!store.has(&unacked).await.unwrap());
+        assert_eq!(fs::read_dir(dir.path().join("journal")).unwrap().count(), 1, "only the new journal segment");
+        drop(store);
+        assert_eq!(fs::read_dir(dir.path().join("journal")).unwrap().count(), 0, "a clean close retires the journal");
+        let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        assert_eq!(store.recovered(), Recovered::default());
+        assert_eq!(store.usage().blobs, 51);
     }
 
     #[tokio::test]

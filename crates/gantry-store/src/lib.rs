@@ -22,6 +22,7 @@
 
 pub mod completeness_check;
 pub mod factory;
+mod fs_journal;
 pub mod fs_store;
 pub mod grpc_store;
 pub mod integrity_store;

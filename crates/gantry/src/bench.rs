@@ -252,12 +252,72 @@ struct CasReport {
     bytestream_write_mib_s: f64,
     bytestream_read_mib_s: f64,
     batch_update_blobs_per_s: f64,
+    /// The same blobs on an in-process server that fsyncs each one (no --target only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch_update_blobs_fsync_each_per_s: Option<f64>,
     find_missing_digests_per_s: f64,
     find_missing_again_digests_per_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     find_missing_cold_digests_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     find_missing_cold_then_warm_digests_per_s: Option<f64>,
+}
+
+/// Starts a server on embedded defaults in a temp dir, its CAS with or without the
+/// small-blob journal. Dropping the guard stops it.
+async fn local_cas_server(journal: bool) -> anyhow::Result<(String, impl Sized)> {
+    let dir = tempfile::tempdir().context("creating a temporary data dir")?;
+    let mut config = gantry_config::Config::default();
+    config.server.data_dir = dir.path().to_owned();
+    config.cas = gantry_config::CasConfig::Fs(gantry_config::FsStoreConfig {
+        max_size: ByteSize::gib(8),
+        journal,
+        ..Default::default()
+    });
+    let db = gantry_store::open_metadata(&config).await?;
+    let services = crate::serve::build_services(&config, &db).await?;
+    let server =
+        gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;
+    Ok((format!("grpc://{}", server.grpc_addr), (server, services, dir)))
+}
+
+/// BatchUpdateBlobs of `smalls`, `per_batch` to a request, `concurrency` requests in
+/// flight: blobs per second.
+async fn batch_update_rate(
+    channel: &Channel,
+    inst: &str,
+    smalls: &[(Digest, Vec<u8>)],
+    per_batch: usize,
+    concurrency: usize,
+) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    futures::stream::iter(smalls.chunks(per_batch))
+        .map(|batch| {
+            let mut cas = ContentAddressableStorageClient::new(channel.clone());
+            let req = reapi::BatchUpdateBlobsRequest {
+                instance_name: inst.to_owned(),
+                requests: batch
+                    .iter()
+                    .map(|(d, b)| batch_update_blobs_request::Request {
+                        digest: Some(d.to_proto()),
+                        data: b.clone(),
+                        compressor: 0,
+                    })
+                    .collect(),
+                ..Default::default()
+            };
+            async move {
+                let resp = cas.batch_update_blobs(req).await?.into_inner();
+                if let Some(bad) = resp.responses.iter().find(|r| r.status.as_ref().is_some_and(|s| s.code != 0)) {
+                    bail!("BatchUpdateBlobs item failed: {:?}", bad.status);
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(smalls.len() as f64 / start.elapsed().as_secs_f64())
 }
 
 /// FindMissingBlobs over `digests` in requests of 10,000: (digests/s, missing count).
@@ -341,18 +401,8 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     let target = match &args.target {
         Some(t) => t.clone(),
         None => {
-            let dir = tempfile::tempdir().context("creating a temporary data dir")?;
-            let mut config = gantry_config::Config::default();
-            config.server.data_dir = dir.path().to_owned();
-            config.cas =
-                gantry_config::CasConfig::Fs(gantry_config::FsStoreConfig { path: None, max_size: ByteSize::gib(8) });
-            let db = gantry_store::open_metadata(&config).await?;
-            let services = crate::serve::build_services(&config, &db).await?;
-            let server =
-                gantry_services::RunningServer::start(&services, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?)
-                    .await?;
-            let t = format!("grpc://{}", server.grpc_addr);
-            _local = Some((server, services, dir));
+            let (t, guard) = local_cas_server(true).await?;
+            _local = Some(guard);
             t
         }
     };
@@ -443,34 +493,16 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
     let per_batch = ((4usize << 20) - (64 << 10)) / (small + 100);
     let per_batch = per_batch.max(1);
     progress(args.json, &format!("BatchUpdateBlobs of {} blobs ({per_batch} per request)...", smalls.len()));
-    let start = Instant::now();
-    futures::stream::iter(smalls.chunks(per_batch))
-        .map(|batch| {
-            let mut cas = ContentAddressableStorageClient::new(channel.clone());
-            let req = reapi::BatchUpdateBlobsRequest {
-                instance_name: inst.clone(),
-                requests: batch
-                    .iter()
-                    .map(|(d, b)| batch_update_blobs_request::Request {
-                        digest: Some(d.to_proto()),
-                        data: b.clone(),
-                        compressor: 0,
-                    })
-                    .collect(),
-                ..Default::default()
-            };
-            async move {
-                let resp = cas.batch_update_blobs(req).await?.into_inner();
-                if let Some(bad) = resp.responses.iter().find(|r| r.status.as_ref().is_some_and(|s| s.code != 0)) {
-                    bail!("BatchUpdateBlobs item failed: {:?}", bad.status);
-                }
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(args.concurrency)
-        .try_collect::<Vec<_>>()
-        .await?;
-    report.batch_update_blobs_per_s = smalls.len() as f64 / start.elapsed().as_secs_f64();
+    report.batch_update_blobs_per_s = batch_update_rate(&channel, &inst, &smalls, per_batch, args.concurrency).await?;
+    if args.target.is_none() {
+        // The baseline, in the same run on the same disk: a server whose CAS fsyncs every
+        // blob's file and directory (`[cas] journal = false`).
+        progress(args.json, "BatchUpdateBlobs again, on a server that fsyncs each blob ([cas] journal = false)...");
+        let (t, _guard) = local_cas_server(false).await?;
+        let baseline = gantry_core::client::connect(&t).await?;
+        let rate = batch_update_rate(&baseline, &inst, &smalls, per_batch, args.concurrency).await?;
+        report.batch_update_blobs_fsync_each_per_s = Some(rate);
+    }
 
     // FindMissingBlobs over the same digests and as many never uploaded (half present,
     // as a build's lookups are), in requests of 10,000.
@@ -521,6 +553,12 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
             "| BatchUpdateBlobs, {} x {} | {:.0} blobs/s |",
             args.small_count, args.small_size, report.batch_update_blobs_per_s
         );
+        if let Some(each) = report.batch_update_blobs_fsync_each_per_s {
+            println!(
+                "| BatchUpdateBlobs, the same with an fsync per blob | {each:.0} blobs/s (journal: {:.1}x) |",
+                report.batch_update_blobs_per_s / each
+            );
+        }
         println!(
             "| FindMissingBlobs, {} digests (half present) | {:.0} digests/s |",
             2 * args.small_count,
