@@ -51,26 +51,33 @@ const SPILL_THRESHOLD: usize = 1 << 20;
 const MIN_ROOM: u64 = 1 << 20;
 /// Reads are streamed in chunks of this size.
 const READ_CHUNK: u64 = 1 << 20;
-/// Journaled writes that may put their files in place at once (each on a blocking thread).
-const PLACING: usize = 8;
 
 pub struct FsStore {
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    root: PathBuf,
-    tmp: PathBuf,
-    index: Mutex<LruIndex<()>>,
+    files: Arc<Files>,
     dir_sync: DirSync,
     /// None when `[cas] journal = false`: every write fsyncs its own file.
     journal: Option<Journal>,
-    /// Journaled writes putting their files in place at once. Their waits for the
-    /// journal hold no thread, so hundreds may be in flight; this keeps the blocking pool
-    /// from growing a thread for each.
-    placing: tokio::sync::Semaphore,
     /// What the last open found of a crash (for tests and the startup log).
     recovered: Recovered,
+}
+
+/// The blob files and their index: what the journal's writer thread shares with the
+/// store (it puts journaled blobs' files in place).
+struct Files {
+    root: PathBuf,
+    tmp: PathBuf,
+    index: Mutex<LruIndex<()>>,
+}
+
+impl std::ops::Deref for Inner {
+    type Target = Files;
+    fn deref(&self) -> &Files {
+        &self.files
+    }
 }
 
 /// What `open` repaired after an earlier process died with journal segments left.
@@ -223,6 +230,87 @@ impl FsStore {
     }
 }
 
+impl Files {
+    /// Renames the temp file into place and accounts for it, with no sync. Returns the
+    /// shard directory and whether it was just created.
+    fn place(&self, tmp_path: &Path, digest: &Digest) -> Result<(PathBuf, bool)> {
+        let dest = blob_path(&self.root, digest);
+        let parent = dest.parent().expect("blob path has a parent").to_path_buf();
+        let mut created_shard = false;
+        {
+            let mut index = self.index.lock().expect("poisoned");
+            if let Err(e) = fs::rename(tmp_path, &dest) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(Error::io(format!("renaming blob {digest} into place"), e));
+                }
+                fs::create_dir_all(&parent).context(format_args!("creating {}", parent.display()))?;
+                created_shard = true;
+                fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
+            }
+            self.account(&mut index, digest);
+        }
+        Ok((parent, created_shard))
+    }
+
+    /// Takes a blob whose file is in place into the index, removing the files of the
+    /// blobs that makes room for.
+    fn account(&self, index: &mut LruIndex<()>, digest: &Digest) {
+        for (old, ()) in index.insert(*digest, digest.size, ()) {
+            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
+                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
+            }
+        }
+    }
+
+    /// Writes a small blob's file straight under its name, with no temp file and no
+    /// sync: a journaled write needs neither (see the module doc). A reader never takes
+    /// a file for a blob before it has the blob's full size, which it reaches only once
+    /// every byte is in. Returns the shard directory and whether it was just created.
+    fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
+        let dest = blob_path(&self.root, digest);
+        let shard = dest.parent().expect("blob path has a parent").to_path_buf();
+        let mut created_shard = false;
+        let create = || File::options().write(true).create_new(true).open(&dest);
+        let file = match create() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                fs::create_dir_all(&shard).context(format_args!("creating {}", shard.display()))?;
+                created_shard = true;
+                create()
+            }
+            other => other,
+        };
+        match file {
+            Ok(mut f) => {
+                if let Err(e) = f.write_all(data) {
+                    drop(f);
+                    let _ = fs::remove_file(&dest);
+                    return Err(Error::io(format!("writing blob {digest}"), e));
+                }
+                drop(f);
+                self.account(&mut self.index.lock().expect("poisoned"), digest);
+                Ok((shard, created_shard))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                {
+                    // Another write of the same blob, done or under way: at its full size
+                    // it holds every byte. Checked under the lock, so that no eviction
+                    // removes it between the check and the accounting.
+                    let mut index = self.index.lock().expect("poisoned");
+                    if fs::metadata(&dest).is_ok_and(|m| m.len() == digest.size) {
+                        self.account(&mut index, digest);
+                        return Ok((shard, false));
+                    }
+                }
+                // What a write that died left: replace it whole.
+                let mut t = TempFile::create(&self.tmp)?.with(data)?;
+                t.file.take();
+                self.place(&t.path, digest)
+            }
+            Err(e) => Err(Error::io(format!("creating blob {digest}"), e)),
+        }
+    }
+}
+
 impl Inner {
     fn open(root: PathBuf, max_bytes: u64, journal: bool) -> Result<Inner> {
         let tmp = root.join("tmp");
@@ -313,17 +401,16 @@ impl Inner {
         for (d, ()) in evicted {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
-        let journal = if journal { Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES)?) } else { None };
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
-        Ok(Inner {
-            root,
-            tmp,
-            index: Mutex::new(index),
-            dir_sync: DirSync::default(),
-            journal,
-            placing: tokio::sync::Semaphore::new(PLACING),
-            recovered,
-        })
+        let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
+        let journal = if journal {
+            let f = files.clone();
+            let place: fs_journal::Place = Box::new(move |d, data| f.write_in_place(d, data).map(drop));
+            Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, place)?)
+        } else {
+            None
+        };
+        Ok(Inner { files, dir_sync: DirSync::default(), journal, recovered })
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
@@ -342,116 +429,18 @@ impl Inner {
             .map_err(|e| e.context(format_args!("blob {digest}")))
     }
 
-    /// Renames the temp file into place and accounts for it, with no sync. Returns the
-    /// shard directory and whether it was just created.
-    fn place(&self, tmp_path: &Path, digest: &Digest) -> Result<(PathBuf, bool)> {
-        let dest = blob_path(&self.root, digest);
-        let parent = dest.parent().expect("blob path has a parent").to_path_buf();
-        let mut created_shard = false;
-        {
-            let mut index = self.index.lock().expect("poisoned");
-            if let Err(e) = fs::rename(tmp_path, &dest) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    return Err(Error::io(format!("renaming blob {digest} into place"), e));
-                }
-                fs::create_dir_all(&parent).context(format_args!("creating {}", parent.display()))?;
-                created_shard = true;
-                fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
-            }
-            self.account(&mut index, digest);
-        }
-        Ok((parent, created_shard))
-    }
-
-    /// Takes a blob whose file is in place into the index, removing the files of the
-    /// blobs that makes room for.
-    fn account(&self, index: &mut LruIndex<()>, digest: &Digest) {
-        for (old, ()) in index.insert(*digest, digest.size, ()) {
-            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
-                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
-            }
-        }
-    }
-
-    /// Writes a small blob's file straight under its name, with no temp file and no
-    /// sync: a journaled write needs neither (see the module doc). A reader never takes
-    /// a file for a blob before it has the blob's full size, which it reaches only once
-    /// every byte is in. Returns the shard directory and whether it was just created.
-    fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
-        let dest = blob_path(&self.root, digest);
-        let shard = dest.parent().expect("blob path has a parent").to_path_buf();
-        let mut created_shard = false;
-        let create = || File::options().write(true).create_new(true).open(&dest);
-        let file = match create() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fs::create_dir_all(&shard).context(format_args!("creating {}", shard.display()))?;
-                created_shard = true;
-                create()
-            }
-            other => other,
-        };
-        match file {
-            Ok(mut f) => {
-                if let Err(e) = f.write_all(data) {
-                    drop(f);
-                    let _ = fs::remove_file(&dest);
-                    return Err(Error::io(format!("writing blob {digest}"), e));
-                }
-                drop(f);
-                self.account(&mut self.index.lock().expect("poisoned"), digest);
-                Ok((shard, created_shard))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                {
-                    // Another write of the same blob, done or under way: at its full size
-                    // it holds every byte. Checked under the lock, so that no eviction
-                    // removes it between the check and the accounting.
-                    let mut index = self.index.lock().expect("poisoned");
-                    if fs::metadata(&dest).is_ok_and(|m| m.len() == digest.size) {
-                        self.account(&mut index, digest);
-                        return Ok((shard, false));
-                    }
-                }
-                // What a write that died left: replace it whole.
-                let mut t = TempFile::create(&self.tmp)?.with(data)?;
-                t.file.take();
-                self.place(&t.path, digest)
-            }
-            Err(e) => Err(Error::io(format!("creating blob {digest}"), e)),
-        }
-    }
-
-    /// A small blob's file in place, unsynced: the first half of a journaled commit.
-    /// A full disk makes room and tries once more, as `stage` does. Returns the shard
-    /// directory and whether it was just created.
-    fn place_unsynced(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
-        match self.write_in_place(digest, data) {
-            Err(e) if is_disk_full(&e) => {
-                self.make_room(digest.size.max(MIN_ROOM));
-                self.write_in_place(digest, data)
-            }
-            other => other,
-        }
-    }
-
-    /// The journal had no room for a placed blob: makes it durable on its own, as without
-    /// the journal, and has the journal's segments retired to free their space.
-    fn sync_placed(&self, digest: &Digest, (shard, created_shard): (PathBuf, bool)) -> Result<()> {
-        if let Some(j) = &self.journal {
-            j.checkpoint_now();
-        }
-        let dest = blob_path(&self.root, digest);
-        File::open(&dest).and_then(|f| f.sync_all()).context(format_args!("fsync {}", dest.display()))?;
-        let function_dir = created_shard.then(|| shard.parent().expect("shard has a parent").to_path_buf());
-        self.dir_sync.sync(std::iter::once(shard).chain(function_dir))
-    }
-
     /// The disk is full before the store's budget is (other files share it, or
     /// `max_size` is larger than the disk): removes least recently used blobs worth at
     /// least `bytes`, so that the next write fits. Returns the bytes freed.
     fn make_room(&self, bytes: u64) -> u64 {
+        // The journal's segments go first: they only duplicate blobs that are files. Blobs
+        // are evicted only for what the disk still lacks after that.
         if let Some(j) = &self.journal {
             j.checkpoint_now();
+            if free_bytes(&self.root).is_some_and(|free| free >= bytes) {
+                tracing::warn!(cas = %self.root.display(), "disk full: the CAS journal's segments were retired to make room");
+                return 0;
+            }
         }
         let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
         let mut freed = 0;
@@ -506,6 +495,20 @@ impl Inner {
             index.remove(digest);
         }
     }
+}
+
+/// Bytes an unprivileged writer may still use on the filesystem of `path`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a valid C string and `st` a buffer statvfs fills on success.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// ENOSPC or EDQUOT, from any step of a write.
@@ -802,23 +805,17 @@ impl BlobWriter for FsWriter {
         let WriteState::Buffered(buf) = std::mem::replace(&mut self.state, WriteState::Busy) else {
             unreachable!("checked above")
         };
-        // The file first, then its record: the order the journal's checkpoints rely on.
-        let (inner, digest, buf) = (self.inner.clone(), self.digest, buf.freeze());
-        let data = buf.clone();
-        let placed = {
-            let _permit = self.inner.placing.acquire().await.map_err(|_| Error::internal("store closed"))?;
-            blocking(move || inner.place_unsynced(&digest, &data)).await
-        }
-        .map_err(|e| self.inner.write_failed(e, digest.size))?;
+        let buf = buf.freeze();
         let journal = self.inner.journal.as_ref().expect("checked above");
-        match journal.append(&digest, &buf).await {
+        match journal.append(&self.digest, buf.clone()).await {
+            // No room for the file or the journal: the way without the journal makes room
+            // (the journal's too) and tries once more.
             Err(e) if is_disk_full(&e) => {
-                let inner = self.inner.clone();
-                blocking(move || inner.sync_placed(&digest, placed)).await
+                self.state = WriteState::Buffered(BytesMut::from(&buf[..]));
+                self.stage().await?.publish().await
             }
             other => other,
         }
-        .map_err(|e| self.inner.write_failed(e, digest.size))
     }
 }
 
