@@ -206,6 +206,12 @@ pub struct PlannerConfig {
     /// Above 1 never.
     #[serde(default = "default_known_flaky_share")]
     pub known_flaky_share: f64,
+    /// With batching: fixed batches, as GitHub's merge queue cuts them. Every slot
+    /// goes to a batch of `max_batch` queued changes in queue order (a smaller one
+    /// once its oldest change has waited a typical build), whatever the load and
+    /// the predictions; a failed batch is bisected. For comparison in the simulator.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fixed_batches: bool,
 }
 
 fn default_known_flaky_share() -> f64 {
@@ -270,6 +276,7 @@ impl Default for PlannerConfig {
             batch_min_pass: default_batch_min_pass(),
             attribution: default_attribution(),
             known_flaky_share: default_known_flaky_share(),
+            fixed_batches: false,
         }
     }
 }
@@ -1627,9 +1634,12 @@ impl Planner {
         if free == 0 || n == 0 {
             return;
         }
-        let target = (n as f64 / self.config.capacity.max(1) as f64)
-            .ceil()
-            .clamp(1.0, self.config.max_batch.max(1) as f64) as usize;
+        let target = if self.config.fixed_batches {
+            self.config.max_batch.max(1)
+        } else {
+            (n as f64 / self.config.capacity.max(1) as f64).ceil().clamp(1.0, self.config.max_batch.max(1) as f64)
+                as usize
+        };
         let patience = self.mean_build_ms().unwrap_or(0.0) as u64;
         // A running tree holds its changes in flight, unless its own change is
         // expected to fail: such a tree decides nothing for the others.
@@ -1986,8 +1996,9 @@ impl Planner {
                 }
             }
         }
-        // Under a backlog with batching, slots go to batch trees instead.
-        if overloaded && self.config.batching {
+        // Under a backlog with batching (always, with fixed batches), slots go to
+        // batch trees instead.
+        if self.config.batching && (overloaded || self.config.fixed_batches) {
             self.schedule_batches(now, &order, &pos, &pi, free, actions);
             return;
         }

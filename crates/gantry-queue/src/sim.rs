@@ -160,16 +160,25 @@ pub enum Policy {
     /// backlog. The floor for any batching policy.
     #[serde(rename = "oracle-batch")]
     OracleBatch,
+    /// GitHub's merge queue: fixed batches of `BATCH_ONLY_SIZE` in queue order,
+    /// each tested on top of the batches ahead assuming they pass, a failed
+    /// batch bisected; no predictions, no conflict analyzer, no value ranking.
+    #[serde(rename = "batch-only")]
+    BatchOnly,
 }
+
+/// `batch-only`'s batch size: GitHub's merge queue's default maximum group size.
+pub const BATCH_ONLY_SIZE: usize = 5;
 
 impl Policy {
     /// All policies, oracle first (it is the normaliser).
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
         Policy::Oracle,
         Policy::OracleRetry,
         Policy::OracleBatch,
         Policy::Sq,
         Policy::SqBatch,
+        Policy::BatchOnly,
         Policy::SpeculateAll,
         Policy::Single,
         Policy::Optimistic,
@@ -181,6 +190,7 @@ impl Policy {
             Policy::Sq => "sq",
             Policy::SqBatch => "sq-batch",
             Policy::OracleBatch => "oracle-batch",
+            Policy::BatchOnly => "batch-only",
             Policy::Single => "single",
             Policy::Optimistic => "optimistic",
             Policy::SpeculateAll => "speculate-all",
@@ -400,6 +410,17 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
             overload_pending_factor: None,
             max_conflict_probability: 1.0,
             model_includes_conflicts: false,
+            ..base
+        },
+        Policy::BatchOnly => PlannerConfig {
+            strategy: Strategy::Optimistic,
+            use_analyzer: false,
+            batching: true,
+            fixed_batches: true,
+            max_batch: BATCH_ONLY_SIZE,
+            batch_min_pass: 0.0,
+            attribution: false,
+            known_flaky_share: 2.0,
             ..base
         },
         Policy::OracleBatch => PlannerConfig {

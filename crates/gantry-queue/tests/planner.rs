@@ -590,7 +590,20 @@ fn run_batched(
     n: usize,
     broken: &[usize],
 ) -> (usize, Vec<(String, Vec<String>)>, Vec<String>, Vec<String>, Vec<usize>) {
-    let mut p = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, batching: true, ..PlannerConfig::default() });
+    run_batched_with(
+        PlannerConfig { capacity: 1, max_retries: 0, batching: true, ..PlannerConfig::default() },
+        n,
+        broken,
+    )
+}
+
+#[allow(clippy::type_complexity)]
+fn run_batched_with(
+    config: PlannerConfig,
+    n: usize,
+    broken: &[usize],
+) -> (usize, Vec<(String, Vec<String>)>, Vec<String>, Vec<String>, Vec<usize>) {
+    let mut p = Planner::new(config);
     let mut running: Vec<BuildSpec> = Vec::new();
     let (mut shapes, mut landed, mut rejected, mut batches) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut absorb = |acts: Vec<Action>, running: &mut Vec<BuildSpec>| {
@@ -634,6 +647,34 @@ fn a_passing_batch_lands_every_change_in_one_build() {
     assert_eq!(landed, ["c1", "c2", "c3", "c4"]);
     assert!(rejected.is_empty());
     assert_eq!(batches, [3]);
+}
+
+#[test]
+fn fixed_batches_cut_the_queue_in_batches_of_max_batch_and_bisect_a_failure() {
+    // GitHub-style (the simulator's batch-only): the backlog of six behind c1 is cut
+    // into batches of three whatever the load, where adaptive batching, on one slot,
+    // grows its first batch until the predicted P(pass) would fall too low.
+    let fixed = PlannerConfig {
+        capacity: 1,
+        max_retries: 0,
+        batching: true,
+        fixed_batches: true,
+        max_batch: 3,
+        strategy: gantry_queue::Strategy::Optimistic,
+        use_analyzer: false,
+        ..PlannerConfig::default()
+    };
+    let (builds, shapes, landed, rejected, batches) = run_batched_with(fixed.clone(), 7, &[]);
+    assert_eq!(landed, ["c1", "c2", "c3", "c4", "c5", "c6", "c7"]);
+    assert!(rejected.is_empty());
+    assert_eq!((builds, batches), (3, vec![3, 3]), "{shapes:?}");
+    let (_, shapes, ..) = run_batched(7, &[]);
+    assert!(shapes[1].1.len() + 1 > 3, "{shapes:?}");
+    // A broken member: its batch fails, is halved until the culprit is alone, and
+    // everything else lands.
+    let (_, shapes, landed, rejected, _) = run_batched_with(fixed, 7, &[3]);
+    assert_eq!(rejected, ["c3"], "{shapes:?}");
+    assert_eq!(landed, ["c1", "c2", "c4", "c5", "c6", "c7"], "{shapes:?}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ pub struct QueueBenchArgs {
     /// Concurrent builds.
     #[arg(long, default_value_t = 100)]
     capacity: usize,
-    /// One policy (sq, sq-batch, single, optimistic, speculate-all, oracle, oracle-retry, oracle-batch) [default: all, with ratios to the oracle].
+    /// One policy (sq, sq-batch, batch-only, single, optimistic, speculate-all, oracle, oracle-retry, oracle-batch) [default: all, with ratios to the oracle].
     #[arg(long)]
     policy: Option<String>,
     /// Probability that a build that should pass fails anyway (flaky tests).
