@@ -393,6 +393,9 @@ pub struct PlannerStats {
     /// Changes re-queued behind a higher-priority arrival.
     #[serde(default)]
     pub requeued: u64,
+    /// Builds of a half (a quarter, ...) of a failed batch tree: the bisections.
+    #[serde(default)]
+    pub bisection_builds: u64,
     /// Failed trees tried again whole because every failing target was known
     /// to be flaky (instead of a bisection).
     #[serde(default)]
@@ -1775,12 +1778,14 @@ impl Planner {
             // tried again whole, while attempts remain, instead of bisected.
             let flaky =
                 |s: &KeyStat| self.flake_odds(s.last_failed).is_some() && s.may_attempt(max_attempts, s.running_n);
+            let mut halved = false;
             let (k, key, stats) = loop {
                 let (k, key) = self.batch_tree(&g, order, pos, pi);
                 let stats = self.key_stats(k);
                 let failed = stats.get(&key).is_some_and(|s| s.failures > 0 && s.passed.is_none() && !flaky(s));
                 if failed && g.len() > 1 && !key.is_empty() {
                     g.truncate(g.len().div_ceil(2));
+                    halved = true;
                     continue;
                 }
                 break (k, key, stats);
@@ -1801,6 +1806,7 @@ impl Planner {
             if attempt > 1 && !key.is_empty() {
                 self.stats.flaky_retries += 1;
             }
+            self.stats.bisection_builds += u64::from(halved);
             self.start_build(now, k, key, attempt, actions);
             free -= 1;
         }

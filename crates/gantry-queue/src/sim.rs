@@ -292,6 +292,9 @@ pub struct Report {
     /// Changes landed because their own targets passed on a failed tree.
     #[serde(default)]
     pub attributed_landed: u64,
+    /// Builds of a half (a quarter, ...) of a failed batch tree.
+    #[serde(default)]
+    pub bisection_builds: u64,
     /// Failed trees retried whole because their failing targets were known flaky.
     #[serde(default)]
     pub flaky_retries: u64,
@@ -598,6 +601,7 @@ pub fn simulate_logged(
         batches: st.batches,
         batch_landed: st.batch_landed,
         attributed_landed: attributed,
+        bisection_builds: st.bisection_builds,
         flaky_retries: st.flaky_retries,
         flaky_targets: planner.flaky_targets().len(),
         utilisation: {

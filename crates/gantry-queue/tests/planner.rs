@@ -634,6 +634,9 @@ fn run_batched_with(
         let tree_ok = b.assumed.iter().chain([&b.change]).all(|c| !broken.contains(&c.0[1..].parse().unwrap()));
         absorb(finish(&mut p, t, b.id, tree_ok), &mut running);
     }
+    if broken.is_empty() {
+        assert_eq!(p.stats().bisection_builds, 0, "nothing failed, nothing was bisected");
+    }
     (shapes.len(), shapes, landed, rejected, batches)
 }
 

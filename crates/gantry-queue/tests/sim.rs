@@ -57,6 +57,13 @@ fn every_policy_is_correct_and_green() {
         }
         let sb = cmp.reports.iter().find(|r| r.policy == "sq-batch").unwrap();
         assert!(sb.attributed_landed > 0, "sq-batch decides members of failed trees: {sb:?}");
+        // Fixed batches with no attribution: the failing ones are bisected, and only a
+        // batching policy ever bisects.
+        let bo = cmp.reports.iter().find(|r| r.policy == "batch-only").unwrap();
+        assert!(bo.batches > 0 && bo.bisection_builds > 0 && bo.attributed_landed == 0, "{bo:?}");
+        for r in cmp.reports.iter().filter(|r| !batching.contains(&r.policy.as_str())) {
+            assert_eq!(r.bisection_builds, 0, "{} bisected", r.policy);
+        }
     }
 }
 

@@ -24,6 +24,7 @@ pub struct QueueMetrics {
     pub(crate) infra_retries: IntCounter,
     batches: IntCounter,
     batch_landed: IntCounter,
+    bisection_builds: IntCounter,
     flaky_retries: IntCounter,
     flaky_targets: IntGaugeVec,
     turnaround: HistogramVec,
@@ -59,6 +60,10 @@ impl QueueMetrics {
             )?,
             batches: counter("gantry_queue_batches_total", "Batches landed: several changes in one mainline move")?,
             batch_landed: counter("gantry_queue_batch_landed_total", "Changes landed by batches")?,
+            bisection_builds: counter(
+                "gantry_queue_bisection_builds_total",
+                "Builds of a half (a quarter, ...) of a failed batch: the bisections",
+            )?,
             flaky_retries: counter(
                 "gantry_queue_flaky_retries_total",
                 "Failed batch trees tried again whole, not bisected, because every failing target is known flaky",
@@ -86,6 +91,7 @@ impl QueueMetrics {
         registry.register(Box::new(m.infra_retries.clone()))?;
         registry.register(Box::new(m.batches.clone()))?;
         registry.register(Box::new(m.batch_landed.clone()))?;
+        registry.register(Box::new(m.bisection_builds.clone()))?;
         registry.register(Box::new(m.flaky_retries.clone()))?;
         registry.register(Box::new(m.flaky_targets.clone()))?;
         registry.register(Box::new(m.turnaround.clone()))?;
@@ -123,6 +129,7 @@ impl QueueMetrics {
         advance(&self.landing_failures, landing_failures);
         advance(&self.batches, stats.batches);
         advance(&self.batch_landed, stats.batch_landed);
+        advance(&self.bisection_builds, stats.bisection_builds);
         advance(&self.flaky_retries, stats.flaky_retries);
         // One series per target, so only the most flaky few.
         for f in flaky.iter().take(MAX_FLAKY_SERIES) {

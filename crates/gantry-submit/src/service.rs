@@ -434,6 +434,7 @@ impl QueueService {
                 .collect(),
             batches: stats.batches,
             batch_landed: stats.batch_landed,
+            bisection_builds: stats.bisection_builds,
         })
     }
 

@@ -134,13 +134,17 @@ pub async fn run(cmd: QueueCommand) -> anyhow::Result<()> {
                 println!(
                     "{}",
                     json!({"mainline": s.mainline, "mainline_commit": s.mainline_commit, "capacity": s.capacity, "changes": changes,
-                           "flaky_targets": flaky, "batches": s.batches, "batch_landed": s.batch_landed})
+                           "flaky_targets": flaky, "batches": s.batches, "batch_landed": s.batch_landed,
+                           "bisection_builds": s.bisection_builds})
                 );
                 return Ok(());
             }
             println!("{} at {}, {} build slots", s.mainline, short(&s.mainline_commit), s.capacity);
-            if s.batches > 0 {
-                println!("{} batches landed {} changes", s.batches, s.batch_landed);
+            if s.batches > 0 || s.bisection_builds > 0 {
+                println!(
+                    "{} batches landed {} changes; {} builds bisected failed batches",
+                    s.batches, s.batch_landed, s.bisection_builds
+                );
             }
             for c in &s.changes {
                 print_change(c, false, true);

@@ -528,6 +528,8 @@ fn batching_lands_eight_changes_in_fewer_builds_with_real_bazel() {
     assert!(batches >= 1 && status["batch_landed"].as_u64().unwrap() >= 2 * batches, "{status:#}");
     assert_eq!(status["flaky_targets"], serde_json::json!([]), "{status:#}");
     assert_eq!(metric_value(&m, "gantry_queue_batches_total"), Some(batches as f64), "{m}");
+    let bisections = status["bisection_builds"].as_u64().unwrap();
+    assert_eq!(metric_value(&m, "gantry_queue_bisection_builds_total"), Some(bisections as f64), "{m}");
 
     // One version per landed change, each its own commit on the one before; the mainline
     // itself moved only to the last commit of each batch, a tree that passed.
