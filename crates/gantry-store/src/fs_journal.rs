@@ -60,24 +60,27 @@ fn encode(out: &mut Vec<u8>, d: &Digest, data: &[u8]) {
     out.extend_from_slice(data);
 }
 
-/// Reads the next record, or None at the end of the segment or at a record that is not
-/// whole and true to its digest (a crash tore it; nothing acknowledged follows it).
-fn decode(r: &mut impl Read) -> Option<(Digest, Vec<u8>)> {
+/// Reads the next record: None at the end of the segment or at a record that is not
+/// whole and true to its digest (a crash tore it; nothing acknowledged follows it). An
+/// I/O error is an error: the segment must not be retired over what it could not read.
+fn decode(r: &mut impl Read) -> std::io::Result<Option<(Digest, Vec<u8>)>> {
+    let short = |e: std::io::Error| if e.kind() == std::io::ErrorKind::UnexpectedEof { Ok(None) } else { Err(e) };
     let mut h = [0u8; HEADER];
-    r.read_exact(&mut h).ok()?;
-    if h[..4] != RECORD_MAGIC {
-        return None;
+    if let Err(e) = r.read_exact(&mut h) {
+        return short(e);
     }
-    let function = *DigestFunction::ALL.get(h[4] as usize)?;
+    let Some(&function) = DigestFunction::ALL.get(h[4] as usize) else { return Ok(None) };
     let size = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
     // Bounded before the allocation: a torn header may claim anything.
-    if size > MAX_RECORD_DATA {
-        return None;
+    if h[..4] != RECORD_MAGIC || size > MAX_RECORD_DATA {
+        return Ok(None);
     }
     let mut data = vec![0u8; size as usize];
-    r.read_exact(&mut data).ok()?;
+    if let Err(e) = r.read_exact(&mut data) {
+        return short(e);
+    }
     let d = function.digest_of(&data);
-    (d.hash[..] == h[16..48]).then_some((d, data))
+    Ok((d.hash[..] == h[16..48]).then_some((d, data)))
 }
 
 fn segment_name(created: SystemTime, seq: u64) -> String {
@@ -116,6 +119,13 @@ pub(crate) fn claim_orphans(dir: &Path) -> Result<Orphans> {
     let mut segments = Vec::new();
     for entry in fs::read_dir(dir).context(format_args!("listing {}", dir.display()))? {
         let path = entry.context("listing journal")?.path();
+        if path.to_string_lossy().ends_with(".new") {
+            // A segment its process died before naming: empty, and unlocked once dead.
+            if File::open(&path).is_ok_and(|f| f.try_lock().is_ok()) {
+                let _ = fs::remove_file(&path);
+            }
+            continue;
+        }
         if !path.to_string_lossy().ends_with(SUFFIX) {
             continue;
         }
@@ -126,7 +136,15 @@ pub(crate) fn claim_orphans(dir: &Path) -> Result<Orphans> {
             Err(e) => return Err(Error::io(format!("opening journal segment {}", path.display()), e)),
         };
         match file.try_lock() {
-            Ok(()) => segments.push((path, file)),
+            Ok(()) => {
+                // Retired by its owner between the open and the lock: not an orphan.
+                use std::os::unix::fs::MetadataExt;
+                let held = file.metadata().context("stat journal segment")?;
+                let named = fs::metadata(&path).ok();
+                if held.nlink() > 0 && named.is_some_and(|m| m.ino() == held.ino() && m.dev() == held.dev()) {
+                    segments.push((path, file));
+                }
+            }
             Err(std::fs::TryLockError::WouldBlock) => {}
             Err(std::fs::TryLockError::Error(e)) => {
                 return Err(Error::io(format!("locking journal segment {}", path.display()), e));
@@ -155,9 +173,19 @@ impl Orphans {
         let mut n = 0;
         for (path, file) in &self.segments {
             let mut r = BufReader::with_capacity(1 << 20, file);
-            while let Some((d, data)) = decode(&mut r) {
+            let read_err = |e| Error::io(format!("reading journal segment {}", path.display()), e);
+            let mut offset = 0u64;
+            while let Some((d, data)) = decode(&mut r).map_err(read_err)? {
                 f(&d, &data).map_err(|e| e.context(format_args!("replaying journal segment {}", path.display())))?;
+                offset += (HEADER + data.len()) as u64;
                 n += 1;
+            }
+            let len = file.metadata().map_err(read_err)?.len();
+            if len > offset + HEADER as u64 {
+                // More than a torn append: the disk returned something else. What
+                // follows cannot be read as records; say so.
+                tracing::warn!(segment = %path.display(), offset, len,
+                    "CAS journal: a record that is not whole ends this segment before its end");
             }
         }
         Ok(n)
@@ -166,7 +194,12 @@ impl Orphans {
     /// Deletes the segments; call once what they hold is durable elsewhere.
     pub(crate) fn retire(self) -> Result<()> {
         for (path, _lock) in self.segments {
-            fs::remove_file(&path).context(format_args!("removing journal segment {}", path.display()))?;
+            match fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(format!("removing journal segment {}", path.display()), e));
+                }
+                _ => {}
+            }
         }
         Ok(())
     }
@@ -204,6 +237,8 @@ struct Shared {
     /// Rounds synced and segments retired (what group commit saves is visible in tests).
     syncs: AtomicU64,
     retired: AtomicU64,
+    /// Segments that could not be started (the disk is full past its inodes).
+    failed_rotations: AtomicU64,
 }
 
 /// A round's outcome: the io error's kind survives, so a full disk stays a full disk.
@@ -256,6 +291,7 @@ impl Journal {
             abandoned: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
             retired: AtomicU64::new(0),
+            failed_rotations: AtomicU64::new(0),
         });
         let mut journal = Journal { shared: shared.clone(), threads: Vec::new() };
         for (name, work) in [("cas-journal", Shared::writes as fn(&Shared)), ("cas-checkpoint", Shared::checkpoints)] {
@@ -299,18 +335,27 @@ impl Journal {
     /// journal then holds no space beyond an empty segment (the disk is full). Blocks.
     pub(crate) fn checkpoint_now(&self) {
         let sh = &*self.shared;
+        // A segment that cannot be started (no inode left) or a checkpoint that cannot
+        // finish: past this, the caller goes on to evict and report the full disk.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut st = sh.lock();
+        let wanted = sh.retired.load(Ordering::Relaxed) + st.sealed.len() as u64 + 1;
+        let failed = sh.failed_rotations.load(Ordering::Relaxed);
         st.rotate = true;
         sh.work.notify_all();
-        while (st.rotate || !st.sealed.is_empty()) && !st.closing {
-            let (next, timeout) = sh.changed.wait_timeout(st, Duration::from_secs(10)).expect("poisoned");
-            st = next;
-            if timeout.timed_out() {
-                // A segment that cannot be started (the disk is that full): the caller
-                // goes on and reports the full disk.
+        // Done once the segments sealed before this call and the one it sealed are
+        // retired, whatever later calls seal meanwhile.
+        while sh.retired.load(Ordering::Relaxed) < wanted && !st.closing {
+            if sh.failed_rotations.load(Ordering::Relaxed) > failed {
+                tracing::warn!(dir = %sh.dir.display(), "CAS journal: no new segment can be started on the full disk");
+                return;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
                 tracing::warn!(dir = %sh.dir.display(), "CAS journal: no checkpoint within 10s of a full disk");
                 return;
             }
+            st = sh.changed.wait_timeout(st, left).expect("poisoned").0;
         }
     }
 
@@ -360,18 +405,32 @@ impl Drop for Journal {
     }
 }
 
+/// Starts a segment. It is created and locked under a name no one claims, then renamed:
+/// a process opening the store meanwhile can never take a live segment for an orphan.
+/// Its name holds the filesystem's own timestamp of its creation, the clock the blob
+/// files' modification times come from (see `Orphans::oldest`).
 fn new_segment(dir: &Path, seq: &AtomicU64) -> Result<Segment> {
-    let path = dir.join(segment_name(SystemTime::now(), seq.fetch_add(1, Ordering::Relaxed)));
-    let file = File::options()
-        .read(true)
-        .append(true)
-        .create_new(true)
-        .open(&path)
-        .context(format_args!("creating journal segment {}", path.display()))?;
-    file.lock().context(format_args!("locking journal segment {}", path.display()))?;
-    // The segment's name must survive a crash before any record in it is acknowledged.
-    fsync_dir(dir).context(format_args!("fsync {}", dir.display()))?;
-    Ok(Segment { path, file, len: 0 })
+    let n = seq.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!("{}-{n}.new", std::process::id()));
+    let made = (|| -> Result<Segment> {
+        let file = File::options()
+            .read(true)
+            .append(true)
+            .create_new(true)
+            .open(&tmp)
+            .context(format_args!("creating journal segment {}", tmp.display()))?;
+        file.lock().context(format_args!("locking journal segment {}", tmp.display()))?;
+        let created = file.metadata().and_then(|m| m.modified()).context(format_args!("stat {}", tmp.display()))?;
+        let path = dir.join(segment_name(created, n));
+        fs::rename(&tmp, &path).context(format_args!("naming journal segment {}", path.display()))?;
+        // The segment's name must survive a crash before any record in it is acknowledged.
+        fsync_dir(dir).context(format_args!("fsync {}", dir.display()))?;
+        Ok(Segment { path, file, len: 0 })
+    })();
+    if made.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    made
 }
 
 fn io_outcome(e: &Error) -> (std::io::ErrorKind, String) {
@@ -470,6 +529,9 @@ impl Shared {
             st.sealed.push_back(old);
             st.rotate = false;
         });
+        if outcome.is_err() {
+            self.failed_rotations.fetch_add(1, Ordering::Relaxed);
+        }
         self.changed.notify_all();
         (st, outcome.map_err(|e| io_outcome(&e)))
     }
@@ -537,23 +599,23 @@ mod tests {
         encode(&mut buf, &b3, b"blake");
         let mut r = &buf[..];
         for (d, data) in &blobs {
-            assert_eq!(decode(&mut r), Some((*d, data.clone())));
+            assert_eq!(decode(&mut r).unwrap(), Some((*d, data.clone())));
         }
-        assert_eq!(decode(&mut r), Some((b3, b"blake".to_vec())));
-        assert_eq!(decode(&mut r), None);
+        assert_eq!(decode(&mut r).unwrap(), Some((b3, b"blake".to_vec())));
+        assert_eq!(decode(&mut r).unwrap(), None);
         // Cut anywhere inside the last record: the ones before it still decode.
         for cut in [buf.len() - 1, buf.len() - 5 - HEADER + 3] {
             let mut r = &buf[..cut];
-            assert_eq!((0..3).filter_map(|_| decode(&mut r)).count(), 3);
-            assert_eq!(decode(&mut r), None);
+            assert_eq!((0..3).filter_map(|_| decode(&mut r).unwrap()).count(), 3);
+            assert_eq!(decode(&mut r).unwrap(), None);
         }
         // A flipped data byte fails its digest; a huge claimed size is refused unread.
         let mut bad = buf.clone();
         bad[HEADER + 5] ^= 1;
-        assert_eq!(decode(&mut &bad[..]), None);
+        assert_eq!(decode(&mut &bad[..]).unwrap(), None);
         let mut huge = buf.clone();
         huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(decode(&mut &huge[..]), None);
+        assert_eq!(decode(&mut &huge[..]).unwrap(), None);
     }
 
     #[test]

@@ -51,6 +51,9 @@ const SPILL_THRESHOLD: usize = 1 << 20;
 const MIN_ROOM: u64 = 1 << 20;
 /// Reads are streamed in chunks of this size.
 const READ_CHUNK: u64 = 1 << 20;
+/// A temp file this old belongs to no write in progress (an upload idle longer is
+/// dropped), so an open removes it even beside live processes.
+const STALE_TEMP: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 pub struct FsStore {
     inner: Arc<Inner>,
@@ -59,6 +62,9 @@ pub struct FsStore {
 struct Inner {
     files: Arc<Files>,
     dir_sync: DirSync,
+    /// A shared lock on `journal/users.lock` for this store's lifetime: how an opening
+    /// process knows whether any other uses the directory.
+    _user: File,
     /// None when `[cas] journal = false`: every write fsyncs its own file.
     journal: Option<Journal>,
     /// What the last open found of a crash (for tests and the startup log).
@@ -274,52 +280,13 @@ impl Files {
         }
     }
 
-    /// Writes a small blob's file straight under its name, with no temp file and no
-    /// sync: a journaled write needs neither (see the module doc). A reader never takes
-    /// a file for a blob before it has the blob's full size, which it reaches only once
-    /// every byte is in. Returns the shard directory and whether it was just created.
+    /// Puts a small blob's file in place with no sync: written in the temp directory and
+    /// renamed, so that its name never points at part of it (another process sharing the
+    /// directory may be looking). A journaled write needs no sync (see the module doc).
     fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
-        let dest = blob_path(&self.root, digest);
-        let shard = dest.parent().expect("blob path has a parent").to_path_buf();
-        let mut created_shard = false;
-        let create = || File::options().write(true).create_new(true).open(&dest);
-        let file = match create() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fs::create_dir_all(&shard).context(format_args!("creating {}", shard.display()))?;
-                created_shard = true;
-                create()
-            }
-            other => other,
-        };
-        match file {
-            Ok(mut f) => {
-                if let Err(e) = f.write_all(data) {
-                    drop(f);
-                    let _ = fs::remove_file(&dest);
-                    return Err(Error::io(format!("writing blob {digest}"), e));
-                }
-                drop(f);
-                self.account(&mut self.index.lock().expect("poisoned"), digest);
-                Ok((shard, created_shard))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                {
-                    // Another write of the same blob, done or under way: at its full size
-                    // it holds every byte. Checked under the lock, so that no eviction
-                    // removes it between the check and the accounting.
-                    let mut index = self.index.lock().expect("poisoned");
-                    if fs::metadata(&dest).is_ok_and(|m| m.len() == digest.size) {
-                        self.account(&mut index, digest);
-                        return Ok((shard, false));
-                    }
-                }
-                // What a write that died left: replace it whole.
-                let mut t = TempFile::create(&self.tmp)?.with(data)?;
-                t.file.take();
-                self.place(&t.path, digest)
-            }
-            Err(e) => Err(Error::io(format!("creating blob {digest}"), e)),
-        }
+        let mut t = TempFile::create(&self.tmp)?.with(data)?;
+        t.file.take();
+        self.place(&t.path, digest)
     }
 }
 
@@ -327,14 +294,40 @@ impl Inner {
     fn open(root: PathBuf, max_bytes: u64, journal: bool) -> Result<Inner> {
         let tmp = root.join("tmp");
         fs::create_dir_all(&tmp).context(format_args!("creating CAS directory {}", tmp.display()))?;
+        let journal_dir = root.join("journal");
+        fs::create_dir_all(&journal_dir).context(format_args!("creating {}", journal_dir.display()))?;
+        let lock_file = |name: &str| {
+            let path = journal_dir.join(name);
+            File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .context(format_args!("opening {}", path.display()))
+        };
+        // Opens of one directory take turns: one recovering from a crash must finish
+        // before another trusts the files.
+        let opening = lock_file("open.lock")?;
+        opening.lock().context("locking the CAS directory for its open")?;
+        // Alone, every temp file is a dead process's leftover; beside live processes,
+        // only old ones are (theirs may be in use).
+        let user = lock_file("users.lock")?;
+        let alone = match lock_file("users.lock")?.try_lock() {
+            Ok(()) => true,
+            Err(std::fs::TryLockError::WouldBlock) => false,
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("locking journal/users.lock", e)),
+        };
+        user.lock_shared().context("locking journal/users.lock")?;
+        let stale = SystemTime::now() - STALE_TEMP;
         for entry in fs::read_dir(&tmp).context(format_args!("listing {}", tmp.display()))? {
             let entry = entry.context("listing temp dir")?;
-            let _ = fs::remove_file(entry.path());
+            if alone || entry.metadata().and_then(|m| m.modified()).is_ok_and(|t| t < stale) {
+                let _ = fs::remove_file(entry.path());
+            }
         }
         // A process that died left its journal: write back what it acknowledged first,
         // then distrust every small file written since its oldest segment began.
-        let journal_dir = root.join("journal");
-        fs::create_dir_all(&journal_dir).context(format_args!("creating {}", journal_dir.display()))?;
         let orphans = fs_journal::claim_orphans(&journal_dir)?;
         let replayed = orphans.replay(|d, data| {
             let t = TempFile::create(&tmp)?.with(data)?;
@@ -375,7 +368,8 @@ impl Inner {
                         if !intact {
                             tracing::warn!(path = %path.display(), "removing a blob a crash left with the wrong bytes");
                             recovered.removed += 1;
-                            let _ = fs::remove_file(&path);
+                            // It must not stay for another process to take.
+                            fs::remove_file(&path).context(format_args!("removing {}", path.display()))?;
                             continue;
                         }
                     }
@@ -414,6 +408,7 @@ impl Inner {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
+        drop(opening);
         let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
         let journal = if journal {
             let f = files.clone();
@@ -422,7 +417,7 @@ impl Inner {
         } else {
             None
         };
-        Ok(Inner { files, dir_sync: DirSync::default(), journal, recovered })
+        Ok(Inner { files, dir_sync: DirSync::default(), _user: user, journal, recovered })
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
@@ -922,7 +917,9 @@ mod tests {
             w.write(data.clone()).await.unwrap();
             let staged = w.stage().await.unwrap();
             // Simulate the process dying here: no destructor runs, the temp file stays.
-            std::mem::forget(staged);
+            // (The store itself goes, as the process would: its lock on the directory too.)
+            let Staged { tmp, .. } = staged;
+            std::mem::forget(tmp);
             assert!(!store.has(&d).await.unwrap());
             assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 1);
             assert!(!blob_path(dir.path(), &d).exists());
@@ -1014,12 +1011,19 @@ mod tests {
         }
         assert_eq!(store.get(&large_d).await.unwrap(), large);
         assert!(!store.has(&unacked).await.unwrap());
-        assert_eq!(fs::read_dir(dir.path().join("journal")).unwrap().count(), 1, "only the new journal segment");
+        assert_eq!(segments(dir.path()), 1, "only the new journal segment");
         drop(store);
-        assert_eq!(fs::read_dir(dir.path().join("journal")).unwrap().count(), 0, "a clean close retires the journal");
+        assert_eq!(segments(dir.path()), 0, "a clean close retires the journal");
         let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
         assert_eq!(store.recovered(), Recovered::default());
         assert_eq!(store.usage().blobs, 51);
+    }
+
+    fn segments(root: &Path) -> usize {
+        fs::read_dir(root.join("journal"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".journal"))
+            .count()
     }
 
     /// What a power loss may do to a file whose data was never synced.
@@ -1086,7 +1090,11 @@ mod tests {
                         d
                     })
                     .collect();
-                let segment = fs::read_dir(dir.path().join("journal")).unwrap().next().unwrap().unwrap().path();
+                let segment = fs::read_dir(dir.path().join("journal"))
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .find(|p| p.to_string_lossy().ends_with(".journal"))
+                    .unwrap();
                 File::options().append(true).open(&segment).unwrap().write_all(&vec![0x47; torn_tail]).unwrap();
 
                 let store = FsStore::open(dir.path(), 1 << 30).await.unwrap();
@@ -1100,6 +1108,28 @@ mod tests {
                 assert_eq!(store.usage().blobs, unique.len() as u64);
             });
         }
+    }
+
+    /// A process opening a directory that another uses leaves the other's temp files
+    /// alone: an upload in progress there still commits.
+    #[tokio::test]
+    async fn an_open_beside_a_live_process_keeps_its_uploads_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        let data = Bytes::from(vec![5u8; 3 << 20]);
+        let d = DigestFunction::Sha256.digest_of(&data);
+        let mut w = a.begin_write(&d).await.unwrap();
+        w.write(data.slice(..2 << 20)).await.unwrap(); // spilled to a temp file
+        let b = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        w.write(data.slice(2 << 20..)).await.unwrap();
+        w.commit().await.unwrap();
+        assert_eq!(b.get(&d).await.unwrap(), data);
+        // Once every process is gone, the next open is alone and clears what is left.
+        let leftover = dir.path().join("tmp").join("left-by-a-crash");
+        fs::write(&leftover, b"x").unwrap();
+        drop((a, b));
+        let _c = FsStore::open(dir.path(), 1 << 30).await.unwrap();
+        assert!(!leftover.exists());
     }
 
     #[tokio::test]
