@@ -252,22 +252,10 @@ impl Files {
     /// Renames the temp file into place and accounts for it, with no sync. Returns the
     /// shard directory and whether it was just created.
     fn place(&self, tmp_path: &Path, digest: &Digest) -> Result<(PathBuf, bool)> {
-        let dest = blob_path(&self.root, digest);
-        let parent = dest.parent().expect("blob path has a parent").to_path_buf();
-        let mut created_shard = false;
-        {
-            let mut index = self.index.lock().expect("poisoned");
-            if let Err(e) = fs::rename(tmp_path, &dest) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    return Err(Error::io(format!("renaming blob {digest} into place"), e));
-                }
-                fs::create_dir_all(&parent).context(format_args!("creating {}", parent.display()))?;
-                created_shard = true;
-                fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
-            }
-            self.account(&mut index, digest);
-        }
-        Ok((parent, created_shard))
+        let mut index = self.index.lock().expect("poisoned");
+        let placed = rename_into_place(&self.root, tmp_path, digest)?;
+        self.account(&mut index, digest);
+        Ok(placed)
     }
 
     /// Takes a blob whose file is in place into the index, removing the files of the
@@ -283,10 +271,10 @@ impl Files {
     /// Puts a small blob's file in place with no sync: written in the temp directory and
     /// renamed, so that its name never points at part of it (another process sharing the
     /// directory may be looking). A journaled write needs no sync (see the module doc).
-    fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<(PathBuf, bool)> {
+    fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<()> {
         let mut t = TempFile::create(&self.tmp)?.with(data)?;
         t.file.take();
-        self.place(&t.path, digest)
+        self.place(&t.path, digest).map(drop)
     }
 }
 
@@ -330,11 +318,9 @@ impl Inner {
         // then distrust every small file written since its oldest segment began.
         let orphans = fs_journal::claim_orphans(&journal_dir)?;
         let replayed = orphans.replay(|d, data| {
-            let t = TempFile::create(&tmp)?.with(data)?;
-            let dest = blob_path(&root, d);
-            fs::create_dir_all(dest.parent().expect("blob path has a parent"))
-                .context(format_args!("creating {}", dest.display()))?;
-            fs::rename(&t.path, &dest).context(format_args!("replaying blob {d}"))
+            let mut t = TempFile::create(&tmp)?.with(data)?;
+            t.file.take();
+            rename_into_place(&root, &t.path, d).map(drop)
         })?;
         let mut recovered = Recovered { replayed, ..Default::default() };
         let suspect_since = orphans.oldest().map(|t| t.checked_sub(fs_journal::CLOCK_SLACK).unwrap_or(t));
@@ -412,7 +398,7 @@ impl Inner {
         let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
         let journal = if journal {
             let f = files.clone();
-            let place: fs_journal::Place = Box::new(move |d, data| f.write_in_place(d, data).map(drop));
+            let place: fs_journal::Place = Box::new(move |d, data| f.write_in_place(d, data));
             Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, place)?)
         } else {
             None
@@ -501,6 +487,22 @@ impl Inner {
         if !blob_path(&self.root, digest).exists() {
             index.remove(digest);
         }
+    }
+}
+
+/// Renames a written temp file to the blob's name, creating its shard directory when
+/// missing. Returns the shard directory and whether it was just created.
+fn rename_into_place(root: &Path, tmp_path: &Path, digest: &Digest) -> Result<(PathBuf, bool)> {
+    let dest = blob_path(root, digest);
+    let parent = dest.parent().expect("blob path has a parent").to_path_buf();
+    match fs::rename(tmp_path, &dest) {
+        Ok(()) => Ok((parent, false)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            fs::create_dir_all(&parent).context(format_args!("creating {}", parent.display()))?;
+            fs::rename(tmp_path, &dest).context(format_args!("renaming blob {digest} into place"))?;
+            Ok((parent, true))
+        }
+        Err(e) => Err(Error::io(format!("renaming blob {digest} into place"), e)),
     }
 }
 
