@@ -3,8 +3,8 @@
 //! details), ByteStream resource names, every storage trait (`BlobStore` with its
 //! `BlobWriter`, `ActionCache`, `ExecutionLog`, `SizeClassStore`, `BuildStore`,
 //! `QueueStore`, `InvocationStore`), the live `Fleet` view the scheduler gives, the
-//! `Work` and `Order`s it hands workers, and `client::connect`, the one way to open a
-//! channel to a gantry.
+//! `Work` and `Order`s it hands workers, `client::connect`, the one way to open a
+//! channel to a gantry, and `crash::point`, the crash points tests fire.
 //!
 //! Backends live in `gantry-store` and services in `gantry-services`; services only ever see
 //! the traits defined here, so they never compile against a particular backend.
@@ -14,6 +14,7 @@ pub mod auth;
 pub mod blob_store;
 pub mod build_store;
 pub mod client;
+pub mod crash;
 pub mod digest;
 pub mod error;
 pub mod execution_log;

@@ -19,7 +19,9 @@
 //!    the event, start): the startup applies it again.
 //!
 //! A second server runs with `[queue] batching` and one slot: a batch whose one move of
-//! the mainline fails (the branch moved outside the queue) rejects every member.
+//! the mainline fails (the branch moved outside the queue) rejects every member. Others,
+//! also batching on one slot, crash at each moment of a batch's landing
+//! (`GANTRY_CRASH_AT`) and start again: the batch lands exactly once.
 
 mod common;
 
@@ -458,5 +460,115 @@ fn a_batch_whose_mainline_move_fails_rejects_every_member() {
     assert_eq!(rows.len(), 2, "one version per member: {h:#}");
     assert!(rows.iter().all(|m| m["state"] == "FAILED" && m["new_commit"] == m["old_commit"]), "{h:#}");
     assert_eq!(git(&repo, &["rev-parse", "main"]), outside, "the mainline is where the outside push left it");
+    server.stop();
+}
+
+/// Batching on, one slot, and a crash at each moment of a batch's landing: after the
+/// first member's intent is recorded, after every intent (before the compare-and-swap),
+/// after the mainline moved, and after the first member was recorded landed. Each time
+/// `gantry serve` dies there (`GANTRY_CRASH_AT`, a switch of debug builds) and is started
+/// again on the same data: the batch lands exactly once, each member at its own version
+/// with its own commit, the mainline moves once and never points at the commit inside
+/// the batch, and the tree that passed is not built again.
+#[test]
+fn a_crash_at_any_moment_of_a_batch_landing_lands_it_once() {
+    for moment in ["first-intent", "before-move", "after-move", "first-done"] {
+        crash_in_batch_landing(moment);
+    }
+}
+
+fn crash_in_batch_landing(moment: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    generate_repo(
+        &repo,
+        &[
+            ("d-edit", "d/value.txt", "d edit"),
+            ("x-c-value", "c/value.txt", "c edit"),
+            ("w-c-other", "c/other.txt", "c other edit"),
+        ],
+    );
+    let gates = dir.path().join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let script = dir.path().join("check.sh");
+    write_build_script(&script, &gates);
+    let config = write_config(dir.path(), &repo, &script, "capacity = 1\nbatching = true\n");
+    let data = dir.path().join("data");
+    let point = format!("queue.batch-landing.{moment}");
+    let mut server =
+        GantryServer::start_env(&data, &["--config", config.to_str().unwrap()], &[("GANTRY_CRASH_AT", &point)]);
+    let url = format!("grpc://{}", server.grpc);
+
+    let d = submit(&url, "d-edit");
+    let x = submit(&url, "x-c-value");
+    let w = submit(&url, "w-c-other");
+    wait_history(&url, "x and w queue behind d's build", Duration::from_secs(120), |h| {
+        state(h, &x) == "PENDING"
+            && state(h, &w) == "PENDING"
+            && builds(change(h, &d)).iter().any(|b| b["state"] == "RUNNING")
+    });
+    let before = git(&repo, &["rev-parse", "main"]);
+    std::fs::write(gates.join("go-d"), "").unwrap();
+
+    // d lands alone (no crash point of a batch), then x and w pass as one tree and the
+    // server dies in the middle of landing them.
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "{point}: gantry serve did not reach the crash point");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status.code(), Some(gantry_core::crash::CRASH_EXIT_CODE), "{point}: {status}");
+    let at_crash = git(&repo, &["rev-parse", "main"]);
+    assert_ne!(at_crash, before, "{point}: d landed before the batch");
+
+    let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
+    let url = format!("grpc://{}", server.grpc);
+    let h = wait_history(&url, "the batch is landed after the restart", Duration::from_secs(60), |h| {
+        state(h, &x) == "LANDED" && state(h, &w) == "LANDED"
+    });
+    let row = |v: u64| -> &Value {
+        h["mainline"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["version"] == v)
+            .unwrap_or_else(|| panic!("{point}: no version {v}: {h:#}"))
+    };
+    let (r1, r2, r3) = (row(1), row(2), row(3));
+    assert_eq!(r1["change_id"], d.as_str(), "{point}: {h:#}");
+    let d_commit = r1["new_commit"].as_str().unwrap().to_string();
+    for (r, c) in [(r2, &x), (r3, &w)] {
+        assert_eq!(r["change_id"], c.as_str(), "{point}: {h:#}");
+        assert_eq!(r["state"], "DONE", "{point}: {h:#}");
+        assert_eq!(change(&h, c)["landed_version"], r["version"], "{point}: {h:#}");
+    }
+    assert_eq!(r2["old_commit"], d_commit.as_str(), "{point}: {h:#}");
+    assert_eq!(r3["old_commit"], r2["new_commit"], "{point}: {h:#}");
+    let head = git(&repo, &["rev-parse", "main"]);
+    assert_eq!(r3["new_commit"], head.as_str(), "{point}: the mainline is at the batch's tree: {h:#}");
+    // The crash came where it was meant to: before or after the compare-and-swap.
+    let moved = matches!(moment, "after-move" | "first-done");
+    assert_eq!(&at_crash, if moved { &head } else { &d_commit }, "{point}: the mainline at the crash");
+
+    // One move for the batch: the reflog holds the initial commit, d's landing and the
+    // batch's landing, and never the commit inside the batch.
+    let reflog: Vec<String> =
+        git(&repo, &["reflog", "show", "--format=%H", "refs/heads/main"]).lines().map(str::to_string).collect();
+    assert_eq!(
+        reflog,
+        [head.clone(), d_commit.clone(), before.clone()],
+        "{point}: the mainline moved once per landing"
+    );
+    assert!(!reflog.iter().any(|c| r2["new_commit"] == c.as_str()), "{point}");
+    // Each member keeps its own commit, in queue order, and the tree holds both edits.
+    let subjects = git(&repo, &["log", "--format=%s", "-3", "main"]);
+    assert_eq!(subjects, "w-c-other: c/other.txt\nx-c-value: c/value.txt\nd-edit: d/value.txt", "{point}");
+    assert_eq!(git(&repo, &["show", "main:c/value.txt"]), "c edit", "{point}");
+    assert_eq!(git(&repo, &["show", "main:c/other.txt"]), "c other edit", "{point}");
+    assert!(builds(change(&h, &x)).is_empty(), "{point}: x is decided by w's tree: {h:#}");
+    assert_eq!(builds(change(&h, &w)).len(), 1, "{point}: the tree that passed is not built again: {h:#}");
     server.stop();
 }

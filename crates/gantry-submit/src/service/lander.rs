@@ -19,6 +19,15 @@ use super::{blocking, unix_ms, ChangeDoc, ChangeState, Inner, QueueService, Resu
 use crate::error::SubmitError;
 use crate::git::{short, GitError};
 
+/// The crash points of a landing, for the tests that prove the recovery above:
+/// `queue.batch-landing.<moment>` for a batch, `queue.landing.<moment>` for one change.
+fn crash_point(items: &[(ChangeId, LandProof)], moment: &str) {
+    if cfg!(debug_assertions) {
+        let kind = if items.len() > 1 { "batch-landing" } else { "landing" };
+        gantry_core::crash::point(&format!("queue.{kind}.{moment}"));
+    }
+}
+
 /// What the lander may do for a landing (one change, or a batch).
 enum Move {
     /// Move the mainline to the last of these commits, one per change in order; `how`
@@ -149,16 +158,20 @@ impl QueueService {
             };
             for row in &commits {
                 self.store.put_landing(row).await?;
+                crash_point(items, "first-intent");
             }
+            crash_point(items, "before-move");
             let (o, n) = (old.clone(), commits.last().expect("not empty").new_commit.clone());
             if let Err(e) = blocking(move || repo.move_mainline(&o, &n)).await {
                 let why = format!("moving {}: {e}", self.settings.mainline);
                 return self.fail_batch(commits, &old, why, &docs).await;
             }
+            crash_point(items, "after-move");
             commits
         };
         for (row, doc) in rows.into_iter().zip(&docs) {
             self.finish_landing(row, LandingState::Done, String::new(), doc).await?;
+            crash_point(items, "first-done");
         }
         Ok(())
     }
