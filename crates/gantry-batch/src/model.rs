@@ -77,6 +77,16 @@ pub struct TrainConfig {
     pub calibration: Calibration,
     /// Residual quantile used as the safety factor when `calibration = quantile`.
     pub calibration_quantile: f64,
+    /// The shape of each tool's centring curve (`calibration = median`):
+    /// `power` (default) fits `factor × x^power` through the held-out
+    /// (prediction, label) pairs in log space; `line` fits `factor × x +
+    /// offset`. A fitted linear model under-reads large builds by more than
+    /// small ones (its many small target weights are shrunk towards the bias,
+    /// and flags such as coverage multiply every cost), so its error grows
+    /// with the build. Held-out builds are mostly small, while the planner
+    /// cuts batches at the cutoff: a line through the small ones extrapolates
+    /// that growth away, a power keeps it (README, "Centring").
+    pub centring: Centring,
     /// Learning-rate scale of the crosses between a build-level family and
     /// a target (`ProductArea x Package`): below 1, the base features learn
     /// the costs the contexts share and the crosses only what differs. At 1
@@ -119,6 +129,7 @@ impl Default for TrainConfig {
             huber_delta: 0.1,
             calibration: Calibration::Median,
             calibration_quantile: 0.95,
+            centring: Centring::Power,
             unseen_prior: true,
             cross_rate: 1.0,
             calibration_min_memory_bytes: 2e9,
@@ -178,6 +189,31 @@ pub enum Loss {
 pub enum Calibration {
     Quantile,
     Median,
+}
+
+/// The centring curve of [`TrainConfig::centring`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Centring {
+    Line,
+    Power,
+}
+
+/// How a context's raw score becomes the model's output:
+/// `factor × x^power + offset` for `x` the raw score in the label's unit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Centre {
+    pub factor: f64,
+    pub offset: f64,
+    pub power: f64,
+}
+
+impl Centre {
+    #[inline]
+    fn apply(&self, x: f64) -> f64 {
+        let scaled = if self.power == 1.0 { x } else { x.powf(self.power) };
+        self.factor * scaled + self.offset
+    }
 }
 
 /// What a model charges for target-level values it never saw in training.
@@ -261,6 +297,11 @@ pub struct LinearModel {
     /// on typical builds then still under-reads the large ones the planner
     /// cuts at the cutoff.
     pub tool_offset: BTreeMap<String, f64>,
+    /// Per-tool powers (`Centring::Power`): the output is `factor × raw^power`
+    /// (plus the tool's offset, none in that mode). A power above 1 makes the
+    /// output grow faster than the raw score, which is how the held-out
+    /// builds say the model under-reads the large ones.
+    pub tool_power: BTreeMap<String, f64>,
     /// Held-out error of the calibrated output: the planner's margin.
     pub error: Option<crate::margin::ErrorModel>,
     pub unseen: Option<UnseenPrior>,
@@ -280,6 +321,8 @@ struct PersistedModel {
     tool_calibration: BTreeMap<String, f64>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     tool_offset: BTreeMap<String, f64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    tool_power: BTreeMap<String, f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<crate::margin::ErrorModel>,
     /// Priors for unseen label, package and prefix values, and the seen slots.
@@ -307,6 +350,7 @@ impl From<LinearModel> for PersistedModel {
             calibration: m.calibration,
             tool_calibration: m.tool_calibration,
             tool_offset: m.tool_offset,
+            tool_power: m.tool_power,
             error: m.error,
             unseen_prior: m.unseen.as_ref().map(|u| u.prior),
             unseen_cross_prior: m.unseen.as_ref().map(|u| u.cross_prior.clone()).unwrap_or_default(),
@@ -346,6 +390,10 @@ impl TryFrom<PersistedModel> for LinearModel {
                     return Err(BatchError::InvalidConfig("tool offsets must be finite".into()));
                 }
                 m.tool_offset = p.tool_offset;
+                if p.tool_power.values().any(|&b| !(b.is_finite() && b > 0.0)) {
+                    return Err(BatchError::InvalidConfig("tool powers must be positive".into()));
+                }
+                m.tool_power = p.tool_power;
                 if p.error.is_some_and(|e| !(e.sigma.is_finite() && e.sigma > 0.0)) {
                     return Err(BatchError::InvalidConfig("error sigma must be positive".into()));
                 }
@@ -400,6 +448,7 @@ impl LinearModel {
             calibration,
             tool_calibration: BTreeMap::new(),
             tool_offset: BTreeMap::new(),
+            tool_power: BTreeMap::new(),
             error: None,
             unseen: None,
             window_days: 0.0,
@@ -421,24 +470,29 @@ impl LinearModel {
         slots.iter().map(|&s| self.weights[s as usize]).sum()
     }
 
-    /// Factor and offset for a context (per-tool if learned, else global
-    /// factor and no offset).
-    pub fn calibration_for(&self, ctx: &BuildContext) -> (f64, f64) {
-        match self.tool_calibration.get(&ctx.tool_tag) {
-            Some(&f) => (f, self.tool_offset.get(&ctx.tool_tag).copied().unwrap_or(0.0)),
-            None => (self.calibration, 0.0),
+    /// The centring of a context: its tool's curve if one was learned, else
+    /// the global factor (no offset, power 1).
+    pub fn calibration_for(&self, ctx: &BuildContext) -> Centre {
+        let t = &ctx.tool_tag;
+        match self.tool_calibration.get(t) {
+            Some(&factor) => Centre {
+                factor,
+                offset: self.tool_offset.get(t).copied().unwrap_or(0.0),
+                power: self.tool_power.get(t).copied().unwrap_or(1.0),
+            },
+            None => Centre { factor: self.calibration, offset: 0.0, power: 1.0 },
         }
     }
 
     /// Turn a raw linear score (bias included) into the model's unit, given
-    /// the context's factor and offset. Clamping at zero and a positive
-    /// factor keep it monotone.
+    /// the context's centring. Clamping at zero, a positive factor and a
+    /// positive power keep it monotone.
     #[inline]
-    pub fn output(&self, raw: f64, (factor, offset): (f64, f64)) -> Result<f64> {
+    pub fn output(&self, raw: f64, centre: Centre) -> Result<f64> {
         if !raw.is_finite() {
             return Err(BatchError::Estimate(format!("{:?} model produced a non-finite score", self.kind)));
         }
-        Ok((raw.max(0.0) * self.label_scale * factor + offset).max(0.0))
+        Ok(centre.apply(raw.max(0.0) * self.label_scale).max(0.0))
     }
 
     /// Predict for a build (set semantics over the labels).
@@ -889,6 +943,16 @@ fn search_crosses(
 /// by their median ratio over the held-out builds'. A Bazel release
 /// that needs 12% more heap moves the last day's residuals at once, while
 /// weights fitted on 17 days barely move.
+/// What [`calibrate`] learned: the global factor, each tool's curve
+/// (factor, offset, power) and the held-out error around it.
+struct Calibrated {
+    global: f64,
+    tools: BTreeMap<String, f64>,
+    offsets: BTreeMap<String, f64>,
+    powers: BTreeMap<String, f64>,
+    error: Option<crate::margin::ErrorModel>,
+}
+
 fn calibrate(
     model: &LinearModel,
     data: &[(&Prepared, f64)],
@@ -896,7 +960,7 @@ fn calibrate(
     cfg: &TrainConfig,
     min_pred: f64,
     recent_since: i64,
-) -> (f64, BTreeMap<String, f64>, BTreeMap<String, f64>, Option<crate::margin::ErrorModel>) {
+) -> Calibrated {
     // An OOM build's label is only a lower bound (the heap it died in): not a
     // measurement of actual / predicted.
     let ratio = |p: &Prepared, y: f64| -> Option<f64> {
@@ -929,16 +993,39 @@ fn calibrate(
     // Median mode: each tool's line through its held-out (prediction, label)
     // pairs, slope by Theil-Sen (the median of pairwise slopes, which the few
     // far-off labels barely move), offset the median residual.
+    // With `Centring::Power` the line is drawn through the logs instead:
+    // slope the power, intercept the log of the factor.
     let mut offsets: BTreeMap<String, f64> = BTreeMap::new();
+    let mut powers: BTreeMap<String, f64> = BTreeMap::new();
     if median_mode {
         for (tool, f) in tools.iter_mut() {
-            let pts: Vec<(f64, f64)> = all.iter().filter(|x| x.1 == tool).map(|x| (x.2, x.0 * x.2)).collect();
-            if let Some((slope, off)) = theil_sen(&pts) {
-                *f = slope;
-                offsets.insert(tool.clone(), off);
+            let pairs = all.iter().filter(|x| x.1 == tool).map(|x| (x.2, x.0 * x.2));
+            match cfg.centring {
+                Centring::Line => {
+                    if let Some((slope, off)) = theil_sen(&pairs.collect::<Vec<_>>()) {
+                        *f = slope;
+                        offsets.insert(tool.clone(), off);
+                    }
+                }
+                Centring::Power => {
+                    let logs: Vec<(f64, f64)> = pairs.map(|(x, y)| (x.ln(), y.ln())).collect();
+                    if let Some((power, log_factor)) = theil_sen(&logs) {
+                        *f = log_factor.exp();
+                        powers.insert(tool.clone(), power);
+                    }
+                }
             }
         }
     }
+    let centre_of =
+        |tools: &BTreeMap<String, f64>, offsets: &BTreeMap<String, f64>, global: f64, t: &str| match tools.get(t) {
+            Some(&factor) => Centre {
+                factor,
+                offset: offsets.get(t).copied().unwrap_or(0.0),
+                power: powers.get(t).copied().unwrap_or(1.0),
+            },
+            None => Centre { factor: global, offset: 0.0, power: 1.0 },
+        };
     let (base_global, base_tools, base_offsets) = (global, tools.clone(), offsets.clone());
     if median_mode && let Some(r) = quantile(recent) {
         let drift = r / global;
@@ -960,10 +1047,7 @@ fn calibrate(
         let logs: Vec<f64> = all
             .iter()
             .filter_map(|&(r, t, pred)| {
-                let centre = match base_tools.get(t) {
-                    Some(f) => f * pred + base_offsets.get(t).copied().unwrap_or(0.0),
-                    None => base_global * pred,
-                };
+                let centre = centre_of(&base_tools, &base_offsets, base_global, t).apply(pred);
                 (centre > 0.0).then(|| (r * pred / centre).ln())
             })
             .collect();
@@ -971,7 +1055,7 @@ fn calibrate(
     } else {
         None
     };
-    (global, tools, offsets, error)
+    Calibrated { global, tools, offsets, powers, error }
 }
 
 /// Theil-Sen line through `pts` (x, y): slope the median of pairwise slopes
@@ -1093,11 +1177,12 @@ fn train_one(
         ModelKind::OccupancyEsu => cfg.calibration_min_occupancy_esu,
     };
     // Calibrate the uncalibrated model (factor 1 everywhere).
-    let (global, tools, offsets, error) = calibrate(&model, data, &valid, cfg, min_pred, recent_since);
-    model.calibration = global;
-    model.tool_calibration = tools;
-    model.tool_offset = offsets;
-    model.error = error;
+    let c = calibrate(&model, data, &valid, cfg, min_pred, recent_since);
+    model.calibration = c.global;
+    model.tool_calibration = c.tools;
+    model.tool_offset = c.offsets;
+    model.tool_power = c.powers;
+    model.error = c.error;
     Ok(model)
 }
 
@@ -1184,4 +1269,34 @@ pub fn describe_spec(spec: &FeatureSpec) -> String {
         spec.target_count_boundaries.len(),
         spec.package_count_boundaries.len()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Held-out builds mostly small, the truth growing faster than the raw score: the
+    /// power drawn through their logarithms reads a build five times the largest one
+    /// right, where the straight line through the same points under-reads it.
+    #[test]
+    fn the_power_curve_extrapolates_what_the_line_misses() {
+        let truth = |x: f64| 0.8 * x.powf(1.15);
+        let mut pts = Vec::new();
+        for i in 0..300 {
+            let x = 1.0 + (i % 30) as f64 / 10.0; // 1 to 4
+            let wobble = [0.97, 1.0, 1.03][i % 3];
+            pts.push((x, truth(x) * wobble));
+        }
+        let (power, log_factor) = theil_sen(&pts.iter().map(|&(x, y)| (x.ln(), y.ln())).collect::<Vec<_>>()).unwrap();
+        assert!((power - 1.15).abs() < 0.03, "{power}");
+        let curve = Centre { factor: log_factor.exp(), offset: 0.0, power };
+        let (slope, offset) = theil_sen(&pts).unwrap();
+        let line = Centre { factor: slope, offset, power: 1.0 };
+        let far = 20.0;
+        let (c, l, t) = (curve.apply(far), line.apply(far), truth(far));
+        assert!((c / t - 1.0).abs() < 0.03, "curve {c} against {t}");
+        assert!(l / t < 0.9, "the line under-reads: {l} against {t}");
+        // Monotone, as the binary search needs.
+        assert!((1..100).all(|i| curve.apply(i as f64) < curve.apply(i as f64 + 0.5)));
+    }
 }

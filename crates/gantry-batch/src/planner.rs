@@ -78,8 +78,8 @@ struct Scorer<'m> {
     prefixes: [Vec<(u64, usize)>; 3],
     tc_cum: Vec<f64>,
     pc_cum: Vec<f64>,
-    /// The context's calibration factor and offset.
-    factor: (f64, f64),
+    /// The context's centring.
+    factor: crate::model::Centre,
 }
 
 impl<'m> Scorer<'m> {

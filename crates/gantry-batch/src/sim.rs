@@ -1084,7 +1084,7 @@ pub fn bench(cfg: &BenchConfig) -> Result<BenchReport> {
 
 /// A learner configuration compared by [`compare`].
 pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
-    use crate::model::{Calibration, Loss};
+    use crate::model::{Calibration, Centring, Loss};
     let v2 = TrainConfig::default();
     vec![
         // The first version: least squares, a q95 safety factor, no priors.
@@ -1099,6 +1099,7 @@ pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
             },
         ),
         ("v2", v2.clone()),
+        ("v2-line", TrainConfig { centring: Centring::Line, ..v2.clone() }),
         ("v2-no-prior", TrainConfig { unseen_prior: false, ..v2.clone() }),
         ("v2-huber", TrainConfig { loss: Loss::Huber, ..v2.clone() }),
         ("v2-slow-cross", TrainConfig { cross_rate: 0.1, ..v2.clone() }),
