@@ -18,6 +18,7 @@
 //! * [`model`]: training, [`Models`] save/load, [`MemoryEstimator`].
 //! * [`eval`]: error report of models against history.
 //! * [`margin`]: a model's held-out error distribution and the safety margin it implies.
+//! * [`feedback`]: the recent builds' error per tool, and the estimator that corrects by it.
 //! * [`history`]: history JSONL and RFC 3339 timestamps.
 //! * [`formats`]: `targets.txt`, context JSON, batch JSONL.
 //! * [`sim`]: synthetic monorepo workload, ground truth, scoring, bench.
@@ -26,6 +27,7 @@ pub mod error;
 pub mod eval;
 pub mod executor;
 pub mod features;
+pub mod feedback;
 pub mod formats;
 pub mod history;
 pub mod label;
@@ -38,6 +40,7 @@ pub mod types;
 pub use error::{BatchError, Result};
 pub use eval::{eval, EvalReport};
 pub use executor::{executor_types, group_targets};
+pub use feedback::{Corrected, Feedback};
 pub use formats::{parse_context, parse_targets, read_targets, write_batches};
 pub use history::{parse_history, read_history, BuildRecord, Outcome, Timestamp};
 pub use label::{parse_label, validate_label, Label};

@@ -22,6 +22,7 @@
 //! trained on that history only; scoring uses the truth.
 
 use crate::error::Result;
+use crate::feedback::{Corrected, Feedback};
 use crate::history::{BuildRecord, Outcome, Timestamp, SECONDS_PER_DAY};
 use crate::label::Label;
 use crate::model::{train, Models, TrainConfig};
@@ -865,6 +866,73 @@ pub fn score<E: Estimator>(
     Ok(s)
 }
 
+/// Like [`score`] with [`Models`], but learning from every build as the service does:
+/// the streams run in order, each planned with the [`Feedback`] of the builds before
+/// it ([`Corrected`]), and each of its builds then observed: the models' estimate for
+/// its targets against what it used, read as the history reads it (an OOM build
+/// reports the heap it died in; a share of the others, `label_noise_fraction`, never
+/// ran a full GC and reads up to `label_noise_max` times high).
+pub fn score_with_feedback(
+    name: &str,
+    truth: &GroundTruth,
+    streams: &[Stream],
+    cfg: &SimConfig,
+    models: &Models,
+    regressed: bool,
+) -> Result<PlanScore> {
+    let mut feedback = Feedback::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xfeed_bac4);
+    let mut s = PlanScore {
+        name: name.to_string(),
+        by_reason: BatchSizeReason::ALL.iter().map(|&r| (r, 0, 0, 0)).collect(),
+        ..PlanScore::default()
+    };
+    let mut marks = truth.marks();
+    let heap = cfg.planner.bazel_memory_bytes as f64;
+    for (ctx, targets) in streams {
+        let batches =
+            plan(ctx, targets.clone(), &cfg.planner, &Corrected { inner: models, feedback: feedback.clone() })?;
+        let mut this = (0, 0, 0.0);
+        let mut seen = Vec::with_capacity(batches.len());
+        for b in &batches {
+            let ids = b.targets.iter().map(|l| truth.id_of(l).expect("own label"));
+            let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
+            let oom = u.memory_bytes > heap;
+            let de = u.occupancy_esu > cfg.planner.occupancy_limit_esu;
+            s.builds += 1;
+            this.0 += 1;
+            this.1 += oom as usize;
+            this.2 += b.oom_probability.unwrap_or(0.0);
+            s.predicted_oom += b.oom_probability.unwrap_or(0.0);
+            s.targets += b.targets.len();
+            s.oom += oom as usize;
+            s.de += de as usize;
+            let r = s.by_reason.iter_mut().find(|x| x.0 == b.reason).expect("all reasons");
+            r.1 += 1;
+            r.2 += oom as usize;
+            r.3 += de as usize;
+            let label = if oom {
+                heap
+            } else if rng.random::<f64>() < cfg.label_noise_fraction {
+                u.memory_bytes * rng.random_range(1.0..cfg.label_noise_max.max(1.0 + 1e-9))
+            } else {
+                u.memory_bytes
+            };
+            seen.push((b, label));
+        }
+        // The stream's builds finish before the next stream is planned.
+        if let Some(m) = &models.memory {
+            for (b, label) in seen {
+                let labels: Vec<&str> = b.targets.iter().map(String::as_str).collect();
+                feedback.observe(&ctx.tool_tag, m.predict(ctx, &labels)?, label);
+            }
+        }
+        s.streams.push(this);
+    }
+    s.by_reason.retain(|r| r.1 > 0);
+    Ok(s)
+}
+
 /// Full simulation: generate, train on history, plan fresh streams with the
 /// models, the oracle and a fixed batch size, and compare.
 pub fn simulate(cfg: &SimConfig) -> Result<SimRun> {
@@ -1120,7 +1188,8 @@ pub struct CompareRow {
 /// For each seed: generate a workload (history, then large streams with new
 /// packages and a last-day regression), train every learner of
 /// [`model_variants`] on the history, and score every learner, fixed batch
-/// sizes and the oracle on the streams. `progress` hears each row.
+/// sizes and the oracle on the streams; the default learner also with
+/// [`score_with_feedback`] ("v2+feedback"). `progress` hears each row.
 pub fn compare(
     base: &SimConfig,
     seeds: &[u64],
@@ -1146,6 +1215,11 @@ pub fn compare(
         for (name, tc) in model_variants() {
             let models = train(&history, &tc, cfg.now)?;
             push(name, score(name, &truth, &streams, &cfg.planner, &models, true)?);
+            if name == "v2" {
+                // The default as the service runs it: corrected by the builds it ran.
+                let fb = "v2+feedback";
+                push(fb, score_with_feedback(fb, &truth, &streams, &cfg, &models, true)?);
+            }
         }
         for &size in fixed_sizes {
             let p = PlannerConfig { fallback_batch_size: size, ..cfg.planner.clone() };

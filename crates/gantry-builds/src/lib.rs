@@ -4,8 +4,9 @@
 //! spiral), the classification of how each build ended and what said OOM, its labels
 //! (Bazel's heap, the server's peak RSS, executor occupancy from gantry's invocation
 //! records), the build record in the metadata store, the retries (split an OOM build in
-//! half and plan each half again, rerun a deadline-exceeded build once) and the learning
-//! loop that retrains the planner's models from that record and swaps them in.
+//! half and plan each half again, rerun a deadline-exceeded build once), the learning
+//! loop that retrains the planner's models from that record and swaps them in, and the
+//! feedback of the builds the current models planned, which new plans start with.
 //!
 //! The decisions are pure and tested directly ([`classify`], [`bep`], the stuck-server
 //! rules in [`stuck`]); [`runner`] and [`service`] do the I/O.

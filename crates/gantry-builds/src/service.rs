@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gantry_batch::{
-    Batch, BatchSizeReason, BuildContext, BuildRecord, Models, PlannerConfig, StreamingPlanner, Target, Timestamp,
-    TrainConfig,
+    Batch, BatchSizeReason, BuildContext, BuildRecord, Corrected, Estimator, Feedback, Models, PlannerConfig,
+    StreamingPlanner, Target, Timestamp, TrainConfig,
 };
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BuildQuery, BuildRow, BuildStore, ExecutionLog};
@@ -181,6 +181,8 @@ pub struct ServiceSettings {
     pub model_dir: PathBuf,
     pub retrain_interval: Duration,
     pub min_history_builds: usize,
+    /// Correct the planner by the builds the current models planned (`[batch] feedback`).
+    pub feedback: bool,
     pub long_window: Duration,
     pub short_window: Duration,
 }
@@ -219,6 +221,16 @@ struct State {
     shutting_down: bool,
 }
 
+/// What the builds planned by the current models said of them (see
+/// `gantry_batch::feedback`): their memory errors, for the models trained at
+/// `trained_at`. Builds planned by other models are not counted, and a retraining
+/// starts it over: the new models learned from those builds.
+#[derive(Default)]
+struct Learned {
+    trained_at: Option<i64>,
+    feedback: Feedback,
+}
+
 struct Inner {
     store: Arc<dyn BuildStore>,
     log: Arc<dyn ExecutionLog>,
@@ -232,6 +244,7 @@ struct Inner {
     changes: tokio::sync::watch::Sender<u64>,
     /// Serialises training (the loop and on-demand requests).
     training: tokio::sync::Mutex<()>,
+    learned: Mutex<Learned>,
     runners: Vec<Arc<Runner>>,
 }
 
@@ -268,8 +281,10 @@ impl BuildService {
             queued: tokio::sync::Notify::new(),
             changes,
             training: tokio::sync::Mutex::new(()),
+            learned: Mutex::new(Learned::default()),
             runners,
         });
+        inner.seed_feedback().await?;
         let unfinished =
             inner.store.list(&BuildQuery { unfinished_only: true, oldest_first: true, ..Default::default() }).await?;
         for row in &unfinished {
@@ -298,6 +313,12 @@ impl BuildService {
 
     pub fn models(&self) -> SharedModels {
         self.inner.models.clone()
+    }
+
+    /// The feedback of the builds the current models planned, for a planner to start
+    /// with ([`gantry_batch::Corrected`]); empty with `[batch] feedback = false`.
+    pub fn feedback(&self) -> Feedback {
+        self.inner.feedback()
     }
 
     /// A stream starts planning: its watchers wait for it to finish.
@@ -504,6 +525,58 @@ impl Inner {
         })
     }
 
+    fn feedback(&self) -> Feedback {
+        if !self.settings.feedback {
+            return Feedback::new();
+        }
+        let current = self.models.read().expect("poisoned").manifest.trained_at.map(|t| t.0);
+        let learned = self.learned.lock().expect("poisoned");
+        if learned.trained_at == current {
+            learned.feedback.clone()
+        } else {
+            Feedback::new()
+        }
+    }
+
+    /// A finished build planned by the current models: its memory error against them.
+    fn observe(&self, doc: &BuildDoc) {
+        if !self.settings.feedback || doc.models_trained_at.is_none() {
+            return;
+        }
+        let models = self.models.read().expect("poisoned").clone();
+        let current = models.manifest.trained_at.map(|t| t.0);
+        let (Some(memory), true) = (&models.memory, doc.models_trained_at == current) else { return };
+        let Some(record) = doc.history_record(self.settings.memory_label, self.settings.runner.heap_bytes) else {
+            return;
+        };
+        let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
+        let Ok(estimate) = memory.predict(&doc.context, &labels) else { return };
+        let mut learned = self.learned.lock().expect("poisoned");
+        if learned.trained_at != current {
+            *learned = Learned { trained_at: current, feedback: Feedback::new() };
+        }
+        learned.feedback.observe(&doc.context.tool_tag, estimate, record.peak_memory_bytes as f64);
+    }
+
+    /// At startup: the builds finished since the loaded models were trained, so a restart
+    /// keeps what they taught.
+    async fn seed_feedback(&self) -> Result<(), BuildsError> {
+        let trained_at = self.models.read().expect("poisoned").manifest.trained_at.map(|t| t.0);
+        let Some(trained_at) = trained_at.filter(|_| self.settings.feedback) else { return Ok(()) };
+        // `trained_at` is the end of the training window, a second past its newest build,
+        // and another process's clock may differ: look an hour further back, and let
+        // `observe` keep exactly the builds these models planned.
+        let since = (trained_at - 3600) * 1000;
+        let rows = self
+            .store
+            .list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() })
+            .await?;
+        for row in &rows {
+            self.observe(&BuildDoc::from_row(row)?);
+        }
+        Ok(())
+    }
+
     async fn run_loop(self: Arc<Self>, runner: Arc<Runner>) {
         loop {
             let doc = self.next().await;
@@ -586,6 +659,7 @@ impl Inner {
         doc.state = BuildState::Done;
         doc.finished_unix_ms = Some(now_ms());
         self.put(&doc).await?;
+        self.observe(&doc);
         self.state.lock().expect("poisoned").running.remove(&doc.id);
         for child in children {
             self.enqueue(child);
@@ -610,9 +684,10 @@ impl Inner {
             Some(BuildOutcome::Oom) if doc.targets.len() > 1 => {
                 let mid = doc.targets.len() / 2;
                 let models = self.models.read().expect("poisoned").clone();
+                let estimator = Corrected { inner: &*models, feedback: self.feedback() };
                 let mut out = Vec::new();
                 for half in [&doc.targets[..mid], &doc.targets[mid..]] {
-                    let batches = match plan_again(&doc.context, &self.planner_config, &models, half) {
+                    let batches = match plan_again(&doc.context, &self.planner_config, &estimator, half) {
                         Ok(b) => b,
                         Err(e) => {
                             // Planning the same targets again cannot fail on input; if the
@@ -777,13 +852,13 @@ pub async fn read_history(
 }
 
 /// Plans `targets` (one executor group) again with the current models.
-fn plan_again(
+fn plan_again<E: Estimator>(
     ctx: &BuildContext,
     config: &PlannerConfig,
-    models: &Models,
+    estimator: &E,
     targets: &[Target],
 ) -> Result<Vec<Batch>, gantry_batch::BatchError> {
-    let mut p = StreamingPlanner::new(ctx.clone(), config.clone(), models)?;
+    let mut p = StreamingPlanner::new(ctx.clone(), config.clone(), estimator)?;
     for t in targets {
         p.push(t.clone())?;
     }

@@ -55,6 +55,10 @@ fn target(l: &str) -> Target {
 }
 
 async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<BuildService> {
+    service_with(dir, deadline, min_history, Models::default()).await
+}
+
+async fn service_with(dir: &Path, deadline: Duration, min_history: usize, models: Models) -> Arc<BuildService> {
     use std::os::unix::fs::PermissionsExt;
     let bazel = dir.join("fake-bazel");
     std::fs::write(&bazel, FAKE_BAZEL).unwrap();
@@ -77,6 +81,7 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
         model_dir: dir.join("models"),
         retrain_interval: Duration::ZERO,
         min_history_builds: min_history,
+        feedback: true,
         long_window: Duration::from_secs(86_400),
         short_window: Duration::from_secs(3_600),
     };
@@ -85,9 +90,7 @@ async fn service(dir: &Path, deadline: Duration, min_history: usize) -> Arc<Buil
     let store = Arc::new(gantry_store::SqlBuildStore::new(db.clone()));
     let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
     let planner = PlannerConfig { fallback_batch_size: 4, ..Default::default() };
-    BuildService::start(settings, store, log, planner, Arc::new(RwLock::new(Arc::new(Models::default()))))
-        .await
-        .unwrap()
+    BuildService::start(settings, store, log, planner, Arc::new(RwLock::new(Arc::new(models)))).await.unwrap()
 }
 
 fn batch(labels: &[&str]) -> Batch {
@@ -212,5 +215,51 @@ async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history(
     assert!(err.contains("min_history_builds"), "{err}");
     let rows = s.list(&BuildQuery { stream_id: Some("d".into()), ..Default::default() }).await.unwrap();
     assert_eq!(rows.len(), 3);
+    s.shutdown().await;
+}
+
+/// Builds planned by the trained models teach the feedback the next plans start with:
+/// not those planned before the training or by other models, and a restart keeps them.
+#[tokio::test]
+async fn builds_planned_by_the_current_models_feed_back_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("WORKSPACE"), "").unwrap();
+    let mut c = ctx(&ws);
+    c.tool_tag = "t".into();
+    let s = service(dir.path(), Duration::from_secs(60), 6).await;
+    let submit = |s: Arc<BuildService>, stream: &'static str, n: usize, trained_at: Option<i64>| {
+        let c = c.clone();
+        async move {
+            for i in 0..n {
+                let labels = [format!("//p{}:a", i % 5), format!("//p{}:b", i % 3)];
+                let targets: Vec<Target> = labels.iter().map(|l| target(l)).collect();
+                let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
+                s.submit(format!("{stream}-{i}"), stream, &c, targets, &batch(&refs), String::new(), trained_at)
+                    .await
+                    .unwrap();
+            }
+            wait_stream(&s, stream).await
+        }
+    };
+    submit(s.clone(), "before", 8, None).await;
+    s.train_now().await.unwrap();
+    assert_eq!(s.feedback().observations("t"), 0, "the builds the models were trained on teach nothing more");
+    let trained_at = s.models().read().unwrap().manifest.trained_at.map(|t| t.0);
+    assert!(trained_at.is_some());
+    submit(s.clone(), "other", 3, Some(1)).await;
+    assert_eq!(s.feedback().observations("t"), 0, "planned by other models");
+    let builds = submit(s.clone(), "after", 12, trained_at).await;
+    assert!(builds.iter().all(|b| b.outcome == Some(BuildOutcome::Success)), "{builds:?}");
+    let fb = s.feedback();
+    assert_eq!(fb.observations("t"), 12);
+    assert!(fb.correction("t").is_some(), "10 builds are enough to correct");
+    assert_eq!(fb.observations(""), 0, "per tool");
+    s.shutdown().await;
+
+    let models = Models::load(&dir.path().join("models")).unwrap();
+    let s = service_with(dir.path(), Duration::from_secs(60), 6, models).await;
+    assert_eq!(s.feedback().observations("t"), 12, "seeded from the store at startup");
     s.shutdown().await;
 }

@@ -827,6 +827,11 @@ pub struct BatchConfig {
     /// Finished builds the history must hold before the first training; until then
     /// every build has `fallback_batch_size` targets. Default 20.
     pub min_history_builds: usize,
+    /// Learn from the builds the current models planned, until the next training: once
+    /// a tool has 10 finished builds, its memory estimates are scaled by their median
+    /// error and the margin is at least as wide as their spread (README, "Feedback").
+    /// Default true; false plans with the models alone.
+    pub feedback: bool,
     /// Training windows: the long one feeds the main model, the short one tracks recent
     /// change. Defaults "17days" and "1day".
     #[serde(with = "humantime_serde")]
@@ -878,6 +883,7 @@ impl Default for BatchConfig {
             memory_label: MemoryLabel::UsedHeapPostBuild,
             retrain_interval: Duration::from_secs(600),
             min_history_builds: 20,
+            feedback: true,
             long_window: Duration::from_secs(17 * 86_400),
             short_window: Duration::from_secs(86_400),
         }

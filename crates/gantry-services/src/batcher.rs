@@ -13,7 +13,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use gantry_batch::{Batch, BatchError, BatchSizeReason, BuildContext, Models, PlannerConfig, StreamingPlanner};
+use gantry_batch::{
+    Batch, BatchError, BatchSizeReason, BuildContext, Corrected, Models, PlannerConfig, StreamingPlanner,
+};
 use gantry_builds::{BuildDoc, BuildOutcome, BuildService, BuildState, RetryKind};
 use gantry_core::task::{spawn_named, GuardedStream};
 use gantry_proto::batch::v1 as pb;
@@ -227,6 +229,8 @@ async fn run_stream(
     tx: Tx,
     builds: Option<Arc<BuildService>>,
 ) -> Result<(), ()> {
+    // The stream plans with the feedback of the builds run so far, as with its models.
+    let feedback = builds.as_ref().map(|b| b.feedback()).unwrap_or_default();
     let mut submitter = builds.map(|builds| {
         builds.stream_started(&stream_id);
         Submitter {
@@ -239,7 +243,8 @@ async fn run_stream(
             models_trained_at: models.manifest.trained_at.map(|t| t.0),
         }
     });
-    let mut planner = match StreamingPlanner::new(ctx, config, &*models) {
+    let estimator = Corrected { inner: models.clone(), feedback };
+    let mut planner = match StreamingPlanner::new(ctx, config, &estimator) {
         Ok(p) => p,
         Err(e) => return tx.send(Err(invalid(e.to_string()))).await.map_err(|_| ()),
     };

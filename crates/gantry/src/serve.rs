@@ -326,6 +326,7 @@ async fn start_build_runners(
         model_dir: config.batch_model_dir(),
         retrain_interval: b.retrain_interval,
         min_history_builds: b.min_history_builds,
+        feedback: b.feedback,
         long_window: b.long_window,
         short_window: b.short_window,
     };
