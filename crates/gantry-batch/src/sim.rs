@@ -752,6 +752,30 @@ pub struct PlanScore {
 }
 
 impl PlanScore {
+    fn named(name: &str) -> PlanScore {
+        PlanScore {
+            name: name.to_string(),
+            by_reason: BatchSizeReason::ALL.iter().map(|&r| (r, 0, 0, 0)).collect(),
+            ..PlanScore::default()
+        }
+    }
+
+    /// One planned build of the current stream (`stream`: its builds, OOMs and
+    /// predicted OOMs) and whether it ran out of memory or over the executor pool.
+    fn count(&mut self, stream: &mut (usize, usize, f64), b: &Batch, oom: bool, de: bool) {
+        let p = b.oom_probability.unwrap_or(0.0);
+        *stream = (stream.0 + 1, stream.1 + oom as usize, stream.2 + p);
+        self.builds += 1;
+        self.predicted_oom += p;
+        self.targets += b.targets.len();
+        self.oom += oom as usize;
+        self.de += de as usize;
+        let r = self.by_reason.iter_mut().find(|x| x.0 == b.reason).expect("all reasons");
+        r.1 += 1;
+        r.2 += oom as usize;
+        r.3 += de as usize;
+    }
+
     pub fn oom_rate(&self) -> f64 {
         self.oom as f64 / self.builds.max(1) as f64
     }
@@ -833,11 +857,7 @@ pub fn score<E: Estimator>(
     estimator: &E,
     regressed: bool,
 ) -> Result<PlanScore> {
-    let mut s = PlanScore {
-        name: name.to_string(),
-        by_reason: BatchSizeReason::ALL.iter().map(|&r| (r, 0, 0, 0)).collect(),
-        ..PlanScore::default()
-    };
+    let mut s = PlanScore::named(name);
     let mut marks = truth.marks();
     for (ctx, targets) in streams {
         let batches = plan(ctx, targets.clone(), planner, estimator)?;
@@ -847,18 +867,7 @@ pub fn score<E: Estimator>(
             let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
             let oom = u.memory_bytes > planner.bazel_memory_bytes as f64;
             let de = u.occupancy_esu > planner.occupancy_limit_esu;
-            s.builds += 1;
-            this.0 += 1;
-            this.1 += oom as usize;
-            this.2 += b.oom_probability.unwrap_or(0.0);
-            s.predicted_oom += b.oom_probability.unwrap_or(0.0);
-            s.targets += b.targets.len();
-            s.oom += oom as usize;
-            s.de += de as usize;
-            let r = s.by_reason.iter_mut().find(|x| x.0 == b.reason).expect("all reasons");
-            r.1 += 1;
-            r.2 += oom as usize;
-            r.3 += de as usize;
+            s.count(&mut this, b, oom, de);
         }
         s.streams.push(this);
     }
@@ -882,11 +891,7 @@ pub fn score_with_feedback(
 ) -> Result<PlanScore> {
     let mut feedback = Feedback::new();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xfeed_bac4);
-    let mut s = PlanScore {
-        name: name.to_string(),
-        by_reason: BatchSizeReason::ALL.iter().map(|&r| (r, 0, 0, 0)).collect(),
-        ..PlanScore::default()
-    };
+    let mut s = PlanScore::named(name);
     let mut marks = truth.marks();
     let heap = cfg.planner.bazel_memory_bytes as f64;
     for (ctx, targets) in streams {
@@ -899,18 +904,7 @@ pub fn score_with_feedback(
             let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
             let oom = u.memory_bytes > heap;
             let de = u.occupancy_esu > cfg.planner.occupancy_limit_esu;
-            s.builds += 1;
-            this.0 += 1;
-            this.1 += oom as usize;
-            this.2 += b.oom_probability.unwrap_or(0.0);
-            s.predicted_oom += b.oom_probability.unwrap_or(0.0);
-            s.targets += b.targets.len();
-            s.oom += oom as usize;
-            s.de += de as usize;
-            let r = s.by_reason.iter_mut().find(|x| x.0 == b.reason).expect("all reasons");
-            r.1 += 1;
-            r.2 += oom as usize;
-            r.3 += de as usize;
+            s.count(&mut this, b, oom, de);
             let label = if oom {
                 heap
             } else if rng.random::<f64>() < cfg.label_noise_fraction {

@@ -54,6 +54,21 @@ impl GroupEstimator for KnownGroup {
     }
 }
 
+/// The cutoff is the limit itself, so only the margin keeps batches safe.
+fn limit_only(target_oom_rate: f64) -> PlannerConfig {
+    PlannerConfig {
+        bazel_memory_bytes: 13 * GB,
+        memory_cutoff_bytes: MemoryCutoffs { high: 13 * GB, medium: 13 * GB, low: 13 * GB },
+        target_oom_rate,
+        ..PlannerConfig::default()
+    }
+}
+
+/// 400,000 targets in packages of 50, each costing 100-300 MB.
+fn targets(rng: &mut ChaCha8Rng) -> Vec<Target> {
+    (0..400_000u32).map(|i| Target::new(format!("//p{}:t{i:06}_{}", i / 50, rng.random_range(100..300)))).collect()
+}
+
 fn observed_rate(target_rate: f64, seed: u64) -> (f64, f64, usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     // Held-out history: 2,000 residuals, 4% of whose labels read up to 1.8x
@@ -69,15 +84,8 @@ fn observed_rate(target_rate: f64, seed: u64) -> (f64, f64, usize) {
         })
         .collect();
     let error = ErrorModel::fit(&held_out, TrustedSide::Lower).unwrap();
-    // The cutoff is the limit itself, so only the margin keeps batches safe.
-    let cfg = PlannerConfig {
-        bazel_memory_bytes: 13 * GB,
-        memory_cutoff_bytes: MemoryCutoffs { high: 13 * GB, medium: 13 * GB, low: 13 * GB },
-        target_oom_rate: target_rate,
-        ..PlannerConfig::default()
-    };
-    let targets: Vec<Target> =
-        (0..400_000u32).map(|i| Target::new(format!("//p{}:t{i:06}_{}", i / 50, rng.random_range(100..300)))).collect();
+    let cfg = limit_only(target_rate);
+    let targets = targets(&mut rng);
     let ctx = BuildContext::new_workspace("w", Command::Build, Priority::Low);
     let batches = plan(&ctx, targets, &cfg, &Known(error)).unwrap();
     let (mut ooms, mut predicted) = (0usize, 0.0);
@@ -120,14 +128,8 @@ fn feedback_from_finished_builds_restores_the_target_rate_under_a_shift() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let history: Vec<f64> = (0..2000).map(|_| SIGMA * normal(&mut rng)).collect();
     let error = ErrorModel::fit(&history, TrustedSide::Lower).unwrap();
-    let cfg = PlannerConfig {
-        bazel_memory_bytes: 13 * GB,
-        memory_cutoff_bytes: MemoryCutoffs { high: 13 * GB, medium: 13 * GB, low: 13 * GB },
-        target_oom_rate: rate,
-        ..PlannerConfig::default()
-    };
-    let targets: Vec<Target> =
-        (0..400_000u32).map(|i| Target::new(format!("//p{}:t{i:06}_{}", i / 50, rng.random_range(100..300)))).collect();
+    let cfg = limit_only(rate);
+    let targets = targets(&mut rng);
     let ctx = BuildContext::new_workspace("w", Command::Build, Priority::Low);
     let mut truth = |est: f64, rng: &mut ChaCha8Rng| est * (SHIFT + shifted_sigma * normal(rng)).exp();
     let oom_rate =

@@ -50,6 +50,14 @@ fn ctx(ws: &Path) -> BuildContext {
     }
 }
 
+/// An empty Bazel workspace under `dir`.
+fn workspace(dir: &Path) -> std::path::PathBuf {
+    let ws = dir.join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("WORKSPACE"), "").unwrap();
+    ws
+}
+
 fn target(l: &str) -> Target {
     Target { label: l.into(), rule_kind: None, tags: vec![] }
 }
@@ -118,9 +126,7 @@ async fn wait_stream(s: &BuildService, stream: &str) -> Vec<gantry_builds::Build
 #[tokio::test]
 async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed() {
     let dir = tempfile::tempdir().unwrap();
-    let ws = dir.path().join("ws");
-    std::fs::create_dir_all(&ws).unwrap();
-    std::fs::write(ws.join("WORKSPACE"), "").unwrap();
+    let ws = workspace(dir.path());
     let s = service(dir.path(), Duration::from_secs(30), 3).await;
     s.stream_started("s");
     let labels = ["//a:1", "//a:2", "//a:3", "//a:4", "//a:5"];
@@ -175,9 +181,7 @@ async fn oom_builds_split_until_the_halves_fit_and_one_target_ooms_stay_failed()
 #[tokio::test]
 async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history() {
     let dir = tempfile::tempdir().unwrap();
-    let ws = dir.path().join("ws");
-    std::fs::create_dir_all(&ws).unwrap();
-    std::fs::write(ws.join("WORKSPACE"), "").unwrap();
+    let ws = workspace(dir.path());
     let s = service(dir.path(), Duration::from_millis(700), 50).await;
     let started = std::time::Instant::now();
     // Planned by models trained at 1,700,000,000 s: its rerun says so too.
@@ -223,9 +227,7 @@ async fn deadline_exceeded_builds_are_rerun_once_and_training_waits_for_history(
 #[tokio::test]
 async fn builds_planned_by_the_current_models_feed_back_and_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let ws = dir.path().join("ws");
-    std::fs::create_dir_all(&ws).unwrap();
-    std::fs::write(ws.join("WORKSPACE"), "").unwrap();
+    let ws = workspace(dir.path());
     let mut c = ctx(&ws);
     c.tool_tag = "t".into();
     let s = service(dir.path(), Duration::from_secs(60), 6).await;

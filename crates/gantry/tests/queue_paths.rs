@@ -25,7 +25,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{fixture_flags, gantry, git, metric_value, toml_list, wait_metrics, GantryServer};
@@ -135,6 +135,31 @@ fn write_config(dir: &Path, repo: &Path, script: &Path, queue: &str) -> std::pat
     )
     .unwrap();
     config
+}
+
+/// A queue with batching on and one slot over a new repository with these change
+/// branches, its build steps gated (`write_build_script`): (repository, gates, config).
+fn one_slot_batching(dir: &Path, changes: &[(&str, &str, &str)]) -> (PathBuf, PathBuf, PathBuf) {
+    let repo = dir.join("repo");
+    generate_repo(&repo, changes);
+    let gates = dir.join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let script = dir.join("check.sh");
+    write_build_script(&script, &gates);
+    let config = write_config(dir, &repo, &script, "capacity = 1\nbatching = true\n");
+    (repo, gates, config)
+}
+
+/// Submits d-edit, then x and w, and waits until x and w are queued behind d's build
+/// (which waits for its gate `go-d`): the ids of d, x and w.
+fn queue_behind_d(url: &str, x: &str, w: &str) -> (String, String, String) {
+    let (d, x, w) = (submit(url, "d-edit"), submit(url, x), submit(url, w));
+    wait_history(url, "x and w queue behind d's build", Duration::from_secs(120), |h| {
+        state(h, &x) == "PENDING"
+            && state(h, &w) == "PENDING"
+            && builds(change(h, &d)).iter().any(|b| b["state"] == "RUNNING")
+    });
+    (d, x, w)
 }
 
 fn submit(url: &str, branch: &str) -> String {
@@ -407,31 +432,18 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
 #[test]
 fn a_batch_whose_mainline_move_fails_rejects_every_member() {
     let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    generate_repo(
-        &repo,
+    let (repo, gates, config) = one_slot_batching(
+        dir.path(),
         &[
             ("d-edit", "d/value.txt", "d edit"),
             ("x-a-on", "a/value.txt", "a ON"),
             ("w-a-other", "a/other.txt", "a other edit"),
         ],
     );
-    let gates = dir.path().join("gates");
-    std::fs::create_dir_all(&gates).unwrap();
-    let script = dir.path().join("check.sh");
-    write_build_script(&script, &gates);
-    let config = write_config(dir.path(), &repo, &script, "capacity = 1\nbatching = true\n");
     let server = GantryServer::start(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
     let url = format!("grpc://{}", server.grpc);
 
-    let d = submit(&url, "d-edit");
-    let x = submit(&url, "x-a-on");
-    let w = submit(&url, "w-a-other");
-    wait_history(&url, "x and w queue behind d's build", Duration::from_secs(120), |h| {
-        state(h, &x) == "PENDING"
-            && state(h, &w) == "PENDING"
-            && builds(change(h, &d)).iter().any(|b| b["state"] == "RUNNING")
-    });
+    let (d, x, w) = queue_behind_d(&url, "x-a-on", "w-a-other");
     std::fs::write(gates.join("go-d"), "").unwrap();
     // d's landing is recorded by the lander, which may come after the tree has started.
     let h = wait_history(&url, "d landed and x and w built as one tree", Duration::from_secs(60), |h| {
@@ -479,34 +491,21 @@ fn a_crash_at_any_moment_of_a_batch_landing_lands_it_once() {
 
 fn crash_in_batch_landing(moment: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("repo");
-    generate_repo(
-        &repo,
+    let (repo, gates, config) = one_slot_batching(
+        dir.path(),
         &[
             ("d-edit", "d/value.txt", "d edit"),
             ("x-c-value", "c/value.txt", "c edit"),
             ("w-c-other", "c/other.txt", "c other edit"),
         ],
     );
-    let gates = dir.path().join("gates");
-    std::fs::create_dir_all(&gates).unwrap();
-    let script = dir.path().join("check.sh");
-    write_build_script(&script, &gates);
-    let config = write_config(dir.path(), &repo, &script, "capacity = 1\nbatching = true\n");
     let data = dir.path().join("data");
     let point = format!("queue.batch-landing.{moment}");
     let mut server =
         GantryServer::start_env(&data, &["--config", config.to_str().unwrap()], &[("GANTRY_CRASH_AT", &point)]);
     let url = format!("grpc://{}", server.grpc);
 
-    let d = submit(&url, "d-edit");
-    let x = submit(&url, "x-c-value");
-    let w = submit(&url, "w-c-other");
-    wait_history(&url, "x and w queue behind d's build", Duration::from_secs(120), |h| {
-        state(h, &x) == "PENDING"
-            && state(h, &w) == "PENDING"
-            && builds(change(h, &d)).iter().any(|b| b["state"] == "RUNNING")
-    });
+    let (d, x, w) = queue_behind_d(&url, "x-c-value", "w-c-other");
     let before = git(&repo, &["rev-parse", "main"]);
     std::fs::write(gates.join("go-d"), "").unwrap();
 
