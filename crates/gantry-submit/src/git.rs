@@ -124,6 +124,23 @@ impl Repo {
         Ok((commit, base))
     }
 
+    /// Whether `ancestor` is `commit` or one of its ancestors.
+    pub fn is_ancestor(&self, ancestor: &str, commit: &str) -> Result<bool, GitError> {
+        let args = ["merge-base", "--is-ancestor", ancestor, commit];
+        let command = args.join(" ");
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&self.path)
+            .args(args)
+            .output()
+            .map_err(|source| GitError::Spawn { command: command.clone(), source })?;
+        match out.status.code() {
+            Some(0) => Ok(true),
+            Some(1) => Ok(false),
+            _ => Err(GitError::failed(command, &out)),
+        }
+    }
+
     pub fn tree(&self, commit: &str) -> Result<String, GitError> {
         self.git(&["rev-parse", &format!("{commit}^{{tree}}")])
     }

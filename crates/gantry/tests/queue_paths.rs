@@ -481,15 +481,20 @@ fn a_batch_whose_mainline_move_fails_rejects_every_member() {
 /// `gantry serve` dies there (`GANTRY_CRASH_AT`, a switch of debug builds) and is started
 /// again on the same data: the batch lands exactly once, each member at its own version
 /// with its own commit, the mainline moves once and never points at the commit inside
-/// the batch, and the tree that passed is not built again.
+/// the batch, and the tree that passed is not built again. Twice more, someone pushes
+/// onto the mainline between a crash after the move and the restart: the batch is still
+/// landed, not rejected as if the mainline had moved instead of it.
 #[test]
 fn a_crash_at_any_moment_of_a_batch_landing_lands_it_once() {
     for moment in ["first-intent", "before-move", "after-move", "first-done"] {
-        crash_in_batch_landing(moment);
+        crash_in_batch_landing(moment, false);
+    }
+    for moment in ["after-move", "first-done"] {
+        crash_in_batch_landing(moment, true);
     }
 }
 
-fn crash_in_batch_landing(moment: &str) {
+fn crash_in_batch_landing(moment: &str, push_before_restart: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (repo, gates, config) = one_slot_batching(
         dir.path(),
@@ -522,6 +527,14 @@ fn crash_in_batch_landing(moment: &str) {
     assert_eq!(status.code(), Some(gantry_core::crash::CRASH_EXIT_CODE), "{point}: {status}");
     let at_crash = git(&repo, &["rev-parse", "main"]);
     assert_ne!(at_crash, before, "{point}: d landed before the batch");
+    let pushed = push_before_restart.then(|| {
+        // The queue moves the ref alone: bring the work tree to it before committing.
+        git(&repo, &["checkout", "--quiet", "main"]);
+        git(&repo, &["reset", "--quiet", "--hard", "main"]);
+        std::fs::write(repo.join("b/other.txt"), "b pushed outside the queue\n").unwrap();
+        git(&repo, &["commit", "--quiet", "-am", "outside the queue"]);
+        git(&repo, &["rev-parse", "main"])
+    });
 
     let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
     let url = format!("grpc://{}", server.grpc);
@@ -546,24 +559,23 @@ fn crash_in_batch_landing(moment: &str) {
     }
     assert_eq!(r2["old_commit"], d_commit.as_str(), "{point}: {h:#}");
     assert_eq!(r3["old_commit"], r2["new_commit"], "{point}: {h:#}");
+    let batch_head = r3["new_commit"].as_str().unwrap().to_string();
     let head = git(&repo, &["rev-parse", "main"]);
-    assert_eq!(r3["new_commit"], head.as_str(), "{point}: the mainline is at the batch's tree: {h:#}");
+    assert_eq!(&head, pushed.as_ref().unwrap_or(&batch_head), "{point}: the mainline is at the batch's tree: {h:#}");
     // The crash came where it was meant to: before or after the compare-and-swap.
     let moved = matches!(moment, "after-move" | "first-done");
-    assert_eq!(&at_crash, if moved { &head } else { &d_commit }, "{point}: the mainline at the crash");
+    assert_eq!(&at_crash, if moved { &batch_head } else { &d_commit }, "{point}: the mainline at the crash");
 
     // One move for the batch: the reflog holds the initial commit, d's landing and the
-    // batch's landing, and never the commit inside the batch.
+    // batch's landing (and the push), and never the commit inside the batch.
     let reflog: Vec<String> =
         git(&repo, &["reflog", "show", "--format=%H", "refs/heads/main"]).lines().map(str::to_string).collect();
-    assert_eq!(
-        reflog,
-        [head.clone(), d_commit.clone(), before.clone()],
-        "{point}: the mainline moved once per landing"
-    );
+    let expected: Vec<String> =
+        pushed.iter().cloned().chain([batch_head.clone(), d_commit.clone(), before.clone()]).collect();
+    assert_eq!(reflog, expected, "{point}: the mainline moved once per landing");
     assert!(!reflog.iter().any(|c| r2["new_commit"] == c.as_str()), "{point}");
     // Each member keeps its own commit, in queue order, and the tree holds both edits.
-    let subjects = git(&repo, &["log", "--format=%s", "-3", "main"]);
+    let subjects = git(&repo, &["log", "--format=%s", "-3", &batch_head]);
     assert_eq!(subjects, "w-c-other: c/other.txt\nx-c-value: c/value.txt\nd-edit: d/value.txt", "{point}");
     assert_eq!(git(&repo, &["show", "main:c/value.txt"]), "c edit", "{point}");
     assert_eq!(git(&repo, &["show", "main:c/other.txt"]), "c other edit", "{point}");

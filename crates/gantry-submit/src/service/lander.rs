@@ -116,16 +116,21 @@ impl QueueService {
             existing.last().filter(|_| existing.iter().all(Option::is_some))
         {
             // Crashed after recording every intent: the move happened iff the mainline
-            // is at the last member's commit.
+            // is at the last member's commit, or past it (pushed onto after the move and
+            // before this restart), or a member was already recorded landed.
             let rows: Vec<LandingRow> = existing.iter().flatten().cloned().collect();
             let new = last_row.new_commit.clone();
             let head = blocking(move || repo.head()).await?;
-            if head == old {
+            let recorded = rows.iter().any(|r| LandingState::of(r) == Some(LandingState::Done));
+            if head == old && !recorded {
                 let (o, n, repo) = (old.clone(), new.clone(), self.repo.clone());
                 blocking(move || repo.move_mainline(&o, &n)).await?;
-            } else if head != new {
-                let why = format!("the mainline moved outside the queue (to {})", short(&head));
-                return self.fail_batch(rows, &old, why, &docs).await;
+            } else if head != new && !recorded {
+                let (n, h, repo) = (new.clone(), head.clone(), self.repo.clone());
+                if !blocking(move || repo.is_ancestor(&n, &h)).await? {
+                    let why = format!("the mainline moved outside the queue (to {})", short(&head));
+                    return self.fail_batch(rows, &old, why, &docs).await;
+                }
             }
             rows
         } else {
