@@ -12,9 +12,9 @@
 //! estimator decorator that uses it: once a tool has [`MIN_OBSERVATIONS`] builds, its
 //! memory estimates are scaled by the median error, and the margin takes the wider of
 //! the model's held-out error and the spread of the recent builds around that median
-//! (read from the side label noise cannot reach, as for the held-out one). An OOM
-//! build's label is the heap it died in, a lower bound, so its error counts as at
-//! least that: the correction can only be pulled up by it. A retraining replaces the
+//! (read from the side label noise cannot reach, as for the held-out one) once it has
+//! the 30 builds an error model needs. An OOM build's label is the heap it died in, a
+//! lower bound, counted when it is above the estimate. A retraining replaces the
 //! models, and with them what the errors were measured against: feedback starts over.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -30,10 +30,11 @@ use crate::Result;
 pub const MIN_OBSERVATIONS: usize = 10;
 /// Builds per tool kept: recent enough to follow a shift, enough for a median.
 pub const WINDOW: usize = 200;
-/// The correction is kept within these log bounds (×0.74 to ×1.65): past them the
-/// models are wrong enough to need retraining, not a factor.
+/// The correction is kept within these log bounds (×0.74 to ×4). Down, because a
+/// smaller estimate is the risky direction; up, only against absurd labels, since an
+/// upward correction that stopped short would leave a bias the margin does not know of.
 const MAX_DOWN: f64 = -0.3;
-const MAX_UP: f64 = 0.5;
+const MAX_UP: f64 = std::f64::consts::LN_2 * 2.0;
 
 /// Recent memory errors per tool tag.
 #[derive(Debug, Clone, Default)]
@@ -57,10 +58,16 @@ impl Feedback {
     }
 
     /// A finished build of `tool`: the models' memory estimate for exactly its targets
-    /// and what it used (for an OOM build, the heap it ran out of). Ignored when either
-    /// is not a positive number.
-    pub fn observe(&mut self, tool: &str, estimate: f64, actual: f64) {
+    /// and what it used; for an OOM build (`oom`), the heap it ran out of. That is a
+    /// lower bound, which says the models under-read only when it is above their
+    /// estimate: an OOM of a build estimated over the heap anyway (one target over the
+    /// cutoff) says nothing about them and is not counted. Ignored when either number
+    /// is not positive.
+    pub fn observe(&mut self, tool: &str, estimate: f64, actual: f64, oom: bool) {
         if !(estimate > 0.0 && actual > 0.0 && estimate.is_finite() && actual.is_finite()) {
+            return;
+        }
+        if oom && actual <= estimate {
             return;
         }
         let q = self.by_tool.entry(tool.to_string()).or_default();
@@ -156,19 +163,20 @@ mod tests {
     fn no_correction_before_enough_builds_then_the_median() {
         let mut f = Feedback::new();
         for _ in 0..MIN_OBSERVATIONS - 1 {
-            f.observe("coverage", 10.0, 13.0);
+            f.observe("coverage", 10.0, 13.0, false);
         }
         assert_eq!(f.correction("coverage"), None);
-        f.observe("coverage", 10.0, 13.0);
+        f.observe("coverage", 10.0, 13.0, false);
         let c = f.correction("coverage").unwrap();
         assert!((c.log_bias - 1.3f64.ln()).abs() < 1e-12, "{c:?}");
         assert_eq!(f.correction("postsubmit"), None, "per tool");
-        // Nonsense is ignored, and the window keeps the newest.
-        f.observe("coverage", 0.0, 5.0);
-        f.observe("coverage", f64::NAN, 5.0);
+        // Nonsense is ignored, as is an OOM under its estimate; the window keeps the newest.
+        f.observe("coverage", 0.0, 5.0, false);
+        f.observe("coverage", f64::NAN, 5.0, false);
+        f.observe("coverage", 20.0, 13.0, true);
         assert_eq!(f.observations("coverage"), MIN_OBSERVATIONS);
         for _ in 0..WINDOW {
-            f.observe("coverage", 10.0, 9.0);
+            f.observe("coverage", 10.0, 9.0, false);
         }
         assert_eq!(f.observations("coverage"), WINDOW);
         assert!((f.correction("coverage").unwrap().log_bias - 0.9f64.ln()).abs() < 1e-12);
@@ -179,8 +187,8 @@ mod tests {
         let mut up = Feedback::new();
         let mut down = Feedback::new();
         for _ in 0..20 {
-            up.observe("t", 1.0, 3.0);
-            down.observe("t", 1.0, 0.5);
+            up.observe("t", 1.0, 5.0, false);
+            down.observe("t", 1.0, 0.5, false);
         }
         assert_eq!(up.correction("t").unwrap().log_bias, MAX_UP);
         assert_eq!(down.correction("t").unwrap().log_bias, MAX_DOWN);
@@ -190,7 +198,7 @@ mod tests {
         for i in 0..100 {
             let noise = [-0.08, -0.04, 0.0, 0.04, 0.08][i % 5];
             let actual = if i % 10 == 9 { 30.0 } else { 10.0 * f64::exp(0.1 + noise) };
-            f.observe("t", 10.0, actual);
+            f.observe("t", 10.0, actual, false);
         }
         let c = f.correction("t").unwrap();
         assert!((c.log_bias - 0.1).abs() < 0.05, "{c:?}");

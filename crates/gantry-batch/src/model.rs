@@ -338,7 +338,12 @@ struct PersistedModel {
     weights: Vec<(u32, f64)>,
 }
 
-const MODEL_FORMAT: u32 = 1;
+/// The format written. Format 2 added per-tool powers (`tool_power`): a binary that
+/// knows only format 1 would drop them and apply a power curve's factor as a straight
+/// line's, so it must refuse these files rather than misread them.
+const MODEL_FORMAT: u32 = 2;
+/// Formats read: a format-1 model is a format-2 model with every power 1.
+const READABLE_FORMATS: std::ops::RangeInclusive<u32> = 1..=MODEL_FORMAT;
 
 impl From<LinearModel> for PersistedModel {
     fn from(m: LinearModel) -> Self {
@@ -366,7 +371,7 @@ impl From<LinearModel> for PersistedModel {
 impl TryFrom<PersistedModel> for LinearModel {
     type Error = String;
     fn try_from(p: PersistedModel) -> std::result::Result<Self, String> {
-        if p.format != MODEL_FORMAT {
+        if !READABLE_FORMATS.contains(&p.format) {
             return Err(format!("unsupported model format {}", p.format));
         }
         if !(4..=26).contains(&p.spec.hash_bits) {
@@ -669,7 +674,7 @@ impl Models {
             Some(s) => serde_json::from_str(&s).map_err(|e| bad(format!("{MANIFEST_FILE}: {e}")))?,
             None => return Err(bad(format!("missing {MANIFEST_FILE}"))),
         };
-        if manifest.format != MODEL_FORMAT {
+        if !READABLE_FORMATS.contains(&manifest.format) {
             return Err(bad(format!("unsupported format {}", manifest.format)));
         }
         let model = |name: &str, kind: ModelKind| -> Result<Option<LinearModel>> {
@@ -927,6 +932,20 @@ fn search_crosses(
     chosen
 }
 
+/// Bounds of a tool's centring power (`Centring::Power`).
+const MIN_POWER: f64 = 0.8;
+const MAX_POWER: f64 = 1.4;
+
+/// What [`calibrate`] learned: the global factor, each tool's curve
+/// (factor, offset, power) and the held-out error around it.
+struct Calibrated {
+    global: f64,
+    tools: BTreeMap<String, f64>,
+    offsets: BTreeMap<String, f64>,
+    powers: BTreeMap<String, f64>,
+    error: Option<crate::margin::ErrorModel>,
+}
+
 /// Output scaling learned on held-out builds whose (uncalibrated)
 /// prediction is at least `min_pred`: a global factor, per-tool factors
 /// (tools with fewer than 20 such builds use the global), and with
@@ -943,16 +962,6 @@ fn search_crosses(
 /// by their median ratio over the held-out builds'. A Bazel release
 /// that needs 12% more heap moves the last day's residuals at once, while
 /// weights fitted on 17 days barely move.
-/// What [`calibrate`] learned: the global factor, each tool's curve
-/// (factor, offset, power) and the held-out error around it.
-struct Calibrated {
-    global: f64,
-    tools: BTreeMap<String, f64>,
-    offsets: BTreeMap<String, f64>,
-    powers: BTreeMap<String, f64>,
-    error: Option<crate::margin::ErrorModel>,
-}
-
 fn calibrate(
     model: &LinearModel,
     data: &[(&Prepared, f64)],
@@ -1010,8 +1019,20 @@ fn calibrate(
                 Centring::Power => {
                     let logs: Vec<(f64, f64)> = pairs.map(|(x, y)| (x.ln(), y.ln())).collect();
                     if let Some((power, log_factor)) = theil_sen(&logs) {
+                        // Held-out builds span a narrow range of sizes, so the slope of
+                        // their logs is uncertain; a power far from 1 would make every
+                        // batch tiny or bring back the under-reading. Refit the factor
+                        // at the bounded power, so the curve still passes the middle.
+                        let bounded = power.clamp(MIN_POWER, MAX_POWER);
+                        let log_factor = if bounded == power {
+                            log_factor
+                        } else {
+                            let mut r: Vec<f64> = logs.iter().map(|(x, y)| y - bounded * x).collect();
+                            r.sort_by(f64::total_cmp);
+                            r[r.len() / 2]
+                        };
                         *f = log_factor.exp();
-                        powers.insert(tool.clone(), power);
+                        powers.insert(tool.clone(), bounded);
                     }
                 }
             }
@@ -1298,5 +1319,33 @@ mod tests {
         assert!(l / t < 0.9, "the line under-reads: {l} against {t}");
         // Monotone, as the binary search needs.
         assert!((1..100).all(|i| curve.apply(i as f64) < curve.apply(i as f64 + 0.5)));
+    }
+
+    /// Files of format 1 (no powers) still load, as power 1; a format this binary does not
+    /// know is refused rather than misread; and powers survive a round trip.
+    #[test]
+    fn model_formats_one_and_two_load_and_others_are_refused() {
+        let spec = FeatureSpec::new(8);
+        let mut m =
+            LinearModel::from_parts(ModelKind::MemoryBytes, spec.clone(), 1.0, vec![0.0; spec.slots()], 1e9, 1.0)
+                .unwrap();
+        m.tool_calibration.insert("t".into(), 0.5);
+        m.tool_power.insert("t".into(), 1.2);
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(json.contains("\"format\":2"), "{json}");
+        let back: LinearModel = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.tool_power, m.tool_power);
+        let mut ctx = BuildContext::new_workspace("w", crate::types::Command::Build, crate::types::Priority::Low);
+        ctx.tool_tag = "t".into();
+        assert_eq!(back.calibration_for(&ctx).power, 1.2);
+
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v.as_object_mut().unwrap().remove("tool_power");
+        v["format"] = 1.into();
+        let old: LinearModel = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(old.calibration_for(&ctx), Centre { factor: 0.5, offset: 0.0, power: 1.0 });
+        v["format"] = 3.into();
+        let err = serde_json::from_value::<LinearModel>(v).unwrap_err().to_string();
+        assert!(err.contains("unsupported model format 3"), "{err}");
     }
 }

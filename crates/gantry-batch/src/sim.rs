@@ -912,13 +912,13 @@ pub fn score_with_feedback(
             } else {
                 u.memory_bytes
             };
-            seen.push((b, label));
+            seen.push((b, label, oom));
         }
         // The stream's builds finish before the next stream is planned.
         if let Some(m) = &models.memory {
-            for (b, label) in seen {
+            for (b, label, oom) in seen {
                 let labels: Vec<&str> = b.targets.iter().map(String::as_str).collect();
-                feedback.observe(&ctx.tool_tag, m.predict(ctx, &labels)?, label);
+                feedback.observe(&ctx.tool_tag, m.predict(ctx, &labels)?, label, oom);
             }
         }
         s.streams.push(this);

@@ -540,40 +540,64 @@ impl Inner {
 
     /// A finished build planned by the current models: its memory error against them.
     fn observe(&self, doc: &BuildDoc) {
-        if !self.settings.feedback || doc.models_trained_at.is_none() {
+        if !self.settings.feedback {
             return;
         }
         let models = self.models.read().expect("poisoned").clone();
-        let current = models.manifest.trained_at.map(|t| t.0);
-        let (Some(memory), true) = (&models.memory, doc.models_trained_at == current) else { return };
-        let Some(record) = doc.history_record(self.settings.memory_label, self.settings.runner.heap_bytes) else {
-            return;
-        };
-        let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
-        let Ok(estimate) = memory.predict(&doc.context, &labels) else { return };
-        let mut learned = self.learned.lock().expect("poisoned");
-        if learned.trained_at != current {
-            *learned = Learned { trained_at: current, feedback: Feedback::new() };
+        if let Some(m) = measure(&models, doc, self.settings.memory_label, self.settings.runner.heap_bytes) {
+            self.learn(&models, [m]);
         }
-        learned.feedback.observe(&doc.context.tool_tag, estimate, record.peak_memory_bytes as f64);
     }
 
-    /// At startup: the builds finished since the loaded models were trained, so a restart
-    /// keeps what they taught.
+    /// Records measurements made against `models`, if they are still the current ones.
+    fn learn(&self, models: &Models, measured: impl IntoIterator<Item = Measured>) {
+        let trained_at = models.manifest.trained_at.map(|t| t.0);
+        if self.models.read().expect("poisoned").manifest.trained_at.map(|t| t.0) != trained_at {
+            return;
+        }
+        let mut learned = self.learned.lock().expect("poisoned");
+        if learned.trained_at != trained_at {
+            *learned = Learned { trained_at, feedback: Feedback::new() };
+        }
+        for m in measured {
+            learned.feedback.observe(&m.tool, m.estimate, m.actual, m.oom);
+        }
+    }
+
+    /// At startup: the builds finished since the loaded models were trained (the newest
+    /// `SEED_LIMIT`), so a restart keeps what they taught. Estimating them runs on the
+    /// blocking pool; a row that cannot be read is skipped, since this is only a head start.
     async fn seed_feedback(&self) -> Result<(), BuildsError> {
-        let trained_at = self.models.read().expect("poisoned").manifest.trained_at.map(|t| t.0);
-        let Some(trained_at) = trained_at.filter(|_| self.settings.feedback) else { return Ok(()) };
+        let models = self.models.read().expect("poisoned").clone();
+        let Some(trained_at) = models.manifest.trained_at.map(|t| t.0).filter(|_| self.settings.feedback) else {
+            return Ok(());
+        };
         // `trained_at` is the end of the training window, a second past its newest build,
         // and another process's clock may differ: look an hour further back, and let
-        // `observe` keep exactly the builds these models planned.
+        // `measure` keep exactly the builds these models planned.
         let since = (trained_at - 3600) * 1000;
         let rows = self
             .store
-            .list(&BuildQuery { finished_since_unix_ms: Some(since), oldest_first: true, ..Default::default() })
+            .list(&BuildQuery { finished_since_unix_ms: Some(since), limit: SEED_LIMIT, ..Default::default() })
             .await?;
-        for row in &rows {
-            self.observe(&BuildDoc::from_row(row)?);
-        }
+        let (label, heap) = (self.settings.memory_label, self.settings.runner.heap_bytes);
+        let m = models.clone();
+        let measured = tokio::task::spawn_blocking(move || {
+            // Newest first from the store; observed oldest first, so the window keeps the newest.
+            rows.iter()
+                .rev()
+                .filter_map(|row| match BuildDoc::from_row(row) {
+                    Ok(doc) => measure(&m, &doc, label, heap),
+                    Err(e) => {
+                        tracing::warn!(build = %row.id, error = %e, "build record skipped by the feedback");
+                        None
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(|e| BuildsError::Internal(format!("reading the feedback: {e}")))?;
+        self.learn(&models, measured);
         Ok(())
     }
 
@@ -849,6 +873,33 @@ pub async fn read_history(
         }
     }
     Ok(out)
+}
+
+/// Builds read at startup for the feedback: more than its window holds for a few tools.
+const SEED_LIMIT: usize = 5000;
+
+/// One finished build as the feedback sees it.
+struct Measured {
+    tool: String,
+    estimate: f64,
+    actual: f64,
+    oom: bool,
+}
+
+/// `doc`'s memory against `models`' estimate, if `models` planned it and it has a label.
+fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64) -> Option<Measured> {
+    let memory = models.memory.as_ref()?;
+    if doc.models_trained_at.is_none() || doc.models_trained_at != models.manifest.trained_at.map(|t| t.0) {
+        return None;
+    }
+    let record = doc.history_record(label, heap_bytes)?;
+    let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
+    Some(Measured {
+        tool: doc.context.tool_tag.clone(),
+        estimate: memory.predict(&doc.context, &labels).ok()?,
+        actual: record.peak_memory_bytes as f64,
+        oom: doc.outcome == Some(BuildOutcome::Oom),
+    })
 }
 
 /// Plans `targets` (one executor group) again with the current models.

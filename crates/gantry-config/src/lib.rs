@@ -829,7 +829,8 @@ pub struct BatchConfig {
     pub min_history_builds: usize,
     /// Learn from the builds the current models planned, until the next training: once
     /// a tool has 10 finished builds, its memory estimates are scaled by their median
-    /// error and the margin is at least as wide as their spread (README, "Feedback").
+    /// error, and from 30 the margin is at least as wide as their spread (README,
+    /// "Feedback").
     /// Default true; false plans with the models alone.
     pub feedback: bool,
     /// Training windows: the long one feeds the main model, the short one tracks recent
