@@ -77,6 +77,15 @@ impl Repo {
 
     /// `git args` in the repository: its trimmed output, or what went wrong with the command.
     fn git(&self, args: &[&str]) -> Result<String, GitError> {
+        let (command, out) = self.run(args)?;
+        if !out.status.success() {
+            return Err(GitError::failed(command, &out));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// Runs `git args` in the repository: the command line (for messages) and its output.
+    fn run(&self, args: &[&str]) -> Result<(String, std::process::Output), GitError> {
         let command = args.join(" ");
         let out = Command::new("git")
             .arg("-C")
@@ -84,10 +93,7 @@ impl Repo {
             .args(args)
             .output()
             .map_err(|source| GitError::Spawn { command: command.clone(), source })?;
-        if !out.status.success() {
-            return Err(GitError::failed(command, &out));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        Ok((command, out))
     }
 
     pub fn mainline_ref(&self) -> String {
@@ -126,14 +132,7 @@ impl Repo {
 
     /// Whether `ancestor` is `commit` or one of its ancestors.
     pub fn is_ancestor(&self, ancestor: &str, commit: &str) -> Result<bool, GitError> {
-        let args = ["merge-base", "--is-ancestor", ancestor, commit];
-        let command = args.join(" ");
-        let out = Command::new("git")
-            .arg("-C")
-            .arg(&self.path)
-            .args(args)
-            .output()
-            .map_err(|source| GitError::Spawn { command: command.clone(), source })?;
+        let (command, out) = self.run(&["merge-base", "--is-ancestor", ancestor, commit])?;
         match out.status.code() {
             Some(0) => Ok(true),
             Some(1) => Ok(false),
