@@ -209,6 +209,24 @@ pub struct Centre {
 }
 
 impl Centre {
+    /// `tool`'s curve if it has a factor, else `global` alone.
+    fn of(
+        tool: &str,
+        global: f64,
+        factors: &BTreeMap<String, f64>,
+        offsets: &BTreeMap<String, f64>,
+        powers: &BTreeMap<String, f64>,
+    ) -> Centre {
+        match factors.get(tool) {
+            Some(&factor) => Centre {
+                factor,
+                offset: offsets.get(tool).copied().unwrap_or(0.0),
+                power: powers.get(tool).copied().unwrap_or(1.0),
+            },
+            None => Centre { factor: global, offset: 0.0, power: 1.0 },
+        }
+    }
+
     #[inline]
     fn apply(&self, x: f64) -> f64 {
         let scaled = if self.power == 1.0 { x } else { x.powf(self.power) };
@@ -478,15 +496,7 @@ impl LinearModel {
     /// The centring of a context: its tool's curve if one was learned, else
     /// the global factor (no offset, power 1).
     pub fn calibration_for(&self, ctx: &BuildContext) -> Centre {
-        let t = &ctx.tool_tag;
-        match self.tool_calibration.get(t) {
-            Some(&factor) => Centre {
-                factor,
-                offset: self.tool_offset.get(t).copied().unwrap_or(0.0),
-                power: self.tool_power.get(t).copied().unwrap_or(1.0),
-            },
-            None => Centre { factor: self.calibration, offset: 0.0, power: 1.0 },
-        }
+        Centre::of(&ctx.tool_tag, self.calibration, &self.tool_calibration, &self.tool_offset, &self.tool_power)
     }
 
     /// Turn a raw linear score (bias included) into the model's unit, given
@@ -932,9 +942,12 @@ fn search_crosses(
     chosen
 }
 
-/// Bounds of a tool's centring power (`Centring::Power`).
-const MIN_POWER: f64 = 0.8;
-const MAX_POWER: f64 = 1.4;
+/// Bounds of a tool's centring slope (`Centring::Line`).
+const LINE_SLOPES: (f64, f64) = (0.5, 2.0);
+/// Bounds of a tool's centring power (`Centring::Power`). Held-out builds span a narrow
+/// range of sizes, so the slope of their logs is uncertain; a power far from 1 would
+/// make every batch tiny or bring back the under-reading.
+const POWERS: (f64, f64) = (0.8, 1.4);
 
 /// What [`calibrate`] learned: the global factor, each tool's curve
 /// (factor, offset, power) and the held-out error around it.
@@ -1011,42 +1024,21 @@ fn calibrate(
             let pairs = all.iter().filter(|x| x.1 == tool).map(|x| (x.2, x.0 * x.2));
             match cfg.centring {
                 Centring::Line => {
-                    if let Some((slope, off)) = theil_sen(&pairs.collect::<Vec<_>>()) {
+                    if let Some((slope, off)) = theil_sen(&pairs.collect::<Vec<_>>(), LINE_SLOPES) {
                         *f = slope;
                         offsets.insert(tool.clone(), off);
                     }
                 }
                 Centring::Power => {
                     let logs: Vec<(f64, f64)> = pairs.map(|(x, y)| (x.ln(), y.ln())).collect();
-                    if let Some((power, log_factor)) = theil_sen(&logs) {
-                        // Held-out builds span a narrow range of sizes, so the slope of
-                        // their logs is uncertain; a power far from 1 would make every
-                        // batch tiny or bring back the under-reading. Refit the factor
-                        // at the bounded power, so the curve still passes the middle.
-                        let bounded = power.clamp(MIN_POWER, MAX_POWER);
-                        let log_factor = if bounded == power {
-                            log_factor
-                        } else {
-                            let mut r: Vec<f64> = logs.iter().map(|(x, y)| y - bounded * x).collect();
-                            r.sort_by(f64::total_cmp);
-                            r[r.len() / 2]
-                        };
+                    if let Some((power, log_factor)) = theil_sen(&logs, POWERS) {
                         *f = log_factor.exp();
-                        powers.insert(tool.clone(), bounded);
+                        powers.insert(tool.clone(), power);
                     }
                 }
             }
         }
     }
-    let centre_of =
-        |tools: &BTreeMap<String, f64>, offsets: &BTreeMap<String, f64>, global: f64, t: &str| match tools.get(t) {
-            Some(&factor) => Centre {
-                factor,
-                offset: offsets.get(t).copied().unwrap_or(0.0),
-                power: powers.get(t).copied().unwrap_or(1.0),
-            },
-            None => Centre { factor: global, offset: 0.0, power: 1.0 },
-        };
     let (base_global, base_tools, base_offsets) = (global, tools.clone(), offsets.clone());
     if median_mode && let Some(r) = quantile(recent) {
         let drift = r / global;
@@ -1068,7 +1060,7 @@ fn calibrate(
         let logs: Vec<f64> = all
             .iter()
             .filter_map(|&(r, t, pred)| {
-                let centre = centre_of(&base_tools, &base_offsets, base_global, t).apply(pred);
+                let centre = Centre::of(t, base_global, &base_tools, &base_offsets, &powers).apply(pred);
                 (centre > 0.0).then(|| (r * pred / centre).ln())
             })
             .collect();
@@ -1079,10 +1071,10 @@ fn calibrate(
     Calibrated { global, tools, offsets, powers, error }
 }
 
-/// Theil-Sen line through `pts` (x, y): slope the median of pairwise slopes
-/// (clamped to [0.5, 2] so the model stays monotone and sane), offset the
-/// median of `y - slope x`. `None` under 20 points.
-fn theil_sen(pts: &[(f64, f64)]) -> Option<(f64, f64)> {
+/// Theil-Sen line through `pts` (x, y): slope the median of pairwise slopes,
+/// clamped to `(lo, hi)` so the model stays monotone and sane, offset the
+/// median of `y - slope x` at that slope. `None` under 20 points.
+fn theil_sen(pts: &[(f64, f64)], (lo, hi): (f64, f64)) -> Option<(f64, f64)> {
     if pts.len() < 20 {
         return None;
     }
@@ -1102,7 +1094,7 @@ fn theil_sen(pts: &[(f64, f64)]) -> Option<(f64, f64)> {
         return None;
     }
     slopes.sort_by(f64::total_cmp);
-    let slope = slopes[slopes.len() / 2].clamp(0.5, 2.0);
+    let slope = slopes[slopes.len() / 2].clamp(lo, hi);
     let mut res: Vec<f64> = pts.iter().map(|(x, y)| y - slope * x).collect();
     res.sort_by(f64::total_cmp);
     Some((slope, res[res.len() / 2]))
@@ -1308,10 +1300,11 @@ mod tests {
             let wobble = [0.97, 1.0, 1.03][i % 3];
             pts.push((x, truth(x) * wobble));
         }
-        let (power, log_factor) = theil_sen(&pts.iter().map(|&(x, y)| (x.ln(), y.ln())).collect::<Vec<_>>()).unwrap();
+        let (power, log_factor) =
+            theil_sen(&pts.iter().map(|&(x, y)| (x.ln(), y.ln())).collect::<Vec<_>>(), POWERS).unwrap();
         assert!((power - 1.15).abs() < 0.03, "{power}");
         let curve = Centre { factor: log_factor.exp(), offset: 0.0, power };
-        let (slope, offset) = theil_sen(&pts).unwrap();
+        let (slope, offset) = theil_sen(&pts, LINE_SLOPES).unwrap();
         let line = Centre { factor: slope, offset, power: 1.0 };
         let far = 20.0;
         let (c, l, t) = (curve.apply(far), line.apply(far), truth(far));

@@ -79,7 +79,7 @@ struct Scorer<'m> {
     tc_cum: Vec<f64>,
     pc_cum: Vec<f64>,
     /// The context's centring.
-    factor: crate::model::Centre,
+    centre: crate::model::Centre,
 }
 
 impl<'m> Scorer<'m> {
@@ -110,7 +110,7 @@ impl<'m> Scorer<'m> {
             prefixes,
             tc_cum: cum(&pieces.target_count),
             pc_cum: cum(&pieces.package_count),
-            factor: model.calibration_for(ctx),
+            centre: model.calibration_for(ctx),
         }
     }
 
@@ -163,7 +163,7 @@ impl<'m> Scorer<'m> {
         let spec = &self.model.spec;
         let nt = spec.target_count_boundaries.partition_point(|&b| (b as usize) <= targets);
         let np = spec.package_count_boundaries.partition_point(|&b| (b as usize) <= packages);
-        self.model.output(self.build_raw + target_sum + self.tc_cum[nt] + self.pc_cum[np], self.factor)
+        self.model.output(self.build_raw + target_sum + self.tc_cum[nt] + self.pc_cum[np], self.centre)
     }
 }
 

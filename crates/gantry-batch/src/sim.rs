@@ -857,17 +857,49 @@ pub fn score<E: Estimator>(
     estimator: &E,
     regressed: bool,
 ) -> Result<PlanScore> {
+    score_streams(
+        name,
+        truth,
+        streams,
+        planner,
+        regressed,
+        |ctx, targets| plan(ctx, targets, planner, estimator),
+        |_| Ok(()),
+    )
+}
+
+/// A build of [`score_streams`]: its context, plan, true usage and whether it ran out
+/// of memory.
+struct Scored<'a> {
+    ctx: &'a BuildContext,
+    batch: &'a Batch,
+    usage: Usage,
+    oom: bool,
+}
+
+/// Plans each stream in order with `plan_stream`, scores its builds against the truth,
+/// and tells `built` of each.
+fn score_streams(
+    name: &str,
+    truth: &GroundTruth,
+    streams: &[Stream],
+    planner: &PlannerConfig,
+    regressed: bool,
+    mut plan_stream: impl FnMut(&BuildContext, Vec<Target>) -> Result<Vec<Batch>>,
+    mut built: impl FnMut(Scored<'_>) -> Result<()>,
+) -> Result<PlanScore> {
     let mut s = PlanScore::named(name);
     let mut marks = truth.marks();
     for (ctx, targets) in streams {
-        let batches = plan(ctx, targets.clone(), planner, estimator)?;
+        let batches = plan_stream(ctx, targets.clone())?;
         let mut this = (0, 0, 0.0);
         for b in &batches {
             let ids = b.targets.iter().map(|l| truth.id_of(l).expect("own label"));
-            let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
-            let oom = u.memory_bytes > planner.bazel_memory_bytes as f64;
-            let de = u.occupancy_esu > planner.occupancy_limit_esu;
+            let usage = truth.truth_marked(ctx, ids, regressed, &mut marks);
+            let oom = usage.memory_bytes > planner.bazel_memory_bytes as f64;
+            let de = usage.occupancy_esu > planner.occupancy_limit_esu;
             s.count(&mut this, b, oom, de);
+            built(Scored { ctx, batch: b, usage, oom })?;
         }
         s.streams.push(this);
     }
@@ -889,42 +921,36 @@ pub fn score_with_feedback(
     models: &Models,
     regressed: bool,
 ) -> Result<PlanScore> {
-    let mut feedback = Feedback::new();
+    // The plans read it and the builds write it, one after the other.
+    let feedback = std::cell::RefCell::new(Feedback::new());
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xfeed_bac4);
-    let mut s = PlanScore::named(name);
-    let mut marks = truth.marks();
     let heap = cfg.planner.bazel_memory_bytes as f64;
-    for (ctx, targets) in streams {
-        let batches =
-            plan(ctx, targets.clone(), &cfg.planner, &Corrected { inner: models, feedback: feedback.clone() })?;
-        let mut this = (0, 0, 0.0);
-        let mut seen = Vec::with_capacity(batches.len());
-        for b in &batches {
-            let ids = b.targets.iter().map(|l| truth.id_of(l).expect("own label"));
-            let u = truth.truth_marked(ctx, ids, regressed, &mut marks);
-            let oom = u.memory_bytes > heap;
-            let de = u.occupancy_esu > cfg.planner.occupancy_limit_esu;
-            s.count(&mut this, b, oom, de);
-            let label = if oom {
+    score_streams(
+        name,
+        truth,
+        streams,
+        &cfg.planner,
+        regressed,
+        // A stream plans with the builds of the streams before it: its own have not
+        // finished yet.
+        |ctx, targets| {
+            plan(ctx, targets, &cfg.planner, &Corrected { inner: models, feedback: feedback.borrow().clone() })
+        },
+        |b| {
+            let label = if b.oom {
                 heap
             } else if rng.random::<f64>() < cfg.label_noise_fraction {
-                u.memory_bytes * rng.random_range(1.0..cfg.label_noise_max.max(1.0 + 1e-9))
+                b.usage.memory_bytes * rng.random_range(1.0..cfg.label_noise_max.max(1.0 + 1e-9))
             } else {
-                u.memory_bytes
+                b.usage.memory_bytes
             };
-            seen.push((b, label, oom));
-        }
-        // The stream's builds finish before the next stream is planned.
-        if let Some(m) = &models.memory {
-            for (b, label, oom) in seen {
-                let labels: Vec<&str> = b.targets.iter().map(String::as_str).collect();
-                feedback.observe(&ctx.tool_tag, m.predict(ctx, &labels)?, label, oom);
+            if let Some(m) = &models.memory {
+                let labels: Vec<&str> = b.batch.targets.iter().map(String::as_str).collect();
+                feedback.borrow_mut().observe(&b.ctx.tool_tag, m.predict(b.ctx, &labels)?, label, b.oom);
             }
-        }
-        s.streams.push(this);
-    }
-    s.by_reason.retain(|r| r.1 > 0);
-    Ok(s)
+            Ok(())
+        },
+    )
 }
 
 /// Full simulation: generate, train on history, plan fresh streams with the

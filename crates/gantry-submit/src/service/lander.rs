@@ -122,14 +122,16 @@ impl QueueService {
             let new = last_row.new_commit.clone();
             let head = blocking(move || repo.head()).await?;
             let recorded = rows.iter().any(|r| LandingState::of(r) == Some(LandingState::Done));
-            if head == old && !recorded {
-                let (o, n, repo) = (old.clone(), new.clone(), self.repo.clone());
-                blocking(move || repo.move_mainline(&o, &n)).await?;
-            } else if head != new && !recorded {
-                let (n, h, repo) = (new.clone(), head.clone(), self.repo.clone());
-                if !blocking(move || repo.is_ancestor(&n, &h)).await? {
-                    let why = format!("the mainline moved outside the queue (to {})", short(&head));
-                    return self.fail_batch(rows, &old, why, &docs).await;
+            if !recorded && head != new {
+                if head == old {
+                    let (o, n, repo) = (old.clone(), new.clone(), self.repo.clone());
+                    blocking(move || repo.move_mainline(&o, &n)).await?;
+                } else {
+                    let (n, h, repo) = (new.clone(), head.clone(), self.repo.clone());
+                    if !blocking(move || repo.is_ancestor(&n, &h)).await? {
+                        let why = format!("the mainline moved outside the queue (to {})", short(&head));
+                        return self.fail_batch(rows, &old, why, &docs).await;
+                    }
                 }
             }
             rows
