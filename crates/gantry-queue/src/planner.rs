@@ -93,6 +93,17 @@ use crate::types::{Action, BuildId, BuildOutcome, BuildSpec, ChangeId, Event, La
 /// Most evidence snapshots per change used for training.
 const MAX_SNAPSHOTS: usize = 4;
 
+/// The format of [`Planner::save_state`]'s text; a change to the planner's
+/// fields that old text cannot fill bumps it, and such text is refused.
+const SAVED_STATE_FORMAT: u32 = 1;
+
+/// [`Planner::save_state`]'s text: the planner, tagged with its format.
+#[derive(Serialize)]
+struct SavedState<'a> {
+    format: u32,
+    planner: &'a Planner,
+}
+
 /// How candidate builds are ranked. `Value` is SubmitQueue; the others exist
 /// so the simulator can compare against the baselines with the same engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -281,7 +292,7 @@ impl Default for PlannerConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Status {
     Pending,
     /// Position in the mainline.
@@ -293,7 +304,7 @@ enum Status {
     Moved,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Change {
     id: ChangeId,
     features: ChangeFeatures,
@@ -314,7 +325,7 @@ struct Change {
     priority: i32,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum BuildState {
     Running,
     Passed,
@@ -323,7 +334,7 @@ enum BuildState {
     FailedConclusively,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct BuildRec {
     spec: BuildSpec,
     change: usize,
@@ -469,18 +480,27 @@ struct View {
 }
 
 /// Overrides waiting for their change to arrive.
+#[derive(Serialize, Deserialize)]
 struct Preset {
     success: f64,
     conflicts: Vec<(usize, f64)>,
 }
 
 /// The SubmitQueue planner. See the module docs for the model.
+///
+/// Its whole state can be saved and restored ([`Planner::save_state`]), and the
+/// records of decided changes that nothing refers to any more can be forgotten
+/// ([`Planner::forget_decided`]); neither changes a later decision, so a queue
+/// can keep a saved state instead of its whole journal.
+#[derive(Serialize, Deserialize)]
 pub struct Planner {
     config: PlannerConfig,
-    changes: Vec<Change>,
+    /// By change index. Indices are never reused; a forgotten prefix is gone.
+    changes: Indexed<Change>,
     by_id: HashMap<ChangeId, usize>,
     pending: BTreeSet<usize>,
-    mainline: Vec<usize>,
+    /// Change index by mainline position (a version is a position + 1).
+    mainline: Indexed<usize>,
     builds: BTreeMap<u64, BuildRec>,
     running: BTreeSet<u64>,
     next_build: u64,
@@ -489,7 +509,8 @@ pub struct Planner {
     /// Per interned target: (failures reported, of which flaky).
     flakes: BTreeMap<u32, (u32, u32)>,
     /// Interned, sorted affected targets and graph flag per change (None = unknown).
-    analysis: Vec<Option<(Vec<u32>, bool)>>,
+    analysis: Indexed<Option<(Vec<u32>, bool)>>,
+    #[serde(with = "pair_map")]
     conflict_override: HashMap<(usize, usize), f64>,
     /// Overrides for changes not enqueued yet (see [`Planner::preset`]).
     presets: HashMap<ChangeId, Preset>,
@@ -506,21 +527,100 @@ pub struct Planner {
     stats: PlannerStats,
 }
 
+/// Records under ever-growing indices whose oldest ones can be forgotten: index
+/// `i` is `items[i - base]`. Indexing a forgotten record panics, as indexing past
+/// the end does: `forget_decided` only forgets what nothing refers to.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Indexed<T> {
+    base: usize,
+    items: VecDeque<T>,
+}
+
+impl<T> Default for Indexed<T> {
+    fn default() -> Self {
+        Indexed { base: 0, items: VecDeque::new() }
+    }
+}
+
+impl<T> Indexed<T> {
+    /// The next index: how many records were ever pushed.
+    fn len(&self) -> usize {
+        self.base + self.items.len()
+    }
+
+    fn push(&mut self, t: T) {
+        self.items.push_back(t);
+    }
+
+    /// The records from index `from` on (those still remembered).
+    fn since(&self, from: usize) -> impl DoubleEndedIterator<Item = &T> {
+        self.items.range(from.saturating_sub(self.base).min(self.items.len())..)
+    }
+
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &T> {
+        self.items.iter()
+    }
+
+    /// Forgets every record below index `end`.
+    fn forget_before(&mut self, end: usize) {
+        while self.base < end && self.items.pop_front().is_some() {
+            self.base += 1;
+        }
+    }
+}
+
+impl<T> std::ops::Index<usize> for Indexed<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        let k = i.checked_sub(self.base).unwrap_or_else(|| panic!("record {i} was forgotten (base {})", self.base));
+        &self.items[k]
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for Indexed<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        let k = i.checked_sub(self.base).unwrap_or_else(|| panic!("record {i} was forgotten (base {})", self.base));
+        &mut self.items[k]
+    }
+}
+
+/// A map keyed by index pairs, stored as a list (JSON keys are strings).
+mod pair_map {
+    use std::collections::HashMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(m: &HashMap<(usize, usize), f64>, s: S) -> Result<S::Ok, S::Error> {
+        let mut v: Vec<(usize, usize, f64)> = m.iter().map(|(&(a, b), &p)| (a, b, p)).collect();
+        v.sort_by_key(|&(a, b, _)| (a, b));
+        v.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<HashMap<(usize, usize), f64>, D::Error> {
+        Ok(Vec::<(usize, usize, f64)>::deserialize(d)?.into_iter().map(|(a, b, p)| ((a, b), p)).collect())
+    }
+}
+
 /// Position of each pending change in the per-event queue order, indexed by
-/// change index (a dense vector: these lookups are the planner's inner loop).
-struct PosMap(Vec<usize>);
+/// change index from the oldest one remembered (a dense vector: these lookups
+/// are the planner's inner loop).
+struct PosMap {
+    base: usize,
+    pos: Vec<usize>,
+}
 
 impl PosMap {
-    fn new(n: usize, order: &[usize]) -> Self {
-        let mut v = vec![usize::MAX; n];
+    fn new(changes: &Indexed<Change>, order: &[usize]) -> Self {
+        let base = changes.base;
+        let mut pos = vec![usize::MAX; changes.len() - base];
         for (p, &c) in order.iter().enumerate() {
-            v[c] = p;
+            pos[c - base] = p;
         }
-        PosMap(v)
+        PosMap { base, pos }
     }
 
     fn get(&self, c: &usize) -> Option<&usize> {
-        self.0.get(*c).filter(|&&p| p != usize::MAX)
+        c.checked_sub(self.base).and_then(|k| self.pos.get(k)).filter(|&&p| p != usize::MAX)
     }
 }
 
@@ -565,17 +665,17 @@ impl Planner {
     pub fn new(config: PlannerConfig) -> Self {
         Planner {
             config,
-            changes: Vec::new(),
+            changes: Indexed::default(),
             by_id: HashMap::new(),
             pending: BTreeSet::new(),
-            mainline: Vec::new(),
+            mainline: Indexed::default(),
             builds: BTreeMap::new(),
             running: BTreeSet::new(),
             next_build: 0,
             last_now: Millis(0),
             targets: HashMap::new(),
             flakes: BTreeMap::new(),
-            analysis: Vec::new(),
+            analysis: Indexed::default(),
             conflict_override: HashMap::new(),
             presets: HashMap::new(),
             model: None,
@@ -704,6 +804,79 @@ impl Planner {
         self.by_id.get(c).copied().ok_or_else(|| QueueError::UnknownChange(c.0.clone()))
     }
 
+    /// Forgets the records of decided changes that nothing refers to any more,
+    /// so a long-running queue's planner (and its saved state) stays the size
+    /// of its recent work. Returns how many change records it dropped.
+    ///
+    /// Records are forgotten oldest first, up to the oldest one still referred
+    /// to: a pending change, a dependency of one, a member of a build still
+    /// kept, a change on the mainline since a kept build's base, or a preset's
+    /// conflict partner. Learned state (the model, its training history, the
+    /// rates, flaky-target counts) is kept whole. Nothing a later event can
+    /// reach is forgotten, so every later decision is the one the planner would
+    /// have made anyway; only calls naming a forgotten change by id (a `Cancel`
+    /// or `LandingFailed` of it, `dependent`) now find it unknown.
+    pub fn forget_decided(&mut self) -> usize {
+        let mut end = self.changes.len();
+        let mut mainline_end = self.mainline.len();
+        if let Some(&first) = self.pending.first() {
+            end = end.min(first);
+        }
+        for &p in &self.pending {
+            // `deps` is sorted: it is collected from the ordered pending set.
+            if let Some(&d) = self.changes[p].deps.first() {
+                end = end.min(d);
+            }
+        }
+        for b in self.builds.values() {
+            end = end.min(b.change);
+            end = b.assumed.iter().chain(b.implicated.iter().flatten()).fold(end, |e, &m| e.min(m));
+            mainline_end = mainline_end.min(b.base);
+        }
+        for pre in self.presets.values() {
+            end = pre.conflicts.iter().fold(end, |e, &(m, _)| e.min(m));
+        }
+        end = self.mainline.since(mainline_end).fold(end, |e, &m| e.min(m));
+        let forgotten = end.saturating_sub(self.changes.base);
+        for c in self.changes.iter().take(forgotten) {
+            // A re-queued change's id names its newer record.
+            if self.by_id.get(&c.id).is_some_and(|&i| i < end) {
+                self.by_id.remove(&c.id);
+            }
+        }
+        self.changes.forget_before(end);
+        self.analysis.forget_before(end);
+        self.mainline.forget_before(mainline_end);
+        self.conflict_override.retain(|&(l, e), _| l >= end && e >= end);
+        forgotten
+    }
+
+    /// The planner's whole state as text, to be given to [`Planner::restore_state`].
+    pub fn save_state(&self) -> Result<String, QueueError> {
+        Ok(serde_json::to_string(&SavedState { format: SAVED_STATE_FORMAT, planner: self })?)
+    }
+
+    /// A planner from [`Planner::save_state`]'s text: it makes the same decisions
+    /// for the same later events as the planner that was saved.
+    pub fn restore_state(text: &str) -> Result<Planner, QueueError> {
+        #[derive(Deserialize)]
+        struct Format {
+            format: u32,
+        }
+        #[derive(Deserialize)]
+        struct Restored {
+            planner: Planner,
+        }
+        let format = serde_json::from_str::<Format>(text)?.format;
+        if format != SAVED_STATE_FORMAT {
+            return Err(QueueError::InvalidInput {
+                line: 1,
+                message: format!("saved planner state of format {format}; this version reads {SAVED_STATE_FORMAT}"),
+            });
+        }
+        Ok(serde_json::from_str::<Restored>(text)?.planner)
+    }
+
     /// Every pending change in queue order with what it waits for.
     pub fn snapshot(&self) -> Vec<PendingView> {
         let (order, pi) = self.probabilities();
@@ -752,7 +925,7 @@ impl Planner {
             return None;
         }
         let (order, pi) = self.probabilities();
-        let pos = PosMap::new(self.changes.len(), &order);
+        let pos = PosMap::new(&self.changes, &order);
         let mut set = BTreeSet::new();
         for a in assumed {
             let j = *self.by_id.get(a)?;
@@ -1168,7 +1341,7 @@ impl Planner {
         // changes. Walk the (short) mainline suffix rather than all deps;
         // `deps` is sorted because it is collected from the ordered pending set.
         let deps = &self.changes[b.change].deps;
-        for &x in &self.mainline[b.base.min(self.mainline.len())..] {
+        for &x in self.mainline.since(b.base) {
             if deps.binary_search(&x).is_ok() && b.assumed.binary_search(&x).is_err() && self.landed(x) {
                 return None;
             }
@@ -1247,11 +1420,10 @@ impl Planner {
                 continue;
             }
             members.push(k);
-            let since_base = &self.mainline[b.base.min(self.mainline.len())..];
             let closed = members.iter().all(|&j| {
                 let deps = &self.changes[j].deps;
                 deps.iter().all(|&d| self.changes[d].status != Status::Pending || members.binary_search(&d).is_ok())
-                    && since_base.iter().all(|&x| {
+                    && self.mainline.since(b.base).all(|&x| {
                         !self.landed(x) || b.assumed.binary_search(&x).is_ok() || deps.binary_search(&x).is_err()
                     })
             });
@@ -1296,8 +1468,8 @@ impl Planner {
     /// The changes that landed after `b`'s base without being in its tree
     /// (independent ones, by the landing rules): `LandProof::landed_since_base`.
     fn landed_since_base(&self, b: &BuildRec) -> Vec<ChangeId> {
-        self.mainline[b.base.min(self.mainline.len())..]
-            .iter()
+        self.mainline
+            .since(b.base)
             .filter(|&&c| b.assumed.binary_search(&c).is_err() && self.landed(c))
             .map(|&c| self.changes[c].id.clone())
             .collect()
@@ -1501,7 +1673,7 @@ impl Planner {
     /// finished builds), which prices hedged retries.
     fn probabilities_full(&self) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
         let order: Vec<usize> = self.pending.iter().copied().collect();
-        let pos = PosMap::new(self.changes.len(), &order);
+        let pos = PosMap::new(&self.changes, &order);
         let c_default = self.conflict_rate();
         let mut pi = vec![0.0; order.len()];
         let mut bases = vec![0.0; order.len()];
@@ -1988,7 +2160,7 @@ impl Planner {
             Some(w) if overloaded => (w * self.config.capacity as f64).ceil() as usize,
             _ => usize::MAX,
         };
-        let pos = PosMap::new(self.changes.len(), &order);
+        let pos = PosMap::new(&self.changes, &order);
         // Deciding a change also unblocks every pending change that waits for
         // it, so rank by value times (1 + w·direct dependents): the expected
         // number of decisions the build can advance.

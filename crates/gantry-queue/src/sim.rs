@@ -240,6 +240,12 @@ pub struct SimOptions {
     /// none of them never flakes, and a flaky failure fails one of them.
     #[serde(default)]
     pub flaky_target_share: f64,
+    /// Test aid: every this many events, the planner forgets its decided
+    /// changes ([`Planner::forget_decided`]) and is replaced by its own saved
+    /// state, as a queue's restart from a snapshot does. 0: never. Nothing in
+    /// the report may change.
+    #[serde(default)]
+    pub compact_every: u64,
 }
 
 impl Default for SimOptions {
@@ -252,6 +258,7 @@ impl Default for SimOptions {
             sq_config: PlannerConfig::default(),
             sq_knows_conflicts: false,
             flaky_target_share: 0.0,
+            compact_every: 0,
         }
     }
 }
@@ -487,6 +494,7 @@ pub fn simulate_logged(
     let mut busy_ms = 0u64;
     let mut last_decision_ms = 0u64;
     let mut attributed = 0u64;
+    let mut handled = 0u64;
 
     // A policy that stops deciding would otherwise build forever in simulated
     // time; no sane policy comes near this many builds per change.
@@ -520,11 +528,22 @@ pub fn simulate_logged(
             SimEv::Arrival(i) => Some(i),
             SimEv::BuildDone(_) => None,
         };
+        handled += 1;
+        if opts.compact_every > 0 && handled.is_multiple_of(opts.compact_every) {
+            planner.forget_decided();
+            planner = Planner::restore_state(&planner.save_state()?)?;
+        }
         if let (Policy::Oracle | Policy::OracleRetry | Policy::OracleBatch, Some(i)) = (policy, arrival) {
             // The oracle learns the truth about a change as it arrives, before
             // the arrival is planned (a hedged retry is priced by it).
-            let conflicts: Vec<(ChangeId, f64)> =
-                truth.conflicts[i].iter().map(|&x| (ChangeId(trace[x].id.clone()), 1.0)).collect();
+            // Only a pending partner can be a dependency, where conflicts count; a
+            // decided one may already be forgotten (`compact_every`).
+            let conflicts: Vec<(ChangeId, f64)> = truth.conflicts[i]
+                .iter()
+                .map(|&x| ChangeId(trace[x].id.clone()))
+                .filter(|x| planner.is_pending(x))
+                .map(|x| (x, 1.0))
+                .collect();
             planner.preset(
                 ChangeId(trace[i].id.clone()),
                 if trace[i].succeeds_alone { 1.0 } else { 0.0 },
@@ -551,7 +570,12 @@ pub fn simulate_logged(
         if let (Policy::Sq | Policy::SqBatch, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
             let id = ChangeId(trace[i].id.clone());
             for &x in &truth.conflicts[i] {
-                planner.override_conflict(&id, &ChangeId(trace[x].id.clone()), 1.0)?;
+                // A partner already forgotten was decided before `i` arrived, so it
+                // is no dependency of `i` and the override would change nothing.
+                let x = ChangeId(trace[x].id.clone());
+                if planner.enqueued_at(&x).is_some() {
+                    planner.override_conflict(&id, &x, 1.0)?;
+                }
             }
         }
         execute(

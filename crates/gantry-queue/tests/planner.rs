@@ -834,6 +834,7 @@ proptest! {
         batching in any::<bool>(),
         attribution in any::<bool>(),
         priorities in proptest::collection::vec(prop_oneof![4 => Just(0i32), 1 => Just(1), 1 => Just(2)], 7),
+        compactions in proptest::collection::vec(proptest::bool::weighted(0.3), 64),
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -856,6 +857,10 @@ proptest! {
         // of the ones behind those that depend on them.
         let mut serial: Vec<usize> = Vec::new();
         let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, batching, ..PlannerConfig::default() });
+        // A twin that now and then forgets its decided changes and is restored from
+        // its saved state (a queue's retention): it must answer every event alike.
+        let mut twin = Planner::new(p.config().clone());
+        let mut events = 0usize;
         let name = |i: usize| ChangeId(format!("c{i}"));
         let index = |c: &ChangeId| c.0[1..].parse::<usize>().unwrap();
         let mut running: Vec<BuildSpec> = Vec::new();
@@ -872,7 +877,7 @@ proptest! {
             t += 1;
             // Interleave arrivals and build completions in a random order.
             let arrive = next_arrival < n && (running.is_empty() || gap >= arrival_gaps[next_arrival]);
-            let acts = if arrive {
+            let event = if arrive {
                 gap = 0;
                 let i = next_arrival;
                 next_arrival += 1;
@@ -891,9 +896,7 @@ proptest! {
                     affected: ts.iter().map(|t| format!("//t{t}")).collect(),
                     alters_graph: false,
                 });
-                p.handle(Millis(t), Event::Enqueue {
-                    change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i],
-                }).unwrap()
+                Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i] }
             } else if let Some(pick) = picks.get(step % picks.len()) {
                 gap += 1;
                 step += 1;
@@ -920,10 +923,17 @@ proptest! {
                     failing.iter().map(|&m| w.targets[m].clone()).collect::<Option<Vec<Vec<u8>>>>()
                         .map(|v| v.into_iter().flatten().map(|t| format!("//t{t}")).collect())
                 };
-                p.handle(Millis(t), Event::BuildFinished {
+                Event::BuildFinished {
                     build: b.id, outcome: if ok { BuildOutcome::Passed } else { BuildOutcome::Failed }, failed_targets,
-                }).unwrap()
+                }
             } else { unreachable!() };
+            if compactions[events % compactions.len()] {
+                twin.forget_decided();
+                twin = Planner::restore_state(&twin.save_state().unwrap()).unwrap();
+            }
+            events += 1;
+            let acts = p.handle(Millis(t), event.clone()).unwrap();
+            prop_assert_eq!(&twin.handle(Millis(t), event).unwrap(), &acts);
             for a in acts {
                 match a {
                     Action::StartBuild { build } => {
@@ -1211,4 +1221,48 @@ fn a_target_bazel_reports_flaky_is_known_flaky() {
     let next = started(&fail_with(&mut p, 11, tree[0].id, &["//t"]));
     assert_eq!(next.iter().map(shape).collect::<Vec<_>>(), [shape(&tree[0])]);
     assert_eq!(p.stats().flaky_retries, 1);
+}
+
+#[test]
+fn a_planner_that_forgets_decided_changes_stays_the_size_of_its_recent_work() {
+    // 3,000 changes through one slot, each landing; the planner forgets what it
+    // decided every 100 changes. Its saved state stops growing once its learned
+    // history is full, while one that keeps everything grows with every change.
+    let mut p = Planner::new(PlannerConfig { max_retries: 0, max_history: 500, ..cfg(1) });
+    let mut keeps = Planner::new(p.config().clone());
+    let mut sizes = Vec::new();
+    let mut t = 0;
+    for i in 0..3000 {
+        let name = format!("c{i}");
+        for q in [&mut p, &mut keeps] {
+            t += 1;
+            let b = started(&enqueue(q, t, &name, analysis(&["//a"])));
+            let acts = finish(q, t, b[0].id, i % 7 != 3);
+            assert!(acts.iter().any(|a| matches!(a, Action::Land { .. } | Action::Reject { .. })));
+        }
+        if i % 100 == 99 {
+            let forgot = p.forget_decided();
+            assert_eq!(forgot, 100, "every change decided before now is forgotten");
+            sizes.push(p.save_state().unwrap().len());
+        }
+    }
+    let (early, late) = (sizes[9], *sizes.last().unwrap());
+    assert!(late <= early + early / 10, "saved state grew from {early} to {late} bytes");
+    let kept = keeps.save_state().unwrap().len();
+    assert!(kept > 10 * late, "keeping everything: {kept} bytes against {late}");
+    // What it still knows answers as before; what it forgot is unknown.
+    assert!(p.mainline().len() < 100 && keeps.mainline().len() > 2500);
+    assert!(p.enqueued_at(&id("c5")).is_none() && keeps.enqueued_at(&id("c5")).is_some());
+    let restored = Planner::restore_state(&p.save_state().unwrap()).unwrap();
+    assert_eq!(restored.stats(), keeps.stats());
+    assert_eq!((restored.mainline(), restored.pending()), (p.mainline(), p.pending()));
+}
+
+#[test]
+fn a_saved_state_of_another_format_is_refused() {
+    let p = Planner::new(cfg(1));
+    let text = p.save_state().unwrap().replacen("\"format\":1", "\"format\":99", 1);
+    let err = Planner::restore_state(&text).err().expect("refused").to_string();
+    assert!(err.contains("format 99"), "{err}");
+    assert!(Planner::restore_state("{\"format\":1}").is_err(), "no planner in it");
 }

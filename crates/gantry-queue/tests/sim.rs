@@ -162,3 +162,27 @@ fn generator_follows_the_issue_parameters() {
     assert!((p.conflict_probability(16) - 0.40).abs() < 1e-12);
     assert_eq!(generate(&WorkloadParams::at_rate(300.0, 7)).unwrap(), trace, "deterministic");
 }
+
+/// A planner that forgets its decided changes and is restored from its saved
+/// state every few events decides exactly as one that keeps everything: the
+/// submit queue's retention (a snapshot instead of the whole journal) relies
+/// on it. Every policy, with and without flakes, must report the same
+/// decisions, builds and turnaround.
+#[test]
+fn forgetting_decided_changes_and_restoring_from_a_saved_state_changes_no_decision() {
+    // Light load, so that most changes are decided while the stream goes on and
+    // there is much to forget.
+    let trace = generate(&WorkloadParams { hours: 3.0, ..WorkloadParams::at_rate(40.0, 3) }).unwrap();
+    for (flaky_rate, compact_every) in [(0.0, 7), (0.05, 1), (0.05, 50)] {
+        let plain = SimOptions { capacity: 40, flaky_rate, ..SimOptions::default() };
+        let compacted = SimOptions { compact_every, ..plain.clone() };
+        for policy in Policy::ALL {
+            let mut a = simulate(&trace, policy, &plain).unwrap();
+            let mut b = simulate(&trace, policy, &compacted).unwrap();
+            // Flakes may wrongly reject at one retry; without them every policy is exact.
+            assert!(flaky_rate > 0.0 || a.violations == 0, "{}: {:?}", a.policy, a.violation_examples);
+            (a.wall_s, b.wall_s) = (0.0, 0.0);
+            assert_eq!(a, b, "{} with a compaction every {compact_every} events", a.policy);
+        }
+    }
+}

@@ -99,6 +99,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
             ..gantry_queue::PlannerConfig::default()
         },
         flaky_target_share: args.flaky_targets,
+        compact_every: 0,
     };
     let workloads: Vec<(String, Vec<sim::TraceChange>)> = match &args.trace {
         Some(p) => {
