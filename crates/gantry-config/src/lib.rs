@@ -75,6 +75,16 @@ pub struct RetentionConfig {
     /// Invocations received by the Build Event Service, aged from their start.
     /// Default 90 days, 1,000,000 invocations.
     pub invocations: RetentionBound,
+    /// The submit queue's history: decided changes (aged from their decision), with
+    /// their landings, and finished queue builds (aged from their end), `max_rows` each.
+    /// Pending changes, and whatever the queue's planner still refers to, are never
+    /// deleted. Applied by the queue itself, every `interval`. Default 180 days,
+    /// 1,000,000 changes and 1,000,000 builds.
+    pub queue: RetentionBound,
+    /// Journal entries after which the submit queue saves its planner and deletes the
+    /// entries before that snapshot, so a restart replays at most about this many.
+    /// Default 1000; 0 keeps the whole journal.
+    pub queue_journal: u64,
 }
 
 /// One table's bounds; 0 turns a bound off.
@@ -98,6 +108,8 @@ impl Default for RetentionConfig {
             execution_log: RetentionBound { max_age: Duration::from_secs(30 * DAY), max_rows: 10_000_000 },
             builds: RetentionBound { max_age: Duration::from_secs(180 * DAY), max_rows: 1_000_000 },
             invocations: RetentionBound { max_age: Duration::from_secs(90 * DAY), max_rows: 1_000_000 },
+            queue: RetentionBound { max_age: Duration::from_secs(180 * DAY), max_rows: 1_000_000 },
+            queue_journal: 1000,
         }
     }
 }

@@ -37,7 +37,7 @@ pub use execution_log::{
 };
 pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
 pub use invocation_store::{CacheCounts, Invocation, InvocationStore, TargetOutcome, TestOutcome};
-pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueStore};
+pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueForget, QueueSnapshotRow, QueueStore};
 pub use task::TaskGuard;
 pub use work::{Order, Work};
 

@@ -10,7 +10,9 @@
 //!   no-op, so a retried append never duplicates a change or a build result;
 //! - **landings**: one row per mainline version (the intent to move the branch, then its
 //!   outcome), so a crash between "move the ref" and "record it" is reconciled at startup;
-//! - **builds** and per-commit **graphs** (the conflict analyzer's cache).
+//! - **builds** and per-commit **graphs** (the conflict analyzer's cache);
+//! - **snapshots**: the planner's saved state as of one journal entry, so the entries
+//!   before it, and the history the planner has forgotten, can be deleted (retention).
 
 use async_trait::async_trait;
 
@@ -50,6 +52,31 @@ pub struct LandingRow {
     pub state: String,
     /// The service's details (JSON).
     pub document: String,
+}
+
+/// The planner's saved state as of journal entry `seq` (that entry applied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueSnapshotRow {
+    pub seq: i64,
+    /// The planner clock after entry `seq`.
+    pub at_ms: i64,
+    /// The planner's saved state (text the queue service owns).
+    pub state: String,
+}
+
+/// History rows a queue's retention deletes.
+#[derive(Debug, Clone, Copy)]
+pub enum QueueForget<'a> {
+    /// Up to `limit` journal entries before `seq`, the oldest first, and the snapshots
+    /// before `seq`: a snapshot at `seq` covers them. The entry at `seq` stays, so the
+    /// journal's numbering goes on from it.
+    EventsBefore { seq: i64, limit: u64 },
+    /// Changes, by id.
+    Changes(&'a [String]),
+    /// Builds, by id.
+    Builds(&'a [String]),
+    /// Landings, by version.
+    Landings(&'a [i64]),
 }
 
 #[async_trait]
@@ -106,6 +133,14 @@ pub trait QueueStore: Send + Sync + 'static {
     async fn list_builds_from(&self, from_seq: i64) -> Result<Vec<QueueDocRow>> {
         Ok(self.list_builds().await?.into_iter().filter(|r| r.seq >= from_seq).collect())
     }
+    /// The sequence number of the journal's newest entry (0 when it never had one).
+    async fn last_event_seq(&self) -> Result<i64>;
+    /// Stores a snapshot, atomically; an older one may be kept until `forget` drops it.
+    async fn put_snapshot(&self, row: &QueueSnapshotRow) -> Result<()>;
+    /// The newest snapshot.
+    async fn latest_snapshot(&self) -> Result<Option<QueueSnapshotRow>>;
+    /// Deletes history rows; returns how many went.
+    async fn forget(&self, what: QueueForget<'_>) -> Result<u64>;
     /// Caches a commit's target graph (JSON); the same commit always has the same graph.
     async fn put_graph(&self, commit: &str, graph: &str) -> Result<()>;
     async fn get_graph(&self, commit: &str) -> Result<Option<String>>;

@@ -749,6 +749,17 @@ impl Planner {
         self.running.iter().map(|b| self.builds[b].spec.clone()).collect()
     }
 
+    /// Builds the planner still keeps: running ones, and finished ones that can still
+    /// decide a pending change. Everything older may go from a queue's history.
+    pub fn kept_builds(&self) -> impl Iterator<Item = &BuildSpec> {
+        self.builds.values().map(|b| &b.spec)
+    }
+
+    /// How many mainline versions the planner has handed out (the newest is this one).
+    pub fn versions(&self) -> u64 {
+        self.mainline.len() as u64
+    }
+
     /// Start time of a running build.
     pub fn build_started(&self, id: BuildId) -> Option<Millis> {
         self.builds.get(&id.0).map(|b| b.started)

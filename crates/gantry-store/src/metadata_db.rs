@@ -667,6 +667,11 @@ const MIGRATIONS: &[Version] = &[
         description: "an invocation's actions ready-sorted for its page",
         sql: include_str!("../migrations/0009_action_pages.sql"),
     },
+    Version {
+        version: 10,
+        description: "snapshots of the submit queue's planner",
+        sql: include_str!("../migrations/0010_queue_snapshots.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

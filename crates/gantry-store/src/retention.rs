@@ -70,6 +70,7 @@ const ALL_TABLES: &[&str] = &[
     "queue_events",
     "queue_landings",
     "queue_graphs",
+    "queue_snapshots",
     "leases",
     "invocations",
     "invocation_cache_counts",

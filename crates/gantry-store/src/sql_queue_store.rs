@@ -6,7 +6,7 @@
 //! gap-free sequence numbers in commit order.
 
 use async_trait::async_trait;
-use gantry_core::{Error, LandingRow, QueueDocRow, QueueEventRow, QueueStore, Result};
+use gantry_core::{Error, LandingRow, QueueDocRow, QueueEventRow, QueueForget, QueueSnapshotRow, QueueStore, Result};
 use sqlx::{Executor, Row};
 
 use crate::{metadata_db::Write, MetadataDb};
@@ -232,6 +232,90 @@ impl QueueStore for SqlQueueStore {
             sqlx::query("SELECT id, seq, state, document FROM queue_builds WHERE seq >= $1 ORDER BY seq ASC, id ASC")
                 .bind(from_seq);
         self.fetch_docs("queue_builds", q).await
+    }
+
+    async fn last_event_seq(&self) -> Result<i64> {
+        sqlx::query_scalar::<_, i64>("SELECT COALESCE(MAX(seq), 0) FROM queue_events")
+            .fetch_one(self.db.pool())
+            .await
+            .map_err(self.db.err("reading the journal's end"))
+    }
+
+    async fn put_snapshot(&self, r: &QueueSnapshotRow) -> Result<()> {
+        self.db
+            .write(
+                "saving the queue's planner",
+                Write::new(
+                    "INSERT INTO queue_snapshots (seq, at_ms, state) VALUES ($1, $2, $3)
+                     ON CONFLICT (seq) DO UPDATE SET at_ms = excluded.at_ms, state = excluded.state",
+                )
+                .bind(r.seq)
+                .bind(r.at_ms)
+                .bind(&r.state),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn latest_snapshot(&self) -> Result<Option<QueueSnapshotRow>> {
+        let row = sqlx::query("SELECT seq, at_ms, state FROM queue_snapshots ORDER BY seq DESC LIMIT 1")
+            .fetch_optional(self.db.pool())
+            .await
+            .map_err(self.db.err("reading the queue's planner snapshot"))?;
+        row.map(|r| Ok(QueueSnapshotRow { seq: r.try_get(0)?, at_ms: r.try_get(1)?, state: r.try_get(2)? }))
+            .transpose()
+            .map_err(undecodable("queue_snapshots"))
+    }
+
+    async fn forget(&self, what: QueueForget<'_>) -> Result<u64> {
+        // Long id lists go a chunk per statement, so no statement outgrows a backend's
+        // limit on bound parameters.
+        const CHUNK: usize = 500;
+        let marks = |n: usize| (1..=n).map(|i| format!("${i}")).collect::<Vec<_>>().join(", ");
+        let mut deleted = 0;
+        match what {
+            QueueForget::EventsBefore { seq, limit } => {
+                // By sequence number, the oldest first: a crash part-way leaves a
+                // journal that is whole from some entry on.
+                deleted += self
+                    .db
+                    .write(
+                        "deleting journal entries",
+                        Write::new(
+                            "DELETE FROM queue_events WHERE seq IN
+                             (SELECT seq FROM queue_events WHERE seq < $1 ORDER BY seq ASC LIMIT $2)",
+                        )
+                        .bind(seq)
+                        .bind(i64::try_from(limit).unwrap_or(i64::MAX)),
+                    )
+                    .await?;
+                deleted += self
+                    .db
+                    .write("deleting old snapshots", Write::new("DELETE FROM queue_snapshots WHERE seq < $1").bind(seq))
+                    .await?;
+            }
+            QueueForget::Changes(ids) | QueueForget::Builds(ids) => {
+                let table = if matches!(what, QueueForget::Changes(_)) { "queue_changes" } else { "queue_builds" };
+                for chunk in ids.chunks(CHUNK) {
+                    let mut w = Write::new(format!("DELETE FROM {table} WHERE id IN ({})", marks(chunk.len())));
+                    for id in chunk {
+                        w = w.bind(id.clone());
+                    }
+                    deleted += self.db.write(format!("deleting from {table}"), w).await?;
+                }
+            }
+            QueueForget::Landings(versions) => {
+                for chunk in versions.chunks(CHUNK) {
+                    let mut w =
+                        Write::new(format!("DELETE FROM queue_landings WHERE version IN ({})", marks(chunk.len())));
+                    for v in chunk {
+                        w = w.bind(*v);
+                    }
+                    deleted += self.db.write("deleting landings", w).await?;
+                }
+            }
+        }
+        Ok(deleted)
     }
 
     async fn put_graph(&self, commit: &str, graph: &str) -> Result<()> {

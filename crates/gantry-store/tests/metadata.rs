@@ -431,6 +431,30 @@ async fn queue_store(db: &MetadataDb) {
     s.put_landing(&land("INTENT")).await.unwrap();
     s.put_landing(&land("DONE")).await.unwrap();
     assert_eq!(s.list_landings().await.unwrap(), [land("DONE")]);
+    // Retention: a snapshot at entry 2 covers entry 1; entry 2 stays, so the journal
+    // numbers on from it even once every entry before the snapshot is gone.
+    assert_eq!(s.last_event_seq().await.unwrap(), 3);
+    assert_eq!(s.latest_snapshot().await.unwrap(), None);
+    let snap = |seq, state: &str| gantry_core::QueueSnapshotRow { seq, at_ms: 6, state: state.into() };
+    s.put_snapshot(&snap(1, "old")).await.unwrap();
+    s.put_snapshot(&snap(2, "{}")).await.unwrap();
+    assert_eq!(s.latest_snapshot().await.unwrap(), Some(snap(2, "{}")));
+    let forgot = s.forget(gantry_core::QueueForget::EventsBefore { seq: 2, limit: 100 }).await.unwrap();
+    assert_eq!(forgot, 2, "entry 1 and the older snapshot");
+    assert_eq!(s.list_events().await.unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
+    assert_eq!(s.latest_snapshot().await.unwrap(), Some(snap(2, "{}")));
+    assert!(s.append_event(9, None, "{\"d\":4}").await.unwrap());
+    assert_eq!(s.last_event_seq().await.unwrap(), 4);
+    s.put_change(&doc("gone", 9, "LANDED")).await.unwrap();
+    s.put_build(&doc("b9", 9, "PASSED")).await.unwrap();
+    s.put_landing(&LandingRow { version: 9, ..land("DONE") }).await.unwrap();
+    let ids = ["gone".to_string(), "never-there".to_string()];
+    assert_eq!(s.forget(gantry_core::QueueForget::Changes(&ids)).await.unwrap(), 1);
+    assert_eq!(s.forget(gantry_core::QueueForget::Builds(&["b9".to_string()])).await.unwrap(), 1);
+    assert_eq!(s.forget(gantry_core::QueueForget::Landings(&[9, 10])).await.unwrap(), 1);
+    assert_eq!(s.get_change("gone").await.unwrap(), None);
+    assert_eq!(s.list_builds().await.unwrap(), [doc("b0", 0, "DONE")]);
+    assert_eq!(s.list_landings().await.unwrap(), [land("DONE")]);
     s.put_graph("abc", "{\"targets\":{}}").await.unwrap();
     s.put_graph("abc", "ignored: a commit's graph never changes").await.unwrap();
     assert_eq!(s.get_graph("abc").await.unwrap().as_deref(), Some("{\"targets\":{}}"));
@@ -492,6 +516,18 @@ impl QueueStore for Defaults {
     }
     async fn list_builds(&self) -> gantry_core::Result<Vec<QueueDocRow>> {
         self.0.list_builds().await
+    }
+    async fn last_event_seq(&self) -> gantry_core::Result<i64> {
+        self.0.last_event_seq().await
+    }
+    async fn put_snapshot(&self, row: &gantry_core::QueueSnapshotRow) -> gantry_core::Result<()> {
+        self.0.put_snapshot(row).await
+    }
+    async fn latest_snapshot(&self) -> gantry_core::Result<Option<gantry_core::QueueSnapshotRow>> {
+        self.0.latest_snapshot().await
+    }
+    async fn forget(&self, what: gantry_core::QueueForget<'_>) -> gantry_core::Result<u64> {
+        self.0.forget(what).await
     }
     async fn put_graph(&self, commit: &str, graph: &str) -> gantry_core::Result<()> {
         self.0.put_graph(commit, graph).await

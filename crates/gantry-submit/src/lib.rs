@@ -7,7 +7,8 @@
 //!
 //! * [`git`]: deterministic speculative commits and landing by compare-and-swap.
 //! * [`analyzer`]: `bazel query` output into the planner's target graphs.
-//! * [`service`]: the queue itself (journal, replay, builds, lander, analyzer loop).
+//! * [`service`]: the queue itself (journal, replay, builds, lander, analyzer loop,
+//!   retention of its journal and history).
 //! * [`grpc`]: the gRPC endpoint, attachable after the server has started.
 //! * [`metrics`]: the queue's Prometheus metrics.
 
@@ -20,4 +21,4 @@ pub mod service;
 
 pub use error::SubmitError;
 pub use grpc::QueueEndpoint;
-pub use service::{QueueService, QueueSettings};
+pub use service::{QueueRetention, QueueService, QueueSettings, Retained};

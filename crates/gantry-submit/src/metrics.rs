@@ -110,15 +110,19 @@ impl QueueMetrics {
     ) {
         let mut by_state = [0i64; ChangeState::ALL.len()];
         let mut observed = self.observed.lock().expect("not poisoned");
+        let mut decided_now = HashSet::new();
         for doc in changes {
             by_state[ChangeState::ALL.iter().position(|&st| st == doc.state).expect("every state is listed")] += 1;
-            if let (true, Some(decided)) = (doc.state.decided(), doc.decided_ms)
-                && observed.insert(doc.id.clone())
-            {
-                let seconds = (decided - doc.submitted_ms).max(0) as f64 / 1000.0;
-                self.turnaround.with_label_values(&[doc.state.as_str()]).observe(seconds);
+            if let (true, Some(decided)) = (doc.state.decided(), doc.decided_ms) {
+                decided_now.insert(doc.id.as_str());
+                if observed.insert(doc.id.clone()) {
+                    let seconds = (decided - doc.submitted_ms).max(0) as f64 / 1000.0;
+                    self.turnaround.with_label_values(&[doc.state.as_str()]).observe(seconds);
+                }
             }
         }
+        // Changes retention deleted are not seen again: forget them here too.
+        observed.retain(|id| decided_now.contains(id.as_str()));
         for (state, n) in ChangeState::ALL.iter().zip(by_state) {
             self.changes.with_label_values(&[state.as_str()]).set(n);
         }

@@ -22,8 +22,12 @@
 //! - the **event loop** applies build results, so a build task never has to outlive
 //!   its own cancellation.
 //!
+//! A fourth, `retention`, keeps the journal short (a snapshot of the planner every
+//! `[retention] queue_journal` entries, and the entries before it deleted) and the
+//! history within `[retention.queue]`.
+//!
 //! Each of those has its own module (`journal` with the stored documents, `builds`,
-//! `lander`, `analysis`), as `impl QueueService` blocks over the state declared here,
+//! `lander`, `analysis`, `retention`), as `impl QueueService` blocks over the state declared here,
 //! so the invariants above can be read one at a time; this module keeps the state, start
 //! and shutdown, and the API.
 
@@ -31,6 +35,7 @@ mod analysis;
 mod builds;
 mod journal;
 mod lander;
+mod retention;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -46,12 +51,13 @@ use tokio::sync::{mpsc, watch, Mutex, Notify, Semaphore};
 
 use self::analysis::Graphs;
 use self::builds::Finished;
-use self::journal::{doc_row, versions_of, LandingDoc};
+use self::journal::{doc_row, versions_of, LandingDoc, Versions};
 use crate::error::SubmitError;
 use crate::git::{GitError, Repo};
 use crate::metrics::QueueMetrics;
 
 pub use self::journal::{BuildDoc, BuildState, ChangeDoc, ChangeState, LandingState, UnknownState};
+pub use self::retention::{QueueRetention, Retained};
 
 type Result<T, E = SubmitError> = std::result::Result<T, E>;
 
@@ -70,6 +76,8 @@ pub struct QueueSettings {
     pub prior_conflict: f64,
     /// `[queue] batching`.
     pub batching: bool,
+    /// `[retention]` as the queue applies it.
+    pub retention: QueueRetention,
 }
 
 struct Inner {
@@ -80,6 +88,10 @@ struct Inner {
     tasks: HashMap<u64, TaskGuard>,
     landings: BTreeMap<u64, LandingRow>,
     last_ms: u64,
+    /// The journal entry the newest snapshot of the planner covers (0: none).
+    snapshot_seq: i64,
+    /// Failed landings whose rows retention deleted, so the metric's count goes on.
+    forgotten_landing_failures: u64,
 }
 
 impl Inner {
@@ -104,8 +116,8 @@ pub struct QueueService {
     /// Runs the analyzer's queries and landing verifications, one at a time.
     aux: Mutex<Runner>,
     graphs: std::sync::Mutex<Graphs>,
-    /// Commit of every mainline version known so far (index = version).
-    versions: watch::Sender<Vec<String>>,
+    /// The commit of every mainline version remembered, by version.
+    versions: watch::Sender<Versions>,
     /// Bumped on every change of state, for Watch.
     updates: watch::Sender<u64>,
     wake_analyzer: Notify,
@@ -226,6 +238,15 @@ impl QueueService {
             .into_iter()
             .map(|r| Ok((r.seq as u64, serde_json::from_str::<BuildDoc>(&r.document)?)))
             .collect::<Result<BTreeMap<_, _>>>()?;
+        // The planner resumes from its newest snapshot, if retention took one; the
+        // replay then applies only the journal after it.
+        let snapshot = store.latest_snapshot().await?;
+        let planner = match &snapshot {
+            Some(s) => Planner::restore_state(&s.state).map_err(|e| {
+                SubmitError::FailedPrecondition(format!("the queue's snapshot at journal entry {}: {e}", s.seq))
+            })?,
+            None => Planner::new(planner_config),
+        };
         let (land_tx, land_rx) = mpsc::unbounded_channel();
         let (finished_tx, finished_rx) = mpsc::unbounded_channel();
         let capacity = settings.capacity;
@@ -233,12 +254,14 @@ impl QueueService {
             repo,
             store,
             inner: Mutex::new(Inner {
-                planner: Planner::new(planner_config),
+                planner,
                 changes,
                 builds,
                 tasks: HashMap::new(),
                 landings,
-                last_ms: 0,
+                last_ms: snapshot.as_ref().map_or(0, |s| s.at_ms.max(0) as u64),
+                snapshot_seq: snapshot.as_ref().map_or(0, |s| s.seq),
+                forgotten_landing_failures: 0,
             }),
             runners: std::sync::Mutex::new(runners),
             runner_slots: Arc::new(Semaphore::new(capacity)),
@@ -260,6 +283,7 @@ impl QueueService {
             spawn_named("queue-events", this.clone().event_loop(finished_rx)),
             spawn_named("queue-analyzer", this.clone().analyzer_loop()),
             spawn_named("queue-metrics", this.clone().metrics_loop()),
+            spawn_named("queue-retention", this.clone().retention_loop()),
         ];
         *this.background.lock().expect("not poisoned") = tasks;
         Ok(this)
@@ -289,7 +313,7 @@ impl QueueService {
                     inner.planner.stats(),
                     &inner.planner.flaky_targets(),
                     running,
-                    failed.count() as u64,
+                    inner.forgotten_landing_failures + failed.count() as u64,
                     inner.changes.values(),
                 );
             }

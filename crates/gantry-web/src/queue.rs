@@ -221,25 +221,25 @@ pub struct Replay {
 }
 
 /// The planner's view of the pending changes: the kept planner brought up to date with
-/// the journal (or, the first time, rebuilt from all of it).
+/// the journal (or, the first time, rebuilt from the queue's newest snapshot and the
+/// journal after it). When retention has deleted entries the kept planner has not seen,
+/// it is rebuilt the same way.
 async fn replay(web: &Web) -> Result<Vec<PendingView>, Error> {
     // Taken out for the update and put back after, so no lock is held across a read of
     // the store; a concurrent view meanwhile rebuilds its own.
     let kept = web.replay.state.lock().unwrap_or_else(|p| p.into_inner()).take();
     let (mut last, mut planner) = match kept {
         Some(k) => k,
-        None => {
-            let landings = web.queue.list_landings().await?;
-            let config = match landings.iter().find(|l| l.version == 0) {
-                // A queue from before the settings were kept there planned with its own
-                // settings, which the page cannot know: the defaults are the best guess.
-                Some(r) => decode::<FirstVersion>("landing", "0", &r.document)?.planner_config.unwrap_or_default(),
-                None => PlannerConfig::default(),
-            };
-            (i64::MIN, Planner::new(config))
-        }
+        None => rebuilt(web).await?,
     };
-    for row in web.queue.list_events_after(last).await? {
+    let mut rows = web.queue.list_events_after(last).await?;
+    // The journal is gap-free: a first entry past the next one means the ones between
+    // were deleted after a snapshot.
+    if rows.first().is_some_and(|r| last != i64::MIN && r.seq != last + 1) {
+        (last, planner) = rebuilt(web).await?;
+        rows = web.queue.list_events_after(last).await?;
+    }
+    for row in rows {
         let event: Event = decode("journal event", &row.seq.to_string(), &row.event)?;
         // The service refused the same events when it applied them, so skipping them
         // keeps the replay where the service is.
@@ -252,6 +252,24 @@ async fn replay(web: &Web) -> Result<Vec<PendingView>, Error> {
         *slot = Some((last, planner));
     }
     Ok(views)
+}
+
+/// The planner as of the queue's newest snapshot, or a new one before the journal's
+/// first entry when there is none.
+async fn rebuilt(web: &Web) -> Result<(i64, Planner), Error> {
+    if let Some(s) = web.queue.latest_snapshot().await? {
+        let planner = Planner::restore_state(&s.state)
+            .map_err(|e| Error::internal(format!("the queue's snapshot at journal entry {}: {e}", s.seq)))?;
+        return Ok((s.seq, planner));
+    }
+    let landings = web.queue.list_landings().await?;
+    let config = match landings.iter().find(|l| l.version == 0) {
+        // A queue from before the settings were kept there planned with its own
+        // settings, which the page cannot know: the defaults are the best guess.
+        Some(r) => decode::<FirstVersion>("landing", "0", &r.document)?.planner_config.unwrap_or_default(),
+        None => PlannerConfig::default(),
+    };
+    Ok((i64::MIN, Planner::new(config)))
 }
 
 pub(crate) async fn page(

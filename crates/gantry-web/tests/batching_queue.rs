@@ -418,6 +418,34 @@ async fn the_queue_page_shows_predictions_builds_lanes_and_history() {
     }
     assert_eq!(again.matches("build ").count(), fresh.matches("build ").count(), "the same builds");
 
+    // The queue's retention: its planner forgets what it decided and is saved as of
+    // the journal's newest entry, and the entries before that go. The page's kept
+    // planner has not seen the last of them, so it starts again from the snapshot.
+    let seen = store.last_event_seq().await.unwrap();
+    let b = q.running("c4")[0];
+    q.finish(T0 + 270_000, b, true, "").await;
+    q.submit(6, T0 + 280_000, "eve").await;
+    assert!(q.planner.forget_decided() > 0);
+    let seq = store.last_event_seq().await.unwrap();
+    let state = q.planner.save_state().unwrap();
+    store.put_snapshot(&gantry_core::QueueSnapshotRow { seq, at_ms: T0 + 280_000, state }).await.unwrap();
+    let gone = store.forget(gantry_core::QueueForget::EventsBefore { seq, limit: 1000 }).await.unwrap();
+    assert!(gone as i64 >= seq - seen, "the entries the page has not seen are gone");
+    q.submit(7, T0 + 290_000, "fay").await;
+    let (_, again) = get(&app, "/queue").await;
+    let (fresh_app, _) = common::app(&db);
+    let (_, fresh) = get(&fresh_app, "/queue").await;
+    let snapshot = q.planner.snapshot();
+    assert_eq!(snapshot.iter().map(|v| v.change.0.as_str()).collect::<Vec<_>>(), ["c5", "c6", "c7"]);
+    for v in &snapshot {
+        let shown = format!("{:.0}%", v.landing_probability * 100.0);
+        assert!(again.contains(&shown) && fresh.contains(&shown), "{}: {shown}: {again}", v.change.0);
+    }
+    for (id, b) in q.builds.iter().filter(|(_, b)| b.state == QueueBuildState::Running) {
+        let line = format!("build {id} on mainline v{}", b.spec.base_version);
+        assert!(again.contains(&line) && fresh.contains(&line), "{line}: {again}");
+    }
+
     store.append_event(T0 + 300_000, None, "{\"Enqueue\": 7}").await.unwrap();
     let (status, broken) = get(&app, "/queue").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{broken}");

@@ -406,6 +406,13 @@ async fn start_queue(
         prior_success: q.prior_success,
         prior_conflict: q.prior_conflict,
         batching: q.batching,
+        retention: gantry_submit::QueueRetention {
+            interval: config.retention.interval,
+            batch_size: config.retention.batch_size,
+            max_age: config.retention.queue.max_age,
+            max_rows: config.retention.queue.max_rows,
+            journal: config.retention.queue_journal,
+        },
     };
     // One queue per metadata database: two would both journal, build and land. The
     // holder names this host and repository, so the same server restarted after a crash

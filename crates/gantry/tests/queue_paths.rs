@@ -583,3 +583,81 @@ fn crash_in_batch_landing(moment: &str, push_before_restart: bool) {
     assert_eq!(builds(change(&h, &w)).len(), 1, "{point}: the tree that passed is not built again: {h:#}");
     server.stop();
 }
+
+/// `[retention]` on a queue: with a snapshot every 4 journal entries and at most 3
+/// changes kept, 8 changes land; the journal is cut at a snapshot, the decided history
+/// stays within its bound (in the database and in `gantry queue history`), and a
+/// restart resumes from the snapshot: 2 more changes land at the next versions, on a
+/// mainline that holds all ten.
+#[test]
+fn retention_cuts_the_journal_at_a_snapshot_and_keeps_the_history_within_its_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let names: Vec<String> = (1..=10).map(|i| format!("r{i}")).collect();
+    let files: Vec<String> = (1..=10).map(|i| format!("c/new{i}.txt")).collect();
+    generate_repo(&repo, &[]);
+    for (n, f) in names.iter().zip(&files) {
+        git(&repo, &["checkout", "--quiet", "-b", n, "main"]);
+        std::fs::write(repo.join(f), "new file\n").unwrap();
+        git(&repo, &["add", f]);
+        git(&repo, &["commit", "--quiet", "-m", &format!("{n}: {f}")]);
+    }
+    git(&repo, &["checkout", "--quiet", "main"]);
+    let gates = dir.path().join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let script = dir.path().join("check.sh");
+    write_build_script(&script, &gates);
+    let config = write_config(
+        dir.path(),
+        &repo,
+        &script,
+        "capacity = 2\n\
+         [retention]\ninterval = \"300ms\"\nqueue_journal = 4\n\
+         [retention.queue]\nmax_age = \"0s\"\nmax_rows = 3\n",
+    );
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let server = GantryServer::start(&data, &args);
+    let url = format!("grpc://{}", server.grpc);
+    let ids: Vec<String> = names[..8].iter().map(|n| submit(&url, n)).collect();
+    let rows = |text: &str, table: &str| {
+        metric_value(text, &format!("gantry_metadata_rows{{table=\"{table}\"}}")).unwrap_or(f64::NAN)
+    };
+    // Landed, and then forgotten down to the bound: the history shows what is left.
+    let h = wait_history(&url, "8 changes landed and the history cut to 3", Duration::from_secs(180), |h| {
+        let listed = h["changes"].as_array().unwrap();
+        listed.len() == 3 && listed.iter().all(|c| c["state"] == "LANDED")
+    });
+    let kept: Vec<&str> = h["changes"].as_array().unwrap().iter().map(|c| c["change_id"].as_str().unwrap()).collect();
+    for id in &ids[..5] {
+        assert!(!kept.contains(&id.as_str()), "{id} is past the bound: {h:#}");
+    }
+    let text = wait_metrics(&server.http, Duration::from_secs(30), |m| {
+        rows(m, "queue_changes") <= 3.0 && rows(m, "queue_snapshots") == 1.0
+    });
+    let events = rows(&text, "queue_events");
+    // 8 enqueues and at least 8 build results were journaled; what is left is the
+    // snapshot's own entry and those after it.
+    assert!(events <= 5.0, "journal entries kept: {events}\n{text}");
+    assert!(rows(&text, "queue_builds") <= 3.0 + 2.0, "{text}");
+    assert!(rows(&text, "queue_landings") < 8.0, "{text}");
+    server.stop();
+
+    let server = GantryServer::start(&data, &args);
+    let url = format!("grpc://{}", server.grpc);
+    let more: Vec<String> = names[8..].iter().map(|n| submit(&url, n)).collect();
+    assert!(more.iter().all(|id| !ids.contains(id)), "change ids go on from the newest kept: {more:?}");
+    let h = wait_history(&url, "2 more land after the restart", Duration::from_secs(120), |h| {
+        more.iter().all(|id| {
+            h["changes"].as_array().unwrap().iter().any(|c| c["change_id"] == id.as_str() && c["state"] == "LANDED")
+        })
+    });
+    let versions: Vec<u64> = more.iter().map(|id| change(&h, id)["landed_version"].as_u64().unwrap()).collect();
+    let mut sorted = versions.clone();
+    sorted.sort();
+    assert_eq!(sorted, [9, 10], "versions go on from the snapshot: {h:#}");
+    for f in &files {
+        git(&repo, &["cat-file", "-e", &format!("main:{f}")]);
+    }
+    server.stop();
+}

@@ -179,11 +179,6 @@ impl QueueService {
         // A permit always finds a runner, except once `shutdown` has taken them all.
         let Some(runner) = self.runners.lock().expect("not poisoned").pop() else { return Attempt::Stopping };
         let lease = Lease { service: self.clone(), runner: Some(runner), _permit: permit };
-        let base = {
-            let mut rx = self.versions.subscribe();
-            let Ok(v) = rx.wait_for(|v| v.len() as u64 > spec.base_version).await else { return Attempt::Stopping };
-            v[spec.base_version as usize].clone()
-        };
         let id = spec.id.0;
         let done = move |outcome, commit, targets, message| {
             Attempt::Done(Box::new(Finished {
@@ -195,6 +190,18 @@ impl QueueService {
                 failed_targets: None,
                 flaky_targets: vec![],
             }))
+        };
+        let base = {
+            let mut rx = self.versions.subscribe();
+            let Ok(v) = rx.wait_for(|v| v.count() > spec.base_version).await else { return Attempt::Stopping };
+            // Retention keeps every version a build the planner keeps starts from.
+            match v.get(spec.base_version) {
+                Some(c) => c.clone(),
+                None => {
+                    let why = format!("mainline version {} is no longer remembered", spec.base_version);
+                    return done(BuildOutcome::FailedConclusively, String::new(), vec![], why);
+                }
+            }
         };
         let docs = match self.patches(spec).await {
             Ok(d) => d,

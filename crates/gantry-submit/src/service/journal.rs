@@ -202,8 +202,8 @@ pub(super) fn doc_row<T: Serialize>(id: &str, seq: i64, state: &str, doc: &T) ->
 
 impl QueueService {
     pub(super) async fn replay(self: &Arc<Self>) -> Result<()> {
-        let events = self.store.list_events().await?;
         let mut inner = self.inner.lock().await;
+        let events = self.store.list_events_after(inner.snapshot_seq).await?;
         for row in &events {
             let event: Event = serde_json::from_str(&row.event)?;
             if let Event::Enqueue { change, .. } = &event
@@ -341,17 +341,50 @@ impl QueueService {
     }
 }
 
-/// Commit of each mainline version, up to the first landing still in progress. A
-/// landing that failed leaves the mainline where it was, so its version is that commit.
-pub(super) fn versions_of(landings: &BTreeMap<u64, LandingRow>) -> Vec<String> {
-    let mut v = Vec::new();
-    for (&version, r) in landings {
-        if version != v.len() as u64 {
+/// The commit of each mainline version the queue still remembers: from `first` on, up
+/// to the first landing still in progress. Retention deletes the landings of versions no
+/// build can still start from, so after it `first` is the oldest version kept (version
+/// 0, the mainline when the queue was created, stays for its settings but is then no
+/// longer contiguous with the rest).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Versions {
+    first: u64,
+    commits: Vec<String>,
+}
+
+impl Versions {
+    /// The commit of `version`, when it is remembered and its landing is over.
+    pub(super) fn get(&self, version: u64) -> Option<&String> {
+        version.checked_sub(self.first).and_then(|k| self.commits.get(usize::try_from(k).ok()?))
+    }
+
+    /// The mainline's newest version's commit.
+    pub(super) fn last(&self) -> Option<&String> {
+        self.commits.last()
+    }
+
+    /// How many versions exist up to the newest finished one: the next one's number.
+    pub(super) fn count(&self) -> u64 {
+        self.first + self.commits.len() as u64
+    }
+}
+
+/// The versions of `landings`. A landing that failed leaves the mainline where it was, so
+/// its version is that commit.
+pub(super) fn versions_of(landings: &BTreeMap<u64, LandingRow>) -> Versions {
+    // After retention the rows are version 0 and then a run starting past 1.
+    let first = match landings.keys().find(|&&v| v > 0) {
+        Some(&v) if v > 1 => v,
+        _ => 0,
+    };
+    let mut v = Versions { first, commits: Vec::new() };
+    for (&version, r) in landings.range(first..) {
+        if version != v.count() {
             break;
         }
         match LandingState::of(r) {
-            Some(LandingState::Done) => v.push(r.new_commit.clone()),
-            Some(LandingState::Failed) => v.push(r.old_commit.clone()),
+            Some(LandingState::Done) => v.commits.push(r.new_commit.clone()),
+            Some(LandingState::Failed) => v.commits.push(r.old_commit.clone()),
             _ => break,
         }
     }

@@ -93,7 +93,7 @@ impl QueueService {
         if existing.iter().all(|r| r.as_ref().and_then(LandingState::of).is_some_and(LandingState::finished)) {
             return Ok(());
         }
-        let old = self.versions.borrow().get(first as usize - 1).cloned().ok_or_else(|| {
+        let old = self.versions.borrow().get(first - 1).cloned().ok_or_else(|| {
             SubmitError::FailedPrecondition(format!("landing version {first} before version {}", first - 1))
         })?;
         // A member's landing before anything is known of it: the mainline stays at `old`.
