@@ -85,6 +85,10 @@ pub struct RetentionConfig {
     /// entries before that snapshot, so a restart replays at most about this many.
     /// Default 1000; 0 keeps the whole journal.
     pub queue_journal: u64,
+    /// Target graphs the submit queue keeps cached (one per commit it analysed), the
+    /// ones stored last; an older one is queried again if a change needs it. Default
+    /// 1000; 0: no bound.
+    pub queue_graphs: u64,
 }
 
 /// One table's bounds; 0 turns a bound off.
@@ -110,6 +114,7 @@ impl Default for RetentionConfig {
             invocations: RetentionBound { max_age: Duration::from_secs(90 * DAY), max_rows: 1_000_000 },
             queue: RetentionBound { max_age: Duration::from_secs(180 * DAY), max_rows: 1_000_000 },
             queue_journal: 1000,
+            queue_graphs: 1000,
         }
     }
 }

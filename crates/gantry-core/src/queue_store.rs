@@ -77,6 +77,8 @@ pub enum QueueForget<'a> {
     Builds(&'a [String]),
     /// Landings, by version.
     Landings(&'a [i64]),
+    /// Cached graphs but the `keep` stored last.
+    GraphsBeyond { keep: u64 },
 }
 
 #[async_trait]

@@ -672,6 +672,11 @@ const MIGRATIONS: &[Version] = &[
         description: "snapshots of the submit queue's planner",
         sql: include_str!("../migrations/0010_queue_snapshots.sql"),
     },
+    Version {
+        version: 11,
+        description: "the age of each cached target graph of the submit queue",
+        sql: include_str!("../migrations/0011_queue_graph_age.sql"),
+    },
 ];
 
 /// The migrations in a dialect, for sqlx's migrator.

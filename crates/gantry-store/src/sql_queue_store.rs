@@ -11,6 +11,10 @@ use sqlx::{Executor, Row};
 
 use crate::{metadata_db::Write, MetadataDb};
 
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
 pub struct SqlQueueStore {
     db: MetadataDb,
 }
@@ -304,6 +308,21 @@ impl QueueStore for SqlQueueStore {
                     deleted += self.db.write(format!("deleting from {table}"), w).await?;
                 }
             }
+            QueueForget::GraphsBeyond { keep } => {
+                // Older than the newest `keep` (graphs stored in the same millisecond
+                // as the last one kept stay too).
+                deleted += self
+                    .db
+                    .write(
+                        "deleting cached graphs",
+                        Write::new(
+                            "DELETE FROM queue_graphs WHERE stored_ms <
+                             (SELECT stored_ms FROM queue_graphs ORDER BY stored_ms DESC LIMIT 1 OFFSET $1)",
+                        )
+                        .bind(i64::try_from(keep.saturating_sub(1)).unwrap_or(i64::MAX)),
+                    )
+                    .await?;
+            }
             QueueForget::Landings(versions) => {
                 for chunk in versions.chunks(CHUNK) {
                     let mut w =
@@ -323,10 +342,12 @@ impl QueueStore for SqlQueueStore {
             .write(
                 "caching a target graph",
                 Write::new(
-                    "INSERT INTO queue_graphs (commit_id, graph) VALUES ($1, $2) ON CONFLICT (commit_id) DO NOTHING",
+                    "INSERT INTO queue_graphs (commit_id, graph, stored_ms) VALUES ($1, $2, $3)
+                     ON CONFLICT (commit_id) DO NOTHING",
                 )
                 .bind(commit)
-                .bind(graph),
+                .bind(graph)
+                .bind(unix_ms()),
             )
             .await?;
         Ok(())

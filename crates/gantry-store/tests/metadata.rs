@@ -459,6 +459,16 @@ async fn queue_store(db: &MetadataDb) {
     s.put_graph("abc", "ignored: a commit's graph never changes").await.unwrap();
     assert_eq!(s.get_graph("abc").await.unwrap().as_deref(), Some("{\"targets\":{}}"));
     assert_eq!(s.get_graph("def").await.unwrap(), None);
+    // The graph cache keeps the ones stored last.
+    assert_eq!(s.forget(gantry_core::QueueForget::GraphsBeyond { keep: 2 }).await.unwrap(), 0, "only one");
+    for c in ["g1", "g2", "g3"] {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        s.put_graph(c, "{}").await.unwrap();
+    }
+    assert_eq!(s.forget(gantry_core::QueueForget::GraphsBeyond { keep: 2 }).await.unwrap(), 2);
+    for (c, kept) in [("abc", false), ("g1", false), ("g2", true), ("g3", true)] {
+        assert_eq!(s.get_graph(c).await.unwrap().is_some(), kept, "{c}");
+    }
 
     // The pages of changes and the recent builds: the store's own SQL and the trait's
     // defaults (over the full lists) answer alike.

@@ -412,6 +412,7 @@ async fn start_queue(
             max_age: config.retention.queue.max_age,
             max_rows: config.retention.queue.max_rows,
             journal: config.retention.queue_journal,
+            graphs: config.retention.queue_graphs,
         },
     };
     // One queue per metadata database: two would both journal, build and land. The

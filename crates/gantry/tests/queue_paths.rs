@@ -612,7 +612,7 @@ fn retention_cuts_the_journal_at_a_snapshot_and_keeps_the_history_within_its_bou
         &repo,
         &script,
         "capacity = 2\n\
-         [retention]\ninterval = \"300ms\"\nqueue_journal = 4\n\
+         [retention]\ninterval = \"300ms\"\nqueue_journal = 4\nqueue_graphs = 2\n\
          [retention.queue]\nmax_age = \"0s\"\nmax_rows = 3\n",
     );
     let data = dir.path().join("data");
@@ -641,6 +641,9 @@ fn retention_cuts_the_journal_at_a_snapshot_and_keeps_the_history_within_its_bou
     assert!(events <= 5.0, "journal entries kept: {events}\n{text}");
     assert!(rows(&text, "queue_builds") <= 3.0 + 2.0, "{text}");
     assert!(rows(&text, "queue_landings") < 8.0, "{text}");
+    // Every change and the mainline at each landing were analysed: many more graphs.
+    let text = wait_metrics(&server.http, Duration::from_secs(30), |m| rows(m, "queue_graphs") <= 2.0);
+    assert!(rows(&text, "queue_graphs") >= 1.0, "{text}");
     server.stop();
 
     let server = GantryServer::start(&data, &args);

@@ -18,6 +18,8 @@
 //!    build the planner keeps may start from; and finished builds older than every build
 //!    the planner keeps, by the same bounds. The newest change is always kept: change ids
 //!    are numbered from it.
+//! 4. **Graph cache.** Only the `queue_graphs` target graphs stored last stay; a change
+//!    that needs an older one has it queried again.
 //!
 //! A crash between steps leaves rows a later pass deletes; the documents are removed from
 //! memory first, and a restart reads back only what is still stored.
@@ -44,6 +46,8 @@ pub struct QueueRetention {
     pub max_rows: u64,
     /// Journal entries between snapshots; 0: the journal is kept whole.
     pub journal: u64,
+    /// Cached target graphs kept, the newest; 0: all.
+    pub graphs: u64,
 }
 
 /// What one pass did.
@@ -58,6 +62,7 @@ pub struct Retained {
     pub changes: u64,
     pub builds: u64,
     pub landings: u64,
+    pub graphs: u64,
 }
 
 impl QueueService {
@@ -78,6 +83,7 @@ impl QueueService {
                     changes = r.changes,
                     builds = r.builds,
                     landings = r.landings,
+                    graphs = r.graphs,
                     "queue retention"
                 ),
                 Ok(_) => {}
@@ -127,6 +133,9 @@ impl QueueService {
         }
         for versions in landings.chunks(batch as usize) {
             out.landings += self.store.forget(QueueForget::Landings(versions)).await?;
+        }
+        if r.graphs > 0 {
+            out.graphs = self.store.forget(QueueForget::GraphsBeyond { keep: r.graphs }).await?;
         }
         Ok(out)
     }
