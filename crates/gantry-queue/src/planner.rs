@@ -480,7 +480,7 @@ struct View {
 }
 
 /// Overrides waiting for their change to arrive.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 struct Preset {
     success: f64,
     conflicts: Vec<(usize, f64)>,
@@ -492,7 +492,7 @@ struct Preset {
 /// records of decided changes that nothing refers to any more can be forgotten
 /// ([`Planner::forget_decided`]); neither changes a later decision, so a queue
 /// can keep a saved state instead of its whole journal.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct Planner {
     config: PlannerConfig,
     /// By change index. Indices are never reused; a forgotten prefix is gone.
@@ -826,7 +826,9 @@ impl Planner {
     /// rates, flaky-target counts) is kept whole. Nothing a later event can
     /// reach is forgotten, so every later decision is the one the planner would
     /// have made anyway; only calls naming a forgotten change by id (a `Cancel`
-    /// or `LandingFailed` of it, `dependent`) now find it unknown.
+    /// or `LandingFailed` of it, `dependent`) now find it unknown, and an
+    /// `Enqueue` reusing its id is no longer refused as a duplicate (the caller
+    /// must not reuse ids).
     pub fn forget_decided(&mut self) -> usize {
         let mut end = self.changes.len();
         let mut mainline_end = self.mainline.len();

@@ -233,9 +233,14 @@ async fn replay(web: &Web) -> Result<Vec<PendingView>, Error> {
         None => rebuilt(web).await?,
     };
     let mut rows = web.queue.list_events_after(last).await?;
-    // The journal is gap-free: a first entry past the next one means the ones between
-    // were deleted after a snapshot.
-    if rows.first().is_some_and(|r| last != i64::MIN && r.seq != last + 1) {
+    // The journal is gap-free from 1: a first entry past the next one means the ones
+    // between were deleted after a snapshot (maybe a newer one than just read).
+    let mut tries = 0;
+    while rows.first().is_some_and(|r| r.seq != last + 1) {
+        tries += 1;
+        if tries > 3 {
+            return Err(Error::internal("the queue's journal kept moving past its snapshots".to_string()));
+        }
         (last, planner) = rebuilt(web).await?;
         rows = web.queue.list_events_after(last).await?;
     }
@@ -269,7 +274,8 @@ async fn rebuilt(web: &Web) -> Result<(i64, Planner), Error> {
         Some(r) => decode::<FirstVersion>("landing", "0", &r.document)?.planner_config.unwrap_or_default(),
         None => PlannerConfig::default(),
     };
-    Ok((i64::MIN, Planner::new(config)))
+    // Journal entries are numbered from 1.
+    Ok((0, Planner::new(config)))
 }
 
 pub(crate) async fn page(

@@ -5,15 +5,16 @@
 //!
 //! Every `interval`, one pass:
 //! 1. **Snapshot.** When `queue_journal` entries have been appended since the last
-//!    snapshot and every landing the planner asked for is over (its row finished, a
-//!    failed one already told to the planner), the planner forgets the decided changes
-//!    nothing refers to any more and is saved as of the journal's newest entry. All of it
-//!    happens under the queue's lock, so the snapshot is of a state whose every action was
-//!    carried out, except landings, which the condition covers. A restart restores it and
+//!    snapshot and every effect of the journal so far is carried out (`settled`: every
+//!    landing over and told, every record in step with the planner), a copy of the
+//!    planner forgets the decided changes nothing refers to any more and is saved as of
+//!    the journal's newest entry; the copy replaces the planner once the snapshot is
+//!    stored. All of it happens under the queue's lock. A restart restores it and
 //!    replays only what follows.
 //! 2. **Journal.** The entries before the snapshot go, `batch_size` per statement, the
 //!    oldest first. The snapshot's own entry stays, so the journal's numbering goes on.
-//! 3. **History.** Decided changes older than `max_age`, or the oldest past `max_rows`,
+//! 3. **History**, only when settled too (no landing under way). Decided changes older
+//!    than `max_age`, or the oldest past `max_rows`,
 //!    once the planner has forgotten them; their landings, except those of versions a
 //!    build the planner keeps may start from; and finished builds older than every build
 //!    the planner keeps, by the same bounds. The newest change is always kept: change ids
@@ -30,7 +31,7 @@ use std::time::Duration;
 use gantry_core::{QueueForget, QueueSnapshotRow};
 use gantry_queue::ChangeId;
 
-use super::journal::{versions_of, LandingState};
+use super::journal::{versions_of, ChangeState, LandingState};
 use super::{unix_ms, Inner, QueueService, Result};
 
 /// `[retention]` as the queue applies it (gantry-config holds the defaults).
@@ -100,13 +101,17 @@ impl QueueService {
             let mut inner = self.inner.lock().await;
             if r.journal > 0 {
                 let last = self.store.last_event_seq().await?;
-                if last - inner.snapshot_seq >= r.journal as i64 && landings_settled(&inner) {
-                    out.forgotten = inner.planner.forget_decided();
-                    let state = inner.planner.save_state()?;
+                if last - inner.snapshot_seq >= r.journal as i64 && settled(&inner) {
+                    // Forgotten on a copy, kept only once a snapshot covers it: what the
+                    // planner forgets, the history below may delete.
+                    let mut planner = inner.planner.clone();
+                    let forgotten = planner.forget_decided();
+                    let state = planner.save_state()?;
                     let row = QueueSnapshotRow { seq: last, at_ms: inner.last_ms as i64, state };
                     self.store.put_snapshot(&row).await?;
+                    inner.planner = planner;
                     inner.snapshot_seq = last;
-                    out.snapshot = Some(last);
+                    (out.snapshot, out.forgotten) = (Some(last), forgotten);
                 }
             }
             inner.snapshot_seq
@@ -123,6 +128,11 @@ impl QueueService {
         }
         let (changes, builds, landings) = {
             let mut inner = self.inner.lock().await;
+            // Not while a landing is under way: it reads its build's record and the
+            // version it starts from.
+            if !settled(&inner) {
+                return Ok(out);
+            }
             history_to_forget(&mut inner, &r, unix_ms())
         };
         for ids in changes.chunks(batch as usize) {
@@ -141,15 +151,30 @@ impl QueueService {
     }
 }
 
-/// Whether every landing the planner asked for is over and told: a snapshot taken now
-/// needs no `Land` action of an earlier journal entry to be carried out again.
-fn landings_settled(inner: &Inner) -> bool {
+/// Whether every effect of the journal so far is carried out, so that a snapshot taken
+/// now needs no action of an earlier entry carried out again (a restart replays only
+/// what follows it) and no landing is under way:
+/// - every landing the planner asked for is over, and a failed one told to it;
+/// - every change's record agrees with the planner: a Pending one is pending there (its
+///   Land or Reject was recorded), a Submitted one unknown to it (its Enqueue was
+///   recorded, so that entry's dedup key is no longer needed);
+/// - every build the planner runs has its record.
+fn settled(inner: &Inner) -> bool {
     let versions = versions_of(&inner.landings);
     versions.count() == inner.planner.versions() + 1
         && inner.landings.values().all(|row| {
             LandingState::of(row) != Some(LandingState::Failed)
                 || !inner.planner.is_landed(&ChangeId(row.change_id.clone()))
         })
+        && inner.changes.values().all(|c| {
+            let id = ChangeId(c.id.clone());
+            match c.state {
+                ChangeState::Pending => inner.planner.is_pending(&id),
+                ChangeState::Submitted => inner.planner.enqueued_at(&id).is_none(),
+                _ => true,
+            }
+        })
+        && inner.planner.running_builds().iter().all(|b| inner.builds.contains_key(&b.id.0))
 }
 
 /// The history past its bounds: removed from memory here, returned for the store.
@@ -199,9 +224,12 @@ fn history_to_forget(inner: &mut Inner, r: &QueueRetention, now_ms: i64) -> (Vec
 
     // Version 0 keeps the queue's settings; the others go with their change, oldest
     // first and without a gap, so the versions remembered stay one run.
+    // The newest finished version stays whatever the bounds: the next landing starts
+    // from it.
+    let newest = versions_of(&inner.landings).count().saturating_sub(1);
     let landings: Vec<i64> = inner
         .landings
-        .range(1..oldest_base.max(1))
+        .range(1..oldest_base.min(newest).max(1))
         .take_while(|(_, row)| {
             LandingState::of(row).is_some_and(LandingState::finished) && !inner.changes.contains_key(&row.change_id)
         })
@@ -215,4 +243,130 @@ fn history_to_forget(inner: &mut Inner, r: &QueueRetention, now_ms: i64) -> (Vec
         }
     }
     (changes, builds, landings)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use gantry_core::LandingRow;
+    use gantry_queue::{Action, BuildId, BuildOutcome, ChangeFeatures, Event, Millis, Planner, PlannerConfig};
+
+    use super::*;
+    use crate::service::journal::ChangeDoc;
+
+    fn doc(id: &str, seq: i64, state: ChangeState) -> ChangeDoc {
+        ChangeDoc {
+            id: id.into(),
+            seq,
+            change_ref: id.into(),
+            commit: String::new(),
+            merge_base: String::new(),
+            priority: 0,
+            author: String::new(),
+            state,
+            reason: String::new(),
+            submitted_ms: seq,
+            decided_ms: state.decided().then_some(seq),
+            landed_commit: String::new(),
+            landed_version: 0,
+            affected: vec![],
+            test_targets: vec![],
+            alters_graph: false,
+            full_build: false,
+        }
+    }
+
+    fn landing(version: i64, change: &str, state: LandingState) -> LandingRow {
+        LandingRow {
+            version,
+            change_id: change.into(),
+            old_commit: format!("commit{}", version - 1),
+            new_commit: format!("commit{version}"),
+            state: state.as_str().into(),
+            document: String::new(),
+        }
+    }
+
+    fn pass(planner: &mut Planner, i: u64) {
+        let enqueue = Event::Enqueue {
+            change: ChangeId(format!("c{i}")),
+            features: ChangeFeatures::default(),
+            analysis: None,
+            priority: 0,
+        };
+        let acts = planner.handle(Millis(10 * i), enqueue).unwrap();
+        let Some(Action::StartBuild { build }) = acts.first() else { panic!("{acts:?}") };
+        let done =
+            Event::BuildFinished { build: BuildId(build.id.0), outcome: BuildOutcome::Passed, failed_targets: None };
+        let acts = planner.handle(Millis(10 * i + 5), done).unwrap();
+        assert!(matches!(acts.first(), Some(Action::Land { .. })), "{acts:?}");
+    }
+
+    /// A queue whose planner landed c1..c3 (versions 1..3) and was asked to land c4 as
+    /// version 4, with every record written up to there.
+    fn queue() -> Inner {
+        let mut planner = Planner::new(PlannerConfig { capacity: 1, max_retries: 0, ..PlannerConfig::default() });
+        let mut changes = BTreeMap::new();
+        let mut landings = BTreeMap::new();
+        landings.insert(0, landing(0, "", LandingState::Done));
+        for i in 1..=4u64 {
+            pass(&mut planner, i);
+            let id = format!("c{i}");
+            let landed = i < 4;
+            changes.insert(
+                id.clone(),
+                doc(&id, i as i64, if landed { ChangeState::Landed } else { ChangeState::Pending }),
+            );
+            if landed {
+                landings.insert(i, landing(i as i64, &id, LandingState::Done));
+            }
+        }
+        Inner {
+            planner,
+            changes,
+            builds: BTreeMap::new(),
+            tasks: HashMap::new(),
+            landings,
+            last_ms: 100,
+            snapshot_seq: 0,
+            forgotten_landing_failures: 0,
+        }
+    }
+
+    #[test]
+    fn nothing_is_settled_while_a_landing_is_under_way_and_the_version_it_starts_from_stays() {
+        let mut inner = queue();
+        assert!(!settled(&inner), "c4's landing as version 4 is under way");
+        // The landing finishes: records in step, so a snapshot may be taken.
+        inner.landings.insert(4, landing(4, "c4", LandingState::Done));
+        inner.changes.get_mut("c4").unwrap().state = ChangeState::Landed;
+        assert!(settled(&inner));
+        // A Reject or Land whose record was not written: not settled.
+        inner.changes.insert("c9".into(), doc("c9", 9, ChangeState::Pending));
+        assert!(!settled(&inner), "c9 is Pending on record and unknown to the planner");
+        inner.changes.remove("c9");
+
+        // c5 passes and its landing as version 5 starts; meanwhile everything is past
+        // the bounds and the planner forgot c1..c5. All but the newest change (c5: ids
+        // are numbered from it) go, with their landings, except version 4, which c5's
+        // landing starts from.
+        pass(&mut inner.planner, 5);
+        inner.changes.insert("c5".into(), doc("c5", 5, ChangeState::Pending));
+        assert_eq!(inner.planner.forget_decided(), 5);
+        let bounds = QueueRetention {
+            interval: Duration::from_secs(1),
+            batch_size: 10,
+            max_age: Duration::from_millis(1),
+            max_rows: 1,
+            journal: 1,
+            graphs: 0,
+        };
+        let (changes, builds, landings) = history_to_forget(&mut inner, &bounds, 1_000_000);
+        assert_eq!(changes, ["c1", "c2", "c3", "c4"]);
+        assert!(builds.is_empty());
+        assert_eq!(landings, [1, 2, 3], "version 4 stays: {:?}", inner.landings.keys().collect::<Vec<_>>());
+        let versions = versions_of(&inner.landings);
+        assert_eq!((versions.count(), versions.get(4).map(String::as_str)), (5, Some("commit4")));
+    }
 }
