@@ -563,7 +563,8 @@ pub struct RoleLease {
     _renewal: gantry_core::TaskGuard,
 }
 
-fn now_ms() -> i64 {
+/// Wall-clock milliseconds since the epoch, the unit of every time column gantry writes.
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 

@@ -12,14 +12,14 @@
 //! Several processes may sweep one PostgreSQL database: deletes of rows another sweep
 //! already removed simply affect fewer rows.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use gantry_config::{RetentionBound, RetentionConfig};
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::Result;
 use sqlx::Row;
 
-use crate::metadata_db::Write;
+use crate::metadata_db::{now_ms, Write};
 use crate::MetadataDb;
 
 /// A table under retention.
@@ -268,10 +268,6 @@ impl Retention {
             }
         })
     }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -306,10 +306,7 @@ impl gantry_core::SizeClassStore for SqlSizeClassStore {
     }
 
     async fn put(&self, key: &str, stats: &str) -> Result<()> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0);
+        let now = crate::metadata_db::now_ms();
         self.db
             .write(
                 "writing size class stats",

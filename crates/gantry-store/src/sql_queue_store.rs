@@ -9,11 +9,8 @@ use async_trait::async_trait;
 use gantry_core::{Error, LandingRow, QueueDocRow, QueueEventRow, QueueForget, QueueSnapshotRow, QueueStore, Result};
 use sqlx::{Executor, Row};
 
-use crate::{metadata_db::Write, MetadataDb};
-
-fn unix_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-}
+use crate::metadata_db::{now_ms, Write};
+use crate::MetadataDb;
 
 pub struct SqlQueueStore {
     db: MetadataDb,
@@ -347,7 +344,7 @@ impl QueueStore for SqlQueueStore {
                 )
                 .bind(commit)
                 .bind(graph)
-                .bind(unix_ms()),
+                .bind(now_ms()),
             )
             .await?;
         Ok(())

@@ -333,25 +333,8 @@ impl QueueService {
             blocking(move || repo.resolve(&r)).await.map_err(|e| SubmitError::InvalidArgument(e.to_string()))?;
         let mut inner = self.inner.lock().await;
         let seq = inner.changes.values().map(|c| c.seq).max().unwrap_or(0) + 1;
-        let doc = ChangeDoc {
-            id: format!("c{seq}"),
-            seq,
-            change_ref: change_ref.to_string(),
-            commit,
-            merge_base,
-            priority,
-            author: String::new(),
-            state: ChangeState::Submitted,
-            reason: String::new(),
-            submitted_ms: inner.tick() as i64,
-            decided_ms: None,
-            landed_commit: String::new(),
-            landed_version: 0,
-            affected: vec![],
-            test_targets: vec![],
-            alters_graph: false,
-            full_build: false,
-        };
+        let mut doc = ChangeDoc::submitted(seq, change_ref, inner.tick() as i64);
+        (doc.commit, doc.merge_base, doc.priority) = (commit, merge_base, priority);
         // Durable before the caller hears of it: a submitted change is never lost.
         self.store.put_change(&doc_row(&doc.id, seq, doc.state.as_str(), &doc)?).await?;
         inner.changes.insert(doc.id.clone(), doc.clone());

@@ -333,6 +333,25 @@ impl Queue {
     }
 }
 
+/// The page viewed again and on a fresh app shows the predictions and running builds of
+/// the service's planner, whose pending changes are `pending`; returns both pages.
+async fn same_predictions(app: &axum::Router, db: &MetadataDb, q: &Queue, pending: &[&str]) -> (String, String) {
+    let (_, again) = get(app, "/queue").await;
+    let (fresh_app, _) = common::app(db);
+    let (_, fresh) = get(&fresh_app, "/queue").await;
+    let snapshot = q.planner.snapshot();
+    assert_eq!(snapshot.iter().map(|v| v.change.0.as_str()).collect::<Vec<_>>(), pending);
+    for v in &snapshot {
+        let shown = format!("{:.0}%", v.landing_probability * 100.0);
+        assert!(again.contains(&shown) && fresh.contains(&shown), "{}: {shown}: {again}", v.change.0);
+    }
+    for (id, b) in q.builds.iter().filter(|(_, b)| b.state == QueueBuildState::Running) {
+        let line = format!("build {id} on mainline v{}", b.spec.base_version);
+        assert!(again.contains(&line) && fresh.contains(&line), "{line}: {again}");
+    }
+    (again, fresh)
+}
+
 #[tokio::test]
 async fn the_queue_page_shows_predictions_builds_lanes_and_history() {
     let db = MetadataDb::open("sqlite::memory:").await.unwrap();
@@ -403,19 +422,7 @@ async fn the_queue_page_shows_predictions_builds_lanes_and_history() {
     let b = q.running("c3")[0];
     q.finish(T0 + 250_000, b, true, "").await;
     q.submit(5, T0 + 260_000, "dan").await;
-    let (_, again) = get(&app, "/queue").await;
-    let (fresh_app, _) = common::app(&db);
-    let (_, fresh) = get(&fresh_app, "/queue").await;
-    let snapshot = q.planner.snapshot();
-    assert_eq!(snapshot.iter().map(|v| v.change.0.as_str()).collect::<Vec<_>>(), ["c4", "c5"]);
-    for v in &snapshot {
-        let shown = format!("{:.0}%", v.landing_probability * 100.0);
-        assert!(again.contains(&shown) && fresh.contains(&shown), "{}: {shown}: {again}", v.change.0);
-    }
-    for (id, b) in q.builds.iter().filter(|(_, b)| b.state == QueueBuildState::Running) {
-        let line = format!("build {id} on mainline v{}", b.spec.base_version);
-        assert!(again.contains(&line) && fresh.contains(&line), "{line}: {again}");
-    }
+    let (again, fresh) = same_predictions(&app, &db, &q, &["c4", "c5"]).await;
     assert_eq!(again.matches("build ").count(), fresh.matches("build ").count(), "the same builds");
 
     // The queue's retention: its planner forgets what it decided and is saved as of
@@ -432,19 +439,7 @@ async fn the_queue_page_shows_predictions_builds_lanes_and_history() {
     let gone = store.forget(gantry_core::QueueForget::EventsBefore { seq, limit: 1000 }).await.unwrap();
     assert!(gone as i64 >= seq - seen, "the entries the page has not seen are gone");
     q.submit(7, T0 + 290_000, "fay").await;
-    let (_, again) = get(&app, "/queue").await;
-    let (fresh_app, _) = common::app(&db);
-    let (_, fresh) = get(&fresh_app, "/queue").await;
-    let snapshot = q.planner.snapshot();
-    assert_eq!(snapshot.iter().map(|v| v.change.0.as_str()).collect::<Vec<_>>(), ["c5", "c6", "c7"]);
-    for v in &snapshot {
-        let shown = format!("{:.0}%", v.landing_probability * 100.0);
-        assert!(again.contains(&shown) && fresh.contains(&shown), "{}: {shown}: {again}", v.change.0);
-    }
-    for (id, b) in q.builds.iter().filter(|(_, b)| b.state == QueueBuildState::Running) {
-        let line = format!("build {id} on mainline v{}", b.spec.base_version);
-        assert!(again.contains(&line) && fresh.contains(&line), "{line}: {again}");
-    }
+    same_predictions(&app, &db, &q, &["c5", "c6", "c7"]).await;
 
     store.append_event(T0 + 300_000, None, "{\"Enqueue\": 7}").await.unwrap();
     let (status, broken) = get(&app, "/queue").await;

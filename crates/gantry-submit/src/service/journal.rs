@@ -161,6 +161,30 @@ pub struct ChangeDoc {
 }
 
 impl ChangeDoc {
+    /// Change number `seq` (id `c{seq}`), just submitted as `change_ref`, before its
+    /// commits are resolved or anything is known of it.
+    pub(super) fn submitted(seq: i64, change_ref: &str, submitted_ms: i64) -> ChangeDoc {
+        ChangeDoc {
+            id: format!("c{seq}"),
+            seq,
+            change_ref: change_ref.to_string(),
+            commit: String::new(),
+            merge_base: String::new(),
+            priority: 0,
+            author: String::new(),
+            state: ChangeState::Submitted,
+            reason: String::new(),
+            submitted_ms,
+            decided_ms: None,
+            landed_commit: String::new(),
+            landed_version: 0,
+            affected: vec![],
+            test_targets: vec![],
+            alters_graph: false,
+            full_build: false,
+        }
+    }
+
     pub(super) fn patch(&self) -> Patch {
         Patch {
             merge_base: self.merge_base.clone(),

@@ -256,25 +256,9 @@ mod tests {
     use crate::service::journal::ChangeDoc;
 
     fn doc(id: &str, seq: i64, state: ChangeState) -> ChangeDoc {
-        ChangeDoc {
-            id: id.into(),
-            seq,
-            change_ref: id.into(),
-            commit: String::new(),
-            merge_base: String::new(),
-            priority: 0,
-            author: String::new(),
-            state,
-            reason: String::new(),
-            submitted_ms: seq,
-            decided_ms: state.decided().then_some(seq),
-            landed_commit: String::new(),
-            landed_version: 0,
-            affected: vec![],
-            test_targets: vec![],
-            alters_graph: false,
-            full_build: false,
-        }
+        let doc = ChangeDoc::submitted(seq, id, seq);
+        assert_eq!(doc.id, id);
+        ChangeDoc { state, decided_ms: state.decided().then_some(seq), ..doc }
     }
 
     fn landing(version: i64, change: &str, state: LandingState) -> LandingRow {
