@@ -101,26 +101,27 @@ impl QueueService {
             let mut inner = self.inner.lock().await;
             if r.journal > 0 {
                 let last = self.store.last_event_seq().await?;
-                let due = last - inner.snapshot_seq >= r.journal as i64;
-                if due && !settled(&inner) && last - inner.snapshot_seq >= 3 * r.journal as i64 {
-                    // Normally a landing under way, over in seconds; this long means a
-                    // record failed to write (a restart's replay writes it again).
-                    tracing::warn!(
-                        since_snapshot = last - inner.snapshot_seq,
-                        "queue retention: no snapshot, the queue's records are not in step with its planner"
-                    );
-                }
-                if due && settled(&inner) {
-                    // Forgotten on a copy, kept only once a snapshot covers it: what the
-                    // planner forgets, the history below may delete.
-                    let mut planner = inner.planner.clone();
-                    let forgotten = planner.forget_decided();
-                    let state = planner.save_state()?;
-                    let row = QueueSnapshotRow { seq: last, at_ms: inner.last_ms as i64, state };
-                    self.store.put_snapshot(&row).await?;
-                    inner.planner = planner;
-                    inner.snapshot_seq = last;
-                    (out.snapshot, out.forgotten) = (Some(last), forgotten);
+                let since = last - inner.snapshot_seq;
+                if since >= r.journal as i64 {
+                    if settled(&inner) {
+                        // Forgotten on a copy, kept only once a snapshot covers it: what
+                        // the planner forgets, the history below may delete.
+                        let mut planner = inner.planner.clone();
+                        let forgotten = planner.forget_decided();
+                        let state = planner.save_state()?;
+                        let row = QueueSnapshotRow { seq: last, at_ms: inner.last_ms as i64, state };
+                        self.store.put_snapshot(&row).await?;
+                        inner.planner = planner;
+                        inner.snapshot_seq = last;
+                        (out.snapshot, out.forgotten) = (Some(last), forgotten);
+                    } else if since >= 3 * r.journal as i64 {
+                        // Normally a landing under way, over in seconds; this long means a
+                        // record failed to write (a restart's replay writes it again).
+                        tracing::warn!(
+                            since_snapshot = since,
+                            "queue retention: no snapshot, the queue's records are not in step with its planner"
+                        );
+                    }
                 }
             }
             inner.snapshot_seq
