@@ -576,7 +576,8 @@ pub struct FsStoreConfig {
     /// Size past which the least recently used blobs are evicted. Default "10GiB".
     pub max_size: ByteSize,
     /// Whether small writes (up to 1 MiB) are made durable through the store's journal:
-    /// one shared `fdatasync` for all writes in flight, and a background `syncfs` of the
+    /// one shared `fdatasync` for all writes in flight, their files written after the
+    /// acknowledgement (served from memory until then), and a background `syncfs` of the
     /// CAS filesystem that retires it. `false` fsyncs each blob's file and directory
     /// instead: slower, but it never flushes other programs' writes on the same
     /// filesystem. Both acknowledge a write only once it is durable. Default true.

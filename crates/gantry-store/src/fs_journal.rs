@@ -6,17 +6,25 @@
 //! build's thousands of 4 KiB uploads were bound by sync latency, not by bandwidth.
 //!
 //! How a journaled write goes: the store hands the blob to the journal's writer thread,
-//! which takes every blob handed over since its last round, and for each puts its file
-//! in place with no sync (through the store's `Place`) and appends its digest and bytes
-//! to this process's current segment; then one `fdatasync` makes the round durable and
-//! every write in it is acknowledged. One thread doing a round's files costs no thread
-//! hand-off per blob, which on two cores cost more than the files themselves.
+//! which takes every blob handed over since its last round and appends each one's digest
+//! and bytes to this process's current segment; then one `fdatasync` makes the round
+//! durable and every write in it is acknowledged.
+//!
+//! Files are put in place after the acknowledgement, by the placer thread (through the
+//! store's [`BlobFiles`], with no sync). Why: creating a file costs the filesystem an inode
+//! and a directory entry, tens of microseconds that swing to hundreds while writeback
+//! holds the metadata blocks; done before the acknowledgement it bounded every batch
+//! upload by the file rate, not by the sync. Until its file is in place a blob is served
+//! from memory ([`Journal::unplaced`]), so this process sees its writes at once. At most
+//! [`UNPLACED_MAX`] bytes wait for the placer; past that, and always while another
+//! process uses the directory (it can see only files, see [`note_users`]), a round puts
+//! its files in place before it is acknowledged, as the placer would.
 //!
 //! A segment past [`SEGMENT_BYTES`] is sealed and a new one started. A background thread
-//! retires sealed segments: one `syncfs(2)` of the CAS filesystem, begun after the seal,
-//! makes every file they cover durable (each file was in place before its record was
-//! appended), and the segments are deleted. Appends wait while too many sealed segments
-//! are still waiting, which bounds what a crash leaves to replay.
+//! retires sealed segments: one `syncfs(2)` of the CAS filesystem, begun once every file
+//! they cover is in place, makes those files durable, and the segments are deleted.
+//! Appends wait while too many sealed segments are still waiting, which bounds what a
+//! crash leaves to replay.
 //!
 //! Each process holds an `flock` on its own segments, so processes sharing a CAS
 //! directory never take each other's. After a crash, [`claim_orphans`] finds the segments
@@ -42,6 +50,13 @@ pub(crate) const SEGMENT_BYTES: u64 = 64 << 20;
 const MAX_SEALED: usize = 4;
 /// The largest blob the journal takes (FsStore journals only writes it buffered).
 pub(crate) const MAX_RECORD_DATA: u64 = 1 << 20;
+/// Acknowledged bytes that may wait in memory for the placer (see the module doc).
+pub(crate) const UNPLACED_MAX: u64 = 128 << 20;
+/// Rounds defer their files only while the disk has this much free: room for every
+/// unplaced blob's file many times over.
+const DEFER_MIN_FREE: u64 = 4 * UNPLACED_MAX;
+/// The file whose presence says that more than one process uses the directory.
+const SHARED_MARKER: &str = "shared";
 /// Between the wall clock that names a segment and the filesystem's timestamps.
 pub(crate) const CLOCK_SLACK: Duration = Duration::from_secs(2);
 
@@ -105,8 +120,38 @@ pub(crate) fn syncfs(fd: &File) -> std::io::Result<()> {
     }
 }
 
+/// Bytes an unprivileged writer may still use on the filesystem of `fd`.
+fn free_bytes(fd: &File) -> Option<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `fd` is an open descriptor and `st` a buffer fstatvfs fills on success.
+    if unsafe { libc::fstatvfs(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: fstatvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+/// Records whether the process opening the store in `dir` is its only user. Called with
+/// the directory's open lock held. Another process can read this one's blobs only as
+/// files, so while the marker exists every journal writes files before acknowledging;
+/// the first process to open a directory alone clears it.
+pub(crate) fn note_users(dir: &Path, alone: bool) -> Result<()> {
+    let marker = dir.join(SHARED_MARKER);
+    if alone {
+        match fs::remove_file(&marker) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::io(format!("removing {}", marker.display()), e))
+            }
+            _ => Ok(()),
+        }
+    } else {
+        fs::write(&marker, b"").context(format_args!("writing {}", marker.display()))
+    }
 }
 
 /// Segments left by processes that are gone, locked by this one until `retire`.
@@ -212,15 +257,24 @@ pub(crate) struct Journal {
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
-/// Puts a blob's file in place, unsynced, and accounts for it: the store's half of a
-/// journaled write, run on the writer thread.
-pub(crate) type Place = Box<dyn Fn(&Digest, &[u8]) -> Result<()> + Send + Sync>;
+/// The store's half of a journaled write: its files and its index.
+pub(crate) trait BlobFiles: Send + Sync {
+    /// Puts the blob's file in place, unsynced, and accounts for it (the writer thread,
+    /// when it does not defer).
+    fn place(&self, d: &Digest, data: &[u8]) -> Result<()>;
+    /// Accounts for an acknowledged blob whose file the placer will write: from here on
+    /// the store counts it, and may evict it.
+    fn account(&self, d: &Digest);
+    /// Puts the file of a blob `account` took in place, unsynced, unless it was evicted
+    /// meanwhile (the placer thread).
+    fn place_accounted(&self, d: &Digest, data: &[u8]) -> Result<()>;
+}
 
 type Waiter = tokio::sync::oneshot::Sender<Outcome>;
 
 struct Shared {
     dir: PathBuf,
-    place: Place,
+    files: Arc<dyn BlobFiles>,
     /// Any descriptor on the CAS filesystem, for syncfs; held for the store's lifetime so
     /// that a writeback error is reported to it.
     fs: File,
@@ -228,9 +282,11 @@ struct Shared {
     state: Mutex<State>,
     /// The writer waits here for blobs (or a rotation, or the end).
     work: Condvar,
-    /// Segments sealed or retired: the checkpointer, a rotation waiting for room, and
-    /// `checkpoint_now` wait here.
+    /// Segments sealed or retired, or files placed: the checkpointer, a rotation waiting
+    /// for room, and `checkpoint_now` wait here.
     changed: Condvar,
+    /// The placer waits here for acknowledged blobs.
+    to_place: Condvar,
     seq: AtomicU64,
     /// Set by a test that simulates a crash: drop retires nothing.
     abandoned: AtomicBool,
@@ -248,6 +304,9 @@ struct Segment {
     path: PathBuf,
     file: File,
     len: u64,
+    /// Once sealed: the blobs deferred to the placer up to the seal (`State::deferred`),
+    /// whose files must be in place before a syncfs can retire the segment.
+    through: u64,
 }
 
 struct State {
@@ -263,18 +322,34 @@ struct State {
     /// Sealed, waiting for the checkpoint that retires them.
     sealed: VecDeque<Segment>,
     closing: bool,
+    /// Set once the writer has returned: nothing more will be deferred.
+    writer_done: bool,
+    /// Acknowledged blobs whose files are not in place yet, oldest first: the placer's
+    /// queue. `unplaced_by_digest` is the same for readers.
+    unplaced: VecDeque<(Digest, bytes::Bytes)>,
+    unplaced_by_digest: std::collections::HashMap<Digest, bytes::Bytes>,
+    unplaced_bytes: u64,
+    /// Blobs deferred to the placer so far, and of those placed so far (in order).
+    deferred: u64,
+    placed: u64,
+    /// The placer's last attempt failed (a full or broken disk): rounds place their own
+    /// files meanwhile, so their clients hear of it.
+    placer_failing: bool,
+    /// The placer stopped with blobs unplaced (it failed while closing): their segments
+    /// must be kept for the next start to replay.
+    placer_gave_up: bool,
 }
 
 impl Journal {
     /// Starts a journal in `dir` on the filesystem of `fs_root`, with its writer and
     /// checkpoint threads.
-    pub(crate) fn open(dir: &Path, fs_root: &Path, segment_bytes: u64, place: Place) -> Result<Journal> {
+    pub(crate) fn open(dir: &Path, fs_root: &Path, segment_bytes: u64, files: Arc<dyn BlobFiles>) -> Result<Journal> {
         let fs = File::open(fs_root).context(format_args!("opening {}", fs_root.display()))?;
         let seq = AtomicU64::new(0);
         let current = new_segment(dir, &seq)?;
         let shared = Arc::new(Shared {
             dir: dir.to_owned(),
-            place,
+            files,
             fs,
             segment_bytes,
             state: Mutex::new(State {
@@ -284,9 +359,18 @@ impl Journal {
                 rotate: false,
                 sealed: VecDeque::new(),
                 closing: false,
+                writer_done: false,
+                unplaced: VecDeque::new(),
+                unplaced_by_digest: std::collections::HashMap::new(),
+                unplaced_bytes: 0,
+                deferred: 0,
+                placed: 0,
+                placer_failing: false,
+                placer_gave_up: false,
             }),
             work: Condvar::new(),
             changed: Condvar::new(),
+            to_place: Condvar::new(),
             seq,
             abandoned: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
@@ -294,7 +378,12 @@ impl Journal {
             failed_rotations: AtomicU64::new(0),
         });
         let mut journal = Journal { shared: shared.clone(), threads: Vec::new() };
-        for (name, work) in [("cas-journal", Shared::writes as fn(&Shared)), ("cas-checkpoint", Shared::checkpoints)] {
+        // Joined in this order at drop: each finishes what the one before handed it.
+        for (name, work) in [
+            ("cas-journal", Shared::writes as fn(&Shared)),
+            ("cas-place", Shared::placements),
+            ("cas-checkpoint", Shared::checkpoints),
+        ] {
             let sh = shared.clone();
             let t = std::thread::Builder::new()
                 .name(name.into())
@@ -305,8 +394,8 @@ impl Journal {
         Ok(journal)
     }
 
-    /// Writes the blob `d` (its file in place, its record appended); the future resolves
-    /// once the record is durable. Waiting holds no thread.
+    /// Writes the blob `d` (its record appended, its file in place now or soon); the
+    /// future resolves once the record is durable. Waiting holds no thread.
     pub(crate) fn append(
         &self,
         d: &Digest,
@@ -328,6 +417,23 @@ impl Journal {
             outcome.map_err(|(kind, msg)| {
                 Error::io(format!("journal of blob {d} in {}", dir.display()), std::io::Error::new(kind, msg))
             })
+        }
+    }
+
+    /// An acknowledged blob whose file is not in place yet: its bytes.
+    pub(crate) fn unplaced(&self, d: &Digest) -> Option<bytes::Bytes> {
+        self.shared.lock().unplaced_by_digest.get(d).cloned()
+    }
+
+    /// Returns once every blob acknowledged before the call has its file in place (or
+    /// the placer has stopped). Blocks.
+    #[cfg(test)]
+    pub(crate) fn wait_placed(&self) {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        let wanted = st.deferred;
+        while st.placed < wanted && !st.placer_gave_up && !sh.abandoned.load(Ordering::SeqCst) {
+            st = sh.changed.wait_timeout(st, Duration::from_millis(100)).expect("poisoned").0;
         }
     }
 
@@ -383,7 +489,9 @@ impl Drop for Journal {
         sh.lock().closing = true;
         sh.work.notify_all();
         sh.changed.notify_all();
-        // The writer finishes what is pending first, then the checkpointer what is sealed.
+        sh.to_place.notify_all();
+        // The writer finishes what is pending first, then the placer what the writer
+        // deferred, then the checkpointer what is sealed.
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -391,8 +499,13 @@ impl Drop for Journal {
             return;
         }
         // No appender is left (the store is being dropped): every segment's files are in
-        // place, so one more sync retires them all.
+        // place, so one more sync retires them all, unless the placer could not finish.
         let st = sh.lock();
+        if st.placer_gave_up {
+            tracing::error!(dir = %sh.dir.display(), unplaced = st.unplaced.len(),
+                "CAS journal: blobs could not be put in place; the segments are kept for the next start to replay");
+            return;
+        }
         match syncfs(&sh.fs) {
             Ok(()) => {
                 for seg in st.sealed.iter().chain([&st.current]) {
@@ -425,7 +538,7 @@ fn new_segment(dir: &Path, seq: &AtomicU64) -> Result<Segment> {
         fs::rename(&tmp, &path).context(format_args!("naming journal segment {}", path.display()))?;
         // The segment's name must survive a crash before any record in it is acknowledged.
         fsync_dir(dir).context(format_args!("fsync {}", dir.display()))?;
-        Ok(Segment { path, file, len: 0 })
+        Ok(Segment { path, file, len: 0, through: 0 })
     })();
     if made.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -447,12 +560,14 @@ impl Shared {
     }
 
     /// The writer thread: each round takes every blob handed over since the last one,
-    /// puts their files in place, appends their records, syncs once, and tells every
-    /// waiter.
+    /// appends their records, syncs once, tells every waiter, and hands the blobs to the
+    /// placer (or puts their files in place first, see the module doc).
     fn writes(&self) {
         // The last round's buffer, emptied, becomes the next round's: a round's few MiB
         // are not allocated (and faulted in) afresh each time.
         let mut buf = Vec::new();
+        let marker = self.dir.join(SHARED_MARKER);
+        let mut shared_dir = false;
         let mut st = self.lock();
         loop {
             while st.pending.is_empty() && !st.rotate && !st.closing {
@@ -461,6 +576,8 @@ impl Shared {
                 st.writer_idle = false;
             }
             if self.abandoned.load(Ordering::SeqCst) || (st.closing && st.pending.is_empty()) {
+                st.writer_done = true;
+                self.to_place.notify_all();
                 return;
             }
             let blobs = std::mem::take(&mut st.pending);
@@ -477,13 +594,27 @@ impl Shared {
                 st = self.changed.wait_timeout(st, Duration::from_millis(200)).expect("poisoned").0;
                 continue;
             }
+            // A stat per round: another process may have opened the directory since.
+            shared_dir = shared_dir || marker.exists();
+            let round_bytes: u64 = blobs.iter().map(|(_, data, _)| data.len() as u64).sum();
+            // Deferred files need room later: on a disk near full (or tiny) a round places
+            // its own, so that a full disk is met by the client whose write found it.
+            let roomy = free_bytes(&self.fs).is_some_and(|free| free >= DEFER_MIN_FREE);
+            let defer = roomy && !shared_dir && !st.placer_failing && st.unplaced_bytes + round_bytes <= UNPLACED_MAX;
             // The current segment is the writer's alone: work with no lock held.
             let file = st.current.file.try_clone();
             drop(st);
             let mut waiting = Vec::with_capacity(blobs.len());
+            let mut deferred = Vec::with_capacity(if defer { blobs.len() } else { 0 });
             for (d, data, w) in blobs {
+                if defer {
+                    encode(&mut buf, &d, &data);
+                    deferred.push((d, data));
+                    waiting.push(w);
+                    continue;
+                }
                 // The file first, then its record: what the checkpoints rely on.
-                match (self.place)(&d, &data) {
+                match self.files.place(&d, &data) {
                     Ok(()) => {
                         encode(&mut buf, &d, &data);
                         waiting.push(w);
@@ -507,12 +638,86 @@ impl Shared {
             if res.is_err() || st.current.len >= self.segment_bytes {
                 st.rotate = true;
             }
+            if res.is_ok() && !deferred.is_empty() {
+                // Counted by the store, and readable from memory, before anyone hears of it.
+                st.deferred += deferred.len() as u64;
+                for (d, data) in deferred {
+                    self.files.account(&d);
+                    st.unplaced_bytes += data.len() as u64;
+                    st.unplaced_by_digest.insert(d, data.clone());
+                    st.unplaced.push_back((d, data));
+                }
+                self.to_place.notify_one();
+            }
             let outcome: Outcome = res.map_err(|e| (e.kind(), e.to_string()));
             for w in waiting {
                 let _ = w.send(outcome.clone());
             }
             buf.clear();
         }
+    }
+
+    /// The placer thread: puts the files of acknowledged blobs in place, oldest first,
+    /// and only then forgets their bytes. A failure (a full disk) is retried: the blob is
+    /// acknowledged, so it must reach its file or stay in the journal for a replay.
+    fn placements(&self) {
+        const BATCH: usize = 256;
+        let mut st = self.lock();
+        loop {
+            while st.unplaced.is_empty() && !st.writer_done {
+                st = self.to_place.wait(st).expect("poisoned");
+            }
+            if self.abandoned.load(Ordering::SeqCst) || (st.unplaced.is_empty() && st.writer_done) {
+                return;
+            }
+            // Left in the queue while placed: readers find them until their files exist.
+            let batch: Vec<(Digest, bytes::Bytes)> = st.unplaced.iter().take(BATCH).cloned().collect();
+            drop(st);
+            let (done, failed) = self.place_run(&batch);
+            if self.abandoned.load(Ordering::SeqCst) {
+                return;
+            }
+            st = self.lock();
+            for _ in 0..done {
+                let (d, data) = st.unplaced.pop_front().expect("placed from the queue");
+                st.unplaced_bytes -= data.len() as u64;
+                // A later upload of the same digest may wait behind it; its file is this one.
+                st.unplaced_by_digest.remove(&d);
+            }
+            st.placed += done as u64;
+            let was_failing = st.placer_failing;
+            st.placer_failing = failed.is_some();
+            self.changed.notify_all();
+            if let Some(e) = failed {
+                if st.closing && st.writer_done {
+                    st.placer_gave_up = true;
+                    self.changed.notify_all();
+                    tracing::error!(dir = %self.dir.display(), error = %e,
+                        "CAS journal: could not put an acknowledged blob in place while closing");
+                    return;
+                }
+                if !was_failing {
+                    tracing::warn!(dir = %self.dir.display(), error = %e,
+                        "CAS journal: could not put an acknowledged blob in place; it stays in the journal, retrying");
+                }
+                st = self.to_place.wait_timeout(st, Duration::from_millis(200)).expect("poisoned").0;
+            } else if was_failing {
+                tracing::info!(dir = %self.dir.display(), "CAS journal: acknowledged blobs are being put in place again");
+            }
+        }
+    }
+
+    /// Places `blobs` in order up to the first failure: how many were placed, and it.
+    fn place_run(&self, blobs: &[(Digest, bytes::Bytes)]) -> (usize, Option<Error>) {
+        for (i, (d, data)) in blobs.iter().enumerate() {
+            if self.abandoned.load(Ordering::SeqCst) {
+                return (i, None);
+            }
+            if let Err(e) = self.files.place_accounted(d, data) {
+                return (i, Some(e));
+            }
+        }
+        (blobs.len(), None)
     }
 
     /// Seals the current segment and starts a new one, waiting first while too many
@@ -525,7 +730,8 @@ impl Shared {
         let fresh = new_segment(&self.dir, &self.seq);
         let mut st = self.lock();
         let outcome = fresh.map(|seg| {
-            let old = std::mem::replace(&mut st.current, seg);
+            let mut old = std::mem::replace(&mut st.current, seg);
+            old.through = st.deferred;
             st.sealed.push_back(old);
             st.rotate = false;
         });
@@ -548,6 +754,14 @@ impl Shared {
                 return;
             }
             let n = st.sealed.len();
+            // The syncfs must begin after every file the segments cover is in place.
+            let through = st.sealed[n - 1].through;
+            while st.placed < through && !st.placer_gave_up && !self.abandoned.load(Ordering::SeqCst) {
+                st = self.changed.wait(st).expect("poisoned");
+            }
+            if st.placed < through {
+                return;
+            }
             drop(st);
             let res = syncfs(&self.fs);
             let done: Vec<Segment> = self.lock().sealed.drain(..n).collect();
@@ -579,13 +793,141 @@ mod tests {
     use super::*;
 
     /// A store with no files (the journal alone is under test).
-    fn no_files() -> Place {
-        Box::new(|_, _| Ok(()))
+    struct NoFiles;
+    impl BlobFiles for NoFiles {
+        fn place(&self, _: &Digest, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+        fn account(&self, _: &Digest) {}
+        fn place_accounted(&self, _: &Digest, _: &[u8]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn no_files() -> Arc<dyn BlobFiles> {
+        Arc::new(NoFiles)
     }
 
     fn blob(i: u32, size: usize) -> (Digest, Vec<u8>) {
         let data: Vec<u8> = (0..size).map(|j| (j as u32).wrapping_mul(7).wrapping_add(i) as u8).collect();
         (DigestFunction::Sha256.digest_of(&data), data)
+    }
+
+    /// Files whose placer waits at a gate, recording what each call did.
+    #[derive(Default)]
+    struct GatedFiles {
+        open: Mutex<bool>,
+        opened: Condvar,
+        placed_now: Mutex<Vec<Digest>>,
+        accounted: Mutex<Vec<Digest>>,
+        placed_later: Mutex<Vec<Digest>>,
+    }
+    impl GatedFiles {
+        fn open_gate(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+    }
+    impl BlobFiles for GatedFiles {
+        fn place(&self, d: &Digest, _: &[u8]) -> Result<()> {
+            self.placed_now.lock().unwrap().push(*d);
+            Ok(())
+        }
+        fn account(&self, d: &Digest) {
+            self.accounted.lock().unwrap().push(*d);
+        }
+        fn place_accounted(&self, d: &Digest, _: &[u8]) -> Result<()> {
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+            self.placed_later.lock().unwrap().push(*d);
+            Ok(())
+        }
+    }
+
+    /// A journal in a fresh directory over gated files.
+    fn gated(segment_bytes: u64) -> (tempfile::TempDir, PathBuf, Arc<GatedFiles>, Journal) {
+        let dir = tempfile::tempdir().unwrap();
+        let jdir = dir.path().join("journal");
+        fs::create_dir(&jdir).unwrap();
+        let files = Arc::new(GatedFiles::default());
+        let j = Journal::open(&jdir, dir.path(), segment_bytes, files.clone()).unwrap();
+        (dir, jdir, files, j)
+    }
+
+    fn journal_files(jdir: &Path) -> usize {
+        fs::read_dir(jdir).unwrap().filter(|e| e.as_ref().unwrap().path().to_string_lossy().ends_with(SUFFIX)).count()
+    }
+
+    /// An acknowledgement waits for the record, not the file: the blob is counted and
+    /// readable from memory at once, its segment outlives it until the placer has put the
+    /// file in place, and a crash before that replays it.
+    #[test]
+    fn files_are_placed_after_the_acknowledgement_and_segments_wait_for_them() {
+        // 8 KiB segments: every other round seals one.
+        let (_dir, jdir, files, j) = gated(8 << 10);
+        let blobs: Vec<_> = (0..6).map(|i| blob(i, 3000)).collect();
+        for (d, data) in &blobs {
+            futures::executor::block_on(j.append(d, data.clone().into())).unwrap();
+        }
+        let ds: Vec<Digest> = blobs.iter().map(|b| b.0).collect();
+        assert_eq!(*files.accounted.lock().unwrap(), ds, "counted before the acknowledgement");
+        assert!(files.placed_now.lock().unwrap().is_empty() && files.placed_later.lock().unwrap().is_empty());
+        for (d, data) in &blobs {
+            assert_eq!(j.unplaced(d).as_deref(), Some(&data[..]), "served from memory");
+        }
+        // Sealed segments stay while their files are not in place.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(journal_files(&jdir) >= 3, "{} segments", journal_files(&jdir));
+        assert_eq!(j.retired(), 0);
+        files.open_gate();
+        j.wait_placed();
+        assert_eq!(*files.placed_later.lock().unwrap(), ds, "placed in order");
+        assert!(blobs.iter().all(|(d, _)| j.unplaced(d).is_none()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while journal_files(&jdir) > 1 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(journal_files(&jdir), 1, "the sealed segments are retired once placed");
+
+        // A crash before the placer ran: the next start replays what was acknowledged.
+        let (_dir, jdir, files, j) = gated(SEGMENT_BYTES);
+        for (d, data) in &blobs {
+            futures::executor::block_on(j.append(d, data.clone().into())).unwrap();
+        }
+        j.abandon();
+        files.open_gate();
+        drop(j);
+        let mut seen = Vec::new();
+        claim_orphans(&jdir)
+            .unwrap()
+            .replay(|d, _| {
+                seen.push(*d);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(seen, ds);
+    }
+
+    /// While another process uses the directory, a round puts its files in place before
+    /// it is acknowledged: the other process can see only files.
+    #[test]
+    fn a_shared_directory_places_files_before_acknowledging() {
+        let (_dir, jdir, files, j) = gated(SEGMENT_BYTES);
+        let (d0, data0) = blob(0, 100);
+        futures::executor::block_on(j.append(&d0, data0.into())).unwrap();
+        note_users(&jdir, false).unwrap();
+        let (d1, data1) = blob(1, 100);
+        futures::executor::block_on(j.append(&d1, data1.into())).unwrap();
+        assert_eq!(*files.placed_now.lock().unwrap(), vec![d1]);
+        assert_eq!(*files.accounted.lock().unwrap(), vec![d0]);
+        assert!(j.unplaced(&d1).is_none());
+        files.open_gate();
+        drop(j);
+        // The next process to open the directory alone clears the mark.
+        note_users(&jdir, true).unwrap();
+        assert!(!jdir.join(SHARED_MARKER).exists());
     }
 
     #[test]

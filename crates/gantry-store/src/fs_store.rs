@@ -9,12 +9,13 @@
 //! A write is acknowledged only once it is durable, so a power loss or kernel crash
 //! cannot take back a blob the client was told is stored. Two ways:
 //! - Small writes (buffered, up to 1 MiB) go through the store's journal
-//!   ([`crate::fs_journal`], on unless `[cas] journal = false`): the file is put in place
-//!   without a sync, the bytes are appended to a journal, and one `fdatasync` serves every
-//!   write in flight. A background `syncfs` later makes the files durable and retires the
-//!   journal; after a crash the next open writes the journal's records back, and re-hashes
-//!   the small files written since its oldest segment began (a power loss can keep a
-//!   file's name and lose its data) before trusting them.
+//!   ([`crate::fs_journal`], on unless `[cas] journal = false`): the bytes are appended to
+//!   a journal, one `fdatasync` serves every write in flight, and the file is put in place
+//!   without a sync, usually after the acknowledgement (the blob is counted at once and
+//!   read from memory until its file exists). A background `syncfs` later makes the files
+//!   durable and retires the journal; after a crash the next open writes the journal's
+//!   records back, and re-hashes the small files written since its oldest segment began
+//!   (a power loss can keep a file's name and lose its data) before trusting them.
 //! - Larger writes, and every write when the journal is off, fsync their temp file before
 //!   the rename, then the shard directory (and, when the shard was just created, the
 //!   function directory that holds it). Those directory fsyncs are group-committed per
@@ -229,8 +230,21 @@ impl FsStore {
     /// The file holding `digest`, if the store has it (touching it). Workers hard-link
     /// inputs from here; the file must be treated as read-only.
     pub fn path_of(&self, digest: &Digest) -> Option<PathBuf> {
+        // Acknowledged but not yet in place: put it there now (the placer's later copy
+        // replaces it with the same bytes).
+        if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
+            self.inner.write_in_place(digest, &data).ok()?;
+        }
         let mut index = self.inner.index.lock().expect("poisoned");
         index.touch(digest).map(|_| blob_path(&self.inner.root, digest))
+    }
+
+    /// Test-only: returns once every acknowledged blob's file is in place.
+    #[cfg(test)]
+    pub(crate) fn wait_placed(&self) {
+        if let Some(j) = &self.inner.journal {
+            j.wait_placed();
+        }
     }
 
     fn writer(&self, digest: &Digest) -> Result<FsWriter> {
@@ -262,10 +276,28 @@ impl Files {
     /// blobs that makes room for.
     fn account(&self, index: &mut LruIndex<()>, digest: &Digest) {
         for (old, ()) in index.insert(*digest, digest.size, ()) {
-            if let Err(e) = fs::remove_file(blob_path(&self.root, &old)) {
-                tracing::warn!(blob = %old, error = %e, "could not remove evicted blob");
+            match fs::remove_file(blob_path(&self.root, &old)) {
+                // Evicted before the journal's placer wrote its file: it never will.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(blob = %old, error = %e, "could not remove evicted blob"),
+                Ok(()) => {}
             }
         }
+    }
+
+    /// Removes least recently used blobs worth at least `bytes` (the disk is full).
+    /// Returns the bytes freed.
+    fn evict(&self, bytes: u64) -> u64 {
+        let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
+        let mut freed = 0;
+        for (old, ()) in evicted {
+            match fs::remove_file(blob_path(&self.root, &old)) {
+                Ok(()) => freed += old.size,
+                Err(e) => tracing::warn!(blob = %old, error = %e, "could not remove evicted blob"),
+            }
+        }
+        tracing::warn!(cas = %self.root.display(), freed, "disk full: evicted least recently used blobs");
+        freed
     }
 
     /// Puts a small blob's file in place with no sync: written in the temp directory and
@@ -275,6 +307,54 @@ impl Files {
         let mut t = TempFile::create(&self.tmp)?.with(data)?;
         t.file.take();
         self.place(&t.path, digest).map(drop)
+    }
+}
+
+impl fs_journal::BlobFiles for Files {
+    fn place(&self, d: &Digest, data: &[u8]) -> Result<()> {
+        self.write_in_place(d, data)
+    }
+
+    fn account(&self, d: &Digest) {
+        let mut index = self.index.lock().expect("poisoned");
+        self.account(&mut index, d);
+    }
+
+    fn place_accounted(&self, d: &Digest, data: &[u8]) -> Result<()> {
+        let attempt = || -> Result<()> {
+            let mut t = TempFile::create(&self.tmp)?.with(data)?;
+            t.file.take();
+            // Under the index lock, as `place`: an eviction never races the rename.
+            let index = self.index.lock().expect("poisoned");
+            if index.peek(d).is_some() {
+                rename_into_place(&self.root, &t.path, d)?;
+            }
+            Ok(())
+        };
+        match attempt() {
+            // An acknowledged blob must reach its file: on a full disk, the least recently
+            // used blobs that have files make room for it (the journal cannot be retired
+            // first, as a client's write does, while it holds this blob's only durable
+            // copy). With none to evict the placer retries: the space may be a failed
+            // upload's, freed in a moment, or a client's write evicts by the index.
+            Err(e) if is_disk_full(&e) => {
+                let wanted = (data.len() as u64).max(MIN_ROOM);
+                let evicted = self
+                    .index
+                    .lock()
+                    .expect("poisoned")
+                    .evict_bytes_where(wanted, |k| k != d && blob_path(&self.root, k).exists());
+                let mut freed = 0;
+                for (old, ()) in evicted {
+                    if fs::remove_file(blob_path(&self.root, &old)).is_ok() {
+                        freed += old.size;
+                    }
+                }
+                tracing::warn!(cas = %self.root.display(), freed, "disk full: evicted least recently used blobs to put an acknowledged one in place");
+                attempt()
+            }
+            other => other,
+        }
     }
 }
 
@@ -394,12 +474,13 @@ impl Inner {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
+        if journal {
+            fs_journal::note_users(&journal_dir, alone)?;
+        }
         drop(opening);
         let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
         let journal = if journal {
-            let f = files.clone();
-            let place: fs_journal::Place = Box::new(move |d, data| f.write_in_place(d, data));
-            Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, place)?)
+            Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, files.clone())?)
         } else {
             None
         };
@@ -435,16 +516,7 @@ impl Inner {
                 return 0;
             }
         }
-        let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
-        let mut freed = 0;
-        for (old, ()) in evicted {
-            match fs::remove_file(blob_path(&self.root, &old)) {
-                Ok(()) => freed += old.size,
-                Err(e) => tracing::warn!(blob = %old, error = %e, "could not remove evicted blob"),
-            }
-        }
-        tracing::warn!(cas = %self.root.display(), freed, "disk full: evicted least recently used blobs");
-        freed
+        self.files.evict(bytes)
     }
 
     /// What a failed write of a `size`-byte blob tells its client. A full disk makes
@@ -571,12 +643,23 @@ impl BlobStore for FsStore {
         let d = *digest;
         let first = (len.min(READ_CHUNK)) as usize;
         // Open and read the first chunk in one blocking task: most blobs fit in it.
-        let (file, first_chunk) = blocking(move || {
+        let res = blocking(move || {
             let mut f = match File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    inner.forget(&d);
-                    return Err(Error::not_found(format!("blob {d} not found (file vanished)")));
+                    // Acknowledged, with its file still to come from the journal's placer;
+                    // or placed between the open and this look: open once more.
+                    if let Some(data) = inner.journal.as_ref().and_then(|j| j.unplaced(&d)) {
+                        return Ok(Err(data));
+                    }
+                    match File::open(&path) {
+                        Ok(f) => f,
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                            inner.forget(&d);
+                            return Err(Error::not_found(format!("blob {d} not found (file vanished)")));
+                        }
+                        Err(e) => return Err(Error::io(format!("opening blob {d}"), e)),
+                    }
                 }
                 Err(e) => return Err(Error::io(format!("opening blob {d}"), e)),
             };
@@ -584,9 +667,16 @@ impl BlobStore for FsStore {
                 f.seek(SeekFrom::Start(offset)).context(format_args!("seeking blob {d}"))?;
             }
             let chunk = read_exact_chunk(&mut f, first, &d)?;
-            Ok((f, chunk))
+            Ok(Ok((f, chunk)))
         })
         .await?;
+        let (file, first_chunk) = match res {
+            Ok(opened) => opened,
+            Err(unplaced) => {
+                let chunk = unplaced.slice(offset as usize..(offset + len) as usize);
+                return Ok(futures::stream::once(async move { Ok(chunk) }).boxed());
+            }
+        };
         let remaining = len - first as u64;
         let head = futures::stream::once(async move { Ok(first_chunk) });
         if remaining == 0 {
@@ -994,10 +1084,12 @@ mod tests {
         assert!(store.inner.journal.as_ref().unwrap().syncs() < 51, "appends in flight share their syncs");
         store.crash();
         // What a power loss can do to files that were never synced.
+        // (The crash may have come before the journal's placer wrote some of them.)
         for (d, _) in &blobs[..10] {
-            fs::remove_file(blob_path(dir.path(), d)).unwrap();
+            let _ = fs::remove_file(blob_path(dir.path(), d));
         }
         for (d, b) in &blobs[10..15] {
+            fs::create_dir_all(blob_path(dir.path(), d).parent().unwrap()).unwrap();
             fs::write(blob_path(dir.path(), d), vec![0u8; b.len()]).unwrap();
         }
         let unacked = DigestFunction::Sha256.digest_of(b"never acknowledged");
@@ -1074,6 +1166,8 @@ mod tests {
                 store.crash();
                 for ((d, _), damage) in blobs.iter().zip(&damage) {
                     let path = blob_path(dir.path(), d);
+                    // The crash may have come before the journal's placer wrote it.
+                    fs::create_dir_all(path.parent().unwrap()).unwrap();
                     match damage {
                         Damage::None => {}
                         Damage::Gone => {
@@ -1176,6 +1270,7 @@ mod tests {
         let data = Bytes::from_static(b"hello");
         let d = DigestFunction::Sha256.digest_of(&data);
         store.put(&d, data).await.unwrap();
+        store.wait_placed();
         fs::remove_file(blob_path(dir.path(), &d)).unwrap();
         assert!(store.read(&d, 0, None).await.err().unwrap().is_not_found());
         assert!(!store.has(&d).await.unwrap(), "index forgets a vanished blob");

@@ -78,6 +78,23 @@ impl<V> LruIndex<V> {
         evicted
     }
 
+    /// As `evict_bytes`, but only entries `takes` accepts count, least recently used
+    /// first; the others keep their place. O(entries passed over).
+    pub fn evict_bytes_where(&mut self, bytes: u64, mut takes: impl FnMut(&Digest) -> bool) -> Vec<(Digest, V)> {
+        let mut freed = 0;
+        let mut chosen = Vec::new();
+        for (k, (sz, _)) in self.map.iter().rev() {
+            if freed >= bytes {
+                break;
+            }
+            if takes(k) {
+                freed += sz;
+                chosen.push(*k);
+            }
+        }
+        chosen.into_iter().filter_map(|k| self.remove(&k).map(|v| (k, v))).collect()
+    }
+
     pub fn remove(&mut self, d: &Digest) -> Option<V> {
         self.map.pop(d).map(|(sz, v)| {
             self.used -= sz;
@@ -93,6 +110,20 @@ mod tests {
 
     fn d(i: u32) -> Digest {
         DigestFunction::Sha256.digest_of(&i.to_le_bytes())
+    }
+
+    #[test]
+    fn evicting_by_a_predicate_skips_what_it_refuses() {
+        let mut idx = LruIndex::new(100);
+        for i in 0..5 {
+            idx.insert(d(i), 10, ());
+        }
+        // 1 and 3 refused: the oldest accepted ones go, oldest first, until 20 bytes.
+        let gone: Vec<Digest> =
+            idx.evict_bytes_where(20, |k| *k != d(1) && *k != d(3)).into_iter().map(|e| e.0).collect();
+        assert_eq!(gone, vec![d(0), d(2)]);
+        assert_eq!((idx.len(), idx.used_bytes()), (3, 30));
+        assert!(idx.peek(&d(1)).is_some() && idx.peek(&d(4)).is_some());
     }
 
     #[test]

@@ -158,6 +158,7 @@ async fn tiered_lost_local_tier_loses_nothing() {
         s.put(d, data.clone()).await.unwrap();
     }
     assert_eq!(tier.usage().blobs, 10, "uploads are cached in the tier");
+    tier.wait_placed();
     std::fs::remove_dir_all(&tier_path).unwrap();
     let ds: Vec<_> = blobs.iter().map(|b| b.1).collect();
     assert_eq!(s.find_present(&ds).await.unwrap(), vec![true; 10]);
