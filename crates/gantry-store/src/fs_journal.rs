@@ -753,14 +753,16 @@ impl Shared {
             if self.abandoned.load(Ordering::SeqCst) || st.sealed.is_empty() {
                 return;
             }
-            let n = st.sealed.len();
-            // The syncfs must begin after every file the segments cover is in place.
-            let through = st.sealed[n - 1].through;
-            while st.placed < through && !st.placer_gave_up && !self.abandoned.load(Ordering::SeqCst) {
-                st = self.changed.wait(st).expect("poisoned");
-            }
-            if st.placed < through {
-                return;
+            // The syncfs must begin after every file the segments cover is in place: the
+            // oldest ones whose files all are go now.
+            let placed = st.placed;
+            let n = st.sealed.iter().take_while(|seg| seg.through <= placed).count();
+            if n == 0 {
+                if st.placer_gave_up || self.abandoned.load(Ordering::SeqCst) {
+                    return;
+                }
+                drop(self.changed.wait(st).expect("poisoned"));
+                continue;
             }
             drop(st);
             let res = syncfs(&self.fs);

@@ -492,17 +492,25 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
         .collect();
     let per_batch = ((4usize << 20) - (64 << 10)) / (small + 100);
     let per_batch = per_batch.max(1);
-    progress(args.json, &format!("BatchUpdateBlobs of {} blobs ({per_batch} per request)...", smalls.len()));
-    report.batch_update_blobs_per_s = batch_update_rate(&channel, &inst, &smalls, per_batch, args.concurrency).await?;
+    // Kept until the measurement below is over: removing its files meanwhile would load
+    // the disk.
+    let mut _baseline_server = None;
     if args.target.is_none() {
         // The baseline, in the same run on the same disk: a server whose CAS fsyncs every
-        // blob's file and directory (`[cas] journal = false`).
-        progress(args.json, "BatchUpdateBlobs again, on a server that fsyncs each blob ([cas] journal = false)...");
-        let (t, _guard) = local_cas_server(false).await?;
+        // blob's file and directory (`[cas] journal = false`). First, so that neither
+        // measurement shares the disk with the other's leftover work: this one leaves
+        // none, while the journal's placer may still be writing files after its last
+        // acknowledgement.
+        progress(args.json, "BatchUpdateBlobs on a server that fsyncs each blob ([cas] journal = false)...");
+        let (t, guard) = local_cas_server(false).await?;
         let baseline = gantry_core::client::connect(&t).await?;
         let rate = batch_update_rate(&baseline, &inst, &smalls, per_batch, args.concurrency).await?;
         report.batch_update_blobs_fsync_each_per_s = Some(rate);
+        _baseline_server = Some(guard);
     }
+    progress(args.json, &format!("BatchUpdateBlobs of {} blobs ({per_batch} per request)...", smalls.len()));
+    report.batch_update_blobs_per_s = batch_update_rate(&channel, &inst, &smalls, per_batch, args.concurrency).await?;
+    drop(_baseline_server);
 
     // FindMissingBlobs over the same digests and as many never uploaded (half present,
     // as a build's lookups are), in requests of 10,000.
