@@ -662,6 +662,13 @@ impl Shared {
     /// acknowledged, so it must reach its file or stay in the journal for a replay.
     fn placements(&self) {
         const BATCH: usize = 256;
+        // Background work: requests come first on a busy machine; the placer catches up
+        // when they pause, and past UNPLACED_MAX rounds place their own files anyway.
+        // SAFETY: setpriority on this thread's own id; a failure leaves the priority as is.
+        unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+        }
         let mut st = self.lock();
         loop {
             while st.unplaced.is_empty() && !st.writer_done {

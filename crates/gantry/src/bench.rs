@@ -507,6 +507,14 @@ async fn cas(args: CasArgs) -> anyhow::Result<()> {
         let rate = batch_update_rate(&baseline, &inst, &smalls, per_batch, args.concurrency).await?;
         report.batch_update_blobs_fsync_each_per_s = Some(rate);
         _baseline_server = Some(guard);
+        // Let the disk settle: what the baseline left for writeback (its directories'
+        // metadata) is not the next measurement's work.
+        tokio::task::spawn_blocking(|| {
+            // SAFETY: sync(2) takes no arguments and cannot fail.
+            unsafe { libc::sync() };
+        })
+        .await?;
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     }
     progress(args.json, &format!("BatchUpdateBlobs of {} blobs ({per_batch} per request)...", smalls.len()));
     report.batch_update_blobs_per_s = batch_update_rate(&channel, &inst, &smalls, per_batch, args.concurrency).await?;
