@@ -474,9 +474,8 @@ impl Inner {
             let _ = fs::remove_file(blob_path(&inner_root, &d));
         }
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
-        if journal {
-            fs_journal::note_users(&journal_dir, alone)?;
-        }
+        // Whatever this process's own `journal` setting: another's journal must know.
+        fs_journal::note_users(&journal_dir, alone)?;
         drop(opening);
         let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
         let journal = if journal {
