@@ -121,7 +121,7 @@ pub(crate) fn syncfs(fd: &File) -> std::io::Result<()> {
 }
 
 /// Bytes an unprivileged writer may still use on the filesystem of `fd`.
-fn free_bytes(fd: &File) -> Option<u64> {
+pub(crate) fn free_bytes(fd: &File) -> Option<u64> {
     let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
     // SAFETY: `fd` is an open descriptor and `st` a buffer fstatvfs fills on success.
     if unsafe { libc::fstatvfs(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
@@ -262,9 +262,9 @@ pub(crate) trait BlobFiles: Send + Sync {
     /// Puts the blob's file in place, unsynced, and accounts for it (the writer thread,
     /// when it does not defer).
     fn place(&self, d: &Digest, data: &[u8]) -> Result<()>;
-    /// Accounts for an acknowledged blob whose file the placer will write: from here on
-    /// the store counts it, and may evict it.
-    fn account(&self, d: &Digest);
+    /// Accounts for acknowledged blobs whose files the placer will write: from here on
+    /// the store counts them, and may evict them.
+    fn account(&self, ds: &[Digest]);
     /// Puts the file of a blob `account` took in place, unsynced, unless it was evicted
     /// meanwhile (the placer thread).
     fn place_accounted(&self, d: &Digest, data: &[u8]) -> Result<()>;
@@ -639,10 +639,13 @@ impl Shared {
                 st.rotate = true;
             }
             if res.is_ok() && !deferred.is_empty() {
-                // Counted by the store, and readable from memory, before anyone hears of it.
+                // Counted by the store, and readable from memory, before anyone hears of
+                // them. Both under the state lock: a reader that finds a blob counted but
+                // without its file waits for this lock to look in memory, and must not
+                // find it missing there and forget it.
+                self.files.account(&deferred.iter().map(|(d, _)| *d).collect::<Vec<_>>());
                 st.deferred += deferred.len() as u64;
                 for (d, data) in deferred {
-                    self.files.account(&d);
                     st.unplaced_bytes += data.len() as u64;
                     st.unplaced_by_digest.insert(d, data.clone());
                     st.unplaced.push_back((d, data));
@@ -807,7 +810,7 @@ mod tests {
         fn place(&self, _: &Digest, _: &[u8]) -> Result<()> {
             Ok(())
         }
-        fn account(&self, _: &Digest) {}
+        fn account(&self, _: &[Digest]) {}
         fn place_accounted(&self, _: &Digest, _: &[u8]) -> Result<()> {
             Ok(())
         }
@@ -842,8 +845,8 @@ mod tests {
             self.placed_now.lock().unwrap().push(*d);
             Ok(())
         }
-        fn account(&self, d: &Digest) {
-            self.accounted.lock().unwrap().push(*d);
+        fn account(&self, ds: &[Digest]) {
+            self.accounted.lock().unwrap().extend_from_slice(ds);
         }
         fn place_accounted(&self, d: &Digest, _: &[u8]) -> Result<()> {
             let mut open = self.open.lock().unwrap();

@@ -285,10 +285,10 @@ impl Files {
         }
     }
 
-    /// Removes least recently used blobs worth at least `bytes` (the disk is full).
-    /// Returns the bytes freed.
-    fn evict(&self, bytes: u64) -> u64 {
-        let evicted = self.index.lock().expect("poisoned").evict_bytes(bytes);
+    /// Removes least recently used blobs worth at least `bytes`, of those `takes` accepts
+    /// (the disk is full). Returns the bytes freed.
+    fn evict(&self, bytes: u64, takes: impl FnMut(&Digest) -> bool) -> u64 {
+        let evicted = self.index.lock().expect("poisoned").evict_bytes_where(bytes, takes);
         let mut freed = 0;
         for (old, ()) in evicted {
             match fs::remove_file(blob_path(&self.root, &old)) {
@@ -315,9 +315,11 @@ impl fs_journal::BlobFiles for Files {
         self.write_in_place(d, data)
     }
 
-    fn account(&self, d: &Digest) {
+    fn account(&self, ds: &[Digest]) {
         let mut index = self.index.lock().expect("poisoned");
-        self.account(&mut index, d);
+        for d in ds {
+            self.account(&mut index, d);
+        }
     }
 
     fn place_accounted(&self, d: &Digest, data: &[u8]) -> Result<()> {
@@ -338,19 +340,7 @@ impl fs_journal::BlobFiles for Files {
             // copy). With none to evict the placer retries: the space may be a failed
             // upload's, freed in a moment, or a client's write evicts by the index.
             Err(e) if is_disk_full(&e) => {
-                let wanted = (data.len() as u64).max(MIN_ROOM);
-                let evicted = self
-                    .index
-                    .lock()
-                    .expect("poisoned")
-                    .evict_bytes_where(wanted, |k| k != d && blob_path(&self.root, k).exists());
-                let mut freed = 0;
-                for (old, ()) in evicted {
-                    if fs::remove_file(blob_path(&self.root, &old)).is_ok() {
-                        freed += old.size;
-                    }
-                }
-                tracing::warn!(cas = %self.root.display(), freed, "disk full: evicted least recently used blobs to put an acknowledged one in place");
+                self.evict((data.len() as u64).max(MIN_ROOM), |k| k != d && blob_path(&self.root, k).exists());
                 attempt()
             }
             other => other,
@@ -510,12 +500,12 @@ impl Inner {
         // are evicted only for what the disk still lacks after that.
         if let Some(j) = &self.journal {
             j.checkpoint_now();
-            if free_bytes(&self.root).is_some_and(|free| free >= bytes) {
+            if File::open(&self.root).ok().and_then(|f| fs_journal::free_bytes(&f)).is_some_and(|free| free >= bytes) {
                 tracing::warn!(cas = %self.root.display(), "disk full: the CAS journal's segments were retired to make room");
                 return 0;
             }
         }
-        self.files.evict(bytes)
+        self.files.evict(bytes, |_| true)
     }
 
     /// What a failed write of a `size`-byte blob tells its client. A full disk makes
@@ -575,20 +565,6 @@ fn rename_into_place(root: &Path, tmp_path: &Path, digest: &Digest) -> Result<(P
         }
         Err(e) => Err(Error::io(format!("renaming blob {digest} into place"), e)),
     }
-}
-
-/// Bytes an unprivileged writer may still use on the filesystem of `path`.
-fn free_bytes(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a valid C string and `st` a buffer statvfs fills on success.
-    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// ENOSPC or EDQUOT, from any step of a write.

@@ -65,21 +65,9 @@ impl<V> LruIndex<V> {
         evicted
     }
 
-    /// Removes least recently used entries until at least `bytes` are freed or the
-    /// index is empty (a disk that filled up before the store's budget did).
-    pub fn evict_bytes(&mut self, bytes: u64) -> Vec<(Digest, V)> {
-        let (mut freed, mut evicted) = (0, Vec::new());
-        while freed < bytes {
-            let Some((k, (sz, v))) = self.map.pop_lru() else { break };
-            self.used -= sz;
-            freed += sz;
-            evicted.push((k, v));
-        }
-        evicted
-    }
-
-    /// As `evict_bytes`, but only entries `takes` accepts count, least recently used
-    /// first; the others keep their place. O(entries passed over).
+    /// Removes least recently used entries, of those `takes` accepts, until at least
+    /// `bytes` are freed or none is left (a disk that filled up before the store's budget
+    /// did); the others keep their place. O(entries passed over).
     pub fn evict_bytes_where(&mut self, bytes: u64, mut takes: impl FnMut(&Digest) -> bool) -> Vec<(Digest, V)> {
         let mut freed = 0;
         let mut chosen = Vec::new();
