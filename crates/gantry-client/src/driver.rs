@@ -413,6 +413,7 @@ async fn remote_work(
             Some(Ok(Some(op))) => last = op,
         }
     }
+    gantry_core::client::finish_stream(&mut stream, RPC_GRACE).await;
     let resp = match decode_response(&last) {
         Ok(r) => r,
         Err(reason) => return failed(reason),

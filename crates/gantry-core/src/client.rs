@@ -134,6 +134,16 @@ pub async fn connect(target: &str) -> Result<GrpcChannel> {
     Ok(InterceptedService::new(channel, Credentials::from_env()?))
 }
 
+/// Reads a server stream to its end (its trailers) after the message the caller wanted,
+/// within `grace`. Why: a stream dropped before its trailers arrive is reset, and if the
+/// trailers come after h2 has forgotten the reset (it remembers only a few), it resets
+/// the stream again as a protocol error; after 1,024 of those on one connection h2 closes
+/// the whole connection (GOAWAY ENHANCE_YOUR_CALM), failing every call on it. A client
+/// that runs thousands of Executes on one channel met that.
+pub async fn finish_stream<T>(stream: &mut tonic::Streaming<T>, grace: std::time::Duration) {
+    let _ = tokio::time::timeout(grace, async { while let Ok(Some(_)) = stream.message().await {} }).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

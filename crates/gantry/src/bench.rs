@@ -714,6 +714,7 @@ async fn run_execute(
         .into_inner();
     while let Some(op) = s.message().await? {
         if op.done {
+            gantry_core::client::finish_stream(&mut s, std::time::Duration::from_secs(5)).await;
             if let Some(gantry_core::google::longrunning::operation::Result::Response(any)) = op.result {
                 return Ok(reapi::ExecuteResponse::decode(any.value.as_slice())?);
             }

@@ -117,6 +117,7 @@ impl Client {
             let md = reapi::ExecuteOperationMetadata::decode(op.metadata.unwrap().value.as_slice()).unwrap();
             stages.push(md.stage);
             if op.done {
+                gantry_core::client::finish_stream(&mut stream, std::time::Duration::from_secs(5)).await;
                 let Some(gantry_core::google::longrunning::operation::Result::Response(any)) = op.result else {
                     panic!("done operation without a response")
                 };
