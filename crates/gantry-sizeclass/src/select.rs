@@ -44,7 +44,10 @@
 //!    measured ones, the one with the least expected cost `c × T(c)` wins
 //!    (ties go to the larger, faster class); `L` is always acceptable.
 //!    If a cheaper class is acceptable only on its optimistic untried
-//!    estimate, it is tried instead (exploration); and with probability
+//!    estimate, or, between two measured classes, on its best case (the time
+//!    of the measured class above it: the shape may stop speeding up at a few
+//!    cores, where the Amdahl curve assumes it never does), it is tried
+//!    instead (exploration); and with probability
 //!    `exploration_factor` (on the draw) the fitting class just below the
 //!    winner is retried, so a shape whose behaviour changed is noticed.
 //! 5. **Hedge.** A class below `L` gets `hedge_after` = its expected queue
@@ -511,6 +514,31 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let learned = cheapest(settled(&estimates, largest)).expect("the largest class is always acceptable");
     let explore_untried = cheapest(estimates.iter().filter(|e| e.size_class < learned.size_class))
         .filter(|e| e.basis == Basis::Untried && e.expected_cost < learned.expected_cost);
+    // A class between two measured ones, on the time of the measured class above it: its
+    // best case. The Amdahl curve assumes the shape keeps speeding up to the largest
+    // class, but most shapes stop at a few cores (a link, a test with three threads), so
+    // it over-reads the classes between, and a shape measured only on the smallest and
+    // the largest class would never try them.
+    let optimistic: Vec<ClassEstimate> = estimates
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.basis == Basis::Interpolated && e.size_class < learned.size_class)
+        .filter_map(|(i, e)| {
+            let above = estimates[i + 1..].iter().find(|m| m.basis == Basis::Measured)?;
+            let t = above.expected_run;
+            let completion = wait(e.size_class).saturating_add(t);
+            let cost = f64::from(e.size_class) * t.as_secs_f64();
+            let acceptable = e.fit_probability >= config.success_threshold && completion <= e.acceptable_time;
+            Some(ClassEstimate {
+                expected_run: t,
+                expected_completion: completion,
+                expected_cost: cost,
+                acceptable,
+                ..e.clone()
+            })
+        })
+        .collect();
+    let explore_between = cheapest(optimistic.iter()).filter(|e| e.expected_cost < learned.expected_cost);
     // Stale evidence: now and then retry the fitting class just below the winner.
     let refresh = || {
         (input.draw < config.exploration_factor)
@@ -522,7 +550,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
             })
             .flatten()
     };
-    let (chosen, reason) = match explore_untried {
+    let (chosen, reason) = match explore_untried.or(explore_between) {
         Some(e) => (e, Reason::Explore),
         None => match refresh() {
             Some(e) => (e, Reason::Explore),
@@ -685,6 +713,35 @@ mod tests {
         let d = decide(&stats(&[(8, ok(60.0), 3), (4, ok(120.0), 3)]));
         assert_eq!(d.size_class, 8, "{d:?}");
         assert!(d.estimates[..2].iter().all(|e| e.expected_run >= secs(120.0) && !e.acceptable));
+    }
+
+    #[test]
+    fn a_class_between_measured_ones_is_tried_on_its_best_case() {
+        // A shape that uses two cores: 6.5 s on class 1, 3.7 s on 8. Amdahl through them reads
+        // 4.9 s on 2 and 4.1 s on 4, over the 4.25 s and 3.97 s that x = 0.1 accepts there, so
+        // the curve alone keeps it on 8. At best class 2 takes what 8 takes: that is tried.
+        let cfg = SelectionConfig { acceptable_time_exponent: 0.1, hedge_multiplier: 1.2, ..config() };
+        let at = |s: &ActionStats| decide_with(&cfg, s, None, None, 0.5);
+        let d = at(&stats(&[(1, ok(6.5), 3), (8, ok(3.7), 3)]));
+        assert_eq!((d.size_class, d.reason), (2, Reason::Explore), "{d:?}");
+        let learned = cheapest(settled(&d.estimates, 8)).unwrap();
+        assert_eq!(learned.size_class, 8, "the curve alone stays on the largest class");
+        // Hedged at the time accepted on class 2, 3.7 x 4^0.1, times the multiplier.
+        let hedge = 3.7 * 4f64.powf(0.1) * 1.2;
+        assert!((d.hedge_after.unwrap().as_secs_f64() - hedge).abs() < 1e-6, "{d:?}");
+        // Measured fast enough, class 2 is learned.
+        let d = at(&stats(&[(1, ok(6.5), 3), (8, ok(3.7), 3), (2, ok(3.9), 1)]));
+        assert_eq!((d.size_class, d.reason), (2, Reason::Learned), "{d:?}");
+        // Measured as slow as Amdahl said: class 4, now between 2 and 8, is tried next...
+        let d = at(&stats(&[(1, ok(6.5), 3), (8, ok(3.7), 3), (2, ok(4.9), 1)]));
+        assert_eq!((d.size_class, d.reason), (4, Reason::Explore), "{d:?}");
+        // ...and once it too is measured too slow, nothing is left to try.
+        let d = at(&stats(&[(1, ok(6.5), 3), (8, ok(3.7), 3), (2, ok(4.9), 1), (4, ok(4.1), 1)]));
+        assert_eq!((d.size_class, d.reason), (8, Reason::Learned), "{d:?}");
+        // A class the shape does not fit in is not tried on its best case: with class 2 out of
+        // memory twice (class 1 only timed out), class 4 is the one tried.
+        let d = at(&stats(&[(1, Outcome::TimedOut(secs(20.0)), 1), (2, Outcome::Failed, 2), (8, ok(3.7), 3)]));
+        assert_eq!((d.size_class, d.reason), (4, Reason::Explore), "{d:?}");
     }
 
     #[test]
