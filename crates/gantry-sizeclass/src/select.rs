@@ -49,7 +49,11 @@
 //!    cores, where the Amdahl curve assumes it never does), it is tried
 //!    instead (exploration); and with probability
 //!    `exploration_factor` (on the draw) the fitting class just below the
-//!    winner is retried, so a shape whose behaviour changed is noticed.
+//!    winner is retried, so a shape whose behaviour changed is noticed, unless
+//!    it was measured past its hedge time (`acceptable × hedge_multiplier`).
+//!    Such a class cannot win back a shape whose run times only drifted
+//!    down; retried, it ran slower than the largest class with no hedge able
+//!    to help.
 //! 5. **Hedge.** A class below `L` gets `hedge_after` = its expected queue
 //!    wait + `max(T(L) × (L / c)^x, T(c)) × hedge_multiplier`: if the action has not
 //!    finished by then, a second copy starts on `L`, the first keeps running,
@@ -549,6 +553,13 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
                     .find(|e| e.size_class < learned.size_class && e.fit_probability >= config.success_threshold)
             })
             .flatten()
+            // Only a class whose evidence leaves it a chance: one measured past its hedge
+            // time would run slower than the largest class, and a copy started there at the
+            // hedge time would finish later still. On the size-class bench such retries were a
+            // tenth of the runs slower than always-largest's p95.
+            .filter(|e| {
+                e.expected_completion.as_secs_f64() <= e.acceptable_time.as_secs_f64() * config.hedge_multiplier
+            })
     };
     let (chosen, reason) = match explore_untried.or(explore_between) {
         Some(e) => (e, Reason::Explore),
@@ -801,13 +812,18 @@ mod tests {
 
     #[test]
     fn failure_boost_and_refresh() {
-        let mut s = stats(&[(8, ok(60.0), 3), (4, ok(120.0), 3)]);
+        // Class 4 took 70 s, over the 64.3 s (60 x 2^0.1) accepted there; class 2 took 140 s.
+        let mut s = stats(&[(8, ok(60.0), 3), (4, ok(70.0), 3), (2, ok(140.0), 3)]);
         // A low draw retries the class below the winner now and then.
-        let cfg = SelectionConfig { exploration_factor: 0.1, ..config() };
+        let cfg = SelectionConfig { exploration_factor: 0.1, acceptable_time_exponent: 0.1, ..config() };
         let d = decide_with(&cfg, &s, None, None, 0.05);
         assert_eq!((d.size_class, d.reason), (4, Reason::Explore));
         assert!(d.hedge_after.is_some());
         assert_eq!(decide_with(&cfg, &s, None, None, 0.5).size_class, 8);
+        // Not a class measured beyond its hedge time (64.3 s x 1.2): a copy started then on
+        // the largest class would finish later still, so that retry would only be slow.
+        let slow = stats(&[(8, ok(60.0), 3), (4, ok(120.0), 3), (2, ok(140.0), 3)]);
+        assert_eq!(decide_with(&cfg, &slow, None, None, 0.05).size_class, 8);
         s.set_last_largest_failure(NOW);
         let d = decide_with(&cfg, &s, None, None, 0.05);
         assert_eq!((d.size_class, d.reason, d.hedge_after), (8, Reason::FailureBoost, None));
