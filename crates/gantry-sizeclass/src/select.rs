@@ -443,12 +443,17 @@ pub fn estimates(
                     acceptable_time: secs_to_duration(acceptable),
                     expected_completion: secs_to_duration(completion),
                     expected_cost: f64::from(c) * t,
-                    acceptable: c == largest
-                        || (fit >= config.success_threshold && completion <= acceptable * (1.0 + 1e-9)),
+                    acceptable: c == largest || fits_in_time(config, fit, completion, acceptable),
                 }
             })
             .collect(),
     )
+}
+
+/// Whether a class below the largest is acceptable (rule 4): it fits, and its expected
+/// completion is within the time accepted on it.
+fn fits_in_time(config: &SelectionConfig, fit: f64, completion_s: f64, acceptable_s: f64) -> bool {
+    fit >= config.success_threshold && completion_s <= acceptable_s * (1.0 + 1e-9)
 }
 
 /// The cheapest acceptable estimate among `pick`, ties to the larger class.
@@ -531,13 +536,16 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
             let above = estimates[i + 1..].iter().find(|m| m.basis == Basis::Measured)?;
             let t = above.expected_run;
             let completion = wait(e.size_class).saturating_add(t);
-            let cost = f64::from(e.size_class) * t.as_secs_f64();
-            let acceptable = e.fit_probability >= config.success_threshold && completion <= e.acceptable_time;
             Some(ClassEstimate {
                 expected_run: t,
                 expected_completion: completion,
-                expected_cost: cost,
-                acceptable,
+                expected_cost: f64::from(e.size_class) * t.as_secs_f64(),
+                acceptable: fits_in_time(
+                    config,
+                    e.fit_probability,
+                    completion.as_secs_f64(),
+                    e.acceptable_time.as_secs_f64(),
+                ),
                 ..e.clone()
             })
         })

@@ -72,7 +72,6 @@ const RECORD_MAGIC: [u8; 4] = *b"GJR1";
 const HEADER: usize = 48;
 const SUFFIX: &str = ".journal";
 
-/// Appends `d` and its bytes to `out` as one record.
 /// How long the placer should still leave a burst of writes alone, if at all: while
 /// rounds keep coming it would take the CPU and the filesystem from the requests (on a
 /// 2-core machine, a sixth of a 20,000-blob upload's rate), and the bytes wait in memory
@@ -81,6 +80,7 @@ fn placer_pause(unplaced_bytes: u64, since_last_round: Duration, closing: bool) 
     (!closing && unplaced_bytes < PLACE_DURING_BURST && since_last_round < QUIET).then(|| QUIET - since_last_round)
 }
 
+/// Appends `d` and its bytes to `out` as one record.
 fn encode(out: &mut Vec<u8>, d: &Digest, data: &[u8]) {
     out.extend_from_slice(&RECORD_MAGIC);
     let function = DigestFunction::ALL.iter().position(|f| *f == d.function).expect("known function") as u8;
