@@ -14,10 +14,10 @@
 //!
 //! | first run on class `c`     | retry on largest `L` | appended to history                    | largest failure time |
 //! |----------------------------|----------------------|----------------------------------------|----------------------|
-//! | `c == L`, success          | —                    | `L`: outcome                           | unchanged            |
+//! | `c == L`, success          | —                    | `L`: outcome                           | cleared              |
 //! | `c == L`, failure/timeout  | —                    | `L`: outcome                           | set to `now`         |
-//! | `c < L`, success           | —                    | `c`: outcome                           | unchanged            |
-//! | `c < L`, failure/timeout   | success              | `c`: outcome, `L`: retry's success     | unchanged            |
+//! | `c < L`, success           | —                    | `c`: outcome                           | cleared              |
+//! | `c < L`, failure/timeout   | success              | `c`: outcome, `L`: retry's success     | cleared              |
 //! | `c < L`, failure/timeout   | failure/timeout      | `L`: retry's outcome (`c` dropped)     | set to `now`         |
 //! | `c < L`, failure/timeout   | unknown (`None`)     | nothing                                | unchanged            |
 //!
@@ -31,7 +31,11 @@
 //! largest-class sample (often the first baseline for a new key), so it is
 //! always kept. Timeouts on the largest class arm the failure boost like
 //! failures: an action that cannot finish even there would otherwise burn
-//! a smaller-class attempt first every time.
+//! a smaller-class attempt first every time. A success ends the boost: the
+//! boost is for an action that keeps failing (a compile error being fixed),
+//! and one that fails now and then (a flaky test, code in flux that often
+//! builds) would otherwise stay on the largest class for good, re-armed by
+//! every failure before `failure_cache_duration` ran out.
 
 use std::time::Duration;
 
@@ -131,7 +135,9 @@ pub fn record(
         }
         stats.push(class, outcome, h);
         summary.appended.push((class, outcome.to_millis_precision()));
-        if !outcome.is_success() {
+        if outcome.is_success() {
+            stats.clear_last_largest_failure();
+        } else {
             arm(stats, &mut summary);
         }
         return Ok(summary);
@@ -142,6 +148,7 @@ pub fn record(
             "success on class {class} is never retried, but a retry outcome was given"
         ))),
         (true, None) => {
+            stats.clear_last_largest_failure();
             stats.push(class, outcome, h);
             summary.appended.push((class, outcome.to_millis_precision()));
             summary.smaller_class = Some(Attribution::Recorded);
@@ -152,6 +159,7 @@ pub fn record(
             Ok(summary)
         }
         (false, Some(lo)) if lo.is_success() => {
+            stats.clear_last_largest_failure();
             stats.push(class, outcome, h);
             stats.push(largest, lo, h);
             summary.appended.push((class, outcome.to_millis_precision()));
@@ -360,6 +368,34 @@ mod tests {
                 let want: Vec<Outcome> = c.appended.iter().filter(|(k, _)| *k == class).map(|(_, o)| *o).collect();
                 assert_eq!(stats.outcomes(class).collect::<Vec<_>>(), want, "{} class {class}", c.name);
             }
+        }
+    }
+
+    #[test]
+    fn a_success_ends_the_failure_boost() {
+        let cfg = SelectionConfig::default();
+        let ok = Outcome::Succeeded(s(5));
+        let successes = [
+            Execution { size_class: 8, outcome: ok, largest_outcome: None },
+            Execution { size_class: 1, outcome: ok, largest_outcome: None },
+            Execution { size_class: 1, outcome: Outcome::Failed, largest_outcome: Some(ok) },
+        ];
+        for ex in successes {
+            let mut stats = ActionStats::new();
+            stats.set_last_largest_failure(NOW);
+            record(&mut stats, &cfg, 8, &ex, NOW).unwrap();
+            assert_eq!(stats.last_largest_failure(), None, "{ex:?}");
+        }
+        // Neither an unknown retry nor another failure ends it.
+        let others = [
+            Execution { size_class: 2, outcome: Outcome::Failed, largest_outcome: None },
+            Execution { size_class: 8, outcome: Outcome::Failed, largest_outcome: None },
+        ];
+        for ex in others {
+            let mut stats = ActionStats::new();
+            stats.set_last_largest_failure(NOW);
+            record(&mut stats, &cfg, 8, &ex, NOW).unwrap();
+            assert_eq!(stats.last_largest_failure(), Some(NOW), "{ex:?}");
         }
     }
 

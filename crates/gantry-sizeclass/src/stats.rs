@@ -31,6 +31,14 @@ use crate::{Error, SizeClass, Timestamp};
 /// The current JSON format version.
 pub const STATS_FORMAT_VERSION: u64 = 1;
 
+/// How far (as a ratio to the older runs' median) two successive runs on a
+/// class must both be to start its history over; see [`ActionStats::push`].
+/// Run-to-run noise of a few percent to a few tens of percent stays inside it.
+pub const CHANGE_RATIO: f64 = 0.75;
+
+/// Older successes a class needs before a change point can drop them.
+const CHANGE_MIN_OLDER: usize = 3;
+
 /// The outcome of one execution on one size class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -127,13 +135,47 @@ impl ActionStats {
         self.last_largest_failure = Some(self.last_largest_failure.map_or(at, |t| t.max(at)));
     }
 
+    /// Forgets the last failure on the largest class: the action succeeded since.
+    pub fn clear_last_largest_failure(&mut self) {
+        self.last_largest_failure = None;
+    }
+
     /// Appends `outcome` (rounded to milliseconds) to `class`'s history and
     /// drops the oldest entries beyond `history_size` (at least 1 is kept).
+    ///
+    /// A change point also drops them: when the two newest runs on the class
+    /// both succeeded in under [`CHANGE_RATIO`] of the older successes'
+    /// median, or both took over its inverse, the older runs describe an
+    /// action that no longer exists (a dependency upgrade made a test
+    /// parallel). A median over them would take half a history of new runs to
+    /// move, and on a class the shape seldom runs that is hundreds of
+    /// executions. Two runs in a row that far out are rare by noise alone.
     pub fn push(&mut self, class: SizeClass, outcome: Outcome, history_size: usize) {
         let h = self.classes.entry(class).or_default();
         h.push_back(outcome.to_millis_precision());
         while h.len() > history_size.max(1) {
             h.pop_front();
+        }
+        let success = |o: &Outcome| match o {
+            Outcome::Succeeded(d) => Some(d.as_secs_f64()),
+            _ => None,
+        };
+        let n = h.len();
+        if n < CHANGE_MIN_OLDER + 2 {
+            return;
+        }
+        let (Some(a), Some(b)) = (success(&h[n - 1]), success(&h[n - 2])) else {
+            return;
+        };
+        let older: Vec<Duration> = h.iter().take(n - 2).filter_map(success).map(Duration::from_secs_f64).collect();
+        if older.len() < CHANGE_MIN_OLDER {
+            return;
+        }
+        let m = median(older).expect("not empty").as_secs_f64();
+        let faster = a < m * CHANGE_RATIO && b < m * CHANGE_RATIO;
+        let slower = a * CHANGE_RATIO > m && b * CHANGE_RATIO > m;
+        if faster || slower {
+            h.drain(..n - 2);
         }
     }
 
@@ -280,6 +322,39 @@ mod tests {
         assert_eq!(s.outcomes(4).collect::<Vec<_>>(), vec![Outcome::TimedOut(ms(7))]);
         assert_eq!(s.sample_count(8), 0);
         assert_eq!(s.classes().collect::<Vec<_>>(), vec![2, 4]);
+    }
+
+    #[test]
+    fn two_runs_far_from_the_median_start_the_history_over() {
+        let ok = |n| Outcome::Succeeded(ms(n));
+        let history = |s: &ActionStats| s.outcomes(2).collect::<Vec<_>>();
+        // Faster: 40 s, then twice 22 s (under 0.75 x 40 s).
+        let mut s = ActionStats::new();
+        for t in [40_000, 41_000, 39_000, 40_000] {
+            s.push(2, ok(t), 32);
+        }
+        s.push(2, ok(22_000), 32);
+        assert_eq!(history(&s).len(), 5, "one run far out is noise");
+        s.push(2, ok(23_000), 32);
+        assert_eq!(history(&s), vec![ok(22_000), ok(23_000)]);
+        // Slower: twice over 40 s / 0.75.
+        let mut s = ActionStats::new();
+        for t in [40_000, 41_000, 39_000, 60_000, 61_000] {
+            s.push(2, ok(t), 32);
+        }
+        assert_eq!(history(&s), vec![ok(60_000), ok(61_000)]);
+        // Inside the ratio, or one run each way, or a failure between: kept.
+        let mut s = ActionStats::new();
+        for o in [ok(40_000), ok(41_000), ok(39_000), ok(31_000), ok(52_000), ok(20_000), Outcome::Failed, ok(20_000)] {
+            s.push(2, o, 32);
+        }
+        assert_eq!(history(&s).len(), 8);
+        // Too few older runs to judge: kept.
+        let mut s = ActionStats::new();
+        for t in [40_000, 41_000, 20_000, 20_000] {
+            s.push(2, ok(t), 32);
+        }
+        assert_eq!(history(&s).len(), 4);
     }
 
     #[test]
