@@ -505,12 +505,12 @@ pub fn best_class(config: &SelectionConfig, stats: &ActionStats, classes: &SizeC
     (best.basis == Basis::Measured && below_known).then_some(best.size_class)
 }
 
-/// Chooses a size class, timeout and hedge time. Pure and deterministic: the
 /// Share of `exploration_factor` spent re-measuring the class above a shape's
-/// learned one (the rest retries the class below). Such a run costs up to twice
-/// the learned class's, so it is kept rare: 1% of runs at the default 0.05.
+/// learned one, on a draw range of its own at the top. Such a run costs more
+/// than the learned class's, so it is kept rare: 1% of runs at the default 0.05.
 pub const REFRESH_UP_SHARE: f64 = 0.2;
 
+/// Chooses a size class, timeout and hedge time. Pure and deterministic: the
 /// same inputs always give the same decision. See the module docs for the rules.
 pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<Decision, Error> {
     config.validate()?;
