@@ -352,22 +352,6 @@ fn median_f64(mut v: Vec<f64>) -> Option<f64> {
 /// Expected run time per class from a shape's history (rule 3), ascending by
 /// class, or `None` when no class has a success or a censored run.
 pub fn speedup_curve(stats: &ActionStats, classes: &SizeClasses) -> Option<Vec<(SizeClass, f64, Basis)>> {
-    let measured: Vec<(SizeClass, f64)> = classes
-        .iter()
-        .filter_map(|c| {
-            let times: Vec<f64> = stats
-                .outcomes(c)
-                .filter_map(|o| match o {
-                    Outcome::Succeeded(d) | Outcome::TimedOut(d) => Some(d.as_secs_f64()),
-                    Outcome::Failed => None,
-                })
-                .collect();
-            median_f64(times).map(|t| (c, t))
-        })
-        .collect();
-    if measured.is_empty() {
-        return None;
-    }
     // A larger class is never slower either: a class's time is capped by what a smaller
     // class was measured to take. Without that, times kept on a class the shape no longer
     // runs on would hide that it became faster there (a test that went parallel after a
@@ -375,16 +359,30 @@ pub fn speedup_curve(stats: &ActionStats, classes: &SizeClasses) -> Option<Vec<(
     // carry below would raise that fresh time back to the stale one). Only successes cap:
     // a censored run (cancelled or timed out) is a lower bound, not a time.
     let mut fastest_success = f64::INFINITY;
-    let measured: Vec<(SizeClass, f64)> = measured
-        .into_iter()
-        .map(|(c, t)| {
-            let capped = t.min(fastest_success);
-            if let Some(m) = stats.median_success(c) {
-                fastest_success = fastest_success.min(m.as_secs_f64());
+    let measured: Vec<(SizeClass, f64)> = classes
+        .iter()
+        .filter_map(|c| {
+            let (mut times, mut successes) = (Vec::new(), Vec::new());
+            for o in stats.outcomes(c) {
+                match o {
+                    Outcome::Succeeded(d) => {
+                        times.push(d.as_secs_f64());
+                        successes.push(d.as_secs_f64());
+                    }
+                    Outcome::TimedOut(d) => times.push(d.as_secs_f64()),
+                    Outcome::Failed => {}
+                }
             }
-            (c, capped)
+            let t = median_f64(times)?.min(fastest_success);
+            if let Some(m) = median_f64(successes) {
+                fastest_success = fastest_success.min(m);
+            }
+            Some((c, t))
         })
         .collect();
+    if measured.is_empty() {
+        return None;
+    }
     let mut curve: Vec<(SizeClass, f64, Basis)> = classes
         .iter()
         .map(|c| {

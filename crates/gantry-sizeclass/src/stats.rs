@@ -157,7 +157,7 @@ impl ActionStats {
             h.pop_front();
         }
         let success = |o: &Outcome| match o {
-            Outcome::Succeeded(d) => Some(d.as_secs_f64()),
+            Outcome::Succeeded(d) => Some(*d),
             _ => None,
         };
         let n = h.len();
@@ -167,11 +167,12 @@ impl ActionStats {
         let (Some(a), Some(b)) = (success(&h[n - 1]), success(&h[n - 2])) else {
             return;
         };
-        let older: Vec<Duration> = h.iter().take(n - 2).filter_map(success).map(Duration::from_secs_f64).collect();
+        let older: Vec<Duration> = h.iter().take(n - 2).filter_map(success).collect();
         if older.len() < CHANGE_MIN_OLDER {
             return;
         }
         let m = median(older).expect("not empty").as_secs_f64();
+        let (a, b) = (a.as_secs_f64(), b.as_secs_f64());
         let faster = a < m * CHANGE_RATIO && b < m * CHANGE_RATIO;
         let slower = a * CHANGE_RATIO > m && b * CHANGE_RATIO > m;
         if faster || slower {
