@@ -417,7 +417,8 @@ pub struct SizeClassConfig {
     /// copy on the largest class; the first to finish wins. Default 1.2.
     pub hedge_multiplier: f64,
     /// Probability of running a shape on the fitting class just below its learned one,
-    /// so that a shape whose behaviour changed is noticed; 0 turns it off. Default 0.05.
+    /// so that a shape whose behaviour changed is noticed; a fifth of it more re-measures
+    /// the class just above. 0 turns both off; at most 0.5. Default 0.05.
     pub exploration_factor: f64,
     /// Seed of the selection draws; unset draws from the OS. Set it for reproducible runs.
     pub seed: Option<u64>,

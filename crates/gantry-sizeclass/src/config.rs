@@ -41,7 +41,9 @@ pub struct SelectionConfig {
     pub success_threshold: f64,
 
     /// Probability of retrying the fitting class just below the chosen one,
-    /// so a shape whose behaviour changed is noticed. 0 disables. Default 0.05.
+    /// so a shape whose behaviour changed is noticed; a fifth of it more
+    /// re-measures the class just above. 0 disables both. At most 0.5, so
+    /// that learned choices stay the rule. Default 0.05.
     pub exploration_factor: f64,
 
     /// Beta prior pseudo-successes (α). Default 1 (Laplace smoothing).
@@ -96,7 +98,7 @@ impl SelectionConfig {
         let t = self.success_threshold;
         check((0.0..=1.0).contains(&t), "success_threshold", || format!("must be in [0, 1], got {t}"))?;
         let e = self.exploration_factor;
-        check((0.0..=1.0).contains(&e), "exploration_factor", || format!("must be in [0, 1], got {e}"))?;
+        check((0.0..=0.5).contains(&e), "exploration_factor", || format!("must be in [0, 0.5], got {e}"))?;
         let a = self.prior_successes;
         check(a.is_finite() && a > 0.0, "prior_successes", || format!("must be finite and > 0, got {a}"))?;
         let b = self.prior_failures;
@@ -132,6 +134,8 @@ mod tests {
             (SelectionConfig { hedge_multiplier: 0.9, ..Default::default() }, "hedge_multiplier"),
             (SelectionConfig { success_threshold: 1.5, ..Default::default() }, "success_threshold"),
             (SelectionConfig { exploration_factor: f64::NAN, ..Default::default() }, "exploration_factor"),
+            // Above 0.5 the draw ranges of the retries below and above would overlap.
+            (SelectionConfig { exploration_factor: 0.6, ..Default::default() }, "exploration_factor"),
             (SelectionConfig { prior_successes: 0.0, ..Default::default() }, "prior_successes"),
             (SelectionConfig { prior_failures: f64::INFINITY, ..Default::default() }, "prior_failures"),
         ];

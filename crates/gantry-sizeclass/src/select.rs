@@ -27,7 +27,7 @@
 //!      (no speedup assumed), also untried.
 //!
 //!    Times are then made monotone both ways: a larger class is never slower
-//!    than a smaller class's median success (so a shape that became faster on
+//!    than a smaller class's median success, once it has [`CAP_MIN_SUCCESSES`] (so a shape that became faster on
 //!    more cores is not held to its old times on a class it no longer runs
 //!    on), and a smaller class is never faster (so a class measured too slow
 //!    rules out every class below it). A class's history also starts over
@@ -73,6 +73,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::stats::median_f64;
 use crate::{ActionStats, Error, Outcome, SelectionConfig, SizeClass, SizeClasses, Timestamp};
 
 /// Similar shapes needed before a new shape trusts them (rule 2).
@@ -340,14 +341,8 @@ pub fn smoothed_probability(successes: u32, trials: u32, alpha: f64, beta: f64) 
     (f64::from(successes) + alpha) / (f64::from(trials) + alpha + beta)
 }
 
-fn median_f64(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_unstable_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
-}
+/// Successes a class needs before its median caps the times of larger classes.
+pub const CAP_MIN_SUCCESSES: usize = 2;
 
 /// Expected run time per class from a shape's history (rule 3), ascending by
 /// class, or `None` when no class has a success or a censored run.
@@ -356,8 +351,9 @@ pub fn speedup_curve(stats: &ActionStats, classes: &SizeClasses) -> Option<Vec<(
     // class was measured to take. Without that, times kept on a class the shape no longer
     // runs on would hide that it became faster there (a test that went parallel after a
     // dependency upgrade is re-measured only on the class above its learned one, and the
-    // carry below would raise that fresh time back to the stale one). Only successes cap:
-    // a censored run (cancelled or timed out) is a lower bound, not a time.
+    // carry below would raise that fresh time back to the stale one). Only successes cap,
+    // and only [`CAP_MIN_SUCCESSES`] of them: a censored run (cancelled or timed out) is a
+    // lower bound, not a time, and one lucky run would make every larger class look fast.
     let mut fastest_success = f64::INFINITY;
     let measured: Vec<(SizeClass, f64)> = classes
         .iter()
@@ -374,7 +370,8 @@ pub fn speedup_curve(stats: &ActionStats, classes: &SizeClasses) -> Option<Vec<(
                 }
             }
             let t = median_f64(times)?.min(fastest_success);
-            if let Some(m) = median_f64(successes) {
+            if successes.len() >= CAP_MIN_SUCCESSES {
+                let m = median_f64(successes).expect("not empty");
                 fastest_success = fastest_success.min(m);
             }
             Some((c, t))
@@ -762,10 +759,14 @@ mod tests {
             vec![(50.0, Basis::Untried), (50.0, Basis::Measured), (50.0, Basis::Untried), (50.0, Basis::Untried)]
         );
         // Noise never makes a smaller class faster than a larger one: a larger class is
-        // capped by a smaller one's successes.
-        let s = stats(&[(1, ok(9.0), 1), (8, ok(10.0), 1)]);
+        // capped by a smaller one's successes, once there are two of them.
+        let s = stats(&[(1, ok(9.0), 2), (8, ok(10.0), 1)]);
         let times: Vec<f64> = speedup_curve(&s, &classes()).unwrap().iter().map(|e| e.1).collect();
         assert_eq!(times, vec![9.0, 9.0, 9.0, 9.0]);
+        // One lucky run caps nothing; the carry from above raises it.
+        let s = stats(&[(1, ok(9.0), 1), (8, ok(10.0), 1)]);
+        let times: Vec<f64> = speedup_curve(&s, &classes()).unwrap().iter().map(|e| e.1).collect();
+        assert_eq!(times, vec![10.0, 10.0, 10.0, 10.0]);
         // A censored run is a lower bound, not a time: it caps nothing, and the carry from
         // above still raises it.
         let s = stats(&[(1, Outcome::TimedOut(secs(9.0)), 1), (8, ok(10.0), 1)]);

@@ -36,6 +36,13 @@ pub const STATS_FORMAT_VERSION: u64 = 1;
 /// Run-to-run noise of a few percent to a few tens of percent stays inside it.
 pub const CHANGE_RATIO: f64 = 0.75;
 
+/// How many robust standard deviations of the older runs' log times two
+/// successive runs must both be beyond, as well as beyond [`CHANGE_RATIO`], to
+/// start a class's history over. On run times with log-normal noise of
+/// σ = 0.3 that happened on 0.3% of pushes (9% with the ratio alone; 1.2%
+/// at 2 spreads), and a run time that halved is still noticed up to σ ≈ 0.2.
+pub const CHANGE_SPREADS: f64 = 2.5;
+
 /// Older successes a class needs before a change point can drop them.
 const CHANGE_MIN_OLDER: usize = 3;
 
@@ -143,40 +150,48 @@ impl ActionStats {
     /// Appends `outcome` (rounded to milliseconds) to `class`'s history and
     /// drops the oldest entries beyond `history_size` (at least 1 is kept).
     ///
-    /// A change point also drops them: when the two newest runs on the class
-    /// both succeeded in under [`CHANGE_RATIO`] of the older successes'
-    /// median, or both took over its inverse, the older runs describe an
-    /// action that no longer exists (a dependency upgrade made a test
-    /// parallel). A median over them would take half a history of new runs to
-    /// move, and on a class the shape seldom runs that is hundreds of
-    /// executions. Two runs in a row that far out are rare by noise alone.
+    /// A change point also drops older runs: when the two newest runs on the
+    /// class both succeeded far below the older successes' median, or both far
+    /// above it, the older times describe an action that no longer exists (a
+    /// dependency upgrade made a test parallel). A median over them would take
+    /// half a history of new runs to move, and on a class the shape seldom runs
+    /// that is hundreds of executions. "Far" is beyond [`CHANGE_RATIO`] and
+    /// beyond [`CHANGE_SPREADS`] robust standard deviations of the older log
+    /// times, so a shape whose runs vary a lot needs a larger jump: with a
+    /// fixed ratio alone, noise of 30% started histories over on one push in
+    /// eleven. Older failures stay: the action's memory did not get smaller
+    /// because it got faster, and they are the fit evidence of the class.
     pub fn push(&mut self, class: SizeClass, outcome: Outcome, history_size: usize) {
         let h = self.classes.entry(class).or_default();
         h.push_back(outcome.to_millis_precision());
         while h.len() > history_size.max(1) {
             h.pop_front();
         }
-        let success = |o: &Outcome| match o {
-            Outcome::Succeeded(d) => Some(*d),
+        let log_success = |o: &Outcome| match o {
+            Outcome::Succeeded(d) => Some(d.as_secs_f64().max(1e-3).ln()),
             _ => None,
         };
         let n = h.len();
         if n < CHANGE_MIN_OLDER + 2 {
             return;
         }
-        let (Some(a), Some(b)) = (success(&h[n - 1]), success(&h[n - 2])) else {
+        let (Some(a), Some(b)) = (log_success(&h[n - 1]), log_success(&h[n - 2])) else {
             return;
         };
-        let older: Vec<Duration> = h.iter().take(n - 2).filter_map(success).collect();
+        let older: Vec<f64> = h.iter().take(n - 2).filter_map(log_success).collect();
         if older.len() < CHANGE_MIN_OLDER {
             return;
         }
-        let m = median(older).expect("not empty").as_secs_f64();
-        let (a, b) = (a.as_secs_f64(), b.as_secs_f64());
-        let faster = a < m * CHANGE_RATIO && b < m * CHANGE_RATIO;
-        let slower = a * CHANGE_RATIO > m && b * CHANGE_RATIO > m;
+        let m = median_f64(older.clone()).expect("not empty");
+        let mad = median_f64(older.iter().map(|x| (x - m).abs()).collect()).expect("not empty");
+        // 1.4826 × MAD estimates a normal standard deviation (of log times here).
+        let far = (-CHANGE_RATIO.ln()).max(CHANGE_SPREADS * 1.4826 * mad);
+        let faster = a < m - far && b < m - far;
+        let slower = a > m + far && b > m + far;
         if faster || slower {
-            h.drain(..n - 2);
+            let kept: VecDeque<Outcome> =
+                h.iter().take(n - 2).filter(|o| **o == Outcome::Failed).chain(h.iter().skip(n - 2)).copied().collect();
+            *h = kept;
         }
     }
 
@@ -214,6 +229,16 @@ impl ActionStats {
         }
         serde_json::from_value(raw).map_err(|e| Error::StatsFormat(e.to_string()))
     }
+}
+
+/// Median of `v`; the mean of the two middle values for an even count.
+pub(crate) fn median_f64(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_unstable_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// Median of durations; mean of the middle two for even counts.
@@ -344,6 +369,18 @@ mod tests {
             s.push(2, ok(t), 32);
         }
         assert_eq!(history(&s), vec![ok(60_000), ok(61_000)]);
+        // Older failures are fit evidence and stay.
+        let mut s = ActionStats::new();
+        for o in [ok(40_000), Outcome::Failed, ok(41_000), ok(39_000), ok(40_000), ok(20_000), ok(21_000)] {
+            s.push(2, o, 32);
+        }
+        assert_eq!(history(&s), vec![Outcome::Failed, ok(20_000), ok(21_000)]);
+        // Inside the spread of noisy older runs: kept, though past the ratio.
+        let mut s = ActionStats::new();
+        for t in [40_000, 70_000, 25_000, 55_000, 30_000, 45_000, 28_000, 28_000] {
+            s.push(2, ok(t), 32);
+        }
+        assert_eq!(history(&s).len(), 8);
         // Inside the ratio, or one run each way, or a failure between: kept.
         let mut s = ActionStats::new();
         for o in [ok(40_000), ok(41_000), ok(39_000), ok(31_000), ok(52_000), ok(20_000), Outcome::Failed, ok(20_000)] {
@@ -356,6 +393,31 @@ mod tests {
             s.push(2, ok(t), 32);
         }
         assert_eq!(history(&s).len(), 4);
+    }
+
+    #[test]
+    fn noise_alone_seldom_starts_the_history_over() {
+        use rand::{Rng, SeedableRng};
+        // Log-normal run times with sigma 0.3, a noisy test: a fixed ratio alone started
+        // the history over on about 1 push in 11.
+        for seed in 1..=3 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut s = ActionStats::new();
+            let (mut pushes, mut restarts) = (0, 0);
+            for _ in 0..20_000 {
+                // Box-Muller: a standard normal from two uniforms.
+                let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+                let before = s.sample_count(1);
+                s.push(1, Outcome::Succeeded(Duration::from_secs_f64(30.0 * (0.3 * z).exp())), 32);
+                pushes += 1;
+                if s.sample_count(1) < before {
+                    restarts += 1;
+                }
+            }
+            let rate = f64::from(restarts) / f64::from(pushes);
+            assert!(rate < 0.005, "seed {seed}: {restarts} restarts in {pushes} pushes");
+        }
     }
 
     #[test]

@@ -47,10 +47,17 @@ async fn memory_hungry_goes_large_small_settles_small_and_learning_persists() {
     let c = Client::connect(&server.grpc).await;
     let input = c.tree(&Default::default()).await;
 
-    // Needs ~200 MB: over class 1's 150 MiB, under class 2's 300 MiB.
+    // Needs ~200 MB: over class 1's 150 MiB, under class 2's 300 MiB. It then sleeps 1 s,
+    // so its hedge time on class 1 (its class-2 time x 1.07 x 1.2) comes long after the
+    // allocation fails there: without the sleep, a loaded machine once started python
+    // slowly enough that the hedge on class 2 came first and nothing was "retried".
     let hungry = c
         .action(
-            command(&["/usr/bin/python3", "-c", "b = bytearray(200_000_000); print(len(b))"], &[], &[]),
+            command(
+                &["/usr/bin/python3", "-c", "import time; b = bytearray(200_000_000); time.sleep(1); print(len(b))"],
+                &[],
+                &[],
+            ),
             input,
             120,
             true,
