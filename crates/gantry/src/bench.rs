@@ -141,9 +141,10 @@ pub struct SizeclassBenchArgs {
     /// seed, then the goals table.
     #[arg(long)]
     seeds: Option<String>,
-    /// Synthetic workload (repeatable): default, or shifted (test-heavy, more new shapes
-    /// and drift, busier). Default: default, and with --seeds both.
-    #[arg(long, value_parser = ["default", "shifted"])]
+    /// Synthetic workload (repeatable): default, shifted (test-heavy, more new shapes
+    /// and drift, busier) or noisy (the default with 30% run-to-run noise). Default:
+    /// default, and with --seeds default and shifted.
+    #[arg(long, value_parser = ["default", "shifted", "noisy"])]
     workload: Vec<String>,
     /// Acceptable-time exponent x of the learned policy [default: the production default].
     #[arg(long)]
@@ -1366,6 +1367,7 @@ fn sizeclass(args: SizeclassBenchArgs) -> anyhow::Result<()> {
     }
     let workload = |name: &str| match name {
         "shifted" => SyntheticConfig::shifted(),
+        "noisy" => SyntheticConfig::noisy(),
         _ => SyntheticConfig::default(),
     };
     let start = Instant::now();

@@ -18,8 +18,8 @@
 //! * **Memory floors**: Pareto per family, capped to fit the largest class;
 //!   `min_class` is the smallest class with `class × memory_per_class_unit_mb`
 //!   of memory. Below it the run is OOM-killed after U(0.2, 1) of its time.
-//! * **Noise**: every execution scales by exp(N(0, 0.1)) shared by all
-//!   classes and exp(N(0, 0.03)) per class.
+//! * **Noise**: every execution scales by exp(N(0, `run_time_noise`)),
+//!   0.1 by default, shared by all classes, and exp(N(0, 0.03)) per class.
 //! * **New shapes**: a `late_shape_fraction` of shapes appear only from a
 //!   random point in the trace on (new code), so some start mid-trace.
 //! * **Drift**: a `drift_fraction` of shapes change at a random point: twice
@@ -64,6 +64,9 @@ pub struct SyntheticConfig {
     /// Weights of the families (see [`FAMILIES`]) in the shape mix, in that order.
     pub family_weights: Vec<f64>,
     pub requested_timeout_s: f64,
+    /// Standard deviation of the log run time of one execution around its
+    /// shape's (shared by all classes): 0.1 is about 10% run-to-run noise.
+    pub run_time_noise: f64,
     pub seed: u64,
 }
 
@@ -83,6 +86,7 @@ impl Default for SyntheticConfig {
             burst_fraction: 0.05,
             family_weights: FAMILIES.iter().map(|f| f.weight).collect(),
             requested_timeout_s: 900.0,
+            run_time_noise: 0.1,
             seed: 42,
         }
     }
@@ -104,6 +108,14 @@ impl SyntheticConfig {
             family_weights: vec![0.25, 0.1, 0.15, 0.1, 0.35, 0.05],
             ..Self::default()
         }
+    }
+
+    /// The default workload with three times its run-to-run noise (30%), as on
+    /// shared CI machines: tests race each other, caches are cold or warm. A
+    /// learner tuned on quiet histories mistakes such noise for change. The
+    /// clients' timeout is an hour, so a run slowed by noise is not lost.
+    pub fn noisy() -> Self {
+        Self { run_time_noise: 0.3, requested_timeout_s: 3600.0, ..Self::default() }
     }
 
     fn validate(&self) -> Result<(), Error> {
@@ -142,6 +154,9 @@ impl SyntheticConfig {
         }
         if !(self.requested_timeout_s > 0.0 && self.requested_timeout_s.is_finite()) {
             return bad("requested_timeout_s must be > 0".into());
+        }
+        if !(self.run_time_noise >= 0.0 && self.run_time_noise.is_finite()) {
+            return bad(format!("run_time_noise must be finite and >= 0, got {}", self.run_time_noise));
         }
         Ok(())
     }
@@ -327,7 +342,7 @@ pub fn generate(cfg: &SyntheticConfig, fleet: &Fleet) -> Result<Vec<TraceAction>
             Some((when, after)) if at >= when => after,
             _ => shape.before,
         };
-        let shared = (0.1 * normal(rng)).exp();
+        let shared = (cfg.run_time_noise * normal(rng)).exp();
         let broken_now = shape.broken && rng.random::<f64>() < cfg.broken_instance_rate;
         let min_class = if broken_now { largest.saturating_mul(2) } else { b.min_class };
         let duration_s = classes
@@ -511,6 +526,8 @@ mod tests {
             SyntheticConfig { actions: 0, ..Default::default() },
             SyntheticConfig { target_load: 0.0, ..Default::default() },
             SyntheticConfig { broken_key_fraction: 1.5, ..Default::default() },
+            SyntheticConfig { run_time_noise: -0.1, ..Default::default() },
+            SyntheticConfig { run_time_noise: f64::NAN, ..Default::default() },
         ] {
             assert!(matches!(generate(&cfg, &fleet), Err(Error::InvalidSim(_))));
         }
