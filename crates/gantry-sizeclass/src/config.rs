@@ -33,7 +33,8 @@ pub struct SelectionConfig {
     pub acceptable_time_exponent: f64,
 
     /// A run on a smaller class is hedged on the largest class at its
-    /// acceptable time × this, so runs close to it are not duplicated. Default 1.2.
+    /// acceptable time × this, so runs close to it are not duplicated; a shape
+    /// whose runs vary more gets more (see `select::HEDGE_SPREADS`). Default 1.2.
     pub hedge_multiplier: f64,
 
     /// A smaller class fits the action's memory when its smoothed fit

@@ -54,15 +54,22 @@
 //!    instead (exploration); and with probability
 //!    `exploration_factor` (on the draw) the fitting class just below the
 //!    winner is retried, so a shape whose behaviour changed is noticed, unless
-//!    it was measured past its hedge time (`acceptable × hedge_multiplier`):
+//!    it was measured past its hedge time (`acceptable × m`, `m` as in rule 5):
 //!    such a class cannot win back a shape whose run times only drifted
 //!    down; retried, it ran slower than the largest class with no hedge able
-//!    to help. With probability `exploration_factor × REFRESH_UP_SHARE` (the
+//!    to help. When that class lost only within the noise of the two medians
+//!    compared (see [`UNCERTAIN_REFRESH`]), it is retried with probability
+//!    [`UNCERTAIN_REFRESH`] instead: on a shape with 30% run-to-run noise, a
+//!    median of five runs on a small class is often unlucky, and without this
+//!    a single-threaded shape could stay on the largest class for good.
+//!    With probability `exploration_factor × REFRESH_UP_SHARE` (the
 //!    top of the draw's range) the class just above the winner is
 //!    re-measured instead, which is how a shape that became parallel is
 //!    noticed on a small class.
 //! 5. **Hedge.** A class below `L` gets `hedge_after` = its expected queue
-//!    wait + `max(T(L) × (L / c)^x, T(c)) × hedge_multiplier`: if the action has not
+//!    wait + `max(T(L) × (L / c)^x, T(c)) × m`, where `m` is `hedge_multiplier`
+//!    or, for a shape whose runs vary more, `exp(`[`HEDGE_SPREADS`]` × spread)`
+//!    of its log run times (see [`ActionStats::log_spread`]): if the action has not
 //!    finished by then, a second copy starts on `L`, the first keeps running,
 //!    the first to finish wins and the other is cancelled. The kill timeout
 //!    is always the client's, so no run is killed for being slow and then
@@ -505,6 +512,44 @@ pub fn best_class(config: &SelectionConfig, stats: &ActionStats, classes: &SizeC
 /// than the learned class's, so it is kept rare: 1% of runs at the default 0.05.
 pub const REFRESH_UP_SHARE: f64 = 0.2;
 
+/// How many of a shape's own run-to-run spreads a run on its class must pass
+/// before it is hedged (rule 5). Two spreads is one run in 44 of a normal
+/// shape's. Each hedge pays for a copy on the largest class, which a run slow
+/// from noise seldom needs: on the size-class bench's noisy workload (30%
+/// noise) hedging at `hedge_multiplier` alone cost 0.359 of always-largest,
+/// at two spreads 0.336 (1.5: 0.340, 2.5: 0.334), with the same p95.
+pub const HEDGE_SPREADS: f64 = 2.0;
+
+/// The factor on the accepted run time past which a run on `class` is hedged:
+/// `hedge_multiplier`, or `exp(HEDGE_SPREADS × spread)` when the shape's own
+/// noise (on `class`, else on the largest class) is wider, so that a noisy
+/// shape is hedged for being slow, not for being noisy.
+fn hedge_multiplier(config: &SelectionConfig, stats: &ActionStats, class: SizeClass, largest: SizeClass) -> f64 {
+    let spread = stats.log_spread(class).or_else(|| stats.log_spread(largest)).unwrap_or(0.0);
+    config.hedge_multiplier.max((HEDGE_SPREADS * spread).exp())
+}
+
+/// Chance of re-measuring the fitting class just below the winner when it lost
+/// only within the noise of the medians compared (rule 4): slower than its
+/// acceptable time by less than two standard errors of the log ratio of its
+/// median to the largest class's. Each retry adds a run to both sides of the
+/// comparison until it is decided; a shape that really is too slow there is
+/// hedged at its hedge time meanwhile. On the size-class bench's noisy
+/// workload this took the cost from 0.319 to 0.308 of always-largest (0.1:
+/// 0.318, 0.35: 0.304), for a p95 of 1.006 instead of 1.004 (1.011 at 0.35).
+pub const UNCERTAIN_REFRESH: f64 = 0.2;
+
+/// True when `e` is slower than acceptable by less than two standard errors
+/// of the log ratio of its median to the largest class's (see [`UNCERTAIN_REFRESH`]).
+fn within_noise(stats: &ActionStats, e: &ClassEstimate, largest: SizeClass) -> bool {
+    let spread = stats.log_spread(e.size_class).or_else(|| stats.log_spread(largest)).unwrap_or(0.0);
+    let n = |c| stats.outcomes(c).filter(|o| o.is_success()).count().max(1) as f64;
+    // A median's standard error is 1.2533 σ / √n for normal noise.
+    let se = 1.2533 * spread * (1.0 / n(e.size_class) + 1.0 / n(largest)).sqrt();
+    let margin = (e.expected_completion.as_secs_f64() / e.acceptable_time.as_secs_f64().max(1e-9)).ln();
+    margin < 2.0 * se
+}
+
 /// Chooses a size class, timeout and hedge time. Pure and deterministic: the
 /// same inputs always give the same decision. See the module docs for the rules.
 pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<Decision, Error> {
@@ -577,20 +622,25 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
     let explore_between = cheapest(optimistic.iter()).filter(|e| e.expected_cost < learned.expected_cost);
     // Stale evidence: now and then retry the fitting class just below the winner.
     let refresh = || {
-        (input.draw < config.exploration_factor)
-            .then(|| {
-                estimates
-                    .iter()
-                    .rev()
-                    .find(|e| e.size_class < learned.size_class && e.fit_probability >= config.success_threshold)
+        estimates
+            .iter()
+            .rev()
+            .find(|e| e.size_class < learned.size_class && e.fit_probability >= config.success_threshold)
+            .filter(|e| {
+                let p = if within_noise(stats, e, largest) {
+                    config.exploration_factor.max(UNCERTAIN_REFRESH)
+                } else {
+                    config.exploration_factor
+                };
+                input.draw < p
             })
-            .flatten()
             // Only a class whose evidence leaves it a chance: one measured past its hedge
             // time would run slower than the largest class, and a copy started there at the
             // hedge time would finish later still. On the size-class bench such retries were a
             // tenth of the runs slower than always-largest's p95.
             .filter(|e| {
-                e.expected_completion.as_secs_f64() <= e.acceptable_time.as_secs_f64() * config.hedge_multiplier
+                e.expected_completion.as_secs_f64()
+                    <= e.acceptable_time.as_secs_f64() * hedge_multiplier(config, stats, e.size_class, largest)
             })
     };
     // Stale evidence the other way: now and then re-measure the class just above the
@@ -620,7 +670,7 @@ pub fn select(config: &SelectionConfig, input: &SelectionInput<'_>) -> Result<De
         // The run time accepted on c, queues aside; never below what c is expected to take.
         let run =
             (t_largest * slack(largest, c, config.acceptable_time_exponent)).max(chosen.expected_run.as_secs_f64());
-        wait(c).saturating_add(secs_to_duration(run * config.hedge_multiplier)).min(requested)
+        wait(c).saturating_add(secs_to_duration(run * hedge_multiplier(config, stats, c, largest))).min(requested)
     });
     Ok(Decision { size_class: c, timeout: requested, hedge_after, reason, estimates })
 }
@@ -724,6 +774,65 @@ mod tests {
         let acceptable = 60.0 * 8f64.powf(cfg.acceptable_time_exponent);
         assert!((d.hedge_after.unwrap().as_secs_f64() - acceptable * cfg.hedge_multiplier).abs() < 1e-6, "{d:?}");
         assert_eq!(d.timeout, secs(900.0));
+    }
+
+    #[test]
+    fn a_noisy_shape_is_hedged_for_being_slow_not_for_being_noisy() {
+        // Single-threaded, a 60 s median everywhere: class 1 is learned either way.
+        let quiet = stats(&[(8, ok(60.0), 5), (1, ok(60.0), 7)]);
+        let mut noisy = ActionStats::new();
+        [60.0, 45.0, 80.0, 60.0, 47.0].into_iter().for_each(|t| noisy.push(8, ok(t), 32));
+        [60.0, 44.0, 82.0, 58.0, 75.0, 46.0, 62.0].into_iter().for_each(|t| noisy.push(1, ok(t), 32));
+        assert_eq!((noisy.sample_count(8), noisy.sample_count(1)), (5, 7), "no change point");
+        let cfg = config();
+        let accepted = 60.0 * 8f64.powf(cfg.acceptable_time_exponent);
+        let (q, n) = (decide(&quiet), decide(&noisy));
+        assert_eq!((q.size_class, q.reason, n.size_class, n.reason), (1, Reason::Learned, 1, Reason::Learned));
+        // Quiet: the configured multiplier.
+        assert!((q.hedge_after.unwrap().as_secs_f64() - accepted * cfg.hedge_multiplier).abs() < 1e-6, "{q:?}");
+        // Noisy: two of its spreads on class 1 (1.4826 x the median |log deviation|,
+        // ln(75/60) here), a factor of 1.94 where the quiet shape gets 1.2.
+        let spread = noisy.log_spread(1).unwrap();
+        assert!((spread - 1.4826 * (75f64 / 60.0).ln()).abs() < 1e-3, "{spread}");
+        let factor = (HEDGE_SPREADS * spread).exp();
+        assert!(factor > 1.9 && factor < 2.0, "{factor}");
+        assert!((n.hedge_after.unwrap().as_secs_f64() - accepted * factor).abs() < 1e-3, "{n:?}");
+        // Class 1 has too few runs to say: the largest class's spread stands in.
+        let mut young = stats(&[(1, ok(60.0), 2)]);
+        [60.0, 45.0, 80.0, 60.0, 47.0].into_iter().for_each(|t| young.push(8, ok(t), 32));
+        let y = decide(&young);
+        let factor8 = (HEDGE_SPREADS * young.log_spread(8).unwrap()).exp();
+        assert!(factor8 > cfg.hedge_multiplier, "{factor8}");
+        assert_eq!(y.size_class, 1);
+        assert!((y.hedge_after.unwrap().as_secs_f64() - accepted * factor8).abs() < 1e-3, "{y:?}");
+    }
+
+    #[test]
+    fn a_class_that_lost_within_the_noise_is_measured_again_more_often() {
+        // Classes 2 to 8 take 60 s, so 2 is learned; class 1 is accepted up to
+        // 60 x 8^x = 73.9 s and its median is 80 s: rejected.
+        let with_class_1 = |times: &[f64]| {
+            let mut s = stats(&[(2, ok(60.0), 5), (4, ok(60.0), 5)]);
+            [60.0, 45.0, 80.0, 60.0, 47.0].into_iter().for_each(|t| s.push(8, ok(t), 32));
+            times.iter().for_each(|&t| s.push(1, ok(t), 32));
+            assert_eq!(s.sample_count(1), times.len(), "no change point");
+            s
+        };
+        let noisy = [80.0, 60.0, 105.0, 80.0, 62.0, 100.0, 82.0];
+        let pick = |s: &ActionStats, draw: f64| {
+            let d = decide_with(&config(), s, None, None, draw);
+            (d.size_class, d.reason)
+        };
+        // Quiet runs: 80 s is 80 s, and class 1 is retried only at exploration_factor (0 here).
+        assert_eq!(pick(&with_class_1(&[80.0; 7]), 0.1), (2, Reason::Learned));
+        // Noisy runs (a spread of 0.33): 80 against 73.9 is well within two standard errors
+        // of the medians (0.49 in log terms), so class 1 gets UNCERTAIN_REFRESH of the draws.
+        let s = with_class_1(&noisy);
+        assert_eq!(pick(&s, UNCERTAIN_REFRESH - 0.01), (1, Reason::Explore));
+        assert_eq!(pick(&s, UNCERTAIN_REFRESH + 0.01), (2, Reason::Learned));
+        // The same noise around a 130 s median: beyond two standard errors, not retried.
+        let far: Vec<f64> = noisy.iter().map(|t| t * 130.0 / 80.0).collect();
+        assert_eq!(pick(&with_class_1(&far), 0.1), (2, Reason::Learned));
     }
 
     #[test]

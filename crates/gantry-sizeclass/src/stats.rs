@@ -46,6 +46,9 @@ pub const CHANGE_SPREADS: f64 = 2.5;
 /// Older successes a class needs before a change point can drop them.
 const CHANGE_MIN_OLDER: usize = 3;
 
+/// Successes a class needs before [`ActionStats::log_spread`] reports its noise.
+pub const SPREAD_MIN_SUCCESSES: usize = 5;
+
 /// The outcome of one execution on one size class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -167,10 +170,6 @@ impl ActionStats {
         while h.len() > history_size.max(1) {
             h.pop_front();
         }
-        let log_success = |o: &Outcome| match o {
-            Outcome::Succeeded(d) => Some(d.as_secs_f64().max(1e-3).ln()),
-            _ => None,
-        };
         let n = h.len();
         if n < CHANGE_MIN_OLDER + 2 {
             return;
@@ -183,9 +182,7 @@ impl ActionStats {
             return;
         }
         let m = median_f64(older.clone()).expect("not empty");
-        let mad = median_f64(older.iter().map(|x| (x - m).abs()).collect()).expect("not empty");
-        // 1.4826 × MAD estimates a normal standard deviation (of log times here).
-        let far = (-CHANGE_RATIO.ln()).max(CHANGE_SPREADS * 1.4826 * mad);
+        let far = (-CHANGE_RATIO.ln()).max(CHANGE_SPREADS * log_spread(&older).expect("not empty"));
         let faster = a < m - far && b < m - far;
         let slower = a > m + far && b > m + far;
         if faster || slower {
@@ -193,6 +190,19 @@ impl ActionStats {
                 h.iter().take(n - 2).filter(|o| **o == Outcome::Failed).chain(h.iter().skip(n - 2)).copied().collect();
             *h = kept;
         }
+    }
+
+    /// The run-to-run noise of the shape on `class`: a robust standard
+    /// deviation of its successes' log times (1.4826 × their median absolute
+    /// deviation, which estimates σ for normal noise and ignores a few outliers).
+    /// `None` below [`SPREAD_MIN_SUCCESSES`] successes, too few to tell noise
+    /// from luck. exp(spread) is the typical factor between two runs' times.
+    pub fn log_spread(&self, class: SizeClass) -> Option<f64> {
+        let logs: Vec<f64> = self.classes.get(&class)?.iter().filter_map(log_success).collect();
+        if logs.len() < SPREAD_MIN_SUCCESSES {
+            return None;
+        }
+        log_spread(&logs)
     }
 
     /// Median of the successful execution times on `class`; the mean of the
@@ -229,6 +239,21 @@ impl ActionStats {
         }
         serde_json::from_value(raw).map_err(|e| Error::StatsFormat(e.to_string()))
     }
+}
+
+/// The natural log of a success's time (at least 1 ms, so 0 s has a log).
+fn log_success(o: &Outcome) -> Option<f64> {
+    match o {
+        Outcome::Succeeded(d) => Some(d.as_secs_f64().max(1e-3).ln()),
+        _ => None,
+    }
+}
+
+/// 1.4826 × the median absolute deviation of `logs`: a robust estimate of
+/// their standard deviation. `None` when empty.
+fn log_spread(logs: &[f64]) -> Option<f64> {
+    let m = median_f64(logs.to_vec())?;
+    median_f64(logs.iter().map(|x| (x - m).abs()).collect()).map(|mad| 1.4826 * mad)
 }
 
 /// Median of `v`; the mean of the two middle values for an even count.
@@ -330,6 +355,32 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+
+    #[test]
+    fn log_spread_is_a_robust_sigma_of_the_successes() {
+        let mut s = ActionStats::new();
+        let ok = |t: f64| Outcome::Succeeded(Duration::from_secs_f64(t));
+        for t in [10.0, 20.0, 10.0, 5.0] {
+            s.push(1, ok(t), 32);
+        }
+        s.push(1, Outcome::Failed, 32);
+        s.push(1, Outcome::TimedOut(Duration::from_secs(500)), 32);
+        // Four successes: too few to tell noise from luck.
+        assert_eq!(s.log_spread(1), None);
+        s.push(1, ok(10.0), 32);
+        // Logs around ln 10: deviations 0, ln 2, 0, ln 2, 0; failures and timeouts are ignored.
+        assert!((s.log_spread(1).unwrap() - 0.0).abs() < 1e-12);
+        s.push(1, ok(40.0), 32);
+        // Deviations 0, ln2, 0, ln2, 0, ln4: median ln2 / 2.
+        assert!((s.log_spread(1).unwrap() - 1.4826 * 2f64.ln() / 2.0).abs() < 1e-9);
+        // One wild run (after a usual one, or it and the 40 s run would be a change
+        // point) does not move it: it is a median.
+        s.push(1, ok(10.0), 32);
+        s.push(1, ok(10_000.0), 32);
+        assert_eq!(s.sample_count(1), 10);
+        assert!((s.log_spread(1).unwrap() - 1.4826 * 2f64.ln() / 2.0).abs() < 1e-9);
+        assert_eq!(s.log_spread(2), None);
     }
 
     #[test]
