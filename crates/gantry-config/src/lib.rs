@@ -415,7 +415,8 @@ pub struct SizeClassConfig {
     pub acceptable_time_exponent: f64,
     /// A run on a smaller class still going at its acceptable time x this gets a second
     /// copy on the largest class; the first to finish wins. A shape whose run times vary
-    /// more gets more: exp(2 x their robust standard deviation in log terms). Default 1.2.
+    /// more gets more: exp(2 x their robust standard deviation in log terms), at most 3.
+    /// Default 1.2.
     pub hedge_multiplier: f64,
     /// Probability of running a shape on the fitting class just below its learned one,
     /// so that a shape whose behaviour changed is noticed; a fifth of it more re-measures

@@ -538,8 +538,14 @@ pub const HEDGE_MAX_FACTOR: f64 = 3.0;
 /// not for being noisy. The spread is of successes only: a run cancelled by
 /// its hedge is not among them.
 fn hedge_factor(config: &SelectionConfig, stats: &ActionStats, class: SizeClass, largest: SizeClass) -> f64 {
-    let spread = stats.log_spread(class).or_else(|| stats.log_spread(largest)).unwrap_or(0.0);
+    let spread = shape_spread(stats, class, largest).unwrap_or(0.0);
     config.hedge_multiplier.max((HEDGE_SPREADS * spread).exp().min(HEDGE_MAX_FACTOR))
+}
+
+/// The shape's run-to-run noise as seen on `class`, or on the largest class
+/// while `class` has too few successes to say.
+fn shape_spread(stats: &ActionStats, class: SizeClass, largest: SizeClass) -> Option<f64> {
+    stats.log_spread(class).or_else(|| stats.log_spread(largest))
 }
 
 /// Chance of re-measuring the fitting class just below the winner (instead of
@@ -576,8 +582,7 @@ fn within_noise(
     largest: SizeClass,
 ) -> bool {
     let n = stats.outcomes(e.size_class).filter(|o| o.is_success()).count();
-    let spread = stats.log_spread(e.size_class).or_else(|| stats.log_spread(largest));
-    let (true, Some(spread)) = (n > 0, spread) else {
+    let (true, Some(spread)) = (n > 0, shape_spread(stats, e.size_class, largest)) else {
         return false;
     };
     let accepted = t_largest * slack(largest, e.size_class, config.acceptable_time_exponent);

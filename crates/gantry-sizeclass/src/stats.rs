@@ -181,8 +181,8 @@ impl ActionStats {
         if older.len() < CHANGE_MIN_OLDER {
             return;
         }
-        let m = median_f64(older.clone()).expect("not empty");
-        let far = (-CHANGE_RATIO.ln()).max(CHANGE_SPREADS * log_spread(&older).expect("not empty"));
+        let (m, spread) = log_median_spread(&older).expect("not empty");
+        let far = (-CHANGE_RATIO.ln()).max(CHANGE_SPREADS * spread);
         let faster = a < m - far && b < m - far;
         let slower = a > m + far && b > m + far;
         if faster || slower {
@@ -202,7 +202,7 @@ impl ActionStats {
         if logs.len() < SPREAD_MIN_SUCCESSES {
             return None;
         }
-        log_spread(&logs)
+        log_median_spread(&logs).map(|(_, spread)| spread)
     }
 
     /// Median of the successful execution times on `class`; the mean of the
@@ -249,11 +249,11 @@ fn log_success(o: &Outcome) -> Option<f64> {
     }
 }
 
-/// 1.4826 × the median absolute deviation of `logs`: a robust estimate of
-/// their standard deviation. `None` when empty.
-fn log_spread(logs: &[f64]) -> Option<f64> {
+/// The median of `logs` and 1.4826 × their median absolute deviation, a
+/// robust estimate of their standard deviation. `None` when empty.
+fn log_median_spread(logs: &[f64]) -> Option<(f64, f64)> {
     let m = median_f64(logs.to_vec())?;
-    median_f64(logs.iter().map(|x| (x - m).abs()).collect()).map(|mad| 1.4826 * mad)
+    median_f64(logs.iter().map(|x| (x - m).abs()).collect()).map(|mad| (m, 1.4826 * mad))
 }
 
 /// Median of `v`; the mean of the two middle values for an even count.
@@ -448,7 +448,7 @@ mod tests {
 
     #[test]
     fn noise_alone_seldom_starts_the_history_over() {
-        use rand::{Rng, SeedableRng};
+        use rand::SeedableRng;
         // Log-normal run times with sigma 0.3, a noisy test: a fixed ratio alone started
         // the history over on about 1 push in 11.
         for seed in 1..=3 {
@@ -456,9 +456,7 @@ mod tests {
             let mut s = ActionStats::new();
             let (mut pushes, mut restarts) = (0, 0);
             for _ in 0..20_000 {
-                // Box-Muller: a standard normal from two uniforms.
-                let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
-                let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+                let z = crate::sim::synth::normal(&mut rng);
                 let before = s.sample_count(1);
                 s.push(1, Outcome::Succeeded(Duration::from_secs_f64(30.0 * (0.3 * z).exp())), 32);
                 pushes += 1;

@@ -9,7 +9,7 @@
 
 mod engine;
 mod fleet;
-mod synth;
+pub(crate) mod synth;
 mod trace;
 
 use std::fmt;

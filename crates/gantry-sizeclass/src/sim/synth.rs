@@ -257,7 +257,7 @@ fn pareto(rng: &mut ChaCha8Rng, xm: f64, alpha: f64) -> f64 {
     xm * unit_open(rng).powf(-1.0 / alpha)
 }
 
-fn normal(rng: &mut ChaCha8Rng) -> f64 {
+pub(crate) fn normal(rng: &mut ChaCha8Rng) -> f64 {
     // Box-Muller; one value per call keeps the stream simple to reason about.
     let (u1, u2) = (unit_open(rng), rng.random::<f64>());
     (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
