@@ -3,6 +3,7 @@
 //! protocol, decoded once at its end of the wire; an in-process worker gets them straight
 //! from the scheduler, never encoded at all.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::reapi;
@@ -14,8 +15,9 @@ pub struct Work {
     /// What the worker reports the run under (an operation's name, or its hedge copy's).
     pub job_id: String,
     pub function: DigestFunction,
-    pub action: reapi::Action,
-    pub command: reapi::Command,
+    /// Shared with the scheduler's copy: an in-process worker gets them without a copy.
+    pub action: Arc<reapi::Action>,
+    pub command: Arc<reapi::Command>,
     /// The run's limit; the worker kills it past this.
     pub timeout: Duration,
 }

@@ -186,8 +186,8 @@ impl Driver {
         JobSpec {
             instance: String::new(),
             action_digest: DigestFunction::Sha256.digest_of(&action.encode_to_vec()),
-            action,
-            command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
+            action: action.into(),
+            command: reapi::Command { arguments: vec!["true".into()], ..Default::default() }.into(),
             priority: 0,
             requester: Requester::default(),
             owner: None,
@@ -383,7 +383,7 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     for _ in 0..opts.latency_samples {
         d.counter += 1;
         let mut spec = d.spec(0);
-        spec.action.platform = Some(reapi::Platform {
+        Arc::make_mut(&mut spec.action).platform = Some(reapi::Platform {
             properties: vec![reapi::platform::Property { name: "pool".into(), value: "probe".into() }],
         });
         spec.action_digest = DigestFunction::Sha256.digest_of(&spec.action.encode_to_vec());

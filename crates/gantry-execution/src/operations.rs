@@ -57,13 +57,13 @@ pub fn to_operation(s: &OpState) -> Operation {
         ..Default::default()
     };
     Operation {
-        name: s.name.clone(),
+        name: s.name.to_string(),
         metadata: Some(any("build.bazel.remote.execution.v2.ExecuteOperationMetadata", &metadata)),
         done: s.stage == Stage::Completed,
         result: s
             .response
             .as_ref()
-            .map(|r| lr::operation::Result::Response(any("build.bazel.remote.execution.v2.ExecuteResponse", r))),
+            .map(|r| lr::operation::Result::Response(any("build.bazel.remote.execution.v2.ExecuteResponse", &**r))),
     }
 }
 
@@ -200,15 +200,15 @@ impl ExecutionService {
             && let Some(result) = self.ac.get(&req.instance_name, &digest).await?
         {
             let state = OpState {
-                name: format!("operations/cached-{}", uuid::Uuid::new_v4()),
+                name: format!("operations/cached-{}", uuid::Uuid::new_v4()).into(),
                 stage: Stage::Completed,
                 action_digest: digest,
-                response: Some(ExecuteResponse {
+                response: Some(Box::new(ExecuteResponse {
                     result: Some(result),
                     cached_result: true,
                     status: Some(Default::default()),
                     ..Default::default()
-                }),
+                })),
             };
             return Ok(Response::new(futures::stream::once(async move { Ok(to_operation(&state)) }).boxed()));
         }
@@ -225,8 +225,8 @@ impl ExecutionService {
             .submit(JobSpec {
                 instance: req.instance_name,
                 action_digest: digest,
-                action,
-                command,
+                action: action.into(),
+                command: command.into(),
                 priority,
                 requester: who,
                 owner,

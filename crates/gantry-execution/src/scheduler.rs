@@ -140,12 +140,16 @@ pub enum Stage {
 }
 
 /// What watchers of an operation see; every change is published.
+///
+/// Kept small: every operation's watch channel holds one for its whole retention, and a
+/// response inline would be two thirds of a kilobyte on each, mostly while still queued.
 #[derive(Debug, Clone)]
 pub struct OpState {
-    pub name: String,
+    /// Shared with the scheduler's own maps (a clone is a count, not a copy).
+    pub name: Arc<str>,
     pub stage: Stage,
     pub action_digest: Digest,
-    pub response: Option<ExecuteResponse>,
+    pub response: Option<Box<ExecuteResponse>>,
 }
 
 /// Who asked for an action, from Bazel's RequestMetadata header.
@@ -161,12 +165,22 @@ pub struct Requester {
 pub struct JobSpec {
     pub instance: String,
     pub action_digest: Digest,
-    pub action: reapi::Action,
-    pub command: reapi::Command,
+    /// Shared with the workers' orders (an in-process worker reads them without a copy).
+    pub action: Arc<reapi::Action>,
+    pub command: Arc<reapi::Command>,
     pub priority: i32,
     pub requester: Requester,
     /// The identity that asked (`[auth]`); None on a server without authentication.
     pub owner: Option<String>,
+}
+
+/// What a retired operation keeps of its action: only `do_not_cache`, which identical
+/// requests are checked against. Shared, so that retiring allocates nothing.
+fn stripped_action(do_not_cache: bool) -> Arc<reapi::Action> {
+    static KEPT: std::sync::LazyLock<[Arc<reapi::Action>; 2]> = std::sync::LazyLock::new(|| {
+        [false, true].map(|do_not_cache| Arc::new(reapi::Action { do_not_cache, ..Default::default() }))
+    });
+    KEPT[usize::from(do_not_cache)].clone()
 }
 
 impl JobSpec {
@@ -175,11 +189,24 @@ impl JobSpec {
         JobSpec {
             instance: self.instance.clone(),
             action_digest: self.action_digest,
-            action: reapi::Action { do_not_cache: self.action.do_not_cache, ..Default::default() },
-            command: reapi::Command::default(),
+            action: stripped_action(self.action.do_not_cache),
+            command: Default::default(),
             priority: self.priority,
             requester: self.requester.clone(),
             owner: self.owner.clone(),
+        }
+    }
+
+    /// Drops the action and command of a shared spec: in place when nothing else holds
+    /// it (the usual case: a worker's copy is gone by the time it reports), else by
+    /// replacing it with a copy of the rest.
+    fn strip(spec: &mut Arc<JobSpec>) {
+        match Arc::get_mut(spec) {
+            Some(s) => {
+                s.action = stripped_action(s.action.do_not_cache);
+                s.command = Default::default();
+            }
+            None => *spec = Arc::new(spec.without_action()),
         }
     }
 }
@@ -192,6 +219,13 @@ type Name = Arc<str>;
 /// cancel or delete). The names are the scheduler's own (never a client's choice), so the
 /// hasher needs no flooding protection.
 type ByName<V> = HashMap<Name, V, foldhash::fast::RandomState>;
+
+/// The other maps an event looks up: workers by their registered name, actions in flight
+/// by (instance, digest), classes by number. Their keys come from authenticated workers
+/// or are content digests the CAS has verified, and the hasher's seed is random per map,
+/// so SipHash's stronger flooding protection is not worth its cost (a twentieth of an
+/// event over these three maps).
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// An operation's number, in submission order. Everything inside the scheduler refers to
 /// an operation by it, not by its name: a numeric key sits in the map's own slots, while
@@ -351,15 +385,15 @@ struct State {
     hedges: IdMap<OpId>,
     /// Operations whose hedge time is still to come: (that time, their dispatcher id).
     hedge_due: BTreeSet<(Instant, JobId)>,
-    in_flight: HashMap<(String, Digest), OpId>,
-    workers: HashMap<String, WorkerEntry>,
+    in_flight: FastMap<(String, Digest), OpId>,
+    workers: FastMap<String, WorkerEntry>,
     /// Worker names by dispatcher id, shared with the jobs that run on them.
     worker_names: IdMap<Name>,
     /// Completed operations, oldest first, for retention.
     completed: VecDeque<(Instant, OpId)>,
     names: NameSource,
     /// Moving average of execution seconds per size class, for expected queue waits.
-    class_avg_seconds: HashMap<u32, f64>,
+    class_avg_seconds: FastMap<u32, f64>,
 }
 
 struct Gauges {
@@ -661,7 +695,7 @@ impl State {
         if let Some(job) = self.jobs.get(&op) {
             job.tx.send_modify(|s| {
                 s.stage = Stage::Completed;
-                s.response = Some(response);
+                s.response = Some(Box::new(response));
             });
             if self.in_flight.get(&job.key) == Some(&op) {
                 self.in_flight.remove(&job.key);
@@ -682,7 +716,7 @@ impl State {
         // Kept only to answer WaitExecution and identical requests for the retention
         // (10 minutes by default, hundreds of thousands of operations on a busy server):
         // the action and command, the bulk of an operation, are not needed for that.
-        job.spec = Arc::new(job.spec.without_action());
+        JobSpec::strip(&mut job.spec);
         let (id, hedged) = (job.id, job.hedge.is_some());
         self.live.remove(&id);
         self.completed.push_back((now, op));
@@ -853,7 +887,7 @@ impl Scheduler {
         let hedge_at = hedge_after.filter(|_| size_class < Some(largest_class)).map(|h| Instant::now() + h);
         let name: Name = st.names.next().into();
         let state =
-            OpState { name: name.to_string(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
+            OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
         let (id, assigns) = st.d.submit(spec.priority, required.clone(), size_class);
         if let Some(at) = hedge_at {
@@ -1103,7 +1137,7 @@ impl Scheduler {
         };
         tx.send_modify(|s| {
             s.stage = Stage::Completed;
-            s.response = Some(response);
+            s.response = Some(Box::new(response));
         });
     }
 
@@ -1603,6 +1637,27 @@ mod tests {
     use super::*;
     use gantry_core::reapi::platform::Property as PProp;
 
+    #[test]
+    fn a_retired_spec_drops_its_action_in_place_unless_a_worker_still_holds_it() {
+        let mut alone = spec("alone", 0, &[("os", "linux")]);
+        Arc::make_mut(&mut alone.action).do_not_cache = true;
+        let mut alone = Arc::new(alone);
+        let before = Arc::as_ptr(&alone);
+        JobSpec::strip(&mut alone);
+        assert_eq!(Arc::as_ptr(&alone), before, "nothing else held it: stripped in place");
+        assert!(alone.action.platform.is_none() && alone.command.arguments.is_empty());
+        assert!(alone.action.do_not_cache, "do_not_cache is kept");
+
+        let mut shared = Arc::new(spec("shared", 0, &[("os", "linux")]));
+        let worker_copy = shared.clone();
+        JobSpec::strip(&mut shared);
+        assert!(!Arc::ptr_eq(&shared, &worker_copy));
+        assert!(shared.action.platform.is_none() && shared.command.arguments.is_empty());
+        assert_eq!(worker_copy.command.arguments, ["true"], "the worker's copy is untouched");
+        assert!(worker_copy.action.platform.is_some());
+        assert_eq!(shared.action_digest, worker_copy.action_digest);
+    }
+
     async fn scheduler(max_losses: u32) -> Arc<Scheduler> {
         let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
         let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
@@ -1621,8 +1676,8 @@ mod tests {
         JobSpec {
             instance: String::new(),
             action_digest: DigestFunction::Sha256.digest_of(tag.as_bytes()),
-            action,
-            command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
+            action: action.into(),
+            command: reapi::Command { arguments: vec!["true".into()], ..Default::default() }.into(),
             priority,
             requester: Requester::default(),
             owner: None,
@@ -1786,9 +1841,9 @@ mod tests {
     async fn do_not_cache_actions_are_not_merged_and_cancel_detaches() {
         let s = scheduler(3).await;
         let mut a = spec("nc", 0, &[]);
-        a.action.do_not_cache = true;
+        Arc::make_mut(&mut a.action).do_not_cache = true;
         let mut b = spec("nc", 0, &[]);
-        b.action.do_not_cache = true;
+        Arc::make_mut(&mut b.action).do_not_cache = true;
         let (n1, _) = s.submit(a).await.unwrap();
         let (n2, _) = s.submit(b).await.unwrap();
         assert_ne!(n1, n2, "do_not_cache actions run separately");
@@ -1892,7 +1947,7 @@ mod tests {
         let (shared, mut srx) = s.submit(owned("both", "alice")).await.unwrap();
         let (merged, _) = s.submit(owned("both", "bob")).await.unwrap();
         assert_eq!(merged, shared, "the same action is one operation");
-        let names = |v: Vec<OpState>| v.into_iter().map(|o| o.name).collect::<Vec<_>>();
+        let names = |v: Vec<OpState>| v.into_iter().map(|o| o.name.to_string()).collect::<Vec<_>>();
         assert_eq!(names(s.list(Some("bob"))), vec![shared.clone()], "bob sees only what he asked for");
         assert_eq!(names(s.list(Some("alice"))), vec![a.clone(), shared.clone()]);
         assert_eq!(names(s.list(None)).len(), 2, "an administrator sees everything");
@@ -1942,7 +1997,7 @@ mod tests {
         let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let mut stuck = s.register(reg("stuck", 1, &[]), false).unwrap();
         let mut job = spec("stuck", 0, &[]);
-        job.action.timeout = Some(gantry_core::google::protobuf::Duration { seconds: 1, nanos: 0 });
+        Arc::make_mut(&mut job.action).timeout = Some(gantry_core::google::protobuf::Duration { seconds: 1, nanos: 0 });
         let (n, mut rx) = s.submit(job).await.unwrap();
         assert_eq!(assigned(&mut stuck), vec![n.clone()]);
         let mut other = s.register(reg("other", 1, &[]), false).unwrap();
@@ -1985,7 +2040,8 @@ mod tests {
         let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
         let _w = s.register(reg("w", 2, &[]), true).unwrap();
         let mut job = spec("late", 0, &[]);
-        job.action.timeout = Some(gantry_core::google::protobuf::Duration { seconds: 0, nanos: 200_000_000 });
+        Arc::make_mut(&mut job.action).timeout =
+            Some(gantry_core::google::protobuf::Duration { seconds: 0, nanos: 200_000_000 });
         let (_, mut rx) = s.submit(job).await.unwrap();
         let st = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|s| s.stage == Stage::Completed))
             .await
@@ -2090,7 +2146,7 @@ mod tests {
             .expect("completes")
             .unwrap()
             .clone();
-        st.response.unwrap()
+        *st.response.unwrap()
     }
 
     #[tokio::test]
@@ -2254,8 +2310,8 @@ mod random_sequences {
                     let spec = JobSpec {
                         instance: String::new(),
                         action_digest: DigestFunction::Sha256.digest_of(&[tag]),
-                        action: reapi::Action { do_not_cache, ..Default::default() },
-                        command: reapi::Command { arguments: vec!["true".into()], ..Default::default() },
+                        action: reapi::Action { do_not_cache, ..Default::default() }.into(),
+                        command: reapi::Command { arguments: vec!["true".into()], ..Default::default() }.into(),
                         priority: i32::from(tag % 2),
                         requester: Requester::default(),
                         owner: None,
@@ -2316,7 +2372,7 @@ mod random_sequences {
             for n in &names {
                 if let Some(rx) = s.watch(n) {
                     let shown = rx.borrow().name.clone();
-                    if &shown != n {
+                    if *shown != **n {
                         return Err(format!("after step {i}: {n} answers as {shown}"));
                     }
                 }

@@ -27,9 +27,11 @@ pub fn order_from_wire(m: wpb::SchedulerMessage) -> Option<Order> {
                 Ok(Work {
                     function: DigestFunction::from_proto(a.digest_function)?,
                     action: reapi::Action::decode(a.action.as_slice())
-                        .map_err(|e| Error::invalid(format!("action: {e}")))?,
+                        .map_err(|e| Error::invalid(format!("action: {e}")))?
+                        .into(),
                     command: reapi::Command::decode(a.command.as_slice())
-                        .map_err(|e| Error::invalid(format!("command: {e}")))?,
+                        .map_err(|e| Error::invalid(format!("command: {e}")))?
+                        .into(),
                     // A scheduler always sends its resolved timeout; 0 is an old one's "none".
                     timeout: match a.timeout_ms {
                         0 => gantry_config::ExecutionConfig::default().default_timeout,

@@ -196,8 +196,8 @@ async fn the_executor_reports_an_oom_kill_to_the_scheduler() {
     let assignment = gantry_core::Work {
         job_id: "j".into(),
         function: f,
-        action,
-        command,
+        action: action.into(),
+        command: command.into(),
         timeout: std::time::Duration::from_secs(60),
     };
     let finished = executor.execute(assignment, std::future::pending()).await;
