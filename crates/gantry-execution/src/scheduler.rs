@@ -394,7 +394,14 @@ struct State {
     names: NameSource,
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: FastMap<u32, f64>,
+    /// Platform property sets that some worker serves, shared by every operation that
+    /// requires them instead of a copy each (a fleet has a handful).
+    platforms: std::collections::HashSet<Properties, foldhash::fast::RandomState>,
 }
+
+/// Distinct property sets [`State::intern`] keeps before it starts over: sharing saves
+/// memory, nothing depends on it, and clients choose the sets.
+const INTERNED_PLATFORMS_MAX: usize = 1024;
 
 struct Gauges {
     queued: prometheus::IntGauge,
@@ -503,6 +510,19 @@ impl NameSource {
 }
 
 impl State {
+    /// The shared copy of a property set (see `platforms`).
+    fn intern(&mut self, required: Vec<Property>) -> Properties {
+        if let Some(p) = self.platforms.get(&required[..]) {
+            return p.clone();
+        }
+        if self.platforms.len() >= INTERNED_PLATFORMS_MAX {
+            self.platforms.clear();
+        }
+        let p: Properties = required.into();
+        self.platforms.insert(p.clone());
+        p
+    }
+
     /// Forgets up to `max` completed operations whose retention has ended, oldest first.
     /// Finished runs do a few each, so that a busy scheduler frees its old operations on the
     /// threads that made them, a few at a time, instead of the monitor dropping tens of
@@ -828,7 +848,6 @@ impl Scheduler {
         required.extend(platform::from_platform(spec.action.platform.as_ref()));
         required.sort();
         required.dedup();
-        let required: Properties = required.into();
         let timeout =
             resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
         let key = (spec.instance.clone(), spec.action_digest);
@@ -865,6 +884,7 @@ impl Scheduler {
             )));
         }
         let largest_class = classes.iter().next_back().copied().unwrap_or(1);
+        let required = st.intern(required);
         let requested_timeout = timeout;
         // The classes may have changed since the key was (not) made.
         if self.sizing.is_some() && classes.len() > 1 && shape_key.is_empty() {
@@ -1656,6 +1676,20 @@ mod tests {
         assert_eq!(worker_copy.command.arguments, ["true"], "the worker's copy is untouched");
         assert!(worker_copy.action.platform.is_some());
         assert_eq!(shared.action_digest, worker_copy.action_digest);
+    }
+
+    #[tokio::test]
+    async fn operations_share_one_copy_of_their_platform() {
+        let s = scheduler(3).await;
+        let _w = s.register(reg("w", 1, &[("os", "linux"), ("pool", "x")]), true).unwrap();
+        let (a, _) = s.submit(spec("a", 0, &[("pool", "x"), ("os", "linux")])).await.unwrap();
+        let (b, _) = s.submit(spec("b", 0, &[("os", "linux"), ("pool", "x")])).await.unwrap();
+        let (c, _) = s.submit(spec("c", 0, &[("os", "linux")])).await.unwrap();
+        let st = s.lock();
+        let required = |n: &str| st.job_named(n).unwrap().required.clone();
+        assert!(Arc::ptr_eq(&required(&a), &required(&b)), "one copy, whatever the order");
+        assert!(!Arc::ptr_eq(&required(&a), &required(&c)));
+        assert_eq!(st.platforms.len(), 2);
     }
 
     async fn scheduler(max_losses: u32) -> Arc<Scheduler> {
