@@ -174,13 +174,20 @@ pub struct JobSpec {
     pub owner: Option<String>,
 }
 
-/// What a retired operation keeps of its action: only `do_not_cache`, which identical
-/// requests are checked against. Shared, so that retiring allocates nothing.
+/// What a retired operation keeps of its action: only `do_not_cache`, so that its spec
+/// still says how it was asked for (nothing decides on it after retirement). Shared, so
+/// that retiring allocates nothing.
 fn stripped_action(do_not_cache: bool) -> Arc<reapi::Action> {
     static KEPT: std::sync::LazyLock<[Arc<reapi::Action>; 2]> = std::sync::LazyLock::new(|| {
         [false, true].map(|do_not_cache| Arc::new(reapi::Action { do_not_cache, ..Default::default() }))
     });
     KEPT[usize::from(do_not_cache)].clone()
+}
+
+/// The empty Command every retired operation keeps, shared for the same reason.
+fn stripped_command() -> Arc<reapi::Command> {
+    static EMPTY: std::sync::LazyLock<Arc<reapi::Command>> = std::sync::LazyLock::new(Default::default);
+    EMPTY.clone()
 }
 
 impl JobSpec {
@@ -190,7 +197,7 @@ impl JobSpec {
             instance: self.instance.clone(),
             action_digest: self.action_digest,
             action: stripped_action(self.action.do_not_cache),
-            command: Default::default(),
+            command: stripped_command(),
             priority: self.priority,
             requester: self.requester.clone(),
             owner: self.owner.clone(),
@@ -204,7 +211,7 @@ impl JobSpec {
         match Arc::get_mut(spec) {
             Some(s) => {
                 s.action = stripped_action(s.action.do_not_cache);
-                s.command = Default::default();
+                s.command = stripped_command();
             }
             None => *spec = Arc::new(spec.without_action()),
         }
@@ -220,11 +227,9 @@ type Name = Arc<str>;
 /// hasher needs no flooding protection.
 type ByName<V> = HashMap<Name, V, foldhash::fast::RandomState>;
 
-/// The other maps an event looks up: workers by their registered name, actions in flight
-/// by (instance, digest), classes by number. Their keys come from authenticated workers
-/// or are content digests the CAS has verified, and the hasher's seed is random per map,
-/// so SipHash's stronger flooding protection is not worth its cost (a twentieth of an
-/// event over these three maps).
+/// Maps keyed by what no client chooses (workers by their registered name, size classes
+/// by number): SipHash's flooding protection is not worth its cost there. Actions in
+/// flight stay on SipHash: their instance names are the client's choice.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// An operation's number, in submission order. Everything inside the scheduler refers to
@@ -385,7 +390,7 @@ struct State {
     hedges: IdMap<OpId>,
     /// Operations whose hedge time is still to come: (that time, their dispatcher id).
     hedge_due: BTreeSet<(Instant, JobId)>,
-    in_flight: FastMap<(String, Digest), OpId>,
+    in_flight: HashMap<(String, Digest), OpId>,
     workers: FastMap<String, WorkerEntry>,
     /// Worker names by dispatcher id, shared with the jobs that run on them.
     worker_names: IdMap<Name>,
@@ -394,8 +399,9 @@ struct State {
     names: NameSource,
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: FastMap<u32, f64>,
-    /// Platform property sets that some worker serves, shared by every operation that
-    /// requires them instead of a copy each (a fleet has a handful).
+    /// Platform property sets operations required, shared by every operation that
+    /// requires the same set instead of a copy each (a fleet has a handful). Clients
+    /// choose them, so the set is bounded ([`INTERNED_PLATFORMS_MAX`]).
     platforms: std::collections::HashSet<Properties, foldhash::fast::RandomState>,
 }
 
@@ -1676,6 +1682,7 @@ mod tests {
         assert_eq!(worker_copy.command.arguments, ["true"], "the worker's copy is untouched");
         assert!(worker_copy.action.platform.is_some());
         assert_eq!(shared.action_digest, worker_copy.action_digest);
+        assert!(Arc::ptr_eq(&alone.command, &shared.command), "retiring allocates no command");
     }
 
     #[tokio::test]
