@@ -175,6 +175,7 @@ impl S3Store {
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout_disabled()
             .with_read_timeout(Duration::from_secs(60));
+        install_crypto_provider();
         // The client options first: they replace what the builder's other setters put there.
         let mut b = AmazonS3Builder::from_env()
             .with_client_options(client)
@@ -735,6 +736,14 @@ struct ProfileCredentials {
 
 /// The profile `AWS_PROFILE` (or `default`) of the shared credentials file, if the file
 /// exists and has it. A profile that exists without both keys is an error naming the file.
+/// Makes ring the process's rustls provider, if none is yet. object_store's HTTPS client
+/// (reqwest) is built on the process default, and gantry links ring alone: the second
+/// provider reqwest would bring (aws-lc-rs) costs a C build and adds nothing.
+pub(crate) fn install_crypto_provider() {
+    // An error means a provider is installed already (ring, by gantry): nothing to do.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 fn shared_credentials_profile() -> Result<Option<ProfileCredentials>> {
     let path = match std::env::var_os("AWS_SHARED_CREDENTIALS_FILE") {
         Some(p) => std::path::PathBuf::from(p),

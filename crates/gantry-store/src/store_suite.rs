@@ -350,6 +350,7 @@ async fn s3_killed_mid_upload_acknowledges_nothing_and_recovers() {
 /// test applies it itself, since the S3 test server runs no lifecycle rules.
 async fn apply_lifecycle(server: &S3Server, bucket: &str, after: Duration) -> usize {
     use object_store::{ObjectStore, ObjectStoreExt};
+    crate::s3_store::install_crypto_provider();
     let store = object_store::aws::AmazonS3Builder::new()
         .with_bucket_name(bucket)
         .with_endpoint(server.endpoint())

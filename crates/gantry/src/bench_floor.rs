@@ -146,8 +146,7 @@ pub async fn serve(args: FloorServerArgs) -> anyhow::Result<()> {
             .context("the floor server");
     }
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        // Two rustls providers are linked in (ring and, through the AWS SDK, aws-lc-rs):
-        // tonic needs the process default named. gantry's own listeners use ring.
+        // tonic's TLS takes the process default provider: ring, as gantry's own listeners.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let read = |p: &PathBuf| std::fs::read(p).with_context(|| p.display().to_string());
         let identity = tonic::transport::Identity::from_pem(read(cert)?, read(key)?);

@@ -7,10 +7,8 @@ use gantry_testkit::ChromeDriver;
 
 /// A Chromium session on `driver`.
 pub async fn session(driver: &ChromeDriver) -> Client {
-    // The WebDriver client's TLS stack needs a process-wide provider: gantry's (ring).
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    ClientBuilder::rustls()
-        .expect("rustls")
+    // chromedriver listens on loopback in plain HTTP: no TLS on this client.
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
         .capabilities(ChromeDriver::headless_chromium())
         .connect(&driver.url())
         .await
