@@ -734,8 +734,6 @@ struct ProfileCredentials {
     token: Option<String>,
 }
 
-/// The profile `AWS_PROFILE` (or `default`) of the shared credentials file, if the file
-/// exists and has it. A profile that exists without both keys is an error naming the file.
 /// Makes ring the process's rustls provider, if none is yet. object_store's HTTPS client
 /// (reqwest) is built on the process default, and gantry links ring alone: the second
 /// provider reqwest would bring (aws-lc-rs) costs a C build and adds nothing.
@@ -744,6 +742,8 @@ pub(crate) fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
+/// The profile `AWS_PROFILE` (or `default`) of the shared credentials file, if the file
+/// exists and has it. A profile that exists without both keys is an error naming the file.
 fn shared_credentials_profile() -> Result<Option<ProfileCredentials>> {
     let path = match std::env::var_os("AWS_SHARED_CREDENTIALS_FILE") {
         Some(p) => std::path::PathBuf::from(p),
