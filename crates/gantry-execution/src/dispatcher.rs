@@ -204,8 +204,14 @@ impl Dispatcher {
     }
 
     /// Size classes with a worker that can run an action requiring `required`.
-    pub fn classes_for(&self, required: &[Property]) -> BTreeSet<u32> {
-        self.live_pools().filter(|p| platform::satisfies(&p.offered, required)).map(|p| p.class).collect()
+    /// Ascending, without repeats. A vector, not a set: it is made on every submit, for a
+    /// handful of classes.
+    pub fn classes_for(&self, required: &[Property]) -> Vec<u32> {
+        let mut classes: Vec<u32> =
+            self.live_pools().filter(|p| platform::satisfies(&p.offered, required)).map(|p| p.class).collect();
+        classes.sort_unstable();
+        classes.dedup();
+        classes
     }
 
     /// Distinct size classes among registered workers.
@@ -654,7 +660,7 @@ mod tests {
         let (any, got) = d.submit(0, props(&[]), None);
         assert_eq!(got, vec![Assign { job: any, worker: cpu }]);
         assert_eq!(d.finish(g), vec![Assign { job: big, worker: gpu }]);
-        assert_eq!(d.classes_for(&props(&[("pool", "gpu")])), BTreeSet::from([4]));
+        assert_eq!(d.classes_for(&props(&[("pool", "gpu")])), vec![4]);
         assert_eq!(d.first_unoffered(&props(&[("pool", "tpu")])).map(|p| p.value.as_str()), Some("tpu"));
         d.check().unwrap();
     }

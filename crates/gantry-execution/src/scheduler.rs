@@ -889,7 +889,7 @@ impl Scheduler {
                 required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
             )));
         }
-        let largest_class = classes.iter().next_back().copied().unwrap_or(1);
+        let largest_class = classes.last().copied().unwrap_or(1);
         let required = st.intern(required);
         let requested_timeout = timeout;
         // The classes may have changed since the key was (not) made.
@@ -906,7 +906,7 @@ impl Scheduler {
                     None => (Some(largest_class), timeout, None),
                 }
             }
-            (_, 1) => (classes.iter().next().copied(), timeout, None),
+            (_, 1) => (classes.first().copied(), timeout, None),
             _ => (None, timeout, None),
         };
         // A run on a smaller class still going at this time gets a copy on the largest.
@@ -945,7 +945,7 @@ impl Scheduler {
                 trial: Trial {
                     groups,
                     // Only a learned class updates its groups' priors.
-                    classes: if learning { classes.iter().copied().collect() } else { Vec::new() },
+                    classes: if learning { classes } else { Vec::new() },
                     ..Trial::new(learning, largest_class, requested_timeout, shape_key)
                 },
                 required,
@@ -1587,7 +1587,7 @@ fn run_record(
 }
 
 /// Expected wait and idle slots per size class, for queue-aware class choice.
-fn queue_state(st: &State, classes: &BTreeSet<u32>) -> gantry_sizeclass::QueueState {
+fn queue_state(st: &State, classes: &[u32]) -> gantry_sizeclass::QueueState {
     let loads = st.d.class_loads();
     let mut q = gantry_sizeclass::QueueState::new();
     for &c in classes {
