@@ -4,7 +4,7 @@
 //! the queue is busy. The expected outcome is computed from the changes themselves (land
 //! each, in queue order, iff it applies and the tests pass on top of those landed before)
 //! and compared with what the queue did; then every commit the mainline pointed to is
-//! checked out afresh and `bazel test //...` must pass on it.
+//! checked out, with nothing else in its worktree, and `bazel test //...` must pass on it.
 //!
 //! A second case runs the queue with batching on and one slot: eight changes, one broken,
 //! decided in fewer builds than changes, the mainline moving only to trees that passed.
@@ -173,14 +173,29 @@ fn write_config(dir: &Path, repo: &Path, queue: &str) -> PathBuf {
     config
 }
 
-/// `bazel test //...` must pass at each of these mainline versions, checked out afresh
-/// in worktrees under `dir` (with gantry at `url` as the remote cache, so it is quick).
+/// `bazel test //...` must pass at each of these mainline versions, each checked out in
+/// one worktree under `dir` (forced, and cleaned of anything untracked, so that it holds
+/// exactly that commit's files), with gantry at `url` as the remote cache. One worktree,
+/// not one per version: Bazel's server belongs to a workspace, and a new workspace
+/// restarted it and re-analysed everything for every version.
 fn recheck(repo: &Path, dir: &Path, url: &str, versions: &[&Value]) {
     let recheck_base = dir.join("recheck-output-base");
-    for m in versions {
+    let wt = dir.join("recheck");
+    for (i, m) in versions.iter().enumerate() {
         let commit = m["new_commit"].as_str().unwrap();
-        let wt = dir.join(format!("recheck-{}", m["version"]));
-        git(repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
+        if i == 0 {
+            git(repo, &["worktree", "add", "--quiet", "--detach", wt.to_str().unwrap(), commit]);
+        } else {
+            git(&wt, &["checkout", "--quiet", "--force", "--detach", commit]);
+            git(&wt, &["clean", "-q", "-f", "-d", "-x"]);
+        }
+        assert_eq!(git(&wt, &["rev-parse", "HEAD"]), commit, "the recheck worktree is at version {}", m["version"]);
+        assert_eq!(
+            git(&wt, &["status", "--porcelain"]),
+            "",
+            "the recheck worktree holds only version {}",
+            m["version"]
+        );
         let out = Command::new("bazel")
             .args(["--nohome_rc", "--noworkspace_rc", "--max_idle_secs=60"])
             .arg(format!("--output_base={}", recheck_base.display()))
