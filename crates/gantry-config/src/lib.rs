@@ -615,6 +615,12 @@ pub struct S3StoreConfig {
     /// (path-style requests). Omit for AWS itself.
     #[serde(default)]
     pub endpoint: Option<String>,
+    /// PEM file of certificate authorities to trust for an `https://` endpoint, besides
+    /// the system's: an S3-compatible service behind a private CA. Unset: the system's
+    /// roots only (enough for AWS). Read at startup; an unreadable file, or one with no
+    /// certificate, stops the server with its path.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
     /// Region of the bucket. Default "us-east-1".
     #[serde(default = "default_region")]
     pub region: String,
@@ -1164,6 +1170,7 @@ impl S3StoreConfig {
         S3StoreConfig {
             bucket: bucket.into(),
             endpoint: None,
+            ca_file: None,
             region: default_region(),
             prefix: String::new(),
             max_concurrent_requests: default_s3_concurrency(),
@@ -1199,6 +1206,12 @@ impl S3StoreConfig {
                     "cas.endpoint must not contain credentials; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY".into(),
                 ));
             }
+        }
+        if self.ca_file.is_some() && !self.endpoint.as_deref().is_some_and(|e| e.starts_with("https://")) {
+            // A CA nobody uses would hide the real problem: the endpoint is not TLS.
+            return Err(ConfigError::Invalid(
+                "cas.ca_file is only for an https:// cas.endpoint (AWS itself needs none)".into(),
+            ));
         }
         if let Some(e) = self.expire_after
             && e <= self.min_blob_lifetime
@@ -1314,6 +1327,8 @@ mod tests {
             ("bucket = \"ok-bucket\"\nmax_concurrent_requests = 0", "max_concurrent_requests"),
             ("bucket = \"ok-bucket\"\n[cas.local]\nmax_size = \"0B\"", "local.max_size"),
             ("bucket = \"ok-bucket\"\nexpire_after = \"6h\"", "min_blob_lifetime"),
+            ("bucket = \"ok-bucket\"\nendpoint = \"http://h:9000\"\nca_file = \"/ca.pem\"", "ca_file"),
+            ("bucket = \"ok-bucket\"\nca_file = \"/ca.pem\"", "ca_file"),
         ] {
             let e = parse(&format!("[cas]\nkind = \"s3\"\n{bad}")).unwrap_err().to_string();
             assert!(e.contains(what), "{bad}: {e}");

@@ -80,6 +80,8 @@ pub struct S3Options {
     pub bucket: String,
     pub endpoint: Option<String>,
     pub region: String,
+    /// Extra certificate authorities (PEM) for an `https://` endpoint.
+    pub ca_file: Option<std::path::PathBuf>,
     pub prefix: String,
     pub max_concurrent_requests: usize,
     pub presence_ttl: Duration,
@@ -110,6 +112,7 @@ impl S3Options {
             bucket: c.bucket.clone(),
             endpoint: c.endpoint.clone(),
             region: c.region.clone(),
+            ca_file: c.ca_file.clone(),
             prefix: c.prefix.clone(),
             max_concurrent_requests: c.max_concurrent_requests,
             presence_ttl: c.presence_ttl,
@@ -170,11 +173,16 @@ impl S3Store {
         let allow_http = opts.endpoint.as_deref().is_some_and(|e| e.starts_with("http://"));
         // No overall request timeout: a multi-GiB GET legitimately streams for long. A dead
         // server is caught by the connect timeout, a stalled one by the read timeout.
-        let client = ClientOptions::new()
+        let mut client = ClientOptions::new()
             .with_allow_http(allow_http)
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout_disabled()
             .with_read_timeout(Duration::from_secs(60));
+        if let Some(path) = &opts.ca_file {
+            for cert in read_ca_file(path).map_err(|e| Error::FailedPrecondition(format!("{what}: {e}")))? {
+                client = client.with_root_certificate(cert);
+            }
+        }
         install_crypto_provider();
         // The client options first: they replace what the builder's other setters put there.
         let mut b = AmazonS3Builder::from_env()
@@ -301,7 +309,7 @@ impl Inner {
 
     /// S3's failure as UNAVAILABLE, naming the bucket and what gantry was doing.
     fn unavailable(&self, doing: impl std::fmt::Display, e: object_store::Error) -> Error {
-        Error::Unavailable(format!("{}: {doing}: {e}", self.what))
+        Error::Unavailable(format!("{}: {doing}: {}", self.what, with_causes(&e)))
     }
 
     /// Until when a blob last modified at `modified` may be answered present: forever
@@ -732,6 +740,33 @@ struct ProfileCredentials {
     key_id: String,
     secret_key: String,
     token: Option<String>,
+}
+
+/// An error and the causes under it that its message does not already say: an HTTP
+/// client's "error sending request" says nothing of the refused connection or the
+/// untrusted certificate beneath it, which is what an operator needs.
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let said = c.to_string();
+        if !text.contains(&said) {
+            text = format!("{text}: {said}");
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// The certificates of a PEM file of certificate authorities (`[cas] ca_file`).
+fn read_ca_file(path: &std::path::Path) -> std::result::Result<Vec<object_store::Certificate>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cas.ca_file {}: {e}", path.display()))?;
+    let certs = object_store::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| format!("cas.ca_file {}: not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("cas.ca_file {}: holds no PEM certificate", path.display()));
+    }
+    Ok(certs)
 }
 
 /// Makes ring the process's rustls provider, if none is yet. object_store's HTTPS client

@@ -256,13 +256,35 @@ pub const S3_SECRET_KEY: &str = "gantry-test-secret";
 pub struct S3Server {
     child: Child,
     port: u16,
+    /// Serving HTTPS with a certificate this CA (a PEM file) signed.
+    tls_ca: Option<PathBuf>,
     _dir: tempfile::TempDir,
+}
+
+/// The certificate an HTTPS [`S3Server`] presents: PEM files of its certificate, its key
+/// and the authority that signed the certificate (which clients must trust).
+pub struct S3Tls<'a> {
+    pub cert: &'a Path,
+    pub key: &'a Path,
+    pub ca: &'a Path,
 }
 
 impl S3Server {
     /// Starts a server, or returns `None` (see [`unavailable`]).
     pub fn start() -> Option<S3Server> {
         Self::start_port(None)
+    }
+
+    /// Starts a server that speaks HTTPS only, presenting `tls.cert`.
+    pub fn start_tls(tls: &S3Tls<'_>) -> Option<S3Server> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match Self::try_start(None, Some(tls)) {
+                Ok(s) => return Some(s),
+                Err(e) => last = e,
+            }
+        }
+        unavailable("S3 server (moto, HTTPS)", &last)
     }
 
     /// Starts a server on `port`: the S3 service coming back where its clients expect
@@ -274,7 +296,7 @@ impl S3Server {
     fn start_port(port: Option<u16>) -> Option<S3Server> {
         let mut last = String::new();
         for _ in 0..3 {
-            match Self::try_start(port) {
+            match Self::try_start(port, None) {
                 Ok(s) => return Some(s),
                 Err(e) => last = e,
             }
@@ -326,7 +348,7 @@ impl S3Server {
         }
     }
 
-    fn try_start(port: Option<u16>) -> Result<S3Server, String> {
+    fn try_start(port: Option<u16>, tls: Option<&S3Tls<'_>>) -> Result<S3Server, String> {
         let mut cmd = Self::command()?;
         let dir = tempfile::Builder::new().prefix("gantry-s3-").tempdir().map_err(|e| format!("temp dir: {e}"))?;
         let port = match port {
@@ -335,14 +357,17 @@ impl S3Server {
         };
         let log_path = dir.path().join("s3.log");
         let log = std::fs::File::create(&log_path).map_err(|e| format!("creating the log: {e}"))?;
-        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .current_dir(dir.path())
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+        if let Some(t) = tls {
+            cmd.arg("--ssl-cert").arg(t.cert).arg("--ssl-key").arg(t.key);
+        }
+        cmd.current_dir(dir.path())
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log);
         die_with_parent(&mut cmd, libc::SIGKILL);
         let child = cmd.spawn().map_err(|e| format!("starting moto_server: {e}"))?;
-        let mut server = S3Server { child, port, _dir: dir };
+        let mut server = S3Server { child, port, tls_ca: tls.map(|t| t.ca.to_path_buf()), _dir: dir };
         let start = Instant::now();
         loop {
             // Ready when it answers S3's ListBuckets.
@@ -373,12 +398,16 @@ impl S3Server {
 
     /// The endpoint URL to give an S3 client.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// One unsigned HTTP/1.1 request (the server accepts them): (status, body).
     pub fn request(&self, method: &str, path: &str) -> std::io::Result<(u16, String)> {
         use std::io::Write;
+        if let Some(ca) = &self.tls_ca {
+            return self.https_request(ca, method, path);
+        }
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         write!(
@@ -395,6 +424,30 @@ impl S3Server {
             .ok_or_else(|| std::io::Error::other(format!("not an HTTP response: {resp:.200}")))?;
         let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
         Ok((status, body))
+    }
+
+    /// [`S3Server::request`] over HTTPS, trusting only `ca`, through the Python that runs
+    /// moto (this crate has no TLS client of its own).
+    fn https_request(&self, ca: &Path, method: &str, path: &str) -> std::io::Result<(u16, String)> {
+        const SCRIPT: &str = "import ssl, sys, urllib.request, urllib.error\n\
+            ctx = ssl.create_default_context(cafile=sys.argv[1])\n\
+            req = urllib.request.Request(sys.argv[3], method=sys.argv[2], data=b'' if sys.argv[2] == 'PUT' else None)\n\
+            try:\n    r = urllib.request.urlopen(req, context=ctx, timeout=30)\n    code, body = r.status, r.read()\n\
+            except urllib.error.HTTPError as e:\n    code, body = e.code, e.read()\n\
+            sys.stdout.write(str(code) + '\\n' + body.decode('utf-8', 'replace'))\n";
+        let out = Command::new("python3")
+            .args(["-c", SCRIPT])
+            .arg(ca)
+            .arg(method)
+            .arg(format!("{}{path}", self.endpoint()))
+            .output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()));
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (code, body) = text.split_once('\n').unwrap_or((&text, ""));
+        let status = code.trim().parse().map_err(|_| std::io::Error::other(format!("not a status: {text:.200}")))?;
+        Ok((status, body.to_string()))
     }
 
     /// Creates a bucket (a fresh one per test keeps tests that share the server apart).

@@ -193,3 +193,76 @@ fn bench_auth_measures_gantry_beside_the_bare_stack() {
         assert!(report.contains(&format!("{call}: TLS adds ")) && report.contains("behind gantry's"), "{report}");
     }
 }
+
+/// `[cas] kind = "s3"` at an `https://` endpoint whose certificate a private CA signed
+/// (moto serving HTTPS with a certificate the test made). Without `ca_file` the server
+/// refuses to start, naming the bucket and the untrusted certificate; with it, blobs go
+/// to the bucket and come back over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_bucket_over_https_behind_a_private_ca() {
+    use gantry_testkit::{S3Server, S3Tls, S3_KEY_ID, S3_SECRET_KEY};
+    use std::path::Path;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let ca = Ca::new("private S3 CA");
+    let (cert, key) = ca.issue(&["127.0.0.1"]);
+    let ca_pem = write(d, "s3-ca.pem", &ca.pem());
+    let cert_path = write(d, "s3.pem", &cert);
+    let key_path = write(d, "s3.key", &key);
+    let tls = S3Tls { cert: Path::new(&cert_path), key: Path::new(&key_path), ca: Path::new(&ca_pem) };
+    let Some(s3) = S3Server::start_tls(&tls) else { return };
+    assert!(s3.endpoint().starts_with("https://"), "{}", s3.endpoint());
+    s3.create_bucket("gantry-tls");
+    let config = |ca_file: Option<&str>| {
+        let ca_line = ca_file.map(|c| format!("ca_file = {c:?}\n")).unwrap_or_default();
+        format!(
+            "[cas]\nkind = \"s3\"\nbucket = \"gantry-tls\"\nendpoint = \"{}\"\nprefix = \"cas/\"\n{ca_line}\n\
+             [execution]\nworkers = 0\n\n[batch]\nrunners = 0\n",
+            s3.endpoint()
+        )
+    };
+    let env = [("AWS_ACCESS_KEY_ID", S3_KEY_ID), ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)];
+
+    // The system's roots alone do not trust the private CA: refused at startup, with why.
+    let untrusting = write(d, "untrusting.toml", &config(None));
+    let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(d.join("refused"))
+        .args(["--config", &untrusting])
+        .envs(env)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("refused as it should be:\n{stderr}");
+    assert!(!out.status.success(), "started without trusting the bucket's certificate: {}", text(&out));
+    assert!(stderr.contains("gantry-tls") && stderr.contains(&s3.endpoint()), "names the bucket: {stderr}");
+    assert!(stderr.to_lowercase().contains("certificate"), "says the certificate is the problem: {stderr}");
+    assert!(!stderr.contains(S3_SECRET_KEY), "never the secret: {stderr}");
+
+    // A file that holds no certificate is named, not ignored.
+    let not_pem = write(d, "not-a-ca.pem", "hello\n");
+    let bad = write(d, "bad-ca.toml", &config(Some(&not_pem)));
+    let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+        .arg(d.join("bad"))
+        .args(["--config", &bad])
+        .envs(env)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started with a CA file holding no certificate: {}", text(&out));
+    assert!(stderr.contains("cas.ca_file") && stderr.contains(&not_pem), "names the file: {stderr}");
+
+    // With the CA: the server starts, and a blob reaches the bucket and reads back.
+    let trusting = write(d, "trusting.toml", &config(Some(&ca_pem)));
+    let server = GantryServer::start_env(&d.join("data"), &["--config", &trusting], &env);
+    let client = Client::connect(&server.grpc).await;
+    let blob = b"kept in a bucket behind a private CA".repeat(1000);
+    let digest = client.put(&blob).await;
+    assert_eq!(client.get(&digest.to_proto()).await, blob);
+    let objects = s3.list("gantry-tls");
+    let hash = digest.hash_hex();
+    assert!(objects.iter().any(|k| k.contains(&hash)), "the blob is in the bucket: {objects:?}");
+    server.stop();
+}
