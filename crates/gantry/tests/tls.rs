@@ -224,34 +224,30 @@ async fn an_s3_bucket_over_https_behind_a_private_ca() {
     };
     let env = [("AWS_ACCESS_KEY_ID", S3_KEY_ID), ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)];
 
+    // `gantry serve` with `cfg`, which must refuse to start: its stderr.
+    let refused = |name: &str, cfg: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
+            .arg(d.join(name))
+            .args(["--config", cfg])
+            .envs(env)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{name}: started when it should not have: {}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        eprintln!("{name}: refused as it should be:\n{stderr}");
+        assert!(!stderr.contains(S3_SECRET_KEY), "never the secret: {stderr}");
+        stderr
+    };
+
     // The system's roots alone do not trust the private CA: refused at startup, with why.
-    let untrusting = write(d, "untrusting.toml", &config(None));
-    let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
-        .arg(d.join("refused"))
-        .args(["--config", &untrusting])
-        .envs(env)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("refused as it should be:\n{stderr}");
-    assert!(!out.status.success(), "started without trusting the bucket's certificate: {}", text(&out));
+    let stderr = refused("untrusting", &write(d, "untrusting.toml", &config(None)));
     assert!(stderr.contains("gantry-tls") && stderr.contains(&s3.endpoint()), "names the bucket: {stderr}");
     assert!(stderr.to_lowercase().contains("certificate"), "says the certificate is the problem: {stderr}");
-    assert!(!stderr.contains(S3_SECRET_KEY), "never the secret: {stderr}");
 
     // A file that holds no certificate is named, not ignored.
     let not_pem = write(d, "not-a-ca.pem", "hello\n");
-    let bad = write(d, "bad-ca.toml", &config(Some(&not_pem)));
-    let out = Command::new(env!("CARGO_BIN_EXE_gantry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--data-dir"])
-        .arg(d.join("bad"))
-        .args(["--config", &bad])
-        .envs(env)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "started with a CA file holding no certificate: {}", text(&out));
+    let stderr = refused("bad-ca", &write(d, "bad-ca.toml", &config(Some(&not_pem))));
     assert!(stderr.contains("cas.ca_file") && stderr.contains(&not_pem), "names the file: {stderr}");
 
     // With the CA: the server starts, and a blob reaches the bucket and reads back.
