@@ -272,36 +272,29 @@ pub struct S3Tls<'a> {
 impl S3Server {
     /// Starts a server, or returns `None` (see [`unavailable`]).
     pub fn start() -> Option<S3Server> {
-        Self::start_port(None)
+        Self::start_with(None, None)
     }
 
     /// Starts a server that speaks HTTPS only, presenting `tls.cert`.
     pub fn start_tls(tls: &S3Tls<'_>) -> Option<S3Server> {
-        let mut last = String::new();
-        for _ in 0..3 {
-            match Self::try_start(None, Some(tls)) {
-                Ok(s) => return Some(s),
-                Err(e) => last = e,
-            }
-        }
-        unavailable("S3 server (moto, HTTPS)", &last)
+        Self::start_with(None, Some(tls))
     }
 
     /// Starts a server on `port`: the S3 service coming back where its clients expect
     /// it, after `drop` killed it (empty: create the buckets again).
     pub fn start_on(port: u16) -> Option<S3Server> {
-        Self::start_port(Some(port))
+        Self::start_with(Some(port), None)
     }
 
-    fn start_port(port: Option<u16>) -> Option<S3Server> {
+    fn start_with(port: Option<u16>, tls: Option<&S3Tls<'_>>) -> Option<S3Server> {
         let mut last = String::new();
         for _ in 0..3 {
-            match Self::try_start(port, None) {
+            match Self::try_start(port, tls) {
                 Ok(s) => return Some(s),
                 Err(e) => last = e,
             }
         }
-        unavailable("S3 server (moto)", &last)
+        unavailable(if tls.is_some() { "S3 server (moto, HTTPS)" } else { "S3 server (moto)" }, &last)
     }
 
     /// One server for the whole test binary, started once by the first caller (tests
