@@ -197,7 +197,14 @@ impl Runner {
     /// restart its server to change them.
     pub fn startup_args(&self) -> Vec<String> {
         let s = &self.settings;
-        let mut a: Vec<String> = s.startup_flags.clone();
+        // An OutOfMemoryError caught where Bazel's crash handler never sees it (code that
+        // logs it and goes on) can leave work unfinished that Bazel then waits on, quiet,
+        // until the deadline. Bazel counts any OutOfMemoryError as fatal anyway: the JVM
+        // ends at the first one, saying so in jvm.out, which the runner reads as OOM. It
+        // comes before `startup_flags`, so a deployment can turn it off (the JVM takes
+        // the last of its options).
+        let mut a = vec!["--host_jvm_args=-XX:+ExitOnOutOfMemoryError".to_string()];
+        a.extend(s.startup_flags.iter().cloned());
         a.push(format!("--output_base={}", self.output_base().display()));
         a.push(format!("--host_jvm_args=-Xmx{}k", (s.heap_bytes / 1024).max(4096)));
         // A heap dump of a dying server is hundreds of MB per OOM build and minutes of I/O.
@@ -447,6 +454,31 @@ impl Runner {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// The server ends at its first OutOfMemoryError, and a deployment's own startup
+    /// flags come after, so they can turn that off; the heap and the GC log follow them.
+    #[test]
+    fn the_exit_on_out_of_memory_error_comes_before_the_deployments_startup_flags() {
+        let d = tempfile::tempdir().unwrap();
+        let off = "--host_jvm_args=-XX:-ExitOnOutOfMemoryError".to_string();
+        let settings = RunnerSettings {
+            bazel: "bazel".into(),
+            startup_flags: vec![off.clone()],
+            extra_flags: vec![],
+            heap_bytes: 64 << 20,
+            deadline: Duration::from_secs(20),
+            kill_grace: Duration::from_secs(1),
+            gc_spiral_window: Duration::from_secs(30),
+            remote_executor: "grpc://localhost:1".into(),
+            credentials: BazelCredentials::default(),
+        };
+        let runner = Runner::new(0, d.path(), std::sync::Arc::new(settings)).unwrap();
+        let a = runner.startup_args();
+        let at = |f: &str| a.iter().position(|x| x == f).unwrap_or_else(|| panic!("{f} in {a:?}"));
+        assert!(at("--host_jvm_args=-XX:+ExitOnOutOfMemoryError") < at(&off), "{a:?}");
+        assert!(at(&off) < at("--host_jvm_args=-Xmx65536k"), "{a:?}");
+        assert!(a.iter().any(|x| x.starts_with("--host_jvm_args=-Xlog:gc:file=")), "{a:?}");
+    }
 
     /// The token reaches Bazel through a private bazelrc, re-read before every build,
     /// and never appears on the command line; TLS files go as Bazel's own flags.

@@ -230,6 +230,10 @@ pub struct Seen {
     /// When the build last made progress (see [`is_build_progress`]).
     pub last_progress: Duration,
     pub oom_error_at: Option<Duration>,
+    /// Full GCs read since the last progress, and the latest full GC of the build: a
+    /// server that went quiet long before the window above may have gone quiet full.
+    pub full_gcs_since_progress: usize,
+    pub last_full_gc: Option<GcEvent>,
 }
 
 impl Seen {
@@ -244,13 +248,22 @@ impl Seen {
         let oom = self.oom_error_at.map_or(String::new(), |t| {
             format!("; java.lang.OutOfMemoryError in its jvm.out at {:.1}s", t.as_secs_f64())
         });
+        let last = self.last_full_gc.map_or("no full GC in the build".to_string(), |e| {
+            format!(
+                "its last full GC, at {:.1}s, left {:.1} of {:.0} MiB in use",
+                e.at.as_secs_f64(),
+                mib(e.pause.after_bytes),
+                mib(heap_bytes)
+            )
+        });
         format!(
-            "in the {}s before {:.1}s Bazel's server did {} full GCs{heap} and spent {:.0}% of the time in GC; its last build progress was at {:.1}s{oom}",
+            "in the {}s before {:.1}s Bazel's server did {} full GCs{heap} and spent {:.0}% of the time in GC; its last build progress was at {:.1}s, {} full GCs since; {last}{oom}",
             window.as_secs(),
             self.at.as_secs_f64(),
             self.gc.full_gcs,
             self.gc.gc_time_fraction * 100.0,
             self.last_progress.as_secs_f64(),
+            self.full_gcs_since_progress,
         )
     }
 }
@@ -335,11 +348,17 @@ pub async fn watch(
     let keep = rule.window * 4;
     let mut events: std::collections::VecDeque<GcEvent> = std::collections::VecDeque::new();
     let (mut last_progress, mut oom_error_at) = (Duration::ZERO, None);
+    let (mut full_gcs_since_progress, mut last_full_gc) = (0, None);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
         let now = started.elapsed();
+        let fresh = events.len();
         events.extend(gc_log.read_lines().iter().filter_map(|l| parse_line(l)).map(|pause| GcEvent { at: now, pause }));
+        for e in events.range(fresh..).filter(|e| e.pause.full) {
+            full_gcs_since_progress += 1;
+            last_full_gc = Some(*e);
+        }
         while events.front().is_some_and(|e| now.saturating_sub(e.at) > keep) {
             events.pop_front();
         }
@@ -348,10 +367,18 @@ pub async fn watch(
         }
         if bep.read_lines().iter().any(|l| is_build_progress(l)) {
             last_progress = now;
+            full_gcs_since_progress = 0;
         }
         let events = events.make_contiguous();
         let gc = GcWindow::of(events, rule.window, now);
-        seen.send_replace(Some(Seen { at: now, gc, last_progress, oom_error_at }));
+        seen.send_replace(Some(Seen {
+            at: now,
+            gc,
+            last_progress,
+            oom_error_at,
+            full_gcs_since_progress,
+            last_full_gc,
+        }));
         if let Some(spiral) = detect_in(&rule, gc, events, heap_bytes, last_progress, now) {
             return Stuck::GcSpiral(spiral);
         }
@@ -584,13 +611,25 @@ mod tests {
         let events = stuck(15, 60);
         let gc = GcWindow::of(&events, rule().window, Duration::from_secs(45));
         assert_eq!((gc.full_gcs, gc.min_after_bytes), (334, 21 * MIB), "a pause every 60 ms in (25 s, 45 s]");
-        let seen = Seen { at: Duration::from_secs(45), gc, last_progress: Duration::from_secs(12), oom_error_at: None };
+        let seen = Seen {
+            at: Duration::from_secs(45),
+            gc,
+            last_progress: Duration::from_secs(12),
+            oom_error_at: None,
+            full_gcs_since_progress: 500,
+            last_full_gc: events.last().copied(),
+        };
         let m = seen.describe(24 * MIB, rule().window);
         assert!(m.contains("334 full GCs (the least any left in use: 21.0 of 24 MiB)") && m.contains("92%"), "{m}");
-        assert!(m.contains("last build progress was at 12.0s") && !m.contains("OutOfMemoryError"), "{m}");
+        assert!(
+            m.contains("last build progress was at 12.0s, 500 full GCs since") && !m.contains("OutOfMemoryError"),
+            "{m}"
+        );
+        // Quiet in the window, but it went quiet full: the message keeps the last full GC.
         let idle = Seen {
             gc: GcWindow::of(&[], rule().window, Duration::from_secs(45)),
             oom_error_at: Some(Duration::from_secs(3)),
+            last_full_gc: Some(full(14_000, 22, 90)),
             ..seen
         };
         let m = idle.describe(24 * MIB, rule().window);
@@ -598,6 +637,9 @@ mod tests {
             m.contains("did 0 full GCs and spent 0% ") && m.contains("OutOfMemoryError in its jvm.out at 3.0s"),
             "{m}"
         );
+        assert!(m.contains("its last full GC, at 14.0s, left 22.0 of 24 MiB in use"), "{m}");
+        let none = Seen { last_full_gc: None, full_gcs_since_progress: 0, ..idle };
+        assert!(none.describe(24 * MIB, rule().window).contains("0 full GCs since; no full GC in the build"));
     }
 
     #[test]
