@@ -8,7 +8,7 @@
 //!
 //! Reproducible from the seed printed at the start: set `GANTRY_CHAOS_SEED` to replay a
 //! run's schedule (kill moments, sizes, contents; the interleaving of the writers with the
-//! kill still depends on timing). Bounded: about a minute.
+//! kill still depends on timing). Bounded: about two minutes.
 
 mod common;
 
@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::GantryServer;
+use futures::StreamExt;
 use gantry_core::google::bytestream::byte_stream_client::ByteStreamClient;
 use gantry_core::google::bytestream::{ReadRequest, WriteRequest};
 use gantry_core::reapi::action_cache_client::ActionCacheClient;
@@ -26,6 +27,8 @@ use tonic::transport::Channel;
 
 const CYCLES: usize = 20;
 const WRITERS: u64 = 4;
+/// Read-backs in flight after a restart.
+const READS: usize = 16;
 
 /// splitmix64: a tiny deterministic generator, so the schedule follows from the seed.
 struct Rng(u64);
@@ -182,21 +185,34 @@ async fn sigkill_under_write_load_loses_no_acknowledged_write() {
         let channel = Channel::from_shared(format!("http://{}", server.grpc)).unwrap().connect().await.unwrap();
         let startup = restart.elapsed();
         // Everything acknowledged so far, in every earlier cycle, reads back intact.
+        // Read READS at a time: every cycle reads back all earlier cycles' writes too
+        // (150,000 reads in all), which one at a time took most of the test's 3 minutes.
         let Acked { blobs, ac: entries } = acked.lock().unwrap().clone();
-        for (d, bytes) in &blobs {
-            assert!(
-                read_blob(&channel, d).await == *bytes,
-                "cycle {cycle}: acknowledged blob {d} differs (seed {seed})"
-            );
+        let mut reads = futures::stream::iter(&blobs)
+            .map(|(d, bytes)| {
+                let channel = channel.clone();
+                async move { (d, read_blob(&channel, d).await == *bytes) }
+            })
+            .buffer_unordered(READS);
+        while let Some((d, same)) = reads.next().await {
+            assert!(same, "cycle {cycle}: acknowledged blob {d} differs (seed {seed})");
         }
-        let mut ac = ActionCacheClient::new(channel.clone());
-        for (action, result) in &entries {
-            let got = ac
-                .get_action_result(reapi::GetActionResultRequest {
-                    action_digest: Some(action.to_proto()),
-                    ..Default::default()
-                })
-                .await
+        let mut lookups = futures::stream::iter(&entries)
+            .map(|(action, result)| {
+                let mut ac = ActionCacheClient::new(channel.clone());
+                async move {
+                    let got = ac
+                        .get_action_result(reapi::GetActionResultRequest {
+                            action_digest: Some(action.to_proto()),
+                            ..Default::default()
+                        })
+                        .await;
+                    (action, result, got)
+                }
+            })
+            .buffer_unordered(READS);
+        while let Some((action, result, got)) = lookups.next().await {
+            let got = got
                 .unwrap_or_else(|e| panic!("cycle {cycle}: acknowledged AC entry {action} is gone: {e} (seed {seed})"))
                 .into_inner();
             assert_eq!(got.exit_code, result.exit_code, "cycle {cycle}: AC entry {action} (seed {seed})");
