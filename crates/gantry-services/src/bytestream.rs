@@ -327,11 +327,15 @@ impl ByteStreamService {
 
 type ReadStream = futures::stream::BoxStream<'static, Result<ReadResponse, Status>>;
 
-#[tonic::async_trait]
-impl ByteStream for ByteStreamService {
-    type ReadStream = ReadStream;
+/// What a Read sends: the blob's bytes in pieces of at most the read chunk size, each
+/// one message. The pieces share the store's buffers; nothing is copied here.
+pub(crate) type ReadChunks = futures::stream::BoxStream<'static, Result<Bytes, Status>>;
 
-    async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadStream>, Status> {
+impl ByteStreamService {
+    /// Checks and authorizes a Read and opens the bytes it asks for. Both ways of
+    /// answering a Read use it: the generated service below, and the zero-copy route
+    /// (`bytestream_read`) that serves the wire.
+    pub(crate) async fn open_read(&self, request: Request<ReadRequest>) -> Result<ReadChunks, Status> {
         let caller = gantry_core::auth::caller(&request);
         let req = request.into_inner();
         let rn = ResourceName::parse_read(&req.resource_name)?;
@@ -354,22 +358,31 @@ impl ByteStream for ByteStreamService {
                 compressed_window(raw, req.read_offset as u64, limit)?
             }
         };
-        let out = stream
+        Ok(stream
             .flat_map(move |r| {
-                let parts: Vec<Result<ReadResponse, Status>> = match r {
+                let parts: Vec<Result<Bytes, Status>> = match r {
                     Ok(b) => {
                         metrics.bytes_sent.inc_by(b.len() as u64);
-                        (0..b.len())
-                            .step_by(chunk)
-                            .map(|i| Ok(ReadResponse { data: b.slice(i..(i + chunk).min(b.len())).to_vec() }))
-                            .collect()
+                        (0..b.len()).step_by(chunk).map(|i| Ok(b.slice(i..(i + chunk).min(b.len())))).collect()
                     }
                     Err(e) => vec![Err(e.into())],
                 };
                 futures::stream::iter(parts)
             })
-            .boxed();
-        Ok(Response::new(out))
+            .boxed())
+    }
+}
+
+#[tonic::async_trait]
+impl ByteStream for ByteStreamService {
+    type ReadStream = ReadStream;
+
+    /// Reads that arrive over the network take the zero-copy route instead
+    /// (`bytestream_read::ByteStreamRoutes`); this answers the rest, such as calls made
+    /// on the service value directly.
+    async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadStream>, Status> {
+        let chunks = self.open_read(request).await?;
+        Ok(Response::new(chunks.map(|r| r.map(|b| ReadResponse { data: b.to_vec() })).boxed()))
     }
 
     async fn write(&self, request: Request<Streaming<WriteRequest>>) -> Result<Response<WriteResponse>, Status> {

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod batcher;
 pub mod build_events;
 pub mod bytestream;
+pub mod bytestream_read;
 pub mod cache_hits;
 pub mod capabilities;
 pub mod cas;
@@ -22,7 +23,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gantry_core::google::bytestream::byte_stream_server::ByteStreamServer;
 use gantry_core::google::longrunning::operations_server::OperationsServer;
 use gantry_core::reapi::action_cache_server::ActionCacheServer;
 use gantry_core::reapi::capabilities_server::CapabilitiesServer;
@@ -200,7 +200,7 @@ impl Services {
         .max_encoding_message_size(2 * max_msg)
         .accept_compressed(CompressionEncoding::Zstd)
         .send_compressed(CompressionEncoding::Zstd);
-        let bs = ByteStreamServer::new(
+        let bs = bytestream_read::ByteStreamRoutes::new(
             bytestream::ByteStreamService::new(
                 self.cas.clone(),
                 self.metrics.clone(),
@@ -209,9 +209,8 @@ impl Services {
             )
             .with_per_client_limit(self.limits.max_uploads_per_client)
             .with_memory_limit(self.limits.max_upload_memory),
-        )
-        .max_decoding_message_size(max_msg)
-        .max_encoding_message_size(max_msg);
+            |s| s.max_decoding_message_size(max_msg).max_encoding_message_size(max_msg),
+        );
         let ac = ActionCacheServer::new(
             action_cache::ActionCacheService::new(self.ac.clone(), self.cas.clone(), self.metrics.clone())
                 .with_cache_hits(self.cache_hits.clone()),

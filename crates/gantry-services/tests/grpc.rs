@@ -935,3 +935,53 @@ async fn malformed_and_oversized_requests_get_the_clients_codes() {
     // A well-formed call still works on the same connection.
     h.upload(b"still fine").await;
 }
+
+/// Reads go out on the zero-copy route (`bytestream_read`): a large blob arrives as
+/// messages of at most the read chunk size, the empty blob as no data with OK, and a
+/// Read whose request is not a ReadRequest is the client's INVALID_ARGUMENT, with the
+/// connection still usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_come_in_chunk_sized_messages_and_bad_read_requests_are_refused() {
+    let h = harness().await;
+    let data = pattern((9 << 20) + 17, 8);
+    let d = DigestFunction::Sha256.digest_of(&data);
+    let name = format!("uploads/{}/blobs/{}/{}", uuid::Uuid::new_v4(), d.hash_hex(), d.size);
+    h.bs().write(futures::stream::iter(write_reqs(&name, &data, 0, 1 << 20, true))).await.unwrap();
+    let read_name = format!("blobs/{}/{}", d.hash_hex(), d.size);
+    let mut stream = h
+        .bs()
+        .read(ReadRequest { resource_name: read_name.clone(), read_offset: 0, read_limit: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut got, mut sizes) = (Vec::new(), Vec::new());
+    while let Some(m) = stream.message().await.unwrap() {
+        sizes.push(m.data.len());
+        got.extend_from_slice(&m.data);
+    }
+    assert!(got == data, "the bytes read back differ");
+    assert_eq!(sizes.len(), 10, "{sizes:?}");
+    assert!(sizes.iter().all(|&s| s == 1 << 20 || s == 17), "{sizes:?}");
+    // Across a boundary of the store's 4 MiB reads and of the 1 MiB messages.
+    let (off, len) = ((4 << 20) - 3, (1 << 20) + 9);
+    assert!(h.read_all(read_name.clone(), off as i64, len as i64).await.unwrap() == data[off..off + len]);
+
+    let empty = DigestFunction::Sha256.empty();
+    assert!(h.read_all(format!("blobs/{}/0", empty.hash_hex()), 0, 0).await.unwrap().is_empty());
+
+    let path = "/google.bytestream.ByteStream/Read";
+    let e = raw_call(h.channel.clone(), path, vec![0xff; 16]).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().starts_with("ReadRequest:"), "{e:?}");
+    let e = raw_call(h.channel.clone(), path, vec![b'x'; 100 << 10]).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    let e = raw_call(
+        h.channel.clone(),
+        path,
+        ReadRequest { resource_name: "nonsense".into(), ..Default::default() }.encode_to_vec(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(h.read_all(read_name, 9 << 20, 0).await.unwrap() == data[9 << 20..]);
+}

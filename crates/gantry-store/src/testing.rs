@@ -41,7 +41,8 @@ pub async fn round_trip(s: Arc<dyn BlobStore>) {
 }
 
 pub async fn ranges(s: Arc<dyn BlobStore>) {
-    let (data, d) = blob(3, 3 * 1024 * 1024 + 17);
+    // Past two of FsStore's 4 MiB read chunks, so the read-ahead runs.
+    let (data, d) = blob(3, 9 * 1024 * 1024 + 17);
     s.put(&d, data.clone()).await.unwrap();
     let mut stream = s.read(&d, 0, None).await.unwrap();
     let mut chunks = 0;
@@ -54,6 +55,8 @@ pub async fn ranges(s: Arc<dyn BlobStore>) {
     assert!(chunks > 1, "large blobs are streamed in chunks");
     let part = collect(s.read(&d, 1_000_000, Some(2_000_000)).await.unwrap()).await;
     assert_eq!(&part[..], &data[1_000_000..3_000_000]);
+    let across = collect(s.read(&d, (4 << 20) - 10, Some((4 << 20) + 20)).await.unwrap()).await;
+    assert_eq!(&across[..], &data[(4 << 20) - 10..(8 << 20) + 10]);
     let tail = collect(s.read(&d, data.len() as u64 - 5, Some(100)).await.unwrap()).await;
     assert_eq!(&tail[..], &data[data.len() - 5..]);
     assert!(collect(s.read(&d, data.len() as u64, None).await.unwrap()).await.is_empty());
