@@ -97,12 +97,20 @@ fn size(s: &str) -> Option<u64> {
 ///
 /// A heap that fills up and recovers fails the first (a full GC frees it) or the third
 /// (the build moves on); one full GC near the limit fails the count.
+///
+/// A slower server fails the pause-time condition yet is just as stuck: full GCs that
+/// are quick, but every one leaves the heap full, and the build never moves again. So a
+/// build also counts as stuck (see [`detect_starved`]) once it has made no progress for
+/// `starved_after`, with at least `min_full_gcs_starved` full GCs since its last progress
+/// and every one of them at `min_heap_fraction` or more.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SpiralRule {
     pub window: Duration,
     pub min_full_gcs: usize,
     pub min_heap_fraction: f64,
     pub min_gc_time_fraction: f64,
+    pub starved_after: Duration,
+    pub min_full_gcs_starved: usize,
 }
 
 impl SpiralRule {
@@ -111,8 +119,21 @@ impl SpiralRule {
     /// full GC and spent 90-99% of each 30 s in pauses, while builds that succeeded near
     /// their limit (up to 63 full GCs) spent at most 24% of any 30 s in pauses. 80% sits
     /// under the stuck servers; Bazel's eager OOM (90%) catches what is above.
+    ///
+    /// The starved form: in CI (2026-11-29) a server under a 24 MiB heap made no progress
+    /// from 51.8 s to its 300 s deadline while doing 107 full GCs, each leaving 21.0 MiB
+    /// in use, yet under 50% of any 30 s in pauses. Four windows without progress and ten
+    /// full GCs, all with the heap full, leave no doubt and still stop it well before a
+    /// deadline.
     pub fn with_window(window: Duration) -> SpiralRule {
-        SpiralRule { window, min_full_gcs: 3, min_heap_fraction: 0.8, min_gc_time_fraction: 0.5 }
+        SpiralRule {
+            window,
+            min_full_gcs: 3,
+            min_heap_fraction: 0.8,
+            min_gc_time_fraction: 0.5,
+            starved_after: window * 4,
+            min_full_gcs_starved: 10,
+        }
     }
 }
 
@@ -135,17 +156,51 @@ pub fn detect_after_oom_error(
     (!window.is_zero() && now.checked_sub(since)? >= window).then_some(since)
 }
 
+/// Whether a build is stuck with a full heap at `now` by the rule's starved form: no
+/// progress since `last_progress` for `starved_after`, and `full_gcs` full GCs since
+/// then (at least `min_full_gcs_starved`) of which the emptiest left `min_after_bytes`
+/// in use (at least `min_heap_fraction` of the heap). Returns when it got stuck: its
+/// last progress.
+pub fn detect_starved(
+    rule: &SpiralRule,
+    full_gcs: usize,
+    min_after_bytes: u64,
+    heap_bytes: u64,
+    last_progress: Duration,
+    now: Duration,
+) -> Option<Duration> {
+    let quiet = now.checked_sub(last_progress)?;
+    let full = min_after_bytes as f64 >= rule.min_heap_fraction * heap_bytes as f64;
+    (!rule.window.is_zero()
+        && heap_bytes > 0
+        && quiet >= rule.starved_after
+        && full_gcs >= rule.min_full_gcs_starved.max(1)
+        && full)
+        .then_some(last_progress)
+}
+
 /// Why the watcher says a build is stuck.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Stuck {
     GcSpiral(Spiral),
-    AfterOomError { stuck_since: Duration, detected_at: Duration },
+    /// [`detect_starved`]: `full_gcs` since `stuck_since`, the emptiest leaving
+    /// `min_after_bytes`.
+    Starved {
+        full_gcs: usize,
+        min_after_bytes: u64,
+        stuck_since: Duration,
+        detected_at: Duration,
+    },
+    AfterOomError {
+        stuck_since: Duration,
+        detected_at: Duration,
+    },
 }
 
 impl Stuck {
     pub fn signal(&self) -> OomSignal {
         match self {
-            Stuck::GcSpiral(_) => OomSignal::GcSpiral,
+            Stuck::GcSpiral(_) | Stuck::Starved { .. } => OomSignal::GcSpiral,
             Stuck::AfterOomError { .. } => OomSignal::OomErrorInLog,
         }
     }
@@ -154,6 +209,13 @@ impl Stuck {
     pub fn describe(&self, heap_bytes: u64, window: Duration) -> String {
         match self {
             Stuck::GcSpiral(s) => s.describe(heap_bytes, window),
+            Stuck::Starved { full_gcs, min_after_bytes, stuck_since, detected_at } => format!(
+                "stopped: Bazel's server was stuck with a full heap since {:.1}s into the build (no build progress since, and {full_gcs} full GCs each left at least {:.1} of its {:.0} MiB heap in use, at {:.1}s)",
+                stuck_since.as_secs_f64(),
+                *min_after_bytes as f64 / (1 << 20) as f64,
+                heap_bytes as f64 / (1 << 20) as f64,
+                detected_at.as_secs_f64()
+            ),
             Stuck::AfterOomError { stuck_since, detected_at } => format!(
                 "stopped: Bazel's server was stuck since {:.1}s into the build (java.lang.OutOfMemoryError in its jvm.out, still running and no build progress at {:.1}s)",
                 stuck_since.as_secs_f64(),
@@ -348,7 +410,7 @@ pub async fn watch(
     let keep = rule.window * 4;
     let mut events: std::collections::VecDeque<GcEvent> = std::collections::VecDeque::new();
     let (mut last_progress, mut oom_error_at) = (Duration::ZERO, None);
-    let (mut full_gcs_since_progress, mut last_full_gc) = (0, None);
+    let (mut full_gcs_since_progress, mut last_full_gc, mut min_after_since_progress) = (0, None, u64::MAX);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
@@ -357,6 +419,7 @@ pub async fn watch(
         events.extend(gc_log.read_lines().iter().filter_map(|l| parse_line(l)).map(|pause| GcEvent { at: now, pause }));
         for e in events.range(fresh..).filter(|e| e.pause.full) {
             full_gcs_since_progress += 1;
+            min_after_since_progress = min_after_since_progress.min(e.pause.after_bytes);
             last_full_gc = Some(*e);
         }
         while events.front().is_some_and(|e| now.saturating_sub(e.at) > keep) {
@@ -368,6 +431,7 @@ pub async fn watch(
         if bep.read_lines().iter().any(|l| is_build_progress(l)) {
             last_progress = now;
             full_gcs_since_progress = 0;
+            min_after_since_progress = u64::MAX;
         }
         let events = events.make_contiguous();
         let gc = GcWindow::of(events, rule.window, now);
@@ -381,6 +445,16 @@ pub async fn watch(
         }));
         if let Some(spiral) = detect_in(&rule, gc, events, heap_bytes, last_progress, now) {
             return Stuck::GcSpiral(spiral);
+        }
+        if let Some(stuck_since) =
+            detect_starved(&rule, full_gcs_since_progress, min_after_since_progress, heap_bytes, last_progress, now)
+        {
+            return Stuck::Starved {
+                full_gcs: full_gcs_since_progress,
+                min_after_bytes: min_after_since_progress,
+                stuck_since,
+                detected_at: now,
+            };
         }
         if let Some(stuck_since) = detect_after_oom_error(rule.window, oom_error_at, last_progress, now) {
             return Stuck::AfterOomError { stuck_since, detected_at: now };
@@ -640,6 +714,31 @@ mod tests {
         assert!(m.contains("its last full GC, at 14.0s, left 22.0 of 24 MiB in use"), "{m}");
         let none = Seen { last_full_gc: None, full_gcs_since_progress: 0, ..idle };
         assert!(none.describe(24 * MIB, rule().window).contains("0 full GCs since; no full GC in the build"));
+    }
+
+    /// The CI case of 2026-11-29: quick full GCs (under 50% of any window in pauses), all
+    /// leaving the heap full, and no progress: stuck once `starved_after` has passed, not
+    /// before, and never with progress, too few full GCs, or one that freed the heap.
+    #[test]
+    fn a_server_with_a_full_heap_and_no_progress_for_four_windows_is_starved() {
+        let r = rule();
+        let s = Duration::from_secs;
+        // Quick pauses: the spiral rule never holds on them.
+        let quick: Vec<GcEvent> = (52..300).step_by(2).map(|t| full(t * 1000, 21, 30)).collect();
+        assert_eq!(detect(&r, &quick, 24 * MIB, s(52), s(200)), None);
+        let (gcs, heap) = (107, 21 * MIB);
+        assert_eq!(r.starved_after, s(80));
+        assert_eq!(detect_starved(&r, gcs, heap, 24 * MIB, s(52), s(131)), None, "not yet four windows");
+        assert_eq!(detect_starved(&r, gcs, heap, 24 * MIB, s(52), s(132)), Some(s(52)));
+        assert_eq!(detect_starved(&r, 9, heap, 24 * MIB, s(52), s(200)), None, "too few full GCs");
+        assert_eq!(detect_starved(&r, gcs, 19 * MIB, 24 * MIB, s(52), s(200)), None, "one freed the heap (under 80%)");
+        assert_eq!(detect_starved(&r, 0, u64::MAX, 24 * MIB, s(52), s(200)), None, "no full GC since progress");
+        assert_eq!(detect_starved(&r, gcs, heap, 0, s(52), s(200)), None, "heap unknown");
+        let stuck = Stuck::Starved { full_gcs: gcs, min_after_bytes: heap, stuck_since: s(52), detected_at: s(132) };
+        assert_eq!(stuck.signal(), OomSignal::GcSpiral);
+        let m = stuck.describe(24 * MIB, r.window);
+        assert!(m.starts_with("stopped: Bazel's server was stuck with a full heap since 52.0s"), "{m}");
+        assert!(m.contains("107 full GCs each left at least 21.0 of its 24 MiB"), "{m}");
     }
 
     #[test]

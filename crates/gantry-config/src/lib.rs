@@ -820,7 +820,9 @@ pub struct BatchConfig {
     /// the deadline) and recorded OOM, so it is split rather than rerun. Stuck in GC
     /// (`oom_signal` "gc_spiral"): at least 3 full GCs in the window, each leaving 80% of
     /// `bazel_memory` in use, half of the window spent in GC pauses, and no new build
-    /// event; or still running a whole window after an OutOfMemoryError in its `jvm.out`
+    /// event; or no new build event for four windows with at least 10 full GCs since the
+    /// last one, each leaving 80% in use, however short their pauses (also "gc_spiral");
+    /// or still running a whole window after an OutOfMemoryError in its `jvm.out`
     /// with no new build event ("oom_error_in_log"). The server writes a GC log for this
     /// (`-Xlog:gc`, JDK 9+, `gc.log` in the runner's directory). Make it long enough to
     /// hold 3 full GCs of your heap. "0s": no GC log, no detection (a stuck build runs to

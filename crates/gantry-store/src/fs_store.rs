@@ -51,8 +51,9 @@ const SPILL_THRESHOLD: usize = 1 << 20;
 /// A full disk evicts at least this much, however small the blob that found it full.
 const MIN_ROOM: u64 = 1 << 20;
 /// Reads are streamed in chunks of this size, with one more read ahead: a large read
-/// holds up to 8 MiB. 4 MiB chunks read 64 MiB blobs 10-15% faster than 1 MiB ones
-/// (fewer blocking-pool hops); ByteStream still sends them as `read_chunk_size` messages.
+/// holds up to three chunks (12 MiB: one being sent, the next, and one being read).
+/// 4 MiB chunks read 64 MiB blobs 10-15% faster than 1 MiB ones (fewer blocking-pool
+/// hops); ByteStream still sends them as `read_chunk_size` messages.
 const READ_CHUNK: u64 = 4 << 20;
 /// A temp file this old belongs to no write in progress (an upload idle longer is
 /// dropped), so an open removes it even beside live processes.

@@ -423,7 +423,11 @@ fn a_bazel_stuck_in_gc_is_split_as_oom_long_before_its_deadline() {
                 "RESULT attempt {attempt}: build {} stuck ({}) from {since:.1}s, classified OOM at {wall:.1}s",
                 b["build_id"], b["oom_signal"]
             );
-            assert!(wall - since <= 60.0, "classified {:.1}s after it got stuck: {b}", wall - since);
+            // A spiral is caught within a minute of its start. A server stuck with a full
+            // heap but quick full GCs (the starved form of the rule, seen in CI on
+            // 2026-11-29) is caught once it has gone 4 windows (2 min) without progress.
+            let limit = if b["message"].as_str().unwrap().contains("stuck with a full heap") { 150.0 } else { 60.0 };
+            assert!(wall - since <= limit, "classified {:.1}s after it got stuck: {b}", wall - since);
             // Builds are slower when the other test of this file runs alongside (up to
             // 93 s then, against 48-64 s alone).
             assert!(wall < 300.0, "a 10 minute deadline, yet stopped only after {wall:.1}s: {b}");
