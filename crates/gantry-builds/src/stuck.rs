@@ -114,6 +114,12 @@ pub struct SpiralRule {
 }
 
 impl SpiralRule {
+    /// Whether a full GC that left `after_bytes` of a `heap_bytes` heap in use freed
+    /// nothing worth having: the live set is the heap.
+    fn leaves_heap_full(&self, after_bytes: u64, heap_bytes: u64) -> bool {
+        after_bytes as f64 >= self.min_heap_fraction * heap_bytes as f64
+    }
+
     /// The rule with `[batch] gc_spiral_window`. The fractions come from Bazel 4.2.3
     /// (G1) under 20-32 MiB heaps: stuck servers sat at 87-89% of the heap after every
     /// full GC and spent 90-99% of each 30 s in pauses, while builds that succeeded near
@@ -170,13 +176,12 @@ pub fn detect_starved(
     now: Duration,
 ) -> Option<Duration> {
     let quiet = now.checked_sub(last_progress)?;
-    let full = min_after_bytes as f64 >= rule.min_heap_fraction * heap_bytes as f64;
     (!rule.window.is_zero()
         && heap_bytes > 0
         && quiet >= rule.starved_after
         && full_gcs >= rule.min_full_gcs_starved.max(1)
-        && full)
-        .then_some(last_progress)
+        && rule.leaves_heap_full(min_after_bytes, heap_bytes))
+    .then_some(last_progress)
 }
 
 /// Why the watcher says a build is stuck.
@@ -373,7 +378,7 @@ fn detect_in(
     if last_progress > since {
         return None;
     }
-    let full_enough = |after_bytes: u64| after_bytes as f64 >= rule.min_heap_fraction * heap_bytes as f64;
+    let full_enough = |after_bytes: u64| rule.leaves_heap_full(after_bytes, heap_bytes);
     let GcWindow { full_gcs, min_after_bytes: min_after, gc_time_fraction } = gc;
     if full_gcs < rule.min_full_gcs.max(1) || !full_enough(min_after) || gc_time_fraction < rule.min_gc_time_fraction {
         return None;

@@ -111,10 +111,16 @@ async fn read_request(mut body: Body) -> Result<ReadRequest, Status> {
         return Err(Status::unimplemented("ReadRequest: compressed request messages are not accepted"));
     }
     let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-    if buf.len() != 5 + len {
+    if buf.len() < 5 + len {
+        return Err(Status::invalid_argument(format!(
+            "ReadRequest: the message is cut short ({} of its {len} bytes sent)",
+            buf.len() - 5
+        )));
+    }
+    if buf.len() > 5 + len {
         return Err(Status::invalid_argument(format!(
             "ReadRequest: a server-streaming call takes exactly one message ({} bytes sent after a {len}-byte message)",
-            buf.len() as i64 - 5 - len as i64
+            buf.len() - 5 - len
         )));
     }
     ReadRequest::decode(&buf[5..]).map_err(|e| Status::invalid_argument(format!("ReadRequest: {e}")))

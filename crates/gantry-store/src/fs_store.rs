@@ -182,8 +182,13 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| Error::internal(format!("blocking task failed: {e}")))?
+/// Runs `f` on the blocking pool. It starts at the call, not at the first poll, so a
+/// read can start its next chunk and await it later.
+fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> impl std::future::Future<Output = Result<T>> {
+    let task = tokio::task::spawn_blocking(f);
+    async move { task.await.map_err(|e| Error::internal(format!("blocking task failed: {e}")))? }
 }
 
 /// A step of writing a `size`-byte blob, on the blocking pool. A full disk is answered
@@ -663,24 +668,16 @@ impl BlobStore for FsStore {
         // One chunk is read ahead while the one before it is sent, so the disk (or page
         // cache) and the network overlap; a task per chunk, not one per blob, so a slow
         // reader never holds a blocking thread while it waits.
-        let read_next = move |file: File, remaining: u64| {
+        let read_next = move |mut file: File, remaining: u64| {
             let n = remaining.min(READ_CHUNK) as usize;
-            let task = tokio::task::spawn_blocking(move || {
-                let mut file = file;
-                let chunk = read_exact_chunk(&mut file, n, &d)?;
-                Ok::<_, Error>((file, chunk, remaining - n as u64))
-            });
-            async move { task.await.map_err(|e| Error::internal(format!("blocking task failed: {e}")))? }
+            blocking(move || Ok((read_exact_chunk(&mut file, n, &d)?, file, remaining - n as u64)))
         };
         let tail = futures::stream::unfold(
             Some(futures::FutureExt::boxed(read_next(file, remaining))),
             move |next| async move {
                 match next?.await {
-                    Ok((file, chunk, 0)) => {
-                        drop(file);
-                        Some((Ok(chunk), None))
-                    }
-                    Ok((file, chunk, left)) => {
+                    Ok((chunk, _, 0)) => Some((Ok(chunk), None)),
+                    Ok((chunk, file, left)) => {
                         Some((Ok(chunk), Some(futures::FutureExt::boxed(read_next(file, left)))))
                     }
                     Err(e) => Some((Err(e), None)),
