@@ -1,9 +1,10 @@
-//! One assignment, end to end: materialize inputs into a fresh directory, create
+//! One assignment, end to end: materialize inputs into an empty directory, create
 //! output parents, run metered and bounded, upload outputs and logs, clean up. Every
 //! stage is timestamped in ExecutedActionMetadata.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gantry_core::reapi::{ActionResult, ExecutedActionMetadata};
@@ -21,8 +22,10 @@ pub struct Executor {
     pub worker_id: String,
     pub cas: Arc<dyn BlobStore>,
     pub cache: Arc<FsStore>,
-    /// Each action runs in `{work_root}/{job}`; removed afterwards.
+    /// Each action runs in a directory of `{work_root}` ([`ActionDirs`]).
     pub work_root: PathBuf,
+    /// The directories of `work_root` not in use.
+    pub dirs: ActionDirs,
     /// Starts and reaps the actions' commands (spawner.rs); None: forked from this
     /// process, whose memory then pollutes their rusage peak.
     pub spawner: Option<Arc<crate::spawner::Spawner>>,
@@ -31,6 +34,85 @@ pub struct Executor {
     /// Where actions get their cgroup (`cgroup::setup`); None: limits are enforced with
     /// RLIMIT_AS and pinning.
     pub cgroups: Option<Arc<Cgroups>>,
+}
+
+/// Action directories, kept from one action to the next: `{work_root}/a{n}`, holding the
+/// action's input root `root/` and its `stdout` and `stderr`. Only the input root's
+/// contents are removed after an action; the directory, `root/` itself and the two log
+/// files (truncated, then opened with `O_TRUNC` by the next action) stay.
+///
+/// Why: every inode an action creates and frees costs twice over on ext4 without a
+/// journal, whose inode allocator reads every inode freed in the last minute or so
+/// (`recently_deleted`) to skip it. A worker that made and removed four of them for each
+/// no-op action spent a quarter of the machine's CPU in that scan (a `perf` profile of
+/// `gantry bench exec`), and slowed every other file creation on the disk with it, the
+/// CAS's included.
+///
+/// The log files being the same inodes means a process that escaped its action and
+/// still holds one open would write into a later action's log. Actions leave nothing
+/// running: their process group is killed when they end, and with cgroups their whole
+/// process tree; only a process that left the group without cgroups could (see
+/// process.rs).
+#[derive(Default)]
+pub struct ActionDirs {
+    free: Arc<Mutex<Vec<PathBuf>>>,
+    made: AtomicUsize,
+}
+
+impl ActionDirs {
+    /// A directory whose `root/` is empty, kept or new.
+    fn take(&self, work_root: &Path) -> Result<PathBuf> {
+        let kept = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let dir = match kept {
+            Some(dir) => dir,
+            None => {
+                let dir = work_root.join(format!("a{}", self.made.fetch_add(1, Ordering::Relaxed)));
+                remove_tree(&dir);
+                dir
+            }
+        };
+        let root = dir.join("root");
+        std::fs::create_dir_all(&root).context(format_args!("creating {}", root.display()))?;
+        Ok(dir)
+    }
+
+    /// Empties `dir`'s input root and keeps it for the next action, or removes it whole
+    /// when it cannot be emptied.
+    async fn give_back(&self, dir: PathBuf) {
+        let free = self.free.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if empty_action_dir(&dir) {
+                free.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
+            } else {
+                remove_tree(&dir);
+            }
+        })
+        .await;
+    }
+}
+
+/// Removes what an action left in `dir`'s input root and truncates its logs (a large log
+/// should not take disk space until the next action). False if something stays.
+fn empty_action_dir(dir: &Path) -> bool {
+    let root = dir.join("root");
+    let Ok(entries) = std::fs::read_dir(&root) else { return false };
+    for e in entries {
+        let Ok(e) = e else { return false };
+        let path = e.path();
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&path);
+        } else if let Err(err) = std::fs::remove_file(&path)
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            return false;
+        }
+    }
+    for log in ["stdout", "stderr"] {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(dir.join(log)) {
+            let _ = f.set_len(0);
+        }
+    }
+    std::fs::read_dir(&root).is_ok_and(|mut d| d.next().is_none())
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -80,10 +162,14 @@ impl Executor {
     /// Runs the work; never fails, because every failure is reported to the client as an
     /// ExecutionFinished with a status.
     pub async fn execute(&self, a: Work, cancel: impl std::future::Future<Output = ()>) -> wpb::ExecutionFinished {
-        let dir = self.work_root.join(a.job_id.replace('/', "_"));
-        let res = self.execute_in(&a, &dir, cancel).await;
-        let d = dir.clone();
-        let _ = tokio::task::spawn_blocking(move || remove_tree(&d)).await;
+        let res = match self.dirs.take(&self.work_root) {
+            Ok(dir) => {
+                let res = self.execute_in(&a, &dir, cancel).await;
+                self.dirs.give_back(dir).await;
+                res
+            }
+            Err(e) => Err(e),
+        };
         match res {
             Ok(f) => f,
             Err(e) => self.refused(a.job_id, &e),
@@ -136,9 +222,7 @@ impl Executor {
         for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
             safe_relative(p, "output path")?;
         }
-        let _ = std::fs::remove_dir_all(dir);
         let exec_root = dir.join("root");
-        std::fs::create_dir_all(&exec_root).context(format_args!("creating {}", exec_root.display()))?;
 
         md.input_fetch_start_timestamp = Some(ts());
         let materializer = Materializer { cas: self.cas.clone(), cache: self.cache.clone() };

@@ -189,6 +189,7 @@ async fn the_executor_reports_an_oom_kill_to_the_scheduler() {
         cas,
         cache: Arc::new(gantry_store::FsStore::open(d.path().join("cache"), 1 << 30).await.unwrap()),
         work_root: d.path().join("actions"),
+        dirs: Default::default(),
         spawner: None,
         limits: Limits { memory_bytes: Some(64 * MIB), cpus: None },
         cgroups: Some(cgroups),

@@ -172,6 +172,7 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
             cas: services.cas.clone(),
             cache: cache.clone(),
             work_root,
+            dirs: Default::default(),
             spawner: std::env::current_exe().ok().map(|p| Arc::new(gantry_worker::spawner::Spawner::new(p))),
             limits,
             cgroups: cgroups.clone(),

@@ -74,6 +74,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         cas: Arc::new(GrpcStore::new(channel.clone(), "")),
         cache,
         work_root,
+        dirs: Default::default(),
         spawner: std::env::current_exe().ok().map(|p| Arc::new(gantry_worker::spawner::Spawner::new(p))),
         limits: gantry_worker::process::Limits { memory_bytes: args.memory_limit.map(|m| m.as_u64()), cpus: args.cpus },
         cgroups,

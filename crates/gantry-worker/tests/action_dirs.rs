@@ -1,0 +1,122 @@
+//! Action directories are kept from one action to the next (executor.rs, `ActionDirs`):
+//! an action starts in an empty input root with empty logs whatever the one before it
+//! left there, and a directory that cannot be emptied is removed, not reused.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use gantry_core::reapi;
+use gantry_core::{BlobStore, Digest, DigestFunction, Work};
+use gantry_worker::Executor;
+use prost::Message;
+
+const F: DigestFunction = DigestFunction::Sha256;
+
+async fn executor(d: &Path, cas: Arc<dyn BlobStore>) -> Executor {
+    let empty = reapi::Directory::default().encode_to_vec();
+    cas.put(&F.digest_of(&empty), empty.into()).await.unwrap();
+    Executor {
+        worker_id: "w".into(),
+        cas,
+        cache: Arc::new(gantry_store::FsStore::open(d.join("cache"), 1 << 30).await.unwrap()),
+        work_root: d.join("actions"),
+        dirs: Default::default(),
+        spawner: None,
+        limits: Default::default(),
+        cgroups: None,
+    }
+}
+
+/// Runs `script` under `/bin/sh -c` in an empty input root; returns its exit code and
+/// its stdout.
+async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, String) {
+    let command = reapi::Command {
+        arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        environment_variables: vec![reapi::command::EnvironmentVariable {
+            name: "PATH".into(),
+            value: "/usr/bin:/bin".into(),
+        }],
+        ..Default::default()
+    };
+    let action = reapi::Action {
+        command_digest: Some(F.digest_of(&command.encode_to_vec()).to_proto()),
+        input_root_digest: Some(F.digest_of(&reapi::Directory::default().encode_to_vec()).to_proto()),
+        ..Default::default()
+    };
+    let work = Work {
+        job_id: format!("operations/{}", uuid::Uuid::new_v4()),
+        function: F,
+        action: action.into(),
+        command: command.into(),
+        timeout: std::time::Duration::from_secs(60),
+    };
+    let finished = ex.execute(work, std::future::pending()).await;
+    assert_eq!(finished.status_code, 0, "{}", finished.status_message);
+    let result = reapi::ActionResult::decode(finished.action_result.unwrap().as_slice()).unwrap();
+    let stdout = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
+    let bytes = cas.get(&stdout).await.expect("stdout uploaded");
+    (result.exit_code, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn each_action_starts_empty_in_a_kept_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone()).await;
+
+    // Leaves files, a nested directory it made read-only, and a long log.
+    let (code, out) = run(
+        &ex,
+        &cas,
+        "mkdir -p d/e && echo hi > d/e/f && touch top && chmod 0500 d/e d && seq 1 2000 && echo err >&2",
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert!(out.ends_with("1999\n2000\n"), "{out}");
+    assert_eq!(entries(&d.path().join("actions")), ["a0"], "one directory for one action at a time");
+    assert_eq!(entries(&d.path().join("actions/a0/root")), Vec::<String>::new(), "emptied after the action");
+    assert_eq!(std::fs::metadata(d.path().join("actions/a0/stdout")).unwrap().len(), 0, "its log truncated");
+
+    // The next one sees none of it, and its log holds only its own output.
+    let (code, out) = run(&ex, &cas, "ls -A; echo done").await;
+    assert_eq!((code, out.as_str()), (0, "done\n"));
+    assert_eq!(entries(&d.path().join("actions")), ["a0"], "the same directory, kept");
+
+    // An action that breaks its directory (its input root replaced by a file) gets it
+    // removed; the next action runs in a new one.
+    let (code, _) = run(&ex, &cas, "cd .. && rm -rf root && echo x > root").await;
+    assert_eq!(code, 0);
+    assert_eq!(entries(&d.path().join("actions")), Vec::<String>::new(), "a broken directory is not kept");
+    let (code, out) = run(&ex, &cas, "ls -A; echo fine").await;
+    assert_eq!((code, out.as_str()), (0, "fine\n"));
+    assert_eq!(entries(&d.path().join("actions")), ["a1"]);
+}
+
+#[tokio::test]
+async fn concurrent_actions_get_directories_of_their_own() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone()).await;
+    // Each writes a file, waits for the others to have written theirs, and lists its
+    // root: it must see only its own.
+    let script = |i: usize| format!("echo {i} > mine; sleep 0.5; ls -A; cat mine");
+    let runs = (0..4).map(|i| {
+        let (ex, cas, s) = (&ex, &cas, script(i));
+        async move { run(ex, cas, &s).await }
+    });
+    let outs = futures::future::join_all(runs).await;
+    for (i, (code, out)) in outs.iter().enumerate() {
+        assert_eq!((*code, out.as_str()), (0, format!("mine\n{i}\n").as_str()));
+    }
+    assert_eq!(entries(&d.path().join("actions")), ["a0", "a1", "a2", "a3"]);
+    for a in ["a0", "a1", "a2", "a3"] {
+        assert_eq!(entries(&d.path().join("actions").join(a).join("root")), Vec::<String>::new());
+    }
+}
