@@ -104,9 +104,18 @@ async fn concurrent_actions_get_directories_of_their_own() {
     let d = tempfile::tempdir().unwrap();
     let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
     let ex = executor(d.path(), cas.clone()).await;
-    // Each writes a file, waits for the others to have written theirs, and lists its
+    // Each writes a file, waits (up to 30 s) until all four are running, and lists its
     // root: it must see only its own.
-    let script = |i: usize| format!("echo {i} > mine; sleep 0.5; ls -A; cat mine");
+    let ready = d.path().join("ready");
+    std::fs::create_dir(&ready).unwrap();
+    let script = |i: usize| {
+        format!(
+            "echo {i} > mine; touch {r}/{i}; n=0; \
+             while [ $(ls {r} | wc -l) -lt 4 ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done; \
+             ls -A; cat mine",
+            r = ready.display()
+        )
+    };
     let runs = (0..4).map(|i| {
         let (ex, cas, s) = (&ex, &cas, script(i));
         async move { run(ex, cas, &s).await }
