@@ -62,15 +62,12 @@ pub struct ActionDirs {
 impl ActionDirs {
     /// A directory whose `root/` is empty, kept or new.
     fn take(&self, work_root: &Path) -> Result<PathBuf> {
-        let kept = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let dir = match kept {
-            Some(dir) => dir,
-            None => {
-                let dir = work_root.join(format!("a{}", self.made.fetch_add(1, Ordering::Relaxed)));
-                remove_tree(&dir);
-                dir
-            }
-        };
+        // A kept directory's root is there and empty (`empty_action_dir` checked it).
+        if let Some(dir) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(dir);
+        }
+        let dir = work_root.join(format!("a{}", self.made.fetch_add(1, Ordering::Relaxed)));
+        remove_tree(&dir);
         let root = dir.join("root");
         std::fs::create_dir_all(&root).context(format_args!("creating {}", root.display()))?;
         Ok(dir)
@@ -92,18 +89,23 @@ impl ActionDirs {
 }
 
 /// Removes what an action left in `dir`'s input root and truncates its logs (a large log
-/// should not take disk space until the next action). False if something stays.
+/// should not take disk space until the next action). False if something could not be
+/// removed.
 fn empty_action_dir(dir: &Path) -> bool {
     let root = dir.join("root");
     let Ok(entries) = std::fs::read_dir(&root) else { return false };
     for e in entries {
         let Ok(e) = e else { return false };
         let path = e.path();
-        if e.file_type().is_ok_and(|t| t.is_dir()) {
-            remove_tree(&path);
-        } else if let Err(err) = std::fs::remove_file(&path)
-            && err.kind() != std::io::ErrorKind::NotFound
-        {
+        let removed = if e.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_tree(&path)
+        } else {
+            match std::fs::remove_file(&path) {
+                Ok(()) => true,
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            }
+        };
+        if !removed {
             return false;
         }
     }
@@ -112,7 +114,7 @@ fn empty_action_dir(dir: &Path) -> bool {
             let _ = f.set_len(0);
         }
     }
-    std::fs::read_dir(&root).is_ok_and(|mut d| d.next().is_none())
+    true
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -120,13 +122,13 @@ fn ts() -> gantry_core::google::protobuf::Timestamp {
     gantry_core::google::protobuf::Timestamp { seconds: d.as_secs() as i64, nanos: d.subsec_nanos() as i32 }
 }
 
-/// Removes an action directory. Unlinking needs write permission on directories only, so
+/// Removes an action directory; false if it is still there. Unlinking needs write permission on directories only, so
 /// only directories are made writable: files may be hard links into the input cache, and
 /// changing their mode would change the cache's copy.
-pub fn remove_tree(dir: &std::path::Path) {
+pub fn remove_tree(dir: &std::path::Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     if std::fs::remove_dir_all(dir).is_ok() {
-        return;
+        return true;
     }
     fn open_dirs(d: &std::path::Path) {
         let _ = std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700));
@@ -139,10 +141,13 @@ pub fn remove_tree(dir: &std::path::Path) {
         }
     }
     open_dirs(dir);
-    if let Err(e) = std::fs::remove_dir_all(dir)
-        && e.kind() != std::io::ErrorKind::NotFound
-    {
-        tracing::warn!(dir = %dir.display(), error = %e, "could not remove an action directory");
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "could not remove an action directory");
+            false
+        }
     }
 }
 
