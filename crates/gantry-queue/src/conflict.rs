@@ -12,7 +12,23 @@
 //! neither alters the build graph (adds/removes targets or dependency edges).
 //! The graph condition matters because two individually harmless edits can
 //! combine into a new target hash that neither produced alone (the "union"
-//! puzzle in the SubmitQueue paper); we conservatively call such pairs dependent.
+//! puzzle in the SubmitQueue paper): a change adding the edge `z -> x` and a
+//! change editing `x` have disjoint affected sets (`{z}` and `{x}`), yet
+//! together they change `z` in a way neither did alone.
+//!
+//! So a change that alters the graph also records its *reach*: its affected
+//! targets and everything they depend on in its own graph. It is independent
+//! of a change that does not alter the graph when that change's affected
+//! targets lie outside the reach. Then no target either one changes depends,
+//! in the combined graph, on a target the other changes: a target outside the
+//! graph change's affected set has the same dependency subgraph with and
+//! without it, and every target inside it reaches only the reach. Each target
+//! of the combined tree therefore builds exactly as it does with one change
+//! alone. This is the paper's hybrid approach (pairwise union only for the few
+//! changes that alter the graph), decided from one graph per change instead of
+//! one per pair. Two changes that both alter the graph, or one whose reach is
+//! unknown (say, it edits Starlark that the query does not show), stay
+//! dependent on every other change.
 //!
 //! Hashes are memoised per graph version (commit id), so analysing n changes
 //! against one base costs one hash pass over the base plus one pass per
@@ -57,12 +73,28 @@ pub struct ChangeAnalysis {
     pub affected: BTreeSet<String>,
     /// True when targets were added/removed or any dependency edge changed.
     pub alters_graph: bool,
+    /// For a change that alters the graph: its affected targets and every
+    /// target they depend on in the graph with the change applied. `None`
+    /// when the change does not alter the graph, or when what it alters is not
+    /// known (then it is dependent on every other change).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph_reach: Option<BTreeSet<String>>,
 }
 
 impl ChangeAnalysis {
     /// Whether two changes are provably independent (may land in either order).
     pub fn independent_of(&self, other: &ChangeAnalysis) -> bool {
-        !self.alters_graph && !other.alters_graph && self.affected.is_disjoint(&other.affected)
+        // The reach holds the affected targets, so it covers the plain test too.
+        let outside_reach = |g: &ChangeAnalysis, plain: &ChangeAnalysis| {
+            g.graph_reach.as_ref().is_some_and(|r| r.is_disjoint(&plain.affected))
+        };
+        self.affected.is_disjoint(&other.affected)
+            && match (self.alters_graph, other.alters_graph) {
+                (false, false) => true,
+                (true, false) => outside_reach(self, other),
+                (false, true) => outside_reach(other, self),
+                (true, true) => false,
+            }
     }
 }
 
@@ -175,7 +207,24 @@ fn diff(
             affected.insert(label.clone());
         }
     }
-    ChangeAnalysis { affected, alters_graph: graph_altered(base, change) }
+    let alters_graph = graph_altered(base, change);
+    let graph_reach = alters_graph.then(|| reach(change, &affected));
+    ChangeAnalysis { affected, alters_graph, graph_reach }
+}
+
+/// `from` and every target of `graph` that one of them depends on, directly or
+/// not. Labels outside the graph (external ones) are kept as they are named.
+fn reach(graph: &TargetGraph, from: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut seen = from.clone();
+    let mut stack: Vec<&str> = from.iter().map(String::as_str).collect();
+    while let Some(label) = stack.pop() {
+        for dep in graph.targets.get(label).map_or(&[][..], |n| &n.deps[..]) {
+            if seen.insert(dep.clone()) {
+                stack.push(dep);
+            }
+        }
+    }
+    seen
 }
 
 /// Uncached analysis of one change; see [`ConflictAnalyzer`] for the memoised form.
@@ -299,13 +348,14 @@ mod tests {
     }
 
     #[test]
-    fn graph_changes_are_detected_and_make_changes_dependent() {
+    fn graph_changes_are_detected_with_their_reach() {
         // New edge //:other -> //:util: no source changed, but the graph did.
         let mut c = base();
         c.targets.get_mut("//:other").unwrap().deps.push("//:util".into());
         let a = analyze(&base(), &c).unwrap();
         assert!(a.alters_graph);
         assert_eq!(a.affected, set(&["//:other"]));
+        assert_eq!(a.graph_reach, Some(set(&["//:other", "//:util"])));
         // Added target.
         let mut d = base();
         d.targets.insert("//:new".into(), node("lib", &["n.c#1"], &[]));
@@ -318,17 +368,47 @@ mod tests {
         let r = analyze(&base(), &e).unwrap();
         assert!(r.alters_graph);
         assert!(r.affected.contains("//:util") && r.affected.contains("//:main"));
-        // Disjoint affected sets, yet dependent because one alters the graph.
-        let mut f = base();
-        f.targets.get_mut("//:app").unwrap().attrs_digest = "x".into();
-        let leaf = analyze(&base(), &f).unwrap();
-        assert!(leaf.affected.is_disjoint(&a.affected));
-        assert!(!leaf.independent_of(&a));
         // Reordering deps is not a graph change.
         let mut g = base();
         g.targets.get_mut("//:app").unwrap().deps.reverse();
         let same = analyze(&base(), &g).unwrap();
-        assert!(!same.alters_graph && same.affected.is_empty());
+        assert!(!same.alters_graph && same.affected.is_empty() && same.graph_reach.is_none());
+    }
+
+    #[test]
+    fn a_graph_change_is_dependent_only_on_changes_inside_its_reach() {
+        let edit = |label: &str| {
+            let mut g = base();
+            g.targets.get_mut(label).unwrap().srcs[0] = "edited#2".into();
+            analyze(&base(), &g).unwrap()
+        };
+        // The paper's puzzle: the new edge //:other -> //:util and an edit of
+        // //:util touch disjoint targets, yet together change //:other.
+        let mut c = base();
+        c.targets.get_mut("//:other").unwrap().deps.push("//:util".into());
+        let edge = analyze(&base(), &c).unwrap();
+        let util = edit("//:util");
+        assert!(edge.affected.is_disjoint(&util.affected));
+        assert!(!edge.independent_of(&util) && !util.independent_of(&edge));
+        // An edit of //:app is outside the new edge's reach.
+        let mut f = base();
+        f.targets.get_mut("//:app").unwrap().attrs_digest = "x".into();
+        let leaf = analyze(&base(), &f).unwrap();
+        assert!(edge.independent_of(&leaf) && leaf.independent_of(&edge));
+        // Removing //:util is independent of an edit of //:other, not of //:main.
+        let mut e = base();
+        e.targets.remove("//:util");
+        let removed = analyze(&base(), &e).unwrap();
+        assert!(removed.independent_of(&edit("//:other")));
+        assert!(!removed.independent_of(&edit("//:main")));
+        // Two graph changes stay dependent, and so does one whose reach is unknown.
+        let mut d = base();
+        d.targets.insert("//:new".into(), node("lib", &["n.c#1"], &[]));
+        let added = analyze(&base(), &d).unwrap();
+        assert!(added.affected.is_disjoint(&edge.graph_reach.clone().unwrap()));
+        assert!(!added.independent_of(&edge));
+        let unknown = ChangeAnalysis { graph_reach: None, ..added.clone() };
+        assert!(added.independent_of(&leaf) && !unknown.independent_of(&leaf));
     }
 
     #[test]

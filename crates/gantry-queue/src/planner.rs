@@ -510,6 +510,12 @@ pub struct Planner {
     flakes: BTreeMap<u32, (u32, u32)>,
     /// Interned, sorted affected targets and graph flag per change (None = unknown).
     analysis: Indexed<Option<(Vec<u32>, bool)>>,
+    /// Interned, sorted graph reach (`ChangeAnalysis::graph_reach`) of the
+    /// changes that alter the graph and whose reach is known. States saved
+    /// before it existed have none, which only keeps those changes dependent
+    /// on every other, as they were then.
+    #[serde(default)]
+    reach: BTreeMap<usize, Vec<u32>>,
     #[serde(with = "pair_map")]
     conflict_override: HashMap<(usize, usize), f64>,
     /// Overrides for changes not enqueued yet (see [`Planner::preset`]).
@@ -676,6 +682,7 @@ impl Planner {
             targets: HashMap::new(),
             flakes: BTreeMap::new(),
             analysis: Indexed::default(),
+            reach: BTreeMap::new(),
             conflict_override: HashMap::new(),
             presets: HashMap::new(),
             model: None,
@@ -859,6 +866,7 @@ impl Planner {
         }
         self.changes.forget_before(end);
         self.analysis.forget_before(end);
+        self.reach = self.reach.split_off(&end);
         self.mainline.forget_before(mainline_end);
         self.conflict_override.retain(|&(l, e), _| l >= end && e >= end);
         forgotten
@@ -1061,11 +1069,13 @@ impl Planner {
         if self.by_id.contains_key(&id) {
             return Err(QueueError::DuplicateChange(id.0));
         }
-        let interned = analysis.map(|a| {
-            let mut v: Vec<u32> = a.affected.iter().map(|t| self.intern(t)).collect();
+        let mut sorted = |targets: &BTreeSet<String>| {
+            let mut v: Vec<u32> = targets.iter().map(|t| self.intern(t)).collect();
             v.sort_unstable();
-            (v, a.alters_graph)
-        });
+            v
+        };
+        let reach = analysis.as_ref().and_then(|a| a.graph_reach.as_ref().filter(|_| a.alters_graph)).map(&mut sorted);
+        let interned = analysis.map(|a| (sorted(&a.affected), a.alters_graph));
         // Pending changes of lower priority that must come after this one:
         // the ones that depend on it, and, to keep every dependent pair in
         // order, the ones behind those that depend on them. Nothing else
@@ -1075,7 +1085,7 @@ impl Planner {
         let mut moved: Vec<usize> = Vec::new();
         for &j in &self.pending {
             if self.changes[j].priority < priority
-                && (self.dependent_on(&interned, j)
+                && (self.dependent_on(&interned, reach.as_deref(), j)
                     || self.changes[j].deps.iter().any(|d| moved.binary_search(d).is_ok()))
             {
                 moved.push(j);
@@ -1098,7 +1108,7 @@ impl Planner {
             enqueued: now,
             priority,
         };
-        let i = self.push_change(change, interned);
+        let i = self.push_change(change, interned, reach);
         if let Some(pre) = self.presets.remove(&id) {
             self.changes[i].success_override = Some(pre.success);
             for (e, p) in pre.conflicts {
@@ -1113,7 +1123,8 @@ impl Planner {
             let old = &self.changes[j];
             let change = Change { deps: Vec::new(), status: Status::Pending, builds: Vec::new(), ..old.clone() };
             let interned = self.analysis[j].clone();
-            renumbered.insert(j, self.push_change(change, interned));
+            let reach = self.reach.get(&j).cloned();
+            renumbered.insert(j, self.push_change(change, interned, reach));
             self.stats.requeued += 1;
         }
         if !renumbered.is_empty() {
@@ -1133,25 +1144,42 @@ impl Planner {
         Ok(())
     }
 
-    /// Whether a change with analysis `a` depends on change `j`.
-    fn dependent_on(&self, a: &Option<(Vec<u32>, bool)>, j: usize) -> bool {
+    /// Whether a change with analysis `a` (and graph reach `a_reach`) depends
+    /// on change `j`: `ChangeAnalysis::independent_of` on interned targets.
+    fn dependent_on(&self, a: &Option<(Vec<u32>, bool)>, a_reach: Option<&[u32]>, j: usize) -> bool {
         if !self.config.use_analyzer {
             return true;
         }
+        // A reach holds its change's affected targets, so it covers the plain test too.
+        let outside = |reach: Option<&[u32]>, plain: &[u32]| reach.is_some_and(|r| disjoint(r, plain));
         match (a, &self.analysis[j]) {
-            (Some((a, ga)), Some((b, gb))) => *ga || *gb || !disjoint(a, b),
+            (Some((a, ga)), Some((b, gb))) => match (ga, gb) {
+                (false, false) => !disjoint(a, b),
+                (true, false) => !outside(a_reach, b),
+                (false, true) => !outside(self.reach.get(&j).map(Vec::as_slice), a),
+                (true, true) => true,
+            },
             _ => true,
         }
     }
 
     /// Appends `change` at the end of the queue (a new index), with its
     /// dependencies among the pending changes ahead of it.
-    fn push_change(&mut self, mut change: Change, analysis: Option<(Vec<u32>, bool)>) -> usize {
-        change.deps = self.pending.iter().copied().filter(|&j| self.dependent_on(&analysis, j)).collect();
+    fn push_change(
+        &mut self,
+        mut change: Change,
+        analysis: Option<(Vec<u32>, bool)>,
+        reach: Option<Vec<u32>>,
+    ) -> usize {
+        change.deps =
+            self.pending.iter().copied().filter(|&j| self.dependent_on(&analysis, reach.as_deref(), j)).collect();
         let i = self.changes.len();
         self.by_id.insert(change.id.clone(), i);
         self.changes.push(change);
         self.analysis.push(analysis);
+        if let Some(r) = reach {
+            self.reach.insert(i, r);
+        }
         self.pending.insert(i);
         i
     }

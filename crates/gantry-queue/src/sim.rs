@@ -21,7 +21,8 @@
 //!   before it is in `conflicts_with(C)`. Every policy must land exactly the
 //!   reference set; anything else is reported as a violation.
 //! * Two changes are independent iff both carry `affected_targets`, the sets
-//!   are disjoint and neither `alters_graph` (the conflict analyzer's rule).
+//!   are disjoint, and neither `alters_graph`, or one does and the other's
+//!   targets lie outside its `graph_reach` (the conflict analyzer's rule).
 //!   A trace whose conflicts cross independent changes is inconsistent, and
 //!   the checks will expose it rather than hide it.
 //!
@@ -63,6 +64,10 @@ pub struct TraceChange {
     /// Whether the change alters the build graph.
     #[serde(default)]
     pub alters_graph: bool,
+    /// For a change that alters the graph, its reach (`ChangeAnalysis::graph_reach`);
+    /// absent = unknown (dependent on all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graph_reach: Option<Vec<String>>,
 }
 
 /// Parses a JSONL trace (blank lines ignored) and validates references.
@@ -367,9 +372,11 @@ impl Truth {
         let analysis = trace
             .iter()
             .map(|c| {
-                c.affected_targets
-                    .as_ref()
-                    .map(|a| ChangeAnalysis { affected: a.iter().cloned().collect(), alters_graph: c.alters_graph })
+                c.affected_targets.as_ref().map(|a| ChangeAnalysis {
+                    affected: a.iter().cloned().collect(),
+                    alters_graph: c.alters_graph,
+                    graph_reach: c.graph_reach.as_ref().map(|r| r.iter().cloned().collect()),
+                })
             })
             .collect();
         let mut rank = vec![0; trace.len()];
@@ -1073,6 +1080,7 @@ pub fn generate(p: &WorkloadParams) -> Result<Vec<TraceChange>, QueueError> {
             features,
             affected_targets: Some(analysis.affected.iter().cloned().collect()),
             alters_graph: analysis.alters_graph,
+            graph_reach: analysis.graph_reach.as_ref().map(|r| r.iter().cloned().collect()),
         });
         analyses.push(analysis);
     }

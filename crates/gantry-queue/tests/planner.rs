@@ -15,7 +15,11 @@ fn id(s: &str) -> ChangeId {
 }
 
 fn analysis(targets: &[&str]) -> Option<ChangeAnalysis> {
-    Some(ChangeAnalysis { affected: targets.iter().map(|t| t.to_string()).collect(), alters_graph: false })
+    Some(ChangeAnalysis {
+        affected: targets.iter().map(|t| t.to_string()).collect(),
+        alters_graph: false,
+        graph_reach: None,
+    })
 }
 
 fn enqueue(p: &mut Planner, t: u64, name: &str, a: Option<ChangeAnalysis>) -> Vec<Action> {
@@ -265,9 +269,36 @@ fn failed_landing_counts_as_rejected_and_prunes_builds_assuming_it() {
 #[test]
 fn graph_altering_change_blocks_parallel_lane() {
     let mut p = Planner::new(cfg(10));
-    enqueue(&mut p, 0, "c1", Some(ChangeAnalysis { affected: ["//a".to_string()].into(), alters_graph: true }));
+    enqueue(
+        &mut p,
+        0,
+        "c1",
+        Some(ChangeAnalysis { affected: ["//a".to_string()].into(), alters_graph: true, graph_reach: None }),
+    );
     enqueue(&mut p, 0, "c2", analysis(&["//b"]));
     assert!(p.dependent(&id("c1"), &id("c2")).unwrap());
+}
+
+#[test]
+fn a_graph_change_blocks_only_the_lanes_inside_its_reach() {
+    let mut p = Planner::new(cfg(10));
+    let reach = |r: &[&str]| Some(r.iter().map(|t| t.to_string()).collect());
+    let graph = ChangeAnalysis {
+        affected: ["//a".to_string()].into(),
+        alters_graph: true,
+        graph_reach: reach(&["//a", "//lib"]),
+    };
+    enqueue(&mut p, 0, "c1", analysis(&["//lib"]));
+    enqueue(&mut p, 0, "c2", analysis(&["//b"]));
+    enqueue(&mut p, 0, "c3", Some(graph.clone()));
+    enqueue(&mut p, 0, "c4", analysis(&["//lib", "//c"]));
+    enqueue(&mut p, 0, "c5", analysis(&["//d"]));
+    enqueue(&mut p, 0, "c6", Some(ChangeAnalysis { affected: ["//e".to_string()].into(), ..graph }));
+    assert!(p.dependent(&id("c3"), &id("c1")).unwrap(), "c1 edits a target the new edges reach");
+    assert!(!p.dependent(&id("c3"), &id("c2")).unwrap());
+    assert!(p.dependent(&id("c4"), &id("c3")).unwrap());
+    assert!(!p.dependent(&id("c5"), &id("c3")).unwrap());
+    assert!(p.dependent(&id("c6"), &id("c3")).unwrap(), "two graph changes");
 }
 
 #[test]
@@ -895,6 +926,7 @@ proptest! {
                 let analysis = w.targets[i].as_ref().map(|ts| ChangeAnalysis {
                     affected: ts.iter().map(|t| format!("//t{t}")).collect(),
                     alters_graph: false,
+                    graph_reach: None,
                 });
                 Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i] }
             } else if let Some(pick) = picks.get(step % picks.len()) {

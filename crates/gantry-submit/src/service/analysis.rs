@@ -78,7 +78,12 @@ impl QueueService {
         };
         let analysis = match self.analyze(&head, &speculative).await {
             Ok(mut a) => {
-                a.alters_graph |= analyzer::touches_build_definitions(&paths);
+                if analyzer::touches_build_definitions(&paths) {
+                    // Starlark or workspace edits can change what the query shows in
+                    // ways no graph reveals: dependent on every other change.
+                    a.alters_graph = true;
+                    a.graph_reach = None;
+                }
                 Some(a)
             }
             Err(e) => {
