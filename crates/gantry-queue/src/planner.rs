@@ -53,7 +53,8 @@
 //! under pending dependencies (`land_a_batch`); it relies on failures being
 //! monotone. A failed tree blames its members by their odds of being the
 //! culprit (`blame`). Under a backlog, free slots go to batch trees instead of
-//! per-change paths (`schedule_batches`): batches cut in queue order, ended by
+//! per-change paths (`schedule_batches`, and the slots it leaves go to
+//! per-change paths as without batching): batches cut in queue order, ended by
 //! any change expected to fail (built alone, so the batch before it lands
 //! without waiting for it), each tree closed over the dependencies its changes
 //! expect to land, halved when it already failed, and lane heads always built
@@ -1837,6 +1838,11 @@ impl Planner {
     /// independent changes included. A batch whose tree already failed is
     /// halved, and halved again, until its tree is new: bisection. The last,
     /// short batch waits to fill for up to a typical build's duration.
+    ///
+    /// Returns the slots still free. The caller gives them to per-change
+    /// speculation: under a backlog an idle slot is pure loss, and the batch
+    /// trees leave slots free whenever every change is already in a running
+    /// tree, or waits for the decisions ahead of it.
     fn schedule_batches(
         &mut self,
         now: Millis,
@@ -1845,10 +1851,10 @@ impl Planner {
         pi: &[f64],
         mut free: usize,
         actions: &mut Vec<Action>,
-    ) {
+    ) -> usize {
         let n = order.len();
         if free == 0 || n == 0 {
-            return;
+            return free;
         }
         let target = if self.config.fixed_batches {
             self.config.max_batch.max(1)
@@ -2042,6 +2048,7 @@ impl Planner {
             self.start_build(now, c, Vec::new(), attempt, actions);
             free -= 1;
         }
+        free
     }
 
     /// The tree of a batch (positions in the pending order): its last change,
@@ -2216,10 +2223,13 @@ impl Planner {
             }
         }
         // Under a backlog with batching (always, with fixed batches), slots go to
-        // batch trees instead.
+        // batch trees first; with adaptive batching, what they leave goes to the
+        // per-change candidates below.
         if self.config.batching && (overloaded || self.config.fixed_batches) {
-            self.schedule_batches(now, &order, &pos, &pi, free, actions);
-            return;
+            free = self.schedule_batches(now, &order, &pos, &pi, free, actions);
+            if free == 0 || self.config.fixed_batches {
+                return;
+            }
         }
         let mut views: Vec<Option<View>> = (0..order.len()).map(|_| None).collect();
         let mut heap = BinaryHeap::new();

@@ -186,3 +186,17 @@ fn forgetting_decided_changes_and_restoring_from_a_saved_state_changes_no_decisi
         }
     }
 }
+
+#[test]
+fn under_a_backlog_batching_keeps_every_slot_busy() {
+    // 20 slots for ~150 changes in flight: slots the batch trees leave free go
+    // to per-change speculation instead of idling. (Deterministic; measured 0.96-1.00,
+    // against 0.90-0.94 when those slots idled.)
+    for seed in [1, 2, 3] {
+        let trace = small(300.0, seed);
+        let opts = SimOptions { capacity: 20, ..SimOptions::default() };
+        let r = simulate(&trace, Policy::SqBatch, &opts).unwrap();
+        assert_eq!(r.violations, 0, "{:?}", r.violation_examples);
+        assert!(r.utilisation > 0.95, "seed {seed}: utilisation {:.3}", r.utilisation);
+    }
+}
