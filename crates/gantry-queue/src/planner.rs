@@ -224,6 +224,13 @@ pub struct PlannerConfig {
     /// the predictions; a failed batch is bisected. For comparison in the simulator.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fixed_batches: bool,
+    /// With batching, under a backlog: the slots the batch trees leave free
+    /// wait for later batches instead of going to per-change speculation.
+    /// Better only when batch trees rarely fail, as for the simulator's
+    /// oracle; with predicted outcomes a failing tree decides little, and the
+    /// slot is better spent on the most likely per-change builds.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hold_free_slots: bool,
 }
 
 fn default_known_flaky_share() -> f64 {
@@ -289,6 +296,7 @@ impl Default for PlannerConfig {
             attribution: default_attribution(),
             known_flaky_share: default_known_flaky_share(),
             fixed_batches: false,
+            hold_free_slots: false,
         }
     }
 }
@@ -2227,7 +2235,7 @@ impl Planner {
         // per-change candidates below.
         if self.config.batching && (overloaded || self.config.fixed_batches) {
             free = self.schedule_batches(now, &order, &pos, &pi, free, actions);
-            if free == 0 || self.config.fixed_batches {
+            if free == 0 || self.config.fixed_batches || self.config.hold_free_slots {
                 return;
             }
         }
