@@ -804,6 +804,10 @@ struct World {
     ok: Vec<bool>,
     conflicts: Vec<Vec<usize>>,
     targets: Vec<Option<Vec<u8>>>,
+    /// Per change: `None`, it keeps the graph; `Some(None)`, it alters the graph
+    /// in ways not known; `Some(Some(r))`, it alters the graph and its reach is
+    /// its targets plus `r`.
+    graph: Vec<Option<Option<Vec<u8>>>>,
 }
 
 fn world(max: usize) -> impl Strategy<Value = World> {
@@ -812,8 +816,15 @@ fn world(max: usize) -> impl Strategy<Value = World> {
             proptest::collection::vec(proptest::bool::weighted(0.8), n),
             proptest::collection::vec(proptest::collection::vec(any::<proptest::sample::Index>(), 0..2), n),
             proptest::collection::vec(proptest::option::weighted(0.8, proptest::collection::vec(0u8..4, 1..3)), n),
+            proptest::collection::vec(
+                proptest::option::weighted(
+                    0.2,
+                    proptest::option::weighted(0.7, proptest::collection::vec(0u8..6, 0..3)),
+                ),
+                n,
+            ),
         )
-            .prop_map(move |(ok, conf, targets)| {
+            .prop_map(move |(ok, conf, targets, graph)| {
                 let conflicts = conf
                     .iter()
                     .enumerate()
@@ -824,14 +835,25 @@ fn world(max: usize) -> impl Strategy<Value = World> {
                         v
                     })
                     .collect();
-                World { ok, conflicts, targets }
+                World { ok, conflicts, targets, graph }
             })
     })
 }
 
+/// What the analyzer says of change `i` (None: it could not analyse it).
+fn world_analysis(w: &World, i: usize) -> Option<ChangeAnalysis> {
+    let label = |t: &u8| format!("//t{t}");
+    w.targets[i].as_ref().map(|ts| ChangeAnalysis {
+        affected: ts.iter().map(label).collect(),
+        alters_graph: w.graph[i].is_some(),
+        graph_reach: w.graph[i].as_ref().and_then(|r| r.as_ref()).map(|r| ts.iter().chain(r).map(label).collect()),
+    })
+}
+
+/// The analyzer's rule (its soundness is `tests/conflict.rs`'s business).
 fn independent(w: &World, a: usize, b: usize) -> bool {
-    match (&w.targets[a], &w.targets[b]) {
-        (Some(x), Some(y)) => x.iter().all(|t| !y.contains(t)),
+    match (world_analysis(w, a), world_analysis(w, b)) {
+        (Some(x), Some(y)) => x.independent_of(&y),
         _ => false,
     }
 }
@@ -923,11 +945,7 @@ proptest! {
                 serial.retain(|j| !moved.contains(j));
                 serial.push(i);
                 serial.extend(moved);
-                let analysis = w.targets[i].as_ref().map(|ts| ChangeAnalysis {
-                    affected: ts.iter().map(|t| format!("//t{t}")).collect(),
-                    alters_graph: false,
-                    graph_reach: None,
-                });
+                let analysis = world_analysis(&w, i);
                 Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i] }
             } else if let Some(pick) = picks.get(step % picks.len()) {
                 gap += 1;
