@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use gantry_core::DigestFunction;
-use gantry_queue::{TargetGraph, TargetNode};
+use gantry_queue::{ChangeAnalysis, TargetGraph, TargetNode};
 
 /// The attribute digest given to source files; [`is_rule`] tells them apart.
 const SOURCE_FILE: &str = "source-file";
@@ -98,6 +98,17 @@ pub fn parse_query_xml(xml: &str, files: &HashMap<String, String>) -> Result<Tar
     Ok(graph)
 }
 
+/// `analysis` of a change that touched `paths`. A change to the workspace, rc files or
+/// Starlark can alter how targets are built without showing in the query, so it alters
+/// the graph in ways no reach describes: it is dependent on every other change.
+pub fn with_changed_paths(mut analysis: ChangeAnalysis, paths: &[String]) -> ChangeAnalysis {
+    if touches_build_definitions(paths) {
+        analysis.alters_graph = true;
+        analysis.graph_reach = None;
+    }
+    analysis
+}
+
 /// Files whose change can alter how targets are built without showing in the query:
 /// the workspace, rc files and Starlark. A change touching one counts as altering the graph.
 pub fn touches_build_definitions(paths: &[String]) -> bool {
@@ -180,6 +191,20 @@ mod tests {
         assert!(touches_build_definitions(&["tools/defs.bzl".into()]));
         assert!(touches_build_definitions(&["WORKSPACE".into()]));
         assert!(!touches_build_definitions(&["a/BUILD".into(), "a/x.txt".into()]));
+        // A BUILD edit keeps the reach the graphs gave; Starlark takes it away.
+        let reach = ChangeAnalysis {
+            affected: ["//a:bin".to_string()].into(),
+            alters_graph: true,
+            graph_reach: Some(["//a:bin".to_string(), "//lib:x".to_string()].into()),
+        };
+        assert_eq!(with_changed_paths(reach.clone(), &["a/BUILD".into()]), reach);
+        let starlark = with_changed_paths(reach, &["a/BUILD".into(), "tools/defs.bzl".into()]);
+        assert!(starlark.alters_graph && starlark.graph_reach.is_none());
+        let plain = ChangeAnalysis { affected: ["//a:lib".to_string()].into(), ..ChangeAnalysis::default() };
+        let plain = with_changed_paths(plain, &["WORKSPACE".into()]);
+        assert!(plain.alters_graph && plain.graph_reach.is_none());
+        assert!(!plain
+            .independent_of(&ChangeAnalysis { affected: ["//b:lib".to_string()].into(), ..ChangeAnalysis::default() }));
         let f = query_flags(&["--nosandbox_debug".into(), "--override_repository=r=/p".into()]);
         assert_eq!(f, ["--override_repository=r=/p"]);
     }

@@ -77,15 +77,7 @@ impl QueueService {
             }
         };
         let analysis = match self.analyze(&head, &speculative).await {
-            Ok(mut a) => {
-                if analyzer::touches_build_definitions(&paths) {
-                    // Starlark or workspace edits can change what the query shows in
-                    // ways no graph reveals: dependent on every other change.
-                    a.alters_graph = true;
-                    a.graph_reach = None;
-                }
-                Some(a)
-            }
+            Ok(a) => Some(analyzer::with_changed_paths(a, &paths)),
             Err(e) => {
                 tracing::warn!(change = %doc.id, error = %e, "conflict analysis failed; the change is treated as dependent on all others");
                 doc.reason = format!("conflict analysis failed: {e}");
