@@ -84,18 +84,29 @@ pub struct ChangeAnalysis {
 impl ChangeAnalysis {
     /// Whether two changes are provably independent (may land in either order).
     pub fn independent_of(&self, other: &ChangeAnalysis) -> bool {
-        // The reach holds the affected targets, so it covers the plain test too.
-        let outside_reach = |g: &ChangeAnalysis, plain: &ChangeAnalysis| {
-            g.graph_reach.as_ref().is_some_and(|r| r.is_disjoint(&plain.affected))
-        };
-        self.affected.is_disjoint(&other.affected)
-            && match (self.alters_graph, other.alters_graph) {
-                (false, false) => true,
-                (true, false) => outside_reach(self, other),
-                (false, true) => outside_reach(other, self),
-                (true, true) => false,
-            }
+        independent(
+            (&self.affected, self.alters_graph, self.graph_reach.as_ref()),
+            (&other.affected, other.alters_graph, other.graph_reach.as_ref()),
+            |x, y| x.is_disjoint(y),
+        )
     }
+}
+
+/// The independence rule, over any form of target set (the planner keeps them
+/// interned): each side is (affected, alters the graph, graph reach).
+pub(crate) fn independent<S: ?Sized>(
+    a: (&S, bool, Option<&S>),
+    b: (&S, bool, Option<&S>),
+    disjoint: impl Fn(&S, &S) -> bool,
+) -> bool {
+    let outside_reach = |reach: Option<&S>, plain: &S| reach.is_some_and(|r| disjoint(r, plain));
+    disjoint(a.0, b.0)
+        && match (a.1, b.1) {
+            (false, false) => true,
+            (true, false) => outside_reach(a.2, b.0),
+            (false, true) => outside_reach(b.2, a.0),
+            (true, true) => false,
+        }
 }
 
 const FNV_OFFSET: u128 = 0x6c62272e07bb014262b821756295c58d;

@@ -1159,15 +1159,12 @@ impl Planner {
         if !self.config.use_analyzer {
             return true;
         }
-        // A reach holds its change's affected targets, so it covers the plain test too.
-        let outside = |reach: Option<&[u32]>, plain: &[u32]| reach.is_some_and(|r| disjoint(r, plain));
         match (a, &self.analysis[j]) {
-            (Some((a, ga)), Some((b, gb))) => match (ga, gb) {
-                (false, false) => !disjoint(a, b),
-                (true, false) => !outside(a_reach, b),
-                (false, true) => !outside(self.reach.get(&j).map(Vec::as_slice), a),
-                (true, true) => true,
-            },
+            (Some((a, ga)), Some((b, gb))) => !crate::conflict::independent(
+                (a.as_slice(), *ga, a_reach),
+                (b.as_slice(), *gb, self.reach.get(&j).map(Vec::as_slice)),
+                disjoint,
+            ),
             _ => true,
         }
     }

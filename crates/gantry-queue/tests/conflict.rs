@@ -3,7 +3,7 @@
 //! both hashes exactly as in the tree holding the one change that touches it,
 //! so each change builds and tests the same with or without the other.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
 use gantry_queue::conflict::{analyze, target_hashes, TargetGraph, TargetNode};
 use proptest::prelude::*;
@@ -122,8 +122,8 @@ proptest! {
         let base_h = target_hashes(&base).unwrap();
         for (x, gx, y, gy, both) in checked {
             let (hx, hy, hboth) = (target_hashes(gx).unwrap(), target_hashes(&gy).unwrap(), target_hashes(&both).unwrap());
-            let labels: BTreeMap<&String, ()> = hboth.keys().chain(hx.keys()).chain(hy.keys()).map(|l| (l, ())).collect();
-            for l in labels.keys() {
+            let labels: BTreeSet<&String> = hboth.keys().chain(hx.keys()).chain(hy.keys()).collect();
+            for l in &labels {
                 let expect = if x.affected.contains(*l) {
                     hx.get(*l)
                 } else if y.affected.contains(*l) {
