@@ -5,6 +5,9 @@
 //! - **Assignments per second at a steady backlog.** Every slot is busy and `queued`
 //!   actions wait. Each step, one running action finishes (its slot is refilled from the
 //!   queue) and one new action arrives, so the backlog stays put while it is measured.
+//!   The same steps run unmeasured first, until finished operations start to leave their
+//!   retention: before that, the scheduler's maps grow every step, as a server's do only
+//!   in its first minutes.
 //! - **Arrival-to-assignment latency with a free slot.** One extra worker on a platform
 //!   of its own stays idle; an action for it arrives, is assigned and finishes, many
 //!   times, with the whole backlog still waiting for the other platforms. The latency is
@@ -227,6 +230,52 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// How long finished operations are kept. A server's default (10 minutes) would keep every
+/// operation of the run; what is measured is the cost of keeping and expiring them, which a
+/// few seconds' worth already shows (a few hundred thousand at these rates).
+const RETENTION: Duration = Duration::from_secs(2);
+
+/// One step at the steady backlog: `job` finishes on `worker` (its slot is refilled from the
+/// queue) and `spec` arrives. Returns the assignments it led to; each is pushed on
+/// `running`, to finish in its turn.
+async fn step(
+    s: &Scheduler,
+    links: &mut HashMap<String, WorkerLink>,
+    running: &mut VecDeque<(String, String)>,
+    worker: String,
+    job: String,
+    spec: JobSpec,
+) -> Result<usize> {
+    let mut assigned = 0;
+    s.finished(&worker, finished_ok(&job)).await;
+    let link = links.get_mut(&worker).expect("known worker");
+    while let Ok(m) = link.messages.try_recv() {
+        // The bench's workers are in-process: their bridge copies each message into the
+        // worker's values (a remote session would encode it for the wire), so that is part
+        // of an assignment's cost.
+        std::hint::black_box(m.to_order());
+        if let ToWorker::Assign(a) = m {
+            running.push_back((worker.clone(), a.job_id.clone()));
+            assigned += 1;
+        }
+    }
+    let (name, _) = s.submit(spec).await?;
+    // Assigned at once to an idle worker (with learning, a class can have idle slots while
+    // others queue): take it from that worker, so that it finishes in its turn.
+    if let Some(id) = s.worker_of(&name)
+        && let Some(link) = links.get_mut(&id)
+    {
+        while let Ok(m) = link.messages.try_recv() {
+            std::hint::black_box(m.to_order());
+            if let ToWorker::Assign(a) = m {
+                running.push_back((id.clone(), a.job_id.clone()));
+                assigned += 1;
+            }
+        }
+    }
+    Ok(assigned)
+}
+
 /// Runs one benchmark. `progress` is told of each phase.
 pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchReport> {
     if opts.platforms == 0 || opts.classes == 0 || opts.slots_per_worker == 0 || opts.shapes == 0 {
@@ -251,9 +300,7 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     } else {
         None
     };
-    // A long retention would keep every finished operation for the whole run; a real
-    // server's retention matters little here, so keep it short.
-    let cfg = SchedulerConfig { completed_retention: Duration::from_secs(2), ..Default::default() };
+    let cfg = SchedulerConfig { completed_retention: RETENTION, ..Default::default() };
     let s = Scheduler::new(cfg, stores.clone(), stores.clone(), &registry, sizing);
 
     // Workers: see `worker_layout`.
@@ -305,12 +352,26 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     progress(&format!("{} running, measuring {} assignments", running.len(), opts.steps));
 
     // Steady backlog: one completion and one arrival per step, for the platform of the
-    // action that finished, so that every platform's backlog stays as it was. Arrivals
-    // are made beforehand (in proportion to each platform's slots), so that making them
-    // is not measured.
+    // action that finished, so that every platform's backlog stays as it was.
     let platform_of_worker = |w: &str| -> usize {
         w.strip_prefix("w-p").and_then(|r| r.split('-').next()).and_then(|p| p.parse().ok()).unwrap_or(0)
     };
+    // Warm-up, not measured: until the first finished operations pass their retention, the
+    // scheduler keeps every one it finishes, and its maps and memory grow each step. A
+    // server in service has a full retention, so that is the state measured.
+    progress(&format!("warming up for the {:?} retention", RETENTION));
+    let warm_until = Instant::now() + RETENTION + RETENTION / 4;
+    while Instant::now() < warm_until {
+        for _ in 0..1000 {
+            let Some((worker, job)) = running.pop_front() else { break };
+            let p = platform_of_worker(&worker);
+            let spec = d.spec(p);
+            step(&s, &mut links, &mut running, worker, job, spec).await?;
+        }
+    }
+    progress(&format!("{} running, measuring {} assignments", running.len(), opts.steps));
+    // Arrivals are made beforehand (in proportion to each platform's slots), so that
+    // making them is not measured.
     let mut share = vec![0usize; opts.platforms];
     for (w, _) in &running {
         share[platform_of_worker(w)] += 1;
@@ -327,37 +388,12 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
     for _ in 0..opts.steps {
         let Some((worker, job)) = running.pop_front() else { break };
         steps += 1;
-        s.finished(&worker, finished_ok(&job)).await;
-        let link = links.get_mut(&worker).expect("known worker");
-        while let Ok(m) = link.messages.try_recv() {
-            // The bench's workers are in-process: their bridge copies each message into
-            // the worker's values (a remote session would encode it for the wire), so
-            // that is part of an assignment's cost.
-            std::hint::black_box(m.to_order());
-            if let ToWorker::Assign(a) = m {
-                running.push_back((worker.clone(), a.job_id.clone()));
-                assigned += 1;
-            }
-        }
         let p = platform_of_worker(&worker);
         let spec = match arrivals[p].pop_front() {
             Some(spec) => spec,
             None => d.spec(p),
         };
-        let (name, _) = s.submit(spec).await?;
-        // Assigned at once to an idle worker (with learning, a class can have idle slots
-        // while others queue): take it from that worker, so that it finishes in its turn.
-        if let Some(id) = s.worker_of(&name)
-            && let Some(link) = links.get_mut(&id)
-        {
-            while let Ok(m) = link.messages.try_recv() {
-                std::hint::black_box(m.to_order());
-                if let ToWorker::Assign(a) = m {
-                    running.push_back((id.clone(), a.job_id.clone()));
-                    assigned += 1;
-                }
-            }
-        }
+        assigned += step(&s, &mut links, &mut running, worker, job, spec).await?;
     }
     let elapsed = start.elapsed();
     if assigned < steps * 9 / 10 {

@@ -24,6 +24,10 @@ use crate::platform::{self, Property};
 
 /// A job as the dispatcher knows it; the scheduler maps it to its operation.
 pub type JobId = u64;
+
+/// Ids the dispatcher makes for itself ([`Dispatcher::submit`]) stay below this; ids a
+/// caller chooses ([`Dispatcher::submit_as`]) are at or above it, so the two never meet.
+pub const CALLER_IDS: JobId = 1 << 63;
 /// A registered worker, numbered in registration order.
 pub type WorkerId = u64;
 
@@ -130,9 +134,13 @@ pub struct ClassLoad {
 pub struct Dispatcher {
     jobs: IdMap<Job>,
     queues: IdMap<Queue>,
-    queue_ix: HashMap<(Properties, Option<u32>), u64>,
+    /// foldhash (seeded per process), not SipHash, whose hashing of the property strings
+    /// was an arrival's largest hashing cost: once workers are registered, an action asking
+    /// for a property no worker offers is refused before it gets here, so the operators'
+    /// fleet, not clients, bounds the keys.
+    queue_ix: HashMap<(Properties, Option<u32>), u64, foldhash::fast::RandomState>,
     pools: IdMap<Pool>,
-    pool_ix: HashMap<(Properties, u32), u64>,
+    pool_ix: HashMap<(Properties, u32), u64, foldhash::fast::RandomState>,
     workers: IdMap<Worker>,
     next_id: u64,
     seq: u64,
@@ -349,13 +357,25 @@ impl Dispatcher {
     /// Queues a new job, or hands it at once to the least loaded free worker that can run it.
     pub fn submit(&mut self, priority: i32, required: Properties, class: Option<u32>) -> (JobId, Vec<Assign>) {
         let id = self.fresh_id();
-        self.jobs.insert(id, Job { priority, seq: 0, required, class, place: Place::Detached, avoid: Vec::new() });
+        let out = self.enter(id, priority, required, class);
+        (id, out)
+    }
+
+    /// [`Dispatcher::submit`] under an id the caller chose: at least [`CALLER_IDS`], and
+    /// not held by any job the dispatcher holds. The scheduler gives an operation's first
+    /// run its operation's number, so that it needs no map from one to the other.
+    pub fn submit_as(&mut self, id: JobId, priority: i32, required: Properties, class: Option<u32>) -> Vec<Assign> {
+        debug_assert!(id >= CALLER_IDS && !self.jobs.contains_key(&id), "caller id {id} out of range or taken");
+        self.enter(id, priority, required, class)
+    }
+
+    fn enter(&mut self, id: JobId, priority: i32, required: Properties, class: Option<u32>) -> Vec<Assign> {
         self.seq += 1;
-        let seq = self.seq;
-        self.jobs.get_mut(&id).expect("inserted").seq = seq;
+        let job = Job { priority, seq: self.seq, required, class, place: Place::Detached, avoid: Vec::new() };
+        self.jobs.insert(id, job);
         let mut out = Vec::new();
         self.place(id, &mut out);
-        (id, out)
+        out
     }
 
     /// Puts a detached job back: it keeps its place in line (its original arrival), and

@@ -33,7 +33,7 @@ use gantry_proto::worker::v1 as wpb;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 
-use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId};
+use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId, CALLER_IDS};
 use crate::platform::{self, Property};
 use crate::sizing::{Learned, RunEnd, Trial};
 
@@ -222,26 +222,43 @@ impl JobSpec {
 /// copy).
 type Name = Arc<str>;
 
-/// Operations by name, for the calls that name one (a worker's report, a client's wait,
-/// cancel or delete). The names are the scheduler's own (never a client's choice), so the
-/// hasher needs no flooding protection.
-type ByName<V> = HashMap<Name, V, foldhash::fast::RandomState>;
-
 /// Maps keyed by what no client chooses (workers by their registered name, size classes
 /// by number): SipHash's flooding protection is not worth its cost there. Actions in
 /// flight stay on SipHash: their instance names are the client's choice.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// An operation's number, in submission order. Everything inside the scheduler refers to
-/// an operation by it, not by its name: a numeric key sits in the map's own slots, while
-/// a name is a pointer to chase and a string to hash and compare (a tenth of an event).
-/// Not the dispatcher's id, which changes when a hedge copy takes over the operation.
+/// An operation's number: the low 64 bits of the UUID in its name, with the top bit set
+/// ([`op_of_name`]). Everything inside the scheduler refers to an operation by it, not by
+/// its name: a numeric key sits in the map's own slots, while a name is a pointer to chase
+/// and a string to hash and compare. Since the number is read from the name, finding an
+/// operation by name (a worker's report, a client's wait or cancel) needs no map of names.
+/// It is also the dispatcher's id of the operation's first run (its top bit keeps it apart
+/// from the ids the dispatcher makes, see [`CALLER_IDS`]); a hedge copy that takes over
+/// runs under another id, kept in `State::promoted`.
 type OpId = u64;
+
+const NAME_PREFIX: &str = "operations/";
+
+/// The operation number and the rest of the UUID (its high 64 bits) of a name this
+/// scheduler could have made: "operations/" and a lowercase hyphenated UUID, the only form
+/// it makes, so that one name has one reading. None for anything else.
+fn op_of_name(name: &str) -> Option<(OpId, u64)> {
+    let text = name.strip_prefix(NAME_PREFIX)?;
+    if text.len() != 36 || text.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
+    let uid = uuid::Uuid::try_parse(text).ok()?.as_u128();
+    Some((uid as u64 | CALLER_IDS, (uid >> 64) as u64))
+}
 
 struct Job {
     id: JobId,
     op: OpId,
     name: Name,
+    /// The high half of the name's UUID: with `op`, the whole name (see [`op_of_name`]).
+    name_high: u64,
+    /// Its place in submission order (operation numbers are random), for listings.
+    submitted: u64,
     key: (String, Digest),
     spec: Arc<JobSpec>,
     /// Identities whose Execute calls share this operation (requests for the same action
@@ -381,11 +398,10 @@ struct State {
     /// Every operation by number, until its retention ends. Boxed: a map of large
     /// entries moves them all whenever it rehashes.
     jobs: IdMap<Box<Job>>,
-    /// Every operation in `jobs`, by its name.
-    by_name: ByName<OpId>,
-    next_op: OpId,
-    /// Operations the dispatcher holds (queued or running), by its id.
-    live: IdMap<OpId>,
+    /// Operations whose hedge copy took over, by the copy's dispatcher id; the first run
+    /// of every other operation has the operation's own number as its id ([`OpId`]).
+    promoted: IdMap<OpId>,
+    submissions: u64,
     /// Hedge copies the dispatcher holds, by their id: the operation each belongs to.
     hedges: IdMap<OpId>,
     /// Operations whose hedge time is still to come: (that time, their dispatcher id).
@@ -507,11 +523,14 @@ impl Default for NameSource {
 }
 
 impl NameSource {
-    fn next(&mut self) -> String {
+    /// A fresh name, and its reading by [`op_of_name`].
+    fn next(&mut self) -> (String, OpId, u64) {
         use rand::RngCore;
         let mut bytes = [0u8; 16];
         self.0.fill_bytes(&mut bytes);
-        format!("operations/{}", uuid::Builder::from_random_bytes(bytes).into_uuid())
+        let uuid = uuid::Builder::from_random_bytes(bytes).into_uuid();
+        let uid = uuid.as_u128();
+        (format!("{NAME_PREFIX}{uuid}"), uid as u64 | CALLER_IDS, (uid >> 64) as u64)
     }
 }
 
@@ -548,16 +567,28 @@ impl State {
     /// Removes an operation from every map that knows it.
     fn forget(&mut self, op: OpId) {
         if let Some(job) = self.jobs.remove(&op) {
-            self.by_name.remove(&job.name);
-            if self.in_flight.get(&job.key) == Some(&op) {
-                self.in_flight.remove(&job.key);
+            // One probe, not a look then a removal: the entry is nearly always this
+            // operation's, and a later one's (rare) is put back.
+            if let Some((key, other)) = self.in_flight.remove_entry(&job.key)
+                && other != op
+            {
+                self.in_flight.insert(key, other);
             }
         }
     }
 
     /// The operation called `name`.
     fn op_named(&self, name: &str) -> Option<OpId> {
-        self.by_name.get(name).copied()
+        let (op, high) = op_of_name(name)?;
+        self.jobs.get(&op).filter(|j| j.name_high == high).map(|_| op)
+    }
+
+    /// The operation whose current run the dispatcher holds as `id` (queued or running):
+    /// its first run, or the hedge copy that took over from it. Not a hedge copy still
+    /// racing its first run (see `hedges`).
+    fn live_op(&self, id: JobId) -> Option<OpId> {
+        let op = if id >= CALLER_IDS { id } else { *self.promoted.get(&id)? };
+        self.jobs.get(&op).filter(|j| j.id == id && j.completed_at.is_none()).map(|_| op)
     }
 
     fn job_named(&self, name: &str) -> Option<&Job> {
@@ -571,8 +602,8 @@ impl State {
         let mut todo: VecDeque<Assign> = assigns.into();
         while let Some(a) = todo.pop_front() {
             let Some(wname) = self.worker_names.get(&a.worker) else { continue };
-            let (op, hedge) = match (self.live.get(&a.job), self.hedges.get(&a.job)) {
-                (Some(&op), _) => (op, false),
+            let (op, hedge) = match (self.live_op(a.job), self.hedges.get(&a.job)) {
+                (Some(op), _) => (op, false),
                 (None, Some(&op)) => (op, true),
                 (None, None) => continue,
             };
@@ -597,7 +628,13 @@ impl State {
                     None => {
                         job.worker = Some(wname.clone());
                         job.dispatched_at = Some(Instant::now());
-                        job.tx.send_modify(|s| s.stage = Stage::Executing);
+                        // Watchers subscribe only under this lock, and read the state before
+                        // waiting for a change: with none, there is nobody to wake.
+                        let watched = job.tx.receiver_count() > 0;
+                        job.tx.send_if_modified(|s| {
+                            s.stage = Stage::Executing;
+                            watched
+                        });
                     }
                 }
             } else {
@@ -653,8 +690,9 @@ impl State {
             job.tx.send_modify(|s| s.stage = Stage::Queued);
         }
         self.hedges.remove(&h.id);
-        self.live.remove(&old);
-        self.live.insert(h.id, op);
+        // The first run had the operation's number; a hedge copy never has one.
+        debug_assert!(old == op && h.id < CALLER_IDS);
+        self.promoted.insert(h.id, op);
         self.end_run(old, old_worker.as_deref(), old_wire, cancel)
     }
 
@@ -683,7 +721,7 @@ impl State {
         why: &str,
         avoid: Option<WorkerId>,
     ) -> Vec<Assign> {
-        let Some(&op) = self.live.get(&id) else { return Vec::new() };
+        let Some(op) = self.live_op(id) else { return Vec::new() };
         let job = self.jobs.get_mut(&op).expect("live jobs exist");
         if job.hedge.is_some() {
             // Its copy on the largest class carries on: nothing is lost.
@@ -744,7 +782,9 @@ impl State {
         // the action and command, the bulk of an operation, are not needed for that.
         JobSpec::strip(&mut job.spec);
         let (id, hedged) = (job.id, job.hedge.is_some());
-        self.live.remove(&id);
+        if id < CALLER_IDS {
+            self.promoted.remove(&id);
+        }
         self.completed.push_back((now, op));
         let mut out = if hedged { self.drop_hedge(op, true) } else { Vec::new() };
         out.extend(self.d.finish(id));
@@ -850,10 +890,14 @@ impl Scheduler {
         // Bazel puts platform properties in both Action.platform and the (deprecated)
         // Command.platform; older clients only in the latter, so both are honoured.
         #[allow(deprecated)]
-        let mut required = platform::from_platform(spec.command.platform.as_ref());
-        required.extend(platform::from_platform(spec.action.platform.as_ref()));
-        required.sort();
-        required.dedup();
+        let command_platform = spec.command.platform.as_ref();
+        let mut required = platform::from_platform(spec.action.platform.as_ref());
+        // Bazel sends the same properties in both: read them once.
+        if command_platform.is_some_and(|p| Some(p) != spec.action.platform.as_ref()) {
+            required.extend(platform::from_platform(command_platform));
+            required.sort();
+            required.dedup();
+        }
         let timeout =
             resolve_timeout(spec.action.timeout.as_ref(), self.config.default_timeout, self.config.max_timeout)?;
         let key = (spec.instance.clone(), spec.action_digest);
@@ -911,27 +955,35 @@ impl Scheduler {
         };
         // A run on a smaller class still going at this time gets a copy on the largest.
         let hedge_at = hedge_after.filter(|_| size_class < Some(largest_class)).map(|h| Instant::now() + h);
-        let name: Name = st.names.next().into();
+        // A fresh number: two names whose UUIDs share their low half (one in 2^62) would share
+        // it, so the later one is drawn again.
+        let (name, op, name_high) = loop {
+            let (name, op, high) = st.names.next();
+            if !st.jobs.contains_key(&op) {
+                break (Name::from(name), op, high);
+            }
+        };
         let state =
             OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
         let (tx, rx) = watch::channel(state);
-        let (id, assigns) = st.d.submit(spec.priority, required.clone(), size_class);
+        let id = op;
+        st.submissions += 1;
+        let submitted = st.submissions;
+        let assigns = st.d.submit_as(id, spec.priority, required.clone(), size_class);
         if let Some(at) = hedge_at {
             st.hedge_due.insert((at, id));
         }
-        let op = st.next_op;
-        st.next_op += 1;
         if mergeable {
             st.in_flight.insert(key.clone(), op);
         }
-        st.live.insert(id, op);
-        st.by_name.insert(name.clone(), op);
         st.jobs.insert(
             op,
             Box::new(Job {
                 id,
                 op,
                 name: name.clone(),
+                name_high,
+                submitted,
                 key,
                 owners: spec.owner.iter().cloned().collect(),
                 spec: Arc::new(spec),
@@ -1294,7 +1346,7 @@ impl Scheduler {
         let due = std::mem::replace(&mut st.hedge_due, later);
         let mut assigns = Vec::new();
         for (_, id) in due {
-            let Some(&op) = st.live.get(&id) else { continue };
+            let Some(op) = st.live_op(id) else { continue };
             let job = st.jobs.get_mut(&op).expect("live jobs exist");
             let largest = job.trial.largest_class;
             let Some(class) = job.size_class.filter(|&c| c < largest) else { continue };
@@ -1342,8 +1394,8 @@ impl Scheduler {
             .iter()
             .flat_map(|(wname, w)| st.d.running_on(w.id).map(move |j| (j, wname)))
             .filter_map(|(id, wname)| {
-                let (hedge, op) = match st.live.get(&id) {
-                    Some(&op) => (false, op),
+                let (hedge, op) = match st.live_op(id) {
+                    Some(op) => (false, op),
                     None => (true, *st.hedges.get(&id)?),
                 };
                 let job = &st.jobs[&op];
@@ -1437,7 +1489,7 @@ impl Scheduler {
     pub fn list(&self, owner: Option<&str>) -> Vec<OpState> {
         let st = self.lock();
         let mut v: Vec<_> =
-            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.op, j.tx.borrow().clone())).collect();
+            st.jobs.values().filter(|j| may_touch(j, owner)).map(|j| (j.submitted, j.tx.borrow().clone())).collect();
         v.sort_by_key(|(s, _)| *s);
         v.into_iter().map(|(_, s)| s).collect()
     }
@@ -1512,12 +1564,12 @@ impl gantry_core::Fleet for Scheduler {
                     .d
                     .running_on(w.id)
                     .filter_map(|id| {
-                        let (op, hedge) = match (st.live.get(&id), st.hedges.get(&id)) {
+                        let (op, hedge) = match (st.live_op(id), st.hedges.get(&id)) {
                             (Some(op), _) => (op, false),
-                            (None, Some(op)) => (op, true),
+                            (None, Some(&op)) => (op, true),
                             (None, None) => return None,
                         };
-                        let job = st.jobs.get(op)?;
+                        let job = st.jobs.get(&op)?;
                         let since =
                             if hedge { job.hedge.as_ref().and_then(|h| h.dispatched_at) } else { job.dispatched_at };
                         Some(RunningView {
@@ -1605,11 +1657,8 @@ fn queue_state(st: &State, classes: &[u32]) -> gantry_sizeclass::QueueState {
 /// The dispatcher's invariants, and that the scheduler's maps agree with it.
 fn check_state(st: &State) -> std::result::Result<(), String> {
     st.d.check()?;
-    if st.by_name.len() != st.jobs.len() {
-        return Err(format!("{} operations, {} names", st.jobs.len(), st.by_name.len()));
-    }
     for (op, job) in &st.jobs {
-        if job.op != *op || st.by_name.get(&job.name) != Some(op) {
+        if job.op != *op || op_of_name(&job.name) != Some((*op, job.name_high)) {
             return Err(format!("operation {} is out of step with its name", job.name));
         }
     }
@@ -1619,13 +1668,20 @@ fn check_state(st: &State) -> std::result::Result<(), String> {
             return Err(format!("the action {} in flight names operation #{op}, which is not its", key.1));
         }
     }
-    for (id, op) in &st.live {
-        let job = st.jobs.get(op).ok_or(format!("live operation #{op} is missing"))?;
-        let name = &job.name;
-        if job.id != *id || job.completed_at.is_some() {
-            return Err(format!("live operation {name} is out of step"));
+    for (id, op) in &st.promoted {
+        let job = st.jobs.get(op).ok_or(format!("promoted operation #{op} is missing"))?;
+        if job.id != *id || !job.promoted || job.completed_at.is_some() || *id >= CALLER_IDS {
+            return Err(format!("the hedge copy that took over {} is out of step", job.name));
         }
-        if !st.d.is_queued(*id) && st.d.worker_of(*id).is_none() {
+    }
+    let mut live = 0;
+    for (op, job) in st.jobs.iter().filter(|(_, j)| j.completed_at.is_none()) {
+        live += 1;
+        let name = &job.name;
+        if (job.id >= CALLER_IDS) != (job.id == *op) || (job.id < CALLER_IDS && st.promoted.get(&job.id) != Some(op)) {
+            return Err(format!("live operation {name} runs under an id that is not its own"));
+        }
+        if !st.d.is_queued(job.id) && st.d.worker_of(job.id).is_none() {
             return Err(format!("operation {name} is neither queued nor running"));
         }
     }
@@ -1639,7 +1695,7 @@ fn check_state(st: &State) -> std::result::Result<(), String> {
             return Err(format!("hedge copy of {name} is neither queued nor running"));
         }
     }
-    let held = st.live.len() + st.hedges.len();
+    let held = live + st.hedges.len();
     if st.d.queued() + st.d.running() != held {
         return Err(format!("{held} live runs, dispatcher holds {}", st.d.queued() + st.d.running()));
     }
@@ -1697,6 +1753,38 @@ mod tests {
         assert!(Arc::ptr_eq(&required(&a), &required(&b)), "one copy, whatever the order");
         assert!(!Arc::ptr_eq(&required(&a), &required(&c)));
         assert_eq!(st.platforms.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_operation_is_found_by_the_exact_name_it_was_given_and_no_other() {
+        let s = scheduler(3).await;
+        let _w = s.register(reg("w", 1, &[("os", "linux")]), true).unwrap();
+        let (name, _) = s.submit(spec("a", 0, &[("os", "linux")])).await.unwrap();
+        let (op, high) = op_of_name(&name).expect("a name it made reads back");
+        assert!(op >= CALLER_IDS, "never an id the dispatcher makes itself");
+        let uuid = &name[NAME_PREFIX.len()..];
+        let other_forms = [
+            format!("{NAME_PREFIX}{}", uuid.to_uppercase()),
+            format!("{NAME_PREFIX}{}", uuid.replace('-', "")),
+            format!("{NAME_PREFIX}{{{uuid}}}"),
+            format!("operations/urn:uuid:{uuid}"),
+            uuid.to_string(),
+        ];
+        for forged in &other_forms {
+            assert_eq!(op_of_name(forged), None, "{forged}");
+        }
+        // The same low half (the operation's number) under another high half: a name it
+        // never gave, which must not reach the operation.
+        let sibling = uuid::Uuid::from_u128((u128::from(!high) << 64) | u128::from(op & !CALLER_IDS));
+        let sibling = format!("{NAME_PREFIX}{sibling}");
+        assert_eq!(op_of_name(&sibling).map(|(o, _)| o), Some(op));
+        for forged in other_forms.iter().chain([&sibling]) {
+            assert!(matches!(s.cancel(forged, None), Err(Error::NotFound(_))), "{forged}");
+        }
+        assert!(s.lock().job_named(&name).is_some_and(|j| !j.cancel_requested));
+        s.cancel(&name, None).unwrap();
+        assert!(s.lock().job_named(&name).unwrap().cancel_requested);
+        s.check_invariants().unwrap();
     }
 
     async fn scheduler(max_losses: u32) -> Arc<Scheduler> {
