@@ -1128,10 +1128,11 @@ impl Scheduler {
             code = tonic::Code::Internal as i32;
             message = "worker returned no result".into();
         }
-        let m = f.metering.clone().unwrap_or_default();
+        let no_metering = wpb::Metering::default();
+        let m = f.metering.as_ref().unwrap_or(&no_metering);
         let wall = Duration::from_secs_f64(m.wall_seconds.max(0.0));
         let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall, f.out_of_memory);
-        let after = self.transition(worker, &f, code, &m, this_outcome, result.as_ref().map(|r| r.exit_code));
+        let after = self.transition(worker, &f, code, m, this_outcome, result.as_ref().map(|r| r.exit_code));
         let fin = match after {
             After::Nothing => return,
             After::Retried { record, from_class } => {
@@ -1232,11 +1233,13 @@ impl Scheduler {
         let job_id = f.job_id.as_str();
         let mut st = self.lock();
         let st = &mut *st;
-        st.expire(Instant::now(), self.config.completed_retention, EXPIRE_PER_FINISH);
+        let now = Instant::now();
+        st.expire(now, self.config.completed_retention, EXPIRE_PER_FINISH);
         let Some(w) = st.workers.get_mut(worker) else { return After::Nothing };
-        w.last_seen = Instant::now();
+        w.last_seen = now;
         let (wid, size_class) = (w.id, w.size_class);
-        if let Some(id) = w.overdue.remove(job_id) {
+        // Nearly always empty; a removal would hash the job id all the same.
+        if let Some(id) = (!w.overdue.is_empty()).then(|| w.overdue.remove(job_id)).flatten() {
             // The late report of an action taken back: its slot is free again, the action
             // itself is queued or running elsewhere.
             let assigns = st.d.late_report(wid, id).unwrap_or_default();
