@@ -227,8 +227,8 @@ type Name = Arc<str>;
 /// flight stay on SipHash: their instance names are the client's choice.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
-/// An operation's number: the low 64 bits of the UUID in its name, with the top bit set
-/// ([`op_of_name`]). Everything inside the scheduler refers to an operation by it, not by
+/// An operation's number: the low 64 bits of the UUID in its name ([`op_of_name`]), whose
+/// top bit (the first bit of the UUID's variant) is always set. Everything inside the scheduler refers to an operation by it, not by
 /// its name: a numeric key sits in the map's own slots, while a name is a pointer to chase
 /// and a string to hash and compare. Since the number is read from the name, finding an
 /// operation by name (a worker's report, a client's wait or cancel) needs no map of names.
@@ -240,15 +240,17 @@ type OpId = u64;
 const NAME_PREFIX: &str = "operations/";
 
 /// The operation number and the rest of the UUID (its high 64 bits) of a name this
-/// scheduler could have made: "operations/" and a lowercase hyphenated UUID, the only form
-/// it makes, so that one name has one reading. None for anything else.
+/// scheduler could have made: "operations/" and a lowercase hyphenated UUID with the
+/// RFC 4122 variant's first bit set, the only form it makes. Every bit of the name is
+/// kept, so one number and high half have one name. None for anything else.
 fn op_of_name(name: &str) -> Option<(OpId, u64)> {
     let text = name.strip_prefix(NAME_PREFIX)?;
     if text.len() != 36 || text.bytes().any(|b| b.is_ascii_uppercase()) {
         return None;
     }
     let uid = uuid::Uuid::try_parse(text).ok()?.as_u128();
-    Some((uid as u64 | CALLER_IDS, (uid >> 64) as u64))
+    let op = uid as u64;
+    (op >= CALLER_IDS).then_some((op, (uid >> 64) as u64))
 }
 
 struct Job {
@@ -528,9 +530,11 @@ impl NameSource {
         use rand::RngCore;
         let mut bytes = [0u8; 16];
         self.0.fill_bytes(&mut bytes);
+        // The builder sets the RFC 4122 variant, whose first bit is the number's top bit.
         let uuid = uuid::Builder::from_random_bytes(bytes).into_uuid();
         let uid = uuid.as_u128();
-        (format!("{NAME_PREFIX}{uuid}"), uid as u64 | CALLER_IDS, (uid >> 64) as u64)
+        debug_assert!(uid as u64 >= CALLER_IDS);
+        (format!("{NAME_PREFIX}{uuid}"), uid as u64, (uid >> 64) as u64)
     }
 }
 
@@ -559,8 +563,12 @@ impl State {
                 Some((at, _)) if now.saturating_duration_since(*at) >= keep => {}
                 _ => return,
             }
-            let (_, op) = self.completed.pop_front().expect("front exists");
-            self.forget(op);
+            let (at, op) = self.completed.pop_front().expect("front exists");
+            // Only the operation this entry was made for: a deleted operation's number can
+            // come back (see `submit`), and its entry must not end the newcomer's retention.
+            if self.jobs.get(&op).is_some_and(|j| j.completed_at == Some(at)) {
+                self.forget(op);
+            }
         }
     }
 
@@ -956,7 +964,9 @@ impl Scheduler {
         // A run on a smaller class still going at this time gets a copy on the largest.
         let hedge_at = hedge_after.filter(|_| size_class < Some(largest_class)).map(|h| Instant::now() + h);
         // A fresh number: two names whose UUIDs share their low half (one in 2^62) would share
-        // it, so the later one is drawn again.
+        // it, so the later one is drawn again. A forgotten operation's number may come back
+        // at those odds: retention checks that an entry is the operation's own, and a stale
+        // hedge time at worst hedges the newcomer early.
         let (name, op, name_high) = loop {
             let (name, op, high) = st.names.next();
             if !st.jobs.contains_key(&op) {
@@ -1681,7 +1691,10 @@ fn check_state(st: &State) -> std::result::Result<(), String> {
     for (op, job) in st.jobs.iter().filter(|(_, j)| j.completed_at.is_none()) {
         live += 1;
         let name = &job.name;
-        if (job.id >= CALLER_IDS) != (job.id == *op) || (job.id < CALLER_IDS && st.promoted.get(&job.id) != Some(op)) {
+        if (job.id >= CALLER_IDS) != (job.id == *op)
+            || job.promoted != (job.id < CALLER_IDS)
+            || (job.id < CALLER_IDS && st.promoted.get(&job.id) != Some(op))
+        {
             return Err(format!("live operation {name} runs under an id that is not its own"));
         }
         if !st.d.is_queued(job.id) && st.d.worker_of(job.id).is_none() {
@@ -1778,10 +1791,16 @@ mod tests {
         }
         // The same low half (the operation's number) under another high half: a name it
         // never gave, which must not reach the operation.
-        let sibling = uuid::Uuid::from_u128((u128::from(!high) << 64) | u128::from(op & !CALLER_IDS));
+        let sibling = uuid::Uuid::from_u128((u128::from(!high) << 64) | u128::from(op));
         let sibling = format!("{NAME_PREFIX}{sibling}");
         assert_eq!(op_of_name(&sibling).map(|(o, _)| o), Some(op));
-        for forged in other_forms.iter().chain([&sibling]) {
+        // The variant's first bit cleared (the fourth group's first digit 8-b made 0-3):
+        // the same number if that bit were ignored.
+        let cleared = uuid::Uuid::from_u128((u128::from(high) << 64) | u128::from(op & !CALLER_IDS));
+        let cleared = format!("{NAME_PREFIX}{cleared}");
+        assert_ne!(cleared, name);
+        assert_eq!(op_of_name(&cleared), None, "{cleared}");
+        for forged in other_forms.iter().chain([&sibling, &cleared]) {
             assert!(matches!(s.cancel(forged, None), Err(Error::NotFound(_))), "{forged}");
         }
         assert!(s.lock().job_named(&name).is_some_and(|j| !j.cancel_requested));
