@@ -2432,6 +2432,9 @@ mod random_sequences {
         },
         /// The monitor's sweep (retention is zero here).
         Sweep,
+        /// Every hedge time comes: a run still going on a smaller class gets a copy on the
+        /// largest, one still queued moves there (with the learner only).
+        Hedge,
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -2443,15 +2446,37 @@ mod random_sequences {
             1 => any::<u8>().prop_map(|k| Step::Cancel { k }),
             1 => any::<u8>().prop_map(|k| Step::Delete { k }),
             1 => Just(Step::Sweep),
+            1 => Just(Step::Hedge),
         ]
     }
 
-    async fn run(steps: Vec<Step>) -> std::result::Result<(), String> {
+    /// Runs `steps`. With `learning`, workers alternate between size classes 1 and 2 and
+    /// the learner knows every action's shape from a run on class 2, so that actions
+    /// explore class 1 with a hedge: copies start, win, lose, take over and are lost.
+    async fn run(steps: Vec<Step>, learning: bool) -> std::result::Result<(), String> {
         let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
         let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
-        let log = Arc::new(gantry_store::SqlExecutionLog::new(db));
+        let log = Arc::new(gantry_store::SqlExecutionLog::new(db.clone()));
         let cfg = SchedulerConfig { completed_retention: Duration::ZERO, ..Default::default() };
-        let s = Scheduler::new(cfg, ac, log, &prometheus::Registry::new(), None);
+        let registry = prometheus::Registry::new();
+        let sizing = if learning {
+            let store = Arc::new(gantry_store::SqlSizeClassStore::new(db));
+            let config = gantry_sizeclass::SelectionConfig { exploration_factor: 0.0, ..Default::default() };
+            let sizing = crate::sizing::Sizing::new(config, store, Some(1), 16, &registry).unwrap();
+            for do_not_cache in [false, true] {
+                let action = reapi::Action { do_not_cache, ..Default::default() };
+                let baseline = gantry_sizeclass::Execution {
+                    size_class: 2,
+                    outcome: gantry_sizeclass::Outcome::Succeeded(Duration::from_secs(1)),
+                    largest_outcome: None,
+                };
+                sizing.record(&crate::sizing::shape_key(&action, ""), 2, baseline, &[], &[1, 2]).await;
+            }
+            Some(sizing)
+        } else {
+            None
+        };
+        let s = Scheduler::new(cfg, ac, log, &registry, sizing);
         let mut links: HashMap<String, WorkerLink> = HashMap::new();
         let mut held: HashMap<String, Vec<String>> = HashMap::new();
         let mut names: Vec<String> = Vec::new();
@@ -2472,7 +2497,8 @@ mod random_sequences {
                 }
                 Step::Register { worker, slots } => {
                     let id = format!("w{worker}");
-                    let reg = wpb::Register { worker_id: id.clone(), slots, size_class: 1, ..Default::default() };
+                    let size_class = if learning { 1 + u32::from(worker % 2) } else { 1 };
+                    let reg = wpb::Register { worker_id: id.clone(), slots, size_class, ..Default::default() };
                     if let Ok(link) = s.register(reg, true) {
                         links.insert(id, link);
                     }
@@ -2507,6 +2533,7 @@ mod random_sequences {
                 }
                 Step::Cancel { .. } | Step::Delete { .. } => {}
                 Step::Sweep => s.check_workers_and_gc(),
+                Step::Hedge => s.start_hedges(Instant::now() + Duration::from_secs(3600)),
             }
             // What each worker was sent: a run it holds until it reports it (a cancelled
             // run too: the worker reports it when its process is gone).
@@ -2537,7 +2564,14 @@ mod random_sequences {
         #[test]
         fn the_scheduler_maps_stay_in_step(steps in proptest::collection::vec(step(), 1..80)) {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            let result = rt.block_on(run(steps));
+            let result = rt.block_on(run(steps, false));
+            prop_assert!(result.is_ok(), "{}", result.unwrap_err());
+        }
+
+        #[test]
+        fn the_maps_stay_in_step_through_hedges_and_retries(steps in proptest::collection::vec(step(), 1..80)) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let result = rt.block_on(run(steps, true));
             prop_assert!(result.is_ok(), "{}", result.unwrap_err());
         }
     }
