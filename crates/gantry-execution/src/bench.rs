@@ -349,7 +349,6 @@ pub async fn run(opts: BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchRep
             }
         }
     }
-    progress(&format!("{} running, measuring {} assignments", running.len(), opts.steps));
 
     // Steady backlog: one completion and one arrival per step, for the platform of the
     // action that finished, so that every platform's backlog stays as it was.

@@ -228,9 +228,9 @@ type Name = Arc<str>;
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// An operation's number: the low 64 bits of the UUID in its name ([`op_of_name`]), whose
-/// top bit (the first bit of the UUID's variant) is always set. Everything inside the scheduler refers to an operation by it, not by
-/// its name: a numeric key sits in the map's own slots, while a name is a pointer to chase
-/// and a string to hash and compare. Since the number is read from the name, finding an
+/// top bit (the first bit of the UUID's variant) is always set. Everything inside the
+/// scheduler refers to an operation by it, not by its name: a numeric key sits in the
+/// map's own slots, while a name is a pointer to chase and a string to hash and compare. Since the number is read from the name, finding an
 /// operation by name (a worker's report, a client's wait or cancel) needs no map of names.
 /// It is also the dispatcher's id of the operation's first run (its top bit keeps it apart
 /// from the ids the dispatcher makes, see [`CALLER_IDS`]); a hedge copy that takes over
@@ -248,9 +248,14 @@ fn op_of_name(name: &str) -> Option<(OpId, u64)> {
     if text.len() != 36 || text.bytes().any(|b| b.is_ascii_uppercase()) {
         return None;
     }
-    let uid = uuid::Uuid::try_parse(text).ok()?.as_u128();
-    let op = uid as u64;
-    (op >= CALLER_IDS).then_some((op, (uid >> 64) as u64))
+    let (op, high) = uuid_parts(uuid::Uuid::try_parse(text).ok()?);
+    (op >= CALLER_IDS).then_some((op, high))
+}
+
+/// A name's UUID as the operation number (its low half) and the rest (its high half).
+fn uuid_parts(uuid: uuid::Uuid) -> (OpId, u64) {
+    let uid = uuid.as_u128();
+    (uid as u64, (uid >> 64) as u64)
 }
 
 struct Job {
@@ -532,9 +537,9 @@ impl NameSource {
         self.0.fill_bytes(&mut bytes);
         // The builder sets the RFC 4122 variant, whose first bit is the number's top bit.
         let uuid = uuid::Builder::from_random_bytes(bytes).into_uuid();
-        let uid = uuid.as_u128();
-        debug_assert!(uid as u64 >= CALLER_IDS);
-        (format!("{NAME_PREFIX}{uuid}"), uid as u64, (uid >> 64) as u64)
+        let (op, high) = uuid_parts(uuid);
+        debug_assert!(op >= CALLER_IDS);
+        (format!("{NAME_PREFIX}{uuid}"), op, high)
     }
 }
 
