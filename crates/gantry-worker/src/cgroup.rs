@@ -20,7 +20,7 @@
 //! - else none, and the caller falls back to RLIMIT_AS.
 //!
 //! Each action's group, `gantry-{worker pid}-{n}`, is made before the action starts and
-//! joined by the child between fork and exec (process.rs), so no code of the action runs
+//! joined by the child between clone and exec (launch.rs), so no code of the action runs
 //! outside it; after the action, everything left in it is killed and it is removed, also
 //! when the run is dropped. Groups of a worker process that died are removed by the next
 //! worker process to start.

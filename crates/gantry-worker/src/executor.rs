@@ -26,7 +26,7 @@ pub struct Executor {
     pub work_root: PathBuf,
     /// The directories of `work_root` not in use.
     pub dirs: ActionDirs,
-    /// Starts and reaps the actions' commands (spawner.rs); None: forked from this
+    /// Starts and reaps the actions' commands (spawner.rs); None: started from this
     /// process, whose memory then pollutes their rusage peak.
     pub spawner: Option<Arc<crate::spawner::Spawner>>,
     /// Limits of this worker's size class.

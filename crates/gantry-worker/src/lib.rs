@@ -6,6 +6,7 @@
 
 pub mod cgroup;
 pub mod executor;
+mod launch;
 pub mod materialize;
 pub mod outputs;
 pub mod process;

@@ -1,9 +1,9 @@
 //! Running one command: its own process group (so a timeout or cancel kills everything it
 //! started), stdout/stderr to files, its size class's limits, and its metering. The
-//! worker's spawner (spawner.rs) forks and reaps it; without one (`gantry run`'s local
-//! branch, unit tests) it is forked and reaped here.
+//! worker's spawner (spawner.rs) starts (launch.rs) and reaps it; without one (`gantry
+//! run`'s local branch, unit tests) it is started and reaped here.
 //!
-//! With cgroups (cgroup.rs) the command runs in a group of its own, joined between fork
+//! With cgroups (cgroup.rs) the command runs in a group of its own, joined between clone
 //! and exec: the kernel enforces its memory and CPU time over the whole process tree, its
 //! peak memory is the group's, an OOM kill is recognised, and whatever it leaves running,
 //! even outside its process group, is killed with the group.
@@ -19,12 +19,7 @@
 //! CPU time comes from rusage either way, and the command is pinned to its class's CPUs
 //! either way: tools size their thread pools from the affinity mask.
 
-use std::ffi::CString;
-use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -67,7 +62,7 @@ pub struct Spec<'a> {
     /// Where this machine makes action cgroups (see cgroup.rs). None: `limits` are
     /// enforced with RLIMIT_AS and pinning, and memory is metered from rusage and samples.
     pub cgroups: Option<&'a Cgroups>,
-    /// The worker's spawner (spawner.rs); without it the command is forked from this
+    /// The worker's spawner (spawner.rs); without it the command is started from this
     /// process, and its rusage peak memory includes this process's.
     pub spawner: Option<&'a Spawner>,
     pub args: &'a [String],
@@ -126,122 +121,6 @@ fn sample_group(pgid: i32, peak: Arc<AtomicU64>) -> gantry_core::TaskGuard {
             tokio::time::sleep(SAMPLE_EVERY).await;
         }
     })
-}
-
-/// Writes the calling process's pid to the cgroup.procs file `procs`, which moves it into
-/// that group. Runs between fork and exec, so only async-signal-safe calls and no
-/// allocation: the pid is formatted on the stack.
-fn join_cgroup(procs: &CString) -> std::io::Result<()> {
-    // SAFETY: getpid, open, write and close are async-signal-safe; the buffers live on
-    // this stack frame and `procs` is a valid C string.
-    unsafe {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        let mut pid = libc::getpid() as u32;
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (pid % 10) as u8;
-            pid /= 10;
-            if pid == 0 {
-                break;
-            }
-        }
-        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let len = digits.len() - at;
-        let written = libc::write(fd, digits[at..].as_ptr().cast(), len);
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
-        if written != len as isize {
-            return Err(err);
-        }
-    }
-    Ok(())
-}
-
-/// Limits the address space of the calling process (and what it starts) to `bytes`.
-fn limit_address_space(bytes: u64) -> std::io::Result<()> {
-    let rl = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
-    // SAFETY: setrlimit with a valid struct; async-signal-safe.
-    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Restricts the calling process (and what it starts) to the first `n` CPUs it may use.
-/// Async-signal-safe: two syscalls on stack memory.
-fn pin_to_cpus(n: usize) {
-    // SAFETY: cpu_set_t is plain data, manipulated with the libc macros' equivalents.
-    unsafe {
-        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut allowed) != 0 {
-            return;
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let mut taken = 0;
-        for cpu in 0..libc::CPU_SETSIZE as usize {
-            if taken == n {
-                break;
-            }
-            if libc::CPU_ISSET(cpu, &allowed) {
-                libc::CPU_SET(cpu, &mut set);
-                taken += 1;
-            }
-        }
-        if taken > 0 {
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        }
-    }
-}
-
-/// Builds the command of `a`: its environment, directory and output files, its own
-/// process group, and, between fork and exec, its cgroups, address-space limit, CPU
-/// pinning and death signal. `parent` is the pid of the process that will fork it.
-pub(crate) fn command(a: &StartAction, parent: i32) -> std::io::Result<std::process::Command> {
-    let mut cmd = std::process::Command::new(&a.program);
-    cmd.args(&a.args)
-        .env_clear()
-        .envs(a.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(&a.cwd)
-        .stdin(Stdio::null())
-        .stdout(File::create(&a.stdout)?)
-        .stderr(File::create(&a.stderr)?)
-        .process_group(0);
-    let join: Vec<CString> = a
-        .cgroup_procs
-        .iter()
-        .map(|p| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other))
-        .collect::<std::io::Result<_>>()?;
-    let (address_space, cpus) = (a.address_space, a.cpus);
-    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
-    // functions (prctl, getppid, open/write/close, setrlimit, sched_*affinity) on memory
-    // allocated before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            for procs in &join {
-                join_cgroup(procs)?;
-            }
-            if let Some(bytes) = address_space {
-                limit_address_space(bytes)?;
-            }
-            if let Some(n) = cpus {
-                pin_to_cpus(n);
-            }
-            // If the process that started it dies, nobody would supervise the action.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // It died between the fork and the prctl: nobody will reap us.
-            if libc::getppid() != parent {
-                return Err(std::io::Error::other("the worker exited while starting the action"));
-            }
-            Ok(())
-        });
-    }
-    Ok(cmd)
 }
 
 /// A started command, waited for either by its spawner or by this process.
@@ -337,10 +216,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         None => {
             // SAFETY: getpid has no preconditions.
             let me = unsafe { libc::getpid() };
-            let child = command(&action, me).and_then(|mut c| c.spawn()).map_err(|e| could_not_start(&e))?;
-            let pid = child.id() as i32;
-            // We reap with wait4 ourselves to get this child's rusage; std's Child would not.
-            drop(child);
+            let pid = crate::launch::launch(&action, me).map_err(|e| could_not_start(&e))?;
             let wait = tokio::task::spawn_blocking(move || wait_child(pid));
             (pid, Running::Direct { pid, wait }, Some(GroupGuard { pgid: pid, armed: true }))
         }

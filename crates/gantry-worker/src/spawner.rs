@@ -4,9 +4,9 @@
 //! Why a process of its own: a command forked from the server inherits the server's
 //! address space until it execs, and Linux folds that address space's high-water RSS into
 //! the command's `ru_maxrss` (after vfork and posix_spawn too), so every action would
-//! "use" as much memory as gantry itself. Forked from this small process, a command
-//! inherits only its few MiB. Starting is cheap too: forking a small process copies few
-//! page tables, and each action costs one exec, its command's. (The trampoline this
+//! "use" as much memory as gantry itself. Started from this small process, a command
+//! inherits only its few MiB. Starting is cheap too: the command is started vfork-style
+//! (launch.rs), so nothing is copied, and each action costs one exec, its command's. (The trampoline this
 //! replaced, `gantry __meter`, cost a fork of the server and a second exec of the whole
 //! gantry binary per action: half the server's CPU on no-op actions.)
 //!
@@ -161,11 +161,9 @@ pub fn spawner_main() -> ! {
         match serde_json::from_str::<Request>(&line) {
             Ok(Request::Start(a)) => {
                 let mut children = live.0.lock().unwrap_or_else(|p| p.into_inner());
-                let response = match crate::process::command(&a, me).and_then(|mut c| c.spawn()) {
-                    Ok(child) => {
-                        let pid = child.id() as i32;
-                        // Reaped by the reaper thread with wait4, not by std.
-                        drop(child);
+                let response = match crate::launch::launch(&a, me) {
+                    Ok(pid) => {
+                        // Reaped by the reaper thread with wait4.
                         children.insert(pid, a.id);
                         live.1.notify_all();
                         Response::Started { id: a.id, pid }

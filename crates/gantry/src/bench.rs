@@ -731,6 +731,18 @@ async fn run_execute(
     bail!("Execute stream ended early")
 }
 
+/// CPU time the whole machine has spent busy since boot (all CPUs, from /proc/stat), or
+/// None where there is no /proc.
+fn machine_busy() -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).map_while(|t| t.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy.
+    let busy: u64 = ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(std::time::Duration::from_secs_f64(busy as f64 / per_second))
+}
+
 /// What one `bench exec` run measured.
 /// The mean time of each stage of the actions' ExecutedActionMetadata, for finding
 /// where the time of a no-op action goes.
@@ -828,6 +840,7 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
         actions.push(put_blob(&channel, a.encode_to_vec()).await?);
     }
     eprintln!("  executing them, {} in flight...", args.concurrency);
+    let busy_before = machine_busy();
     let start = Instant::now();
     let results: Vec<reapi::ExecuteResponse> = futures::stream::iter(actions.iter().copied())
         .map(|a| {
@@ -839,6 +852,11 @@ async fn exec_once(args: &ExecBenchArgs, target: &str) -> anyhow::Result<ExecRes
         .await?;
     let throughput = args.actions as f64 / start.elapsed().as_secs_f64();
     eprintln!("  where an action's time went (mean ms): {}", stage_means(&results));
+    if let (Some(a), Some(b)) = (busy_before, machine_busy()) {
+        // The whole machine's, so it holds the client, the server, the spawners and the
+        // commands: what an action costs when nothing else runs.
+        eprintln!("  CPU per action, whole machine: {:.3} ms", (b - a).as_secs_f64() * 1e3 / args.actions as f64);
+    }
     anyhow::ensure!(
         results
             .iter()
