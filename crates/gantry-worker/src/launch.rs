@@ -17,9 +17,16 @@
 //! What the child inherits is what std's `Command` gave it: signal dispositions reset
 //! (handled signals and SIGPIPE to the default; other ignored signals stay ignored), an
 //! empty signal mask, a process group of its own, stdin from /dev/null, stdout and stderr
-//! to the action's files, the action's directory and environment. A program named without
-//! a slash is looked up in the action's PATH (or `/bin:/usr/bin` without one), as execvp
-//! would, except that a file without a `#!` line is not handed to `/bin/sh`.
+//! to the action's files, the action's directory and environment (the last value of a
+//! name repeated wins). As with execvp, a program named without a slash is looked up in
+//! the action's PATH (or `/bin:/usr/bin` without one), and a file the kernel cannot
+//! execute for want of a `#!` line is run by `/bin/sh`.
+//!
+//! Two things this relies on, as glibc's own posix_spawn does: glibc 2.25 or later, whose
+//! `clone` no longer rewrites the calling thread's cached ids in the memory the child
+//! shares; and glibc's two internal signals (32 and 33, which `sigfillset` leaves out)
+//! staying harmless while the child shares the parent's memory: glibc sends them only to
+//! its own process's threads, by thread id, and its handlers ignore any other sender.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -68,6 +75,9 @@ struct Child<'a> {
     /// Null-terminated pointer arrays into the caller's C strings.
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
+    /// `/bin/sh`, the candidate (filled in by the child), then `argv[1..]`: the command
+    /// for a file without a `#!` line.
+    sh_argv: Vec<*const libc::c_char>,
     cwd: CString,
     stdin: libc::c_int,
     stdout: libc::c_int,
@@ -84,16 +94,20 @@ struct Child<'a> {
 /// Starts `a`'s command as a child of this process (whose pid is `parent`), in a process
 /// group of its own; returns its pid. The caller reaps it (see `spawner::wait_child`).
 pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
+    if a.program.as_os_str().is_empty() {
+        return Err(io::Error::new(io::ErrorKind::NotFound, "the program's name is empty"));
+    }
     let c = |s: &OsStr| CString::new(s.as_bytes()).map_err(|_| io::Error::other("a NUL byte in an argument"));
     let program = c(a.program.as_os_str())?;
     let strings: Vec<CString> = std::iter::once(Ok(program.clone()))
         .chain(a.args.iter().map(|s| c(OsStr::new(s))))
         .collect::<io::Result<_>>()?;
-    let env: Vec<CString> = a
-        .env
+    // One value per name, the last given, as std's Command kept them.
+    let env: std::collections::BTreeMap<&str, &str> = a.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let env: Vec<CString> = env
         .iter()
         .map(|(k, v)| {
-            let mut kv = k.clone().into_bytes();
+            let mut kv = k.as_bytes().to_vec();
             kv.push(b'=');
             kv.extend_from_slice(v.as_bytes());
             CString::new(kv).map_err(|_| io::Error::other("a NUL byte in an environment variable"))
@@ -103,6 +117,7 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
         vec![program]
     } else {
         let path = a.env.iter().rev().find(|(k, _)| k == "PATH").map_or("/bin:/usr/bin", |(_, v)| v.as_str());
+        // (The last PATH given, the one the command's environment holds.)
         path_candidates(path, a.program.as_os_str().as_bytes())?
     };
     let cgroup_procs: Vec<CString> = a.cgroup_procs.iter().map(|p| c(p.as_os_str())).collect::<io::Result<_>>()?;
@@ -110,10 +125,13 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
     let stdout = File::create(&a.stdout)?;
     let stderr = File::create(&a.stderr)?;
     let nul_terminated = |v: &[CString]| v.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect::<Vec<_>>();
+    let mut sh_argv = nul_terminated(&strings);
+    sh_argv.insert(0, c"/bin/sh".as_ptr());
     let mut child = Child {
         candidates,
         argv: nul_terminated(&strings),
         envp: nul_terminated(&env),
+        sh_argv,
         cwd: c(a.cwd.as_os_str())?,
         stdin: stdin.as_raw_fd(),
         stdout: stdout.as_raw_fd(),
@@ -125,7 +143,8 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
         failed: None,
         errno: 0,
     };
-    let mut stack = vec![0u8; STACK];
+    // Not zeroed: the child writes before it reads, as on any stack.
+    let mut stack: Vec<u8> = Vec::with_capacity(STACK);
     // SAFETY: the stack grows down from its 16-byte aligned top, inside the allocation.
     let top = unsafe { stack.as_mut_ptr().add(STACK) };
     let top = (top as usize & !15) as *mut libc::c_void;
@@ -159,7 +178,7 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
     drop(stack);
     let Some(failed) = failed else { return Ok(pid) };
     // The child exited without running the command: reap it here.
-    wait_child(pid);
+    let _ = wait_child(pid);
     Err(match (failed, errno) {
         (Step::ParentGone, _) | (_, 0) => io::Error::other(failed.describe()),
         (Step::Exec, e) => io::Error::from_raw_os_error(e),
@@ -189,7 +208,7 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     // process execs or exits (CLONE_VFORK).
     let child = unsafe { &mut *arg.cast::<Child>() };
     // SAFETY: only system calls on prepared memory (see the module doc).
-    let (step, errno) = unsafe { prepare_and_exec(child) };
+    let (step, errno) = unsafe { prepare_and_exec(&mut *child) };
     // SAFETY: as above; volatile so the parent's read sees them.
     unsafe {
         std::ptr::write_volatile(&mut child.failed, Some(step));
@@ -206,7 +225,7 @@ fn errno() -> i32 {
 ///
 /// # Safety
 /// Only in a vfork child, on memory the parent prepared.
-unsafe fn prepare_and_exec(c: &Child) -> (Step, i32) {
+unsafe fn prepare_and_exec(c: &mut Child) -> (Step, i32) {
     // SAFETY: system calls on memory the parent prepared and keeps alive, and on this
     // frame's own; the caller is a vfork child.
     unsafe {
@@ -260,12 +279,18 @@ unsafe fn prepare_and_exec(c: &Child) -> (Step, i32) {
             return (Step::ParentGone, 0);
         }
         // As execvp: a directory that does not hold the file is skipped; EACCES is remembered
-        // and reported if nothing else ran; any other error ends the search.
+        // and reported if nothing else ran; a file without a `#!` line goes to /bin/sh; any
+        // other error ends the search.
         let mut denied = false;
         let mut last = libc::ENOENT;
         for path in &c.candidates {
             libc::execve(path.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr());
             last = errno();
+            if last == libc::ENOEXEC {
+                c.sh_argv[1] = path.as_ptr();
+                libc::execve(c.sh_argv[0], c.sh_argv.as_ptr(), c.envp.as_ptr());
+                return (Step::Exec, errno());
+            }
             match last {
                 libc::EACCES => denied = true,
                 libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
@@ -369,47 +394,105 @@ mod tests {
         unsafe { libc::getpid() }
     }
 
+    /// Runs `a` to its end: its exit code and stdout.
+    fn run(a: &StartAction) -> (i32, String) {
+        let pid = launch(a, me()).unwrap();
+        let (status, _) = wait_child(pid).unwrap();
+        assert!(libc::WIFEXITED(status), "ended by a signal: {status}");
+        (libc::WEXITSTATUS(status), std::fs::read_to_string(&a.stdout).unwrap())
+    }
+
+    /// Writes files by a shell of its own: a file this process held open for writing could
+    /// be inherited by another test's child for the moment before it execs, and running
+    /// the file meanwhile fails with ETXTBSY.
+    fn write_files(dir: &std::path::Path, script: &str) {
+        let st = std::process::Command::new("/bin/sh").arg("-c").arg(script).current_dir(dir).status().unwrap();
+        assert!(st.success());
+    }
+
     #[test]
     fn the_command_gets_its_arguments_environment_directory_group_and_files() {
         let d = tempfile::tempdir().unwrap();
-        let script = "echo \"$0 $1 [$V] $(pwd)\"; echo err >&2; read -r _ _ _ _ pg _ < /proc/$$/stat; echo $pg; read x; echo \"stdin:$x.\"; exit 7";
-        let a = action(d.path(), "/bin/sh", &["-c", script, "zero", "one"], &[("V", "a b"), ("PATH", "/usr/bin:/bin")]);
+        let script = "echo \"$0 $1 [$V] $(pwd)\"; echo err >&2; read -r _ _ _ _ pg _ < /proc/$$/stat; echo $pg; \
+                      readlink /proc/$$/fd/0; exit 7";
+        let env = [("V", "first"), ("PATH", "/usr/bin:/bin"), ("V", "a b")];
+        let a = action(d.path(), "/bin/sh", &["-c", script, "zero", "one"], &env);
         let pid = launch(&a, me()).unwrap();
-        let (r, status, _) = wait_child(pid);
-        assert_eq!(r, pid);
+        let (status, _) = wait_child(pid).unwrap();
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7, "{status}");
         let out = std::fs::read_to_string(d.path().join("out")).unwrap();
         let mut lines = out.lines();
+        // A name given twice has its last value.
         assert_eq!(lines.next().unwrap(), format!("zero one [a b] {}", d.path().canonicalize().unwrap().display()));
         assert_eq!(lines.next().unwrap().trim(), pid.to_string(), "its own process group");
-        assert_eq!(lines.next().unwrap(), "stdin:.", "stdin is /dev/null");
+        assert_eq!(lines.next().unwrap(), "/dev/null", "stdin");
         assert_eq!(std::fs::read_to_string(d.path().join("err")).unwrap(), "err\n");
     }
 
     #[test]
     fn a_bare_name_is_looked_up_in_the_actions_path() {
         let d = tempfile::tempdir().unwrap();
-        let bin = d.path().join("bin");
-        std::fs::create_dir(&bin).unwrap();
-        std::fs::write(bin.join("hello"), "#!/bin/sh\necho found\n").unwrap();
-        std::fs::write(bin.join("locked"), "#!/bin/sh\necho never\n").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(bin.join("hello"), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let path = format!("/nonexistent:{}", bin.display());
-        let pid = launch(&action(d.path(), "hello", &[], &[("PATH", &path)]), me()).unwrap();
-        let (_, status, _) = wait_child(pid);
-        assert_eq!(libc::WEXITSTATUS(status), 0);
-        assert_eq!(std::fs::read_to_string(d.path().join("out")).unwrap(), "found\n");
+        write_files(
+            d.path(),
+            "mkdir bin && printf '#!/bin/sh\\necho found\\n' > bin/hello && chmod 755 bin/hello && \
+             printf '#!/bin/sh\\necho never\\n' > bin/locked && chmod 644 bin/locked",
+        );
+        let path = format!("/nonexistent:{}", d.path().join("bin").display());
+        assert_eq!(run(&action(d.path(), "hello", &[], &[("PATH", &path)])), (0, "found\n".into()));
         // Not in the action's PATH, though it is in ours.
         let e = launch(&action(d.path(), "sh", &[], &[("PATH", "/nonexistent")]), me()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
         // Found but not executable: EACCES, as execvp says.
         let e = launch(&action(d.path(), "locked", &[], &[("PATH", &path)]), me()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        let e = launch(&action(d.path(), "", &[], &[]), me()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 
     #[test]
-    fn a_failure_before_exec_names_its_step_and_leaves_no_child() {
+    fn a_script_without_an_interpreter_line_runs_in_sh() {
+        let d = tempfile::tempdir().unwrap();
+        write_files(d.path(), "printf 'echo \"plain $0 $1\"\\n' > plain && chmod 755 plain");
+        let script = d.path().join("plain");
+        let by_path = action(d.path(), script.to_str().unwrap(), &["arg"], &[]);
+        assert_eq!(run(&by_path), (0, format!("plain {} arg\n", script.display())));
+        let by_name = action(d.path(), "plain", &["arg"], &[("PATH", d.path().to_str().unwrap())]);
+        assert_eq!(run(&by_name), (0, format!("plain {} arg\n", script.display())));
+    }
+
+    #[test]
+    fn the_command_starts_with_default_handlers_and_no_blocked_signal() {
+        extern "C" fn on_usr1(_: libc::c_int) {}
+        let d = tempfile::tempdir().unwrap();
+        // SAFETY: a handler that does nothing, an ignored signal, and a mask on this thread
+        // only; the other tests neither send nor expect these signals.
+        let old = unsafe {
+            libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t);
+            libc::signal(libc::SIGUSR2, libc::SIG_IGN);
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old);
+            old
+        };
+        let (code, status) = run(&action(d.path(), "/bin/cat", &["/proc/self/status"], &[]));
+        // SAFETY: restores this thread's mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+        assert_eq!(code, 0);
+        let mask = |name: &str| {
+            let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+            u64::from_str_radix(line[name.len()..].trim(), 16).unwrap()
+        };
+        let bit = |sig: libc::c_int| 1u64 << (sig - 1);
+        assert_eq!(mask("SigBlk:"), 0, "the caller's blocked SIGTERM is not inherited");
+        assert_eq!(mask("SigCgt:") & bit(libc::SIGUSR1), 0, "a handled signal is back to the default");
+        assert_ne!(mask("SigIgn:") & bit(libc::SIGUSR2), 0, "an ignored signal stays ignored");
+        assert_eq!(mask("SigIgn:") & bit(libc::SIGPIPE), 0, "SIGPIPE, which Rust ignores, is the default");
+    }
+
+    #[test]
+    fn a_failure_before_exec_names_its_step() {
         let d = tempfile::tempdir().unwrap();
         let mut a = action(d.path(), "/bin/true", &[], &[]);
         a.cwd = d.path().join("missing");

@@ -126,10 +126,10 @@ fn sample_group(pgid: i32, peak: Arc<AtomicU64>) -> gantry_core::TaskGuard {
 /// A started command, waited for either by its spawner or by this process.
 enum Running {
     Spawned(Launched),
-    /// Forked from this process (no spawner): reaped here with wait4.
+    /// Started from this process (no spawner): reaped here with wait4.
     Direct {
         pid: i32,
-        wait: tokio::task::JoinHandle<(i32, i32, libc::rusage)>,
+        wait: tokio::task::JoinHandle<std::io::Result<(i32, libc::rusage)>>,
     },
 }
 
@@ -147,12 +147,10 @@ impl Running {
             Running::Direct { pid, wait } => {
                 let pid = *pid;
                 // By reference: a select that timed out polls it again.
-                let (r, status, ru) = wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?;
+                let waited = wait.await.map_err(|e| Error::internal(format!("wait task: {e}")))?;
                 // Whatever the command left running in its group goes with it.
                 kill_group(pid);
-                if r == -1 {
-                    return Err(Error::internal(format!("wait4({pid}): {}", std::io::Error::last_os_error())));
-                }
+                let (status, ru) = waited.map_err(|e| Error::internal(format!("wait4({pid}): {e}")))?;
                 Ok(Exit::from_wait(status, &ru))
             }
         }

@@ -1,8 +1,8 @@
 //! The action spawner, `gantry __spawner`: one small process per worker that starts every
 //! action's command and reaps it.
 //!
-//! Why a process of its own: a command forked from the server inherits the server's
-//! address space until it execs, and Linux folds that address space's high-water RSS into
+//! Why a process of its own: a command started from the server has the server's address
+//! space until it execs, and Linux folds that address space's high-water RSS into
 //! the command's `ru_maxrss` (after vfork and posix_spawn too), so every action would
 //! "use" as much memory as gantry itself. Started from this small process, a command
 //! inherits only its few MiB. Starting is cheap too: the command is started vfork-style
@@ -96,19 +96,23 @@ fn secs(tv: libc::timeval) -> f64 {
     tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6
 }
 
-/// Waits for child `pid` with wait4, retrying on EINTR: (return value, status, rusage).
-/// std's Child::wait cannot give the rusage of one specific child.
-pub fn wait_child(pid: i32) -> (i32, i32, libc::rusage) {
+/// Waits for child `pid` with wait4, retrying on EINTR: its wait status and rusage, or
+/// wait4's error (read on the thread that called it: errno is per thread). std's
+/// Child::wait cannot give the rusage of one specific child.
+pub fn wait_child(pid: i32) -> std::io::Result<(i32, libc::rusage)> {
     let mut status = 0;
     // SAFETY: rusage is plain old data; wait4 fills it in.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     loop {
         // SAFETY: waiting on our own child pid with valid out-pointers.
         let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-        if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
+        if r == pid {
+            return Ok((status, ru));
         }
-        return (r, status, ru);
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
 }
 
@@ -226,7 +230,7 @@ fn reap(live: &Live, writer: &Mutex<UnixStream>) {
         if r != 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
-                // ECHILD: a child whose start failed was reaped by std meanwhile.
+                // ECHILD: a child whose start failed was reaped by `launch` meanwhile.
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             continue;
@@ -234,16 +238,14 @@ fn reap(live: &Live, writer: &Mutex<UnixStream>) {
         // SAFETY: waitid filled in a child's exit, whose si_pid is valid.
         let pid = unsafe { info.si_pid() };
         // Taken after waitid, so a start in progress has recorded its pid; a pid not
-        // recorded was a failed start that std has reaped itself.
+        // recorded was a failed start that `launch` has reaped itself.
         let mut children = live.0.lock().unwrap_or_else(|p| p.into_inner());
         let Some(id) = children.remove(&pid) else { continue };
         // Whatever the command left running in its group goes with it.
         kill_group(pid);
-        let (r, status, ru) = wait_child(pid);
-        let response = if r == pid {
-            Response::Exited { id, exit: Exit::from_wait(status, &ru) }
-        } else {
-            Response::Failed { id, error: format!("wait4({pid}): {}", std::io::Error::last_os_error()) }
+        let response = match wait_child(pid) {
+            Ok((status, ru)) => Response::Exited { id, exit: Exit::from_wait(status, &ru) },
+            Err(e) => Response::Failed { id, error: format!("wait4({pid}): {e}") },
         };
         send(writer, &response, &children);
     }
