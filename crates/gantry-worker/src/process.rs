@@ -251,19 +251,6 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         g.armed = false;
     }
     let exit = exit?;
-    // Read the group's figures, then kill what is left in it (also what left the process
-    // group) and remove it; rmdir waits for the killed to exit, so off the runtime.
-    let from_cgroup = match cgroup {
-        Some(g) => tokio::task::spawn_blocking(move || {
-            let figures = (g.peak_memory(), g.oom());
-            g.remove();
-            figures
-        })
-        .await
-        .map_err(|e| Error::internal(format!("cgroup task: {e}")))
-        .map(Some)?,
-        None => None,
-    };
     let status = exit.status;
     let ending = forced.unwrap_or(if libc::WIFEXITED(status) {
         Ending::Exited(libc::WEXITSTATUS(status))
@@ -272,6 +259,21 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     } else {
         Ending::Exited(-1)
     });
+    let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
+    // Read the group's figures, then kill what is left in it (also what left the process
+    // group) and remove it; rmdir waits for the killed to exit, so off the runtime. Its
+    // OOM counters matter only to a failure (below), so a success does not read them.
+    let from_cgroup = match cgroup {
+        Some(g) => tokio::task::spawn_blocking(move || {
+            let figures = (g.peak_memory(), if failed { g.oom() } else { Oom::No });
+            g.remove();
+            figures
+        })
+        .await
+        .map_err(|e| Error::internal(format!("cgroup task: {e}")))
+        .map(Some)?,
+        None => None,
+    };
     // Linux reports ru_maxrss in KiB.
     let mut peak = exit.maxrss_kib.max(0) as u64 * 1024;
     if forced.is_some() || peak == 0 {
@@ -279,7 +281,6 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         // command's children, when it died first): the samples cover them.
         peak = peak.max(sampled.load(Ordering::Relaxed));
     }
-    let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
     let mut out_of_memory = false;
     if let Some((group_peak, oom)) = from_cgroup {
         peak = group_peak.unwrap_or(peak);
