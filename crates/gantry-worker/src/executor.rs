@@ -266,8 +266,9 @@ impl Executor {
         md.output_upload_start_timestamp = Some(ts());
         let up = Uploader { cas: self.cas.clone(), function: f };
         let mut result = ActionResult::default();
-        result.stdout_digest = Some(up.upload_file(&stdout).await?.to_proto());
-        result.stderr_digest = Some(up.upload_file(&stderr).await?.to_proto());
+        let (out, err) = up.upload_logs(&stdout, &stderr).await?;
+        result.stdout_digest = Some(out.to_proto());
+        result.stderr_digest = Some(err.to_proto());
         // A timed-out action still reports whatever outputs it produced.
         up.collect(&cwd, &declared, &mut result).await?;
         md.output_upload_completed_timestamp = Some(ts());

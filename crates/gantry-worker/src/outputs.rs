@@ -32,35 +32,26 @@ pub struct Declared<'a> {
 impl Uploader {
     /// Digests a file and uploads it if the CAS lacks it.
     pub async fn upload_file(&self, path: &Path) -> Result<Digest> {
-        let p = path.to_owned();
-        let f = self.function;
-        let (digest, small) = tokio::task::spawn_blocking(move || -> Result<(Digest, Option<Vec<u8>>)> {
-            use std::io::Read;
-            let mut file = std::fs::File::open(&p).context(format_args!("opening output {}", p.display()))?;
-            let mut h = f.hasher();
-            // Sized to the file (one byte more, to read its end in the same call): most
-            // outputs, and stdout and stderr above all, are tiny or empty, and zeroing a
-            // whole chunk for each was a visible share of a no-op action's CPU.
-            let len = file.metadata().map_or(UPLOAD_CHUNK as u64, |m| m.len());
-            let mut buf = vec![0u8; (len.saturating_add(1)).min(UPLOAD_CHUNK as u64) as usize];
-            let mut first = Vec::new();
-            loop {
-                let n = file.read(&mut buf).context(format_args!("reading {}", p.display()))?;
-                if n == 0 {
-                    break;
-                }
-                h.update(&buf[..n]);
-                if first.len() < UPLOAD_CHUNK {
-                    first.extend_from_slice(&buf[..n]);
-                }
-            }
-            let d = h.finish();
-            // Small files are uploaded from memory; large ones are streamed again.
-            let small = (d.size as usize <= UPLOAD_CHUNK).then_some(first);
-            Ok((d, small))
-        })
-        .await
-        .map_err(|e| Error::internal(format!("hash task: {e}")))??;
+        let (p, f) = (path.to_owned(), self.function);
+        let (digest, small) = tokio::task::spawn_blocking(move || hash_file(f, &p))
+            .await
+            .map_err(|e| Error::internal(format!("hash task: {e}")))??;
+        self.upload_hashed(path, digest, small).await
+    }
+
+    /// `upload_file` of a command's stdout and stderr, hashed in one blocking task:
+    /// most commands' logs are empty or tiny, and a task is a handoff between threads.
+    pub async fn upload_logs(&self, stdout: &Path, stderr: &Path) -> Result<(Digest, Digest)> {
+        let (out, err, f) = (stdout.to_owned(), stderr.to_owned(), self.function);
+        let (o, e) = tokio::task::spawn_blocking(move || Ok::<_, Error>((hash_file(f, &out)?, hash_file(f, &err)?)))
+            .await
+            .map_err(|e| Error::internal(format!("hash task: {e}")))??;
+        Ok((self.upload_hashed(stdout, o.0, o.1).await?, self.upload_hashed(stderr, e.0, e.1).await?))
+    }
+
+    /// Uploads the file at `path`, hashed as `digest` (`small`: its bytes, when it fits in
+    /// one chunk), unless the CAS has it.
+    async fn upload_hashed(&self, path: &Path, digest: Digest, small: Option<Vec<u8>>) -> Result<Digest> {
         if self.cas.has(&digest).await? {
             return Ok(digest);
         }
@@ -214,4 +205,31 @@ impl Uploader {
         }
         Ok(())
     }
+}
+
+/// Digests the file at `p`; with its bytes when it fits in one upload chunk.
+fn hash_file(f: DigestFunction, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(p).context(format_args!("opening output {}", p.display()))?;
+    let mut h = f.hasher();
+    // Sized to the file (one byte more, to read its end in the same call): most
+    // outputs, and stdout and stderr above all, are tiny or empty, and zeroing a
+    // whole chunk for each was a visible share of a no-op action's CPU.
+    let len = file.metadata().map_or(UPLOAD_CHUNK as u64, |m| m.len());
+    let mut buf = vec![0u8; (len.saturating_add(1)).min(UPLOAD_CHUNK as u64) as usize];
+    let mut first = Vec::new();
+    loop {
+        let n = file.read(&mut buf).context(format_args!("reading {}", p.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        if first.len() < UPLOAD_CHUNK {
+            first.extend_from_slice(&buf[..n]);
+        }
+    }
+    let d = h.finish();
+    // Small files are uploaded from memory; large ones are streamed again.
+    let small = (d.size as usize <= UPLOAD_CHUNK).then_some(first);
+    Ok((d, small))
 }
