@@ -53,7 +53,19 @@ pub trait BlobStore: Send + Sync + 'static {
     /// Reads a whole blob into memory.
     async fn get(&self, digest: &Digest) -> Result<Bytes> {
         let mut stream = self.read(digest, 0, None).await?;
+        let first = match stream.next().await {
+            Some(chunk) => chunk?,
+            None => return Ok(Bytes::new()),
+        };
+        // A blob that comes in one chunk (most do) is that chunk, not a copy of it. The
+        // stream is still read to its end: a decorator may check the blob there.
+        let second = match stream.next().await {
+            Some(chunk) => chunk?,
+            None => return Ok(first),
+        };
         let mut buf = BytesMut::with_capacity(digest.size.min(64 << 20) as usize);
+        buf.extend_from_slice(&first);
+        buf.extend_from_slice(&second);
         while let Some(chunk) = stream.next().await {
             buf.extend_from_slice(&chunk?);
         }
