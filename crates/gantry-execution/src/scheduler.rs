@@ -1254,7 +1254,9 @@ impl Scheduler {
         w.last_seen = now;
         let (wid, size_class) = (w.id, w.size_class);
         // Nearly always empty; a removal would hash the job id all the same.
-        if let Some(id) = (!w.overdue.is_empty()).then(|| w.overdue.remove(job_id)).flatten() {
+        if !w.overdue.is_empty()
+            && let Some(id) = w.overdue.remove(job_id)
+        {
             // The late report of an action taken back: its slot is free again, the action
             // itself is queued or running elsewhere.
             let assigns = st.d.late_report(wid, id).unwrap_or_default();

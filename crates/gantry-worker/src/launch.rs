@@ -103,8 +103,8 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
         .chain(a.args.iter().map(|s| c(OsStr::new(s))))
         .collect::<io::Result<_>>()?;
     // One value per name, the last given, as std's Command kept them.
-    let env: std::collections::BTreeMap<&str, &str> = a.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let env: Vec<CString> = env
+    let vars: std::collections::BTreeMap<&str, &str> = a.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let env: Vec<CString> = vars
         .iter()
         .map(|(k, v)| {
             let mut kv = k.as_bytes().to_vec();
@@ -116,8 +116,7 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
     let candidates = if a.program.as_os_str().as_bytes().contains(&b'/') {
         vec![program]
     } else {
-        let path = a.env.iter().rev().find(|(k, _)| k == "PATH").map_or("/bin:/usr/bin", |(_, v)| v.as_str());
-        // (The last PATH given, the one the command's environment holds.)
+        let path = vars.get("PATH").copied().unwrap_or("/bin:/usr/bin");
         path_candidates(path, a.program.as_os_str().as_bytes())?
     };
     let cgroup_procs: Vec<CString> = a.cgroup_procs.iter().map(|p| c(p.as_os_str())).collect::<io::Result<_>>()?;

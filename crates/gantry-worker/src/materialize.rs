@@ -42,8 +42,7 @@ impl Materializer {
         let mut files = Vec::new();
         let mut symlinks = Vec::new();
         let mut queue = VecDeque::from([(input_root, root.to_path_buf())]);
-        // The empty directory is the empty blob, which every CAS holds: not fetched.
-        let mut fetched: HashMap<Digest, Directory> = HashMap::from([(f.digest_of(&[]), Directory::default())]);
+        let mut fetched: HashMap<Digest, Directory> = HashMap::new();
         while let Some((d, path)) = queue.pop_front() {
             let dir = match fetched.get(&d) {
                 Some(dir) => dir.clone(),

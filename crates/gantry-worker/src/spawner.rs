@@ -6,9 +6,9 @@
 //! the command's `ru_maxrss` (after vfork and posix_spawn too), so every action would
 //! "use" as much memory as gantry itself. Started from this small process, a command
 //! inherits only its few MiB. Starting is cheap too: the command is started vfork-style
-//! (launch.rs), so nothing is copied, and each action costs one exec, its command's. (The trampoline this
-//! replaced, `gantry __meter`, cost a fork of the server and a second exec of the whole
-//! gantry binary per action: half the server's CPU on no-op actions.)
+//! (launch.rs), so nothing is copied, and each action costs one exec, its command's. (The
+//! trampoline this replaced, `gantry __meter`, cost a fork of the server and a second exec
+//! of the whole gantry binary per action: half the server's CPU on no-op actions.)
 //!
 //! The worker talks to it over a socket pair on its stdin, one JSON message per line.
 //! [`Request::Start`] (argv, environment, directory, output files, cgroups to join,

@@ -738,9 +738,7 @@ fn machine_busy() -> Option<std::time::Duration> {
     let ticks: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).map_while(|t| t.parse().ok()).collect();
     // user nice system idle iowait irq softirq steal ...; idle and iowait are not busy.
     let busy: u64 = ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
-    // SAFETY: sysconf has no preconditions.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Some(std::time::Duration::from_secs_f64(busy as f64 / per_second))
+    Some(std::time::Duration::from_secs_f64(busy as f64 / clock_ticks_per_second()))
 }
 
 /// Waits (up to 30 s) until the machine is nearly idle: the CAS puts uploaded blobs
@@ -957,9 +955,13 @@ fn process_cpu(pid: u32) -> anyhow::Result<std::time::Duration> {
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 =
         fields.get(11).context("no utime")?.parse::<u64>()? + fields.get(12).context("no stime")?.parse::<u64>()?;
+    Ok(std::time::Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second()))
+}
+
+/// The unit of /proc's CPU times.
+fn clock_ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(std::time::Duration::from_secs_f64(ticks as f64 / per_second))
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
 }
 
 /// What one `bench auth` configuration runs.
