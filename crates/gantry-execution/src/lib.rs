@@ -6,10 +6,12 @@
 //! that separate worker processes connect to. In-process workers talk to the same scheduler through channels. A frontend
 //! runs no scheduler: `forward` passes its Execution and Operations calls to one. `bench`
 //! drives the scheduler with simulated workers for `gantry bench scheduler`.
+//! `op_watch` is the channel each operation publishes its state on to its watchers.
 
 pub mod bench;
 pub mod dispatcher;
 pub mod forward;
+pub mod op_watch;
 pub mod operations;
 pub mod platform;
 pub mod scheduler;

@@ -16,7 +16,6 @@ use gantry_core::reapi::execution_server::Execution;
 use gantry_core::reapi::{self, execution_stage, ExecuteOperationMetadata, ExecuteResponse};
 use gantry_core::{ActionCache, BlobStore, Digest, DigestFunction, Error, Result};
 use prost::Message;
-use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use crate::scheduler::{JobSpec, OpState, Requester, Scheduler, Stage};
@@ -73,7 +72,7 @@ type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
 /// first, the stream ends with UNAVAILABLE: Bazel then retries WaitExecution, and Execute
 /// again if the restarted scheduler no longer knows the operation.
 fn op_stream(
-    rx: watch::Receiver<OpState>,
+    rx: crate::op_watch::Receiver<OpState>,
     stopped: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> OpStream {
     let stopped = futures::FutureExt::shared(futures::FutureExt::boxed(stopped));

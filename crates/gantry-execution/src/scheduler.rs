@@ -33,6 +33,8 @@ use gantry_proto::worker::v1 as wpb;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 
+use crate::op_watch;
+
 use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId, CALLER_IDS};
 use crate::platform::{self, Property};
 use crate::sizing::{Learned, RunEnd, Trial};
@@ -289,7 +291,7 @@ struct Job {
     /// The copy took over from the first run (which failed, was lost or lost the race):
     /// the action's run is the copy, known to workers by its [`wire_id`].
     promoted: bool,
-    tx: watch::Sender<OpState>,
+    tx: op_watch::Sender<OpState>,
     /// Set when the scheduler is done with the action. Its final state may still be on its
     /// way (the action cache and execution log are written first, outside the lock):
     /// until it is published, identical requests join it.
@@ -504,7 +506,7 @@ struct Finale {
     do_not_cache: bool,
     queued_at: SystemTime,
     learn: Option<Learned>,
-    tx: watch::Sender<OpState>,
+    tx: op_watch::Sender<OpState>,
 }
 
 /// Operations past their retention that each finished run forgets on its way (see
@@ -571,8 +573,13 @@ impl State {
             let (at, op) = self.completed.pop_front().expect("front exists");
             // Only the operation this entry was made for: a deleted operation's number can
             // come back (see `submit`), and its entry must not end the newcomer's retention.
-            if self.jobs.get(&op).is_some_and(|j| j.completed_at == Some(at)) {
-                self.forget(op);
+            // Removed, then put back in that (rare) case: one probe of a large map, not two.
+            match self.jobs.remove(&op) {
+                Some(job) if job.completed_at == Some(at) => self.forget_removed(op, &job),
+                Some(job) => {
+                    self.jobs.insert(op, job);
+                }
+                None => {}
             }
         }
     }
@@ -580,13 +587,18 @@ impl State {
     /// Removes an operation from every map that knows it.
     fn forget(&mut self, op: OpId) {
         if let Some(job) = self.jobs.remove(&op) {
-            // One probe, not a look then a removal: the entry is nearly always this
-            // operation's, and a later one's (rare) is put back.
-            if let Some((key, other)) = self.in_flight.remove_entry(&job.key)
-                && other != op
-            {
-                self.in_flight.insert(key, other);
-            }
+            self.forget_removed(op, &job);
+        }
+    }
+
+    /// The rest of [`State::forget`], for an operation already out of `jobs`.
+    fn forget_removed(&mut self, op: OpId, job: &Job) {
+        // One probe, not a look then a removal: the entry is nearly always this
+        // operation's, and a later one's (rare) is put back.
+        if let Some((key, other)) = self.in_flight.remove_entry(&job.key)
+            && other != op
+        {
+            self.in_flight.insert(key, other);
         }
     }
 
@@ -641,13 +653,7 @@ impl State {
                     None => {
                         job.worker = Some(wname.clone());
                         job.dispatched_at = Some(Instant::now());
-                        // Watchers subscribe only under this lock, and read the state before
-                        // waiting for a change: with none, there is nobody to wake.
-                        let watched = job.tx.receiver_count() > 0;
-                        job.tx.send_if_modified(|s| {
-                            s.stage = Stage::Executing;
-                            watched
-                        });
+                        job.tx.send_modify(|s| s.stage = Stage::Executing);
                     }
                 }
             } else {
@@ -885,7 +891,7 @@ impl Scheduler {
 
     /// Queues an action (or joins an identical one in flight) and returns the operation
     /// name and a receiver of its state changes.
-    pub async fn submit(&self, spec: JobSpec) -> Result<(String, watch::Receiver<OpState>)> {
+    pub async fn submit(&self, spec: JobSpec) -> Result<(String, op_watch::Receiver<OpState>)> {
         // With one size class, or no learner, there is nothing to choose or learn: skip
         // the shape key (a SHA-256) and the stats read.
         let mut shape_key = String::new();
@@ -926,7 +932,7 @@ impl Scheduler {
                 {
                     job.owners.push(o);
                 }
-                return Ok((job.name.to_string(), job.tx.subscribe()));
+                return Ok((String::from(&*job.name), job.tx.subscribe()));
             }
             st.in_flight.remove(&key);
         }
@@ -980,7 +986,7 @@ impl Scheduler {
         };
         let state =
             OpState { name: name.clone(), stage: Stage::Queued, action_digest: spec.action_digest, response: None };
-        let (tx, rx) = watch::channel(state);
+        let (tx, rx) = op_watch::channel(state);
         let id = op;
         st.submissions += 1;
         let submitted = st.submissions;
@@ -1024,7 +1030,7 @@ impl Scheduler {
         );
         st.apply(&self.config, assigns);
         self.update_gauges(&st);
-        Ok((name.to_string(), rx))
+        Ok((String::from(&*name), rx))
     }
 
     fn update_gauges(&self, st: &State) {
@@ -1500,7 +1506,7 @@ impl Scheduler {
         }
     }
 
-    pub fn watch(&self, name: &str) -> Option<watch::Receiver<OpState>> {
+    pub fn watch(&self, name: &str) -> Option<op_watch::Receiver<OpState>> {
         let st = self.lock();
         st.job_named(name).map(|j| j.tx.subscribe())
     }
@@ -1637,7 +1643,8 @@ fn run_record(
     m: &wpb::Metering,
 ) -> ActionRecord {
     ActionRecord {
-        operation: job.name.to_string(),
+        // `String::from`, not `to_string`: an `Arc<str>` formats through `Display`.
+        operation: String::from(&*job.name),
         instance: job.spec.instance.clone(),
         action_digest: job.spec.action_digest.to_string(),
         tool_invocation_id: job.spec.requester.tool_invocation_id.clone(),
@@ -2237,7 +2244,7 @@ mod tests {
     /// A scheduler that learns, with one class-1 and one class-2 worker, whose shape
     /// (every `spec`'s) has a 1 s baseline on class 2: the next action explores class 1
     /// with a hedge. Returns the operation running on class 1.
-    async fn hedging() -> (Arc<Scheduler>, WorkerLink, WorkerLink, String, watch::Receiver<OpState>) {
+    async fn hedging() -> (Arc<Scheduler>, WorkerLink, WorkerLink, String, op_watch::Receiver<OpState>) {
         let db = gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap();
         let ac = Arc::new(gantry_store::SqlActionCache::new(db.clone()));
         let log = Arc::new(gantry_store::SqlExecutionLog::new(db.clone()));
@@ -2298,7 +2305,7 @@ mod tests {
             && st.workers.values().all(|w| w.overdue.is_empty())
     }
 
-    async fn completed(rx: &mut watch::Receiver<OpState>) -> ExecuteResponse {
+    async fn completed(rx: &mut op_watch::Receiver<OpState>) -> ExecuteResponse {
         let st = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|s| s.stage == Stage::Completed))
             .await
             .expect("completes")
