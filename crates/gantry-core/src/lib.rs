@@ -39,7 +39,7 @@ pub use fleet::{Fleet, FleetSnapshot, QueueView, RunningView, WorkerView};
 pub use invocation_store::{CacheCounts, Invocation, InvocationStore, TargetOutcome, TestOutcome};
 pub use queue_store::{LandingRow, QueueDocRow, QueueEventRow, QueueForget, QueueSnapshotRow, QueueStore};
 pub use task::TaskGuard;
-pub use work::{Order, Work};
+pub use work::{Finished, Metering, Order, Report, Work};
 
 /// Re-export of the generated REAPI types so downstream crates name one path.
 pub use bazel_remote_apis::build::bazel::remote::execution::v2 as reapi;

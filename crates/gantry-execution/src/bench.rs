@@ -208,11 +208,12 @@ impl Driver {
     }
 }
 
-fn finished_ok(job_id: &str) -> wpb::ExecutionFinished {
-    wpb::ExecutionFinished {
+/// An in-process worker's report of a run that passed: values, as such a worker sends.
+fn finished_ok(job_id: &str) -> gantry_core::Finished {
+    gantry_core::Finished {
         job_id: job_id.to_string(),
-        action_result: Some(ActionResult { exit_code: 0, ..Default::default() }.encode_to_vec()),
-        metering: Some(wpb::Metering { wall_seconds: 1.0, method: "bench".into(), ..Default::default() }),
+        action_result: Some(ActionResult { exit_code: 0, ..Default::default() }),
+        metering: Some(gantry_core::Metering { wall_seconds: 1.0, method: "bench".into(), ..Default::default() }),
         ..Default::default()
     }
 }

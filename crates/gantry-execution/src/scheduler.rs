@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gantry_core::google::rpc::Status as RpcStatus;
-use gantry_core::reapi::{self, ActionResult, ExecuteResponse};
+use gantry_core::reapi::{self, ExecuteResponse};
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{ActionCache, ActionRecord, Digest, DigestFunction, Error, ExecutionLog, Result};
 use gantry_proto::worker::v1 as wpb;
@@ -1080,10 +1080,10 @@ impl Scheduler {
     pub fn attach_local(
         self: &Arc<Self>,
         reg: wpb::Register,
-    ) -> Result<(mpsc::UnboundedReceiver<gantry_core::Order>, mpsc::UnboundedSender<wpb::WorkerMessage>, TaskGuard)>
+    ) -> Result<(mpsc::UnboundedReceiver<gantry_core::Order>, mpsc::UnboundedSender<gantry_core::Report>, TaskGuard)>
     {
         let mut link = self.register(reg, true)?;
-        let (report_tx, mut reports) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
+        let (report_tx, mut reports) = mpsc::unbounded_channel::<gantry_core::Report>();
         let (to_worker, worker_rx) = mpsc::unbounded_channel::<gantry_core::Order>();
         let s = self.clone();
         let id = link.id.clone();
@@ -1094,16 +1094,15 @@ impl Scheduler {
                         Some(m) if to_worker.send(m.to_order()).is_ok() => {}
                         _ => break,
                     },
-                    r = reports.recv() => match r.and_then(|m| m.kind) {
-                        Some(wpb::worker_message::Kind::Started(x)) => s.started(&id, &x.job_id),
-                        Some(wpb::worker_message::Kind::Finished(f)) => {
+                    r = reports.recv() => match r {
+                        Some(gantry_core::Report::Started { job_id }) => s.started(&id, &job_id),
+                        Some(gantry_core::Report::Finished(f)) => {
                             // Detached, like remote sessions: a result is always saved.
                             let (s, id) = (s.clone(), id.clone());
-                            tokio::spawn(async move { s.finished(&id, f).await });
+                            tokio::spawn(async move { s.finished(&id, *f).await });
                         }
-                        Some(_) => s.heartbeat(&id),
-                        None if reports.is_closed() => break,
-                        None => s.heartbeat(&id),
+                        Some(gantry_core::Report::Heartbeat) => s.heartbeat(&id),
+                        None => break,
                     },
                 }
             }
@@ -1132,24 +1131,15 @@ impl Scheduler {
     /// scheduler's part is one locked state transition; the durable writes (size-class
     /// stats, action cache, execution log) follow outside the lock, together, and only
     /// once all three are done is the result published.
-    pub async fn finished(&self, worker: &str, f: wpb::ExecutionFinished) {
-        let mut result = match f.action_result.as_deref() {
-            None => None,
-            Some(bytes) => match ActionResult::decode(bytes) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    tracing::error!(job = %f.job_id, error = %e, "worker sent an undecodable ActionResult");
-                    None
-                }
-            },
-        };
+    pub async fn finished(&self, worker: &str, mut f: gantry_core::Finished) {
+        let mut result = f.action_result.take();
         let mut code = f.status_code;
         let mut message = f.status_message.clone();
         if code == 0 && result.is_none() {
             code = tonic::Code::Internal as i32;
             message = "worker returned no result".into();
         }
-        let no_metering = wpb::Metering::default();
+        let no_metering = gantry_core::Metering::default();
         let m = f.metering.as_ref().unwrap_or(&no_metering);
         let wall = Duration::from_secs_f64(m.wall_seconds.max(0.0));
         let this_outcome = crate::sizing::outcome(code, result.as_ref().map(|r| r.exit_code), wall, f.out_of_memory);
@@ -1245,9 +1235,9 @@ impl Scheduler {
     fn transition(
         &self,
         worker: &str,
-        f: &wpb::ExecutionFinished,
+        f: &gantry_core::Finished,
         code: i32,
-        m: &wpb::Metering,
+        m: &gantry_core::Metering,
         this_outcome: gantry_sizeclass::Outcome,
         exit_code: Option<i32>,
     ) -> After {
@@ -1640,7 +1630,7 @@ fn run_record(
     size_class: u32,
     code: i32,
     exit_code: Option<i32>,
-    m: &wpb::Metering,
+    m: &gantry_core::Metering,
 ) -> ActionRecord {
     ActionRecord {
         // `String::from`, not `to_string`: an `Arc<str>` formats through `Display`.
@@ -1872,10 +1862,10 @@ mod tests {
         v
     }
 
-    fn finished_ok(job: &str) -> wpb::ExecutionFinished {
-        wpb::ExecutionFinished {
+    fn finished_ok(job: &str) -> gantry_core::Finished {
+        gantry_core::Finished {
             job_id: job.into(),
-            action_result: Some(ActionResult { exit_code: 0, ..Default::default() }.encode_to_vec()),
+            action_result: Some(reapi::ActionResult { exit_code: 0, ..Default::default() }),
             ..Default::default()
         }
     }
@@ -1912,8 +1902,8 @@ mod tests {
         assert_eq!(assigned(&mut w), std::slice::from_ref(&a));
         s.finished("w", finished_ok(&a)).await;
         assert_eq!(assigned(&mut w), std::slice::from_ref(&b));
-        let failed = wpb::ExecutionFinished {
-            action_result: Some(ActionResult { exit_code: 1, ..Default::default() }.encode_to_vec()),
+        let failed = gantry_core::Finished {
+            action_result: Some(reapi::ActionResult { exit_code: 1, ..Default::default() }),
             ..finished_ok(&b)
         };
         s.finished("w", failed).await;
@@ -2060,7 +2050,7 @@ mod tests {
         let (n1, mut rx) = s.submit(spec("again", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut w), vec![n1.clone()]);
         let mut failed = finished_ok(&n1);
-        failed.action_result = Some(ActionResult { exit_code: 1, ..Default::default() }.encode_to_vec());
+        failed.action_result = Some(reapi::ActionResult { exit_code: 1, ..Default::default() });
         s.finished("w", failed).await;
         rx.wait_for(|st| st.stage == Stage::Completed).await.unwrap();
         s.delete(&n1, None).unwrap();
@@ -2186,7 +2176,7 @@ mod tests {
         assert_eq!(s.worker_count(), 2, "a heartbeating worker is not dropped");
         // The stuck worker's late report is ignored; the new worker's result completes it.
         let mut late = finished_ok(&n);
-        late.action_result = Some(ActionResult { exit_code: 9, ..Default::default() }.encode_to_vec());
+        late.action_result = Some(reapi::ActionResult { exit_code: 9, ..Default::default() });
         s.finished("stuck", late).await;
         assert_eq!(rx.borrow().stage, Stage::Executing);
         s.finished("other", finished_ok(&n)).await;
@@ -2277,11 +2267,11 @@ mod tests {
         v
     }
 
-    fn finished_with(job: &str, code: tonic::Code, exit: i32) -> wpb::ExecutionFinished {
-        wpb::ExecutionFinished {
+    fn finished_with(job: &str, code: tonic::Code, exit: i32) -> gantry_core::Finished {
+        gantry_core::Finished {
             status_code: code as i32,
             action_result: (code == tonic::Code::Ok)
-                .then(|| ActionResult { exit_code: exit, ..Default::default() }.encode_to_vec()),
+                .then(|| reapi::ActionResult { exit_code: exit, ..Default::default() }),
             ..Default::default()
         }
         .with_job(job)
@@ -2290,7 +2280,7 @@ mod tests {
     trait WithJob {
         fn with_job(self, job: &str) -> Self;
     }
-    impl WithJob for wpb::ExecutionFinished {
+    impl WithJob for gantry_core::Finished {
         fn with_job(mut self, job: &str) -> Self {
             self.job_id = job.into();
             self
@@ -2528,12 +2518,12 @@ mod random_sequences {
                     let runs = held.entry(id.clone()).or_default();
                     if !runs.is_empty() {
                         let job = runs.remove(k as usize % runs.len());
-                        let f = wpb::ExecutionFinished {
+                        let f = gantry_core::Finished {
                             job_id: job,
-                            action_result: Some(
-                                ActionResult { exit_code: if ok { 0 } else { 1 }, ..Default::default() }
-                                    .encode_to_vec(),
-                            ),
+                            action_result: Some(reapi::ActionResult {
+                                exit_code: if ok { 0 } else { 1 },
+                                ..Default::default()
+                            }),
                             ..Default::default()
                         };
                         s.finished(&id, f).await;

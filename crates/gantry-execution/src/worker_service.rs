@@ -62,7 +62,8 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
                         Some(wpb::worker_message::Kind::Finished(f)) => {
                             // Its own task: a result must be saved even if this session is
                             // aborted meanwhile, and heartbeats must not wait on the database.
-                            let (s, w) = (scheduler.clone(), worker.clone());
+                            // Decoded here, at the wire (an in-process worker's report never is).
+                            let (s, w, f) = (scheduler.clone(), worker.clone(), gantry_core::Finished::from_wire(f));
                             tokio::spawn(async move { s.finished(&w, f).await });
                         }
                         Some(wpb::worker_message::Kind::Register(_)) | None => {

@@ -8,10 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gantry_core::reapi::{ActionResult, ExecutedActionMetadata};
-use gantry_core::{BlobStore, Digest, Error, Result, ResultExt, Work};
-use gantry_proto::worker::v1 as wpb;
+use gantry_core::{BlobStore, Digest, Error, Finished, Metering, Result, ResultExt, Work};
 use gantry_store::FsStore;
-use prost::Message;
 
 use crate::cgroup::Cgroups;
 use crate::materialize::Materializer;
@@ -164,9 +162,9 @@ fn safe_relative(p: &str, what: &str) -> Result<()> {
 }
 
 impl Executor {
-    /// Runs the work; never fails, because every failure is reported to the client as an
-    /// ExecutionFinished with a status.
-    pub async fn execute(&self, a: Work, cancel: impl std::future::Future<Output = ()>) -> wpb::ExecutionFinished {
+    /// Runs the work; never fails, because every failure is reported to the client as a
+    /// finished run with a status.
+    pub async fn execute(&self, a: Work, cancel: impl std::future::Future<Output = ()>) -> Finished {
         let res = match self.dirs.take(&self.work_root) {
             Ok(dir) => {
                 let res = self.execute_in(&a, &dir, cancel).await;
@@ -183,8 +181,8 @@ impl Executor {
 
     /// The report of a run that failed before or instead of running: the error as its
     /// status, and any missing inputs named for the client.
-    pub fn refused(&self, job_id: String, e: &Error) -> wpb::ExecutionFinished {
-        wpb::ExecutionFinished {
+    pub fn refused(&self, job_id: String, e: &Error) -> Finished {
+        Finished {
             job_id,
             action_result: None,
             status_code: e.code() as i32,
@@ -206,7 +204,7 @@ impl Executor {
         a: &Work,
         dir: &std::path::Path,
         cancel: impl std::future::Future<Output = ()>,
-    ) -> Result<wpb::ExecutionFinished> {
+    ) -> Result<Finished> {
         let mut md = ExecutedActionMetadata {
             worker: self.worker_id.clone(),
             worker_start_timestamp: Some(ts()),
@@ -305,12 +303,12 @@ impl Executor {
             );
         }
         result.execution_metadata = Some(md);
-        Ok(wpb::ExecutionFinished {
+        Ok(Finished {
             job_id: a.job_id.clone(),
-            action_result: Some(result.encode_to_vec()),
+            action_result: Some(result),
             status_code: code,
             status_message: message.clone(),
-            metering: Some(wpb::Metering {
+            metering: Some(Metering {
                 peak_memory_bytes: outcome.peak_memory_bytes,
                 user_cpu_seconds: outcome.user_cpu_seconds,
                 system_cpu_seconds: outcome.system_cpu_seconds,

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use gantry_core::client::GrpcChannel as Channel;
 use gantry_core::reapi;
-use gantry_core::{DigestFunction, Error, Order, Result, Work};
+use gantry_core::{DigestFunction, Error, Order, Report, Result, Work};
 use gantry_proto::worker::v1 as wpb;
 use prost::Message;
 use tokio::sync::mpsc;
@@ -51,16 +52,17 @@ pub fn order_from_wire(m: wpb::SchedulerMessage) -> Option<Order> {
 
 /// Runs one session until it ends; returns why.
 pub async fn session(channel: Channel, register: wpb::Register, executor: Arc<Executor>) -> Result<()> {
-    let (report_tx, report_rx) = mpsc::unbounded_channel::<wpb::WorkerMessage>();
-    report_tx
-        .send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Register(register)) })
-        .expect("receiver alive");
+    let (report_tx, report_rx) = mpsc::unbounded_channel::<Report>();
+    // Register first; then every report, encoded here, at the wire.
+    let register = wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Register(register)) };
+    let outbound =
+        futures::stream::once(async { register }).chain(UnboundedReceiverStream::new(report_rx).map(Report::into_wire));
     // Assignments carry the whole Command: one with many outputs can pass 4 MiB.
     let mut client = wpb::worker_service_client::WorkerServiceClient::new(channel)
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20);
     let mut inbound = client
-        .session(UnboundedReceiverStream::new(report_rx))
+        .session(outbound)
         .await
         .map_err(|s| Error::Unavailable(format!("opening the worker session: {}", s.message())))?
         .into_inner();
@@ -69,10 +71,7 @@ pub async fn session(channel: Channel, register: wpb::Register, executor: Arc<Ex
         let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
         loop {
             tick.tick().await;
-            if hb
-                .send(wpb::WorkerMessage { kind: Some(wpb::worker_message::Kind::Heartbeat(wpb::Heartbeat {})) })
-                .is_err()
-            {
+            if hb.send(Report::Heartbeat).is_err() {
                 return;
             }
         }

@@ -52,7 +52,7 @@ async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, Str
     };
     let finished = ex.execute(work, std::future::pending()).await;
     assert_eq!(finished.status_code, 0, "{}", finished.status_message);
-    let result = reapi::ActionResult::decode(finished.action_result.unwrap().as_slice()).unwrap();
+    let result = finished.action_result.unwrap();
     let stdout = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
     let bytes = cas.get(&stdout).await.expect("stdout uploaded");
     (result.exit_code, String::from_utf8(bytes.to_vec()).unwrap())

@@ -205,7 +205,7 @@ async fn the_executor_reports_an_oom_kill_to_the_scheduler() {
     assert_eq!(finished.status_code, 0, "a completed run: {}", finished.status_message);
     assert!(finished.out_of_memory, "{finished:?}");
     assert!(finished.message.starts_with("out of memory"), "{}", finished.message);
-    let result = reapi::ActionResult::decode(finished.action_result.unwrap().as_slice()).unwrap();
+    let result = finished.action_result.unwrap();
     assert_eq!(result.exit_code, 128 + libc::SIGKILL, "the shell reports its child's SIGKILL");
     let m = finished.metering.unwrap();
     assert!(m.method.starts_with("cgroup-v"), "{}", m.method);
