@@ -196,8 +196,26 @@ impl HexBuf {
 }
 
 impl fmt::Display for Digest {
+    /// `{hash}/{size}`, made on the stack and written at once: `to_string` (every
+    /// execution record has one) then allocates once, at its length, where writing it in
+    /// three pieces grew the string four times.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.hex_buf().as_str(), self.size)
+        let mut b = [0u8; 64 + 1 + 20];
+        b[..64].copy_from_slice(&self.hex_buf().0);
+        b[64] = b'/';
+        let mut digits = [0u8; 20];
+        let (mut n, mut i) = (self.size, digits.len());
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        let len = 65 + digits.len() - i;
+        b[65..len].copy_from_slice(&digits[i..]);
+        f.pad(std::str::from_utf8(&b[..len]).expect("hex digits, a slash and decimal digits are ASCII"))
     }
 }
 
@@ -212,6 +230,17 @@ mod tests {
     use super::*;
 
     const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+    #[test]
+    fn a_digest_displays_as_hash_slash_size_at_every_size() {
+        let d = DigestFunction::Sha256.digest_of(b"x");
+        for size in [0, 1, 9, 10, 99, 100, 12_345, u32::MAX as u64, u64::MAX] {
+            let d = Digest { size, ..d };
+            assert_eq!(d.to_string(), format!("{}/{size}", d.hash_hex()));
+        }
+        // Width and alignment still apply (log columns).
+        assert_eq!(format!("{:>70}|", Digest { size: 7, ..d }), format!("    {}/7|", d.hash_hex()));
+    }
 
     #[test]
     fn known_digests() {

@@ -143,6 +143,8 @@ pub struct Dispatcher {
     pool_ix: HashMap<(Properties, u32), u64, foldhash::fast::RandomState>,
     workers: IdMap<Worker>,
     next_id: u64,
+    /// Bumped whenever a worker joins or leaves (see [`Dispatcher::generation`]).
+    generation: u64,
     seq: u64,
     queued: usize,
     running: usize,
@@ -231,6 +233,12 @@ impl Dispatcher {
     /// workers, or every property is offered by some worker).
     pub fn first_unoffered<'a>(&self, required: &'a [Property]) -> Option<&'a Property> {
         required.iter().find(|r| !self.live_pools().any(|p| p.offered.contains(r)))
+    }
+
+    /// Changes whenever the fleet does (a worker joins or leaves): answers of
+    /// [`Dispatcher::classes_for`] and [`Dispatcher::first_unoffered`] hold while it stays.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     pub fn has_workers(&self) -> bool {
@@ -323,6 +331,7 @@ impl Dispatcher {
 
     /// Adds a worker and fills its slots from the queues.
     pub fn add_worker(&mut self, offered: Properties, class: u32, slots: usize) -> (WorkerId, Vec<Assign>) {
+        self.generation += 1;
         let pid = self.pool_for(&offered, class);
         let id = self.fresh_id();
         let slots = slots.max(1);
@@ -341,6 +350,7 @@ impl Dispatcher {
     /// removes each one.
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<JobId> {
         let Some(w) = self.workers.remove(&worker) else { return Vec::new() };
+        self.generation += 1;
         let p = self.pools.get_mut(&w.pool).expect("a worker's pool exists");
         p.free.remove(&(w.load(), worker));
         p.workers -= 1;

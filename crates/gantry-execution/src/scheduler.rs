@@ -425,12 +425,22 @@ struct State {
     /// Moving average of execution seconds per size class, for expected queue waits.
     class_avg_seconds: FastMap<u32, f64>,
     /// Platform property sets operations required, shared by every operation that
-    /// requires the same set instead of a copy each (a fleet has a handful). Clients
-    /// choose them, so the set is bounded ([`INTERNED_PLATFORMS_MAX`]).
-    platforms: std::collections::HashSet<Properties, foldhash::fast::RandomState>,
+    /// requires the same set instead of a copy each (a fleet has a handful), with what the
+    /// fleet offers each ([`State::fit`]). Clients choose them, so the map is bounded
+    /// ([`INTERNED_PLATFORMS_MAX`]).
+    platforms: FastMap<Properties, Fit>,
 }
 
-/// Distinct property sets [`State::intern`] keeps before it starts over: sharing saves
+/// What the fleet offers one interned property set, as of a fleet generation
+/// ([`Dispatcher::generation`]): every arrival asks, and the answer changes only when a
+/// worker joins or leaves.
+struct Fit {
+    generation: u64,
+    /// Size classes with a worker that can run it, ascending.
+    classes: Arc<[u32]>,
+}
+
+/// Distinct property sets [`State::fit`] keeps before it starts over: sharing saves
 /// memory, nothing depends on it, and clients choose the sets.
 const INTERNED_PLATFORMS_MAX: usize = 1024;
 
@@ -546,17 +556,43 @@ impl NameSource {
 }
 
 impl State {
-    /// The shared copy of a property set (see `platforms`).
-    fn intern(&mut self, required: Vec<Property>) -> Properties {
-        if let Some(p) = self.platforms.get(&required[..]) {
-            return p.clone();
+    /// The shared copy of a property set (see `platforms`), and the size classes with a
+    /// worker that can run an action requiring it. Refused (and not kept) when a property
+    /// is offered by no worker, or no one worker offers them all, so that the sets kept
+    /// are ones the operators' fleet offers.
+    fn fit(&mut self, required: Vec<Property>) -> Result<(Properties, Arc<[u32]>)> {
+        let generation = self.d.generation();
+        if let Some((p, fit)) = self.platforms.get_key_value(&required[..])
+            && fit.generation == generation
+        {
+            return Ok((p.clone(), fit.classes.clone()));
         }
-        if self.platforms.len() >= INTERNED_PLATFORMS_MAX {
-            self.platforms.clear();
+        if self.d.has_workers()
+            && let Some(p) = self.d.first_unoffered(&required)
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "platform property {}={} is offered by no worker",
+                p.name, p.value
+            )));
         }
-        let p: Properties = required.into();
-        self.platforms.insert(p.clone());
-        p
+        let classes: Arc<[u32]> = self.d.classes_for(&required).into();
+        if self.d.has_workers() && classes.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "no worker offers all of the platform properties {}",
+                required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        let p: Properties = match self.platforms.get_key_value(&required[..]) {
+            Some((p, _)) => p.clone(),
+            None => {
+                if self.platforms.len() >= INTERNED_PLATFORMS_MAX {
+                    self.platforms.clear();
+                }
+                required.into()
+            }
+        };
+        self.platforms.insert(p.clone(), Fit { generation, classes: classes.clone() });
+        Ok((p, classes))
     }
 
     /// Forgets up to `max` completed operations whose retention has ended, oldest first.
@@ -936,24 +972,9 @@ impl Scheduler {
             }
             st.in_flight.remove(&key);
         }
-        if st.d.has_workers()
-            && let Some(p) = st.d.first_unoffered(&required)
-        {
-            return Err(Error::FailedPrecondition(format!(
-                "platform property {}={} is offered by no worker",
-                p.name, p.value
-            )));
-        }
-        // Size classes with a worker that can run this action.
-        let classes = st.d.classes_for(&required);
-        if st.d.has_workers() && classes.is_empty() {
-            return Err(Error::FailedPrecondition(format!(
-                "no worker offers all of the platform properties {}",
-                required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
-            )));
-        }
+        // The size classes with a worker that can run this action.
+        let (required, classes) = st.fit(required)?;
         let largest_class = classes.last().copied().unwrap_or(1);
-        let required = st.intern(required);
         let requested_timeout = timeout;
         // The classes may have changed since the key was (not) made.
         if self.sizing.is_some() && classes.len() > 1 && shape_key.is_empty() {
@@ -1018,7 +1039,7 @@ impl Scheduler {
                 trial: Trial {
                     groups,
                     // Only a learned class updates its groups' priors.
-                    classes: if learning { classes } else { Vec::new() },
+                    classes: if learning { classes.to_vec() } else { Vec::new() },
                     ..Trial::new(learning, largest_class, requested_timeout, shape_key)
                 },
                 required,
@@ -1972,6 +1993,27 @@ mod tests {
         assert!(assigned(&mut plain).is_empty());
         let (any, _) = s.submit(spec("any", 0, &[])).await.unwrap();
         assert_eq!(assigned(&mut plain), vec![any], "an empty platform runs anywhere");
+    }
+
+    #[tokio::test]
+    async fn what_the_fleet_offers_a_platform_follows_workers_joining_and_leaving() {
+        // The answer is kept per platform between arrivals: it must not outlive the fleet
+        // it was read from, either way.
+        let s = scheduler(3).await;
+        let _plain = s.register(reg("plain", 1, &[("pool", "cpu")]), true).unwrap();
+        let gpu_spec = |tag: &str| spec(tag, 0, &[("pool", "gpu")]);
+        let e = s.submit(gpu_spec("before")).await.unwrap_err();
+        assert!(e.to_string().contains("pool=gpu"), "{e}");
+        let mut gpu = s.register(reg("gpu", 1, &[("pool", "gpu")]), true).unwrap();
+        let (g, _) = s.submit(gpu_spec("joined")).await.unwrap();
+        assert_eq!(assigned(&mut gpu), vec![g], "a worker that joins is seen at once");
+        s.worker_lost("gpu", "test");
+        let e = s.submit(gpu_spec("left")).await.unwrap_err();
+        assert!(matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("pool=gpu"), "{e}");
+        // A platform no worker offers is not kept.
+        assert!(s.lock().platforms.keys().all(|p| p.iter().all(|q| q.value != "tpu")));
+        let _ = s.submit(spec("tpu", 0, &[("pool", "tpu")])).await.unwrap_err();
+        assert!(s.lock().platforms.keys().all(|p| p.iter().all(|q| q.value != "tpu")));
     }
 
     #[tokio::test]
