@@ -203,18 +203,10 @@ impl fmt::Display for Digest {
         let mut b = [0u8; 64 + 1 + 20];
         b[..64].copy_from_slice(&self.hex_buf().0);
         b[64] = b'/';
-        let mut digits = [0u8; 20];
-        let (mut n, mut i) = (self.size, digits.len());
-        loop {
-            i -= 1;
-            digits[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        let len = 65 + digits.len() - i;
-        b[65..len].copy_from_slice(&digits[i..]);
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(self.size).as_bytes();
+        let len = 65 + digits.len();
+        b[65..len].copy_from_slice(digits);
         f.pad(std::str::from_utf8(&b[..len]).expect("hex digits, a slash and decimal digits are ASCII"))
     }
 }

@@ -307,26 +307,17 @@ fn join_cgroup(procs: &CString) -> std::io::Result<()> {
     // SAFETY: getpid, open, write and close are async-signal-safe; the buffers live on
     // this stack frame and `procs` is a valid C string.
     unsafe {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        let mut pid = libc::getpid() as u32;
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (pid % 10) as u8;
-            pid /= 10;
-            if pid == 0 {
-                break;
-            }
-        }
+        // itoa formats into a buffer on this stack, with no allocation and no lock.
+        let mut digits = itoa::Buffer::new();
+        let pid = digits.format(libc::getpid() as u32).as_bytes();
         let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let len = digits.len() - at;
-        let written = libc::write(fd, digits[at..].as_ptr().cast(), len);
+        let written = libc::write(fd, pid.as_ptr().cast(), pid.len());
         let err = std::io::Error::last_os_error();
         libc::close(fd);
-        if written != len as isize {
+        if written != pid.len() as isize {
             return Err(err);
         }
     }
