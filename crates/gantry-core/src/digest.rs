@@ -207,7 +207,9 @@ impl fmt::Display for Digest {
         let digits = digits.format(self.size).as_bytes();
         let len = 65 + digits.len();
         b[65..len].copy_from_slice(digits);
-        f.pad(std::str::from_utf8(&b[..len]).expect("hex digits, a slash and decimal digits are ASCII"))
+        // `write_str`, not `pad`: a digest is written whole, whatever width or precision
+        // a format string asks for, as it always was.
+        f.write_str(std::str::from_utf8(&b[..len]).expect("hex digits, a slash and decimal digits are ASCII"))
     }
 }
 
@@ -230,8 +232,9 @@ mod tests {
             let d = Digest { size, ..d };
             assert_eq!(d.to_string(), format!("{}/{size}", d.hash_hex()));
         }
-        // Width and alignment still apply (log columns).
-        assert_eq!(format!("{:>70}|", Digest { size: 7, ..d }), format!("    {}/7|", d.hash_hex()));
+        // Written whole: neither a width nor a precision cuts or pads it.
+        let d7 = Digest { size: 7, ..d };
+        assert_eq!(format!("{d7:>70}|{d7:.8}"), format!("{}/7|{}/7", d.hash_hex(), d.hash_hex()));
     }
 
     #[test]

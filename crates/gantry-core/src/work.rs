@@ -102,7 +102,10 @@ impl Finished {
     }
 
     /// The report a remote worker sent, read at the scheduler's end of the wire. An
-    /// ActionResult that does not decode makes the run an INTERNAL failure that says so.
+    /// ActionResult that does not decode makes a completed run (status 0) an INTERNAL
+    /// failure that says so; a run that already failed (a timeout, a cancellation) keeps
+    /// its status, which decides what happens next (a timeout retries on a larger size
+    /// class), and its message says the result was lost.
     pub fn from_wire(f: wpb::ExecutionFinished) -> Finished {
         let mut out = Finished {
             job_id: f.job_id,
@@ -123,9 +126,14 @@ impl Finished {
         if let Some(bytes) = f.action_result {
             match reapi::ActionResult::decode(bytes.as_slice()) {
                 Ok(r) => out.action_result = Some(r),
-                Err(e) => {
+                Err(e) if out.status_code == 0 => {
                     out.status_code = tonic::Code::Internal as i32;
                     out.status_message = format!("the worker sent an undecodable ActionResult: {e}");
+                }
+                Err(e) => {
+                    let sep = if out.status_message.is_empty() { "" } else { "; " };
+                    out.status_message =
+                        format!("{}{sep}the worker sent an undecodable ActionResult: {e}", out.status_message);
                 }
             }
         }
@@ -182,12 +190,18 @@ mod tests {
     }
 
     #[test]
-    fn an_undecodable_action_result_is_an_internal_failure_that_says_so() {
-        let mut wire = finished().into_wire();
+    fn an_undecodable_action_result_fails_a_completed_run_and_keeps_a_failed_runs_status() {
+        let mut wire = Finished { status_code: 0, status_message: String::new(), ..finished() }.into_wire();
         wire.action_result = Some(vec![0xff, 0xff, 0xff]);
         let f = Finished::from_wire(wire);
         assert_eq!(f.action_result, None);
         assert_eq!(f.status_code, tonic::Code::Internal as i32);
         assert!(f.status_message.contains("undecodable ActionResult"), "{}", f.status_message);
+
+        let mut wire = finished().into_wire();
+        wire.action_result = Some(vec![0xff, 0xff, 0xff]);
+        let f = Finished::from_wire(wire);
+        assert_eq!(f.status_code, tonic::Code::DeadlineExceeded as i32, "a timeout stays a timeout");
+        assert!(f.status_message.starts_with("timed out; ") && f.status_message.contains("undecodable"));
     }
 }

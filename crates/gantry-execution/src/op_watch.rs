@@ -15,23 +15,35 @@
 //! the last version.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
 
 use tokio::sync::Notify;
 
+/// `Shared::state`'s lowest bit: the last sender is gone.
+const CLOSED: u64 = 1;
+/// What a send adds to `Shared::state`: the version lives above the closed bit, so that
+/// a receiver reads both in one load, and never sees "closed" without the last version
+/// sent before it closed.
+const VERSION_STEP: u64 = 2;
+
 struct Shared<T> {
-    value: Mutex<T>,
-    /// Bumped under `value`'s lock on every send.
-    version: AtomicU64,
+    value: RwLock<T>,
+    /// The version (bumped under `value`'s write lock on every send) and [`CLOSED`].
+    state: AtomicU64,
     senders: AtomicUsize,
     changed: Notify,
 }
 
 impl<T> Shared<T> {
-    /// The value, even after a panic while it was held: it is plain data that each send
-    /// replaces field by field, and a scheduler whose watchers cannot read is worse.
-    fn lock(&self) -> MutexGuard<'_, T> {
-        self.value.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The value to read, even after a panic while it was written: it is plain data that
+    /// each send changes field by field, and a scheduler whose watchers cannot read is
+    /// worse. Readers do not wait for each other.
+    fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.value.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn version(&self) -> u64 {
+        self.state.load(Ordering::SeqCst) & !CLOSED
     }
 }
 
@@ -47,14 +59,15 @@ pub struct Sender<T> {
 /// A watcher: the latest value, and a wait for the next.
 pub struct Receiver<T> {
     shared: Arc<Shared<T>>,
+    /// The version it has seen (without the closed bit).
     seen: u64,
 }
 
 /// A channel holding `init`, with one receiver that has seen it.
 pub fn channel<T>(init: T) -> (Sender<T>, Receiver<T>) {
     let shared = Arc::new(Shared {
-        value: Mutex::new(init),
-        version: AtomicU64::new(0),
+        value: RwLock::new(init),
+        state: AtomicU64::new(0),
         senders: AtomicUsize::new(1),
         changed: Notify::new(),
     });
@@ -63,24 +76,24 @@ pub fn channel<T>(init: T) -> (Sender<T>, Receiver<T>) {
 
 impl<T> Sender<T> {
     /// The current value. Not to be held across an await (the guard is not `Send`).
-    pub fn borrow(&self) -> MutexGuard<'_, T> {
-        self.shared.lock()
+    pub fn borrow(&self) -> RwLockReadGuard<'_, T> {
+        self.shared.read()
     }
 
     /// Changes the value in place and wakes every receiver waiting in `changed`.
     pub fn send_modify(&self, modify: impl FnOnce(&mut T)) {
         {
-            let mut value = self.shared.lock();
+            let mut value = self.shared.value.write().unwrap_or_else(PoisonError::into_inner);
             modify(&mut value);
-            self.shared.version.fetch_add(1, Ordering::SeqCst);
+            self.shared.state.fetch_add(VERSION_STEP, Ordering::SeqCst);
         }
         self.shared.changed.notify_waiters();
     }
 
     /// A new receiver, which has seen the current value.
     pub fn subscribe(&self) -> Receiver<T> {
-        let _value = self.shared.lock();
-        Receiver { shared: self.shared.clone(), seen: self.shared.version.load(Ordering::SeqCst) }
+        let _value = self.shared.read();
+        Receiver { shared: self.shared.clone(), seen: self.shared.version() }
     }
 }
 
@@ -94,6 +107,9 @@ impl<T> Clone for Sender<T> {
 impl<T> Drop for Sender<T> {
     fn drop(&mut self) {
         if self.shared.senders.fetch_sub(1, Ordering::SeqCst) == 1 {
+            // After every send of every sender: a receiver that reads the bit reads the
+            // last version with it.
+            self.shared.state.fetch_or(CLOSED, Ordering::SeqCst);
             self.shared.changed.notify_waiters();
         }
     }
@@ -101,16 +117,16 @@ impl<T> Drop for Sender<T> {
 
 impl<T> Receiver<T> {
     /// The current value, without marking it seen.
-    pub fn borrow(&self) -> MutexGuard<'_, T> {
-        self.shared.lock()
+    pub fn borrow(&self) -> RwLockReadGuard<'_, T> {
+        self.shared.read()
     }
 
     /// The current value, marked seen: `changed` then waits for a later one.
-    pub fn borrow_and_update(&mut self) -> MutexGuard<'_, T> {
-        let value = self.shared.lock();
+    pub fn borrow_and_update(&mut self) -> RwLockReadGuard<'_, T> {
+        let value = self.shared.read();
         // Read under the lock, which every send bumps the version under: the value is
         // exactly that version's.
-        self.seen = self.shared.version.load(Ordering::SeqCst);
+        self.seen = self.shared.version();
         value
     }
 
@@ -119,14 +135,14 @@ impl<T> Receiver<T> {
     pub async fn changed(&mut self) -> Result<(), Closed> {
         let shared = &*self.shared;
         loop {
-            if let Some(r) = poll_version(shared, &mut self.seen) {
+            if let Some(r) = poll_state(shared, &mut self.seen) {
                 return r;
             }
             // Registered before the second look, so that a send between the look and the
             // wait still wakes it.
             let mut notified = std::pin::pin!(shared.changed.notified());
             notified.as_mut().enable();
-            if let Some(r) = poll_version(shared, &mut self.seen) {
+            if let Some(r) = poll_state(shared, &mut self.seen) {
                 return r;
             }
             notified.await;
@@ -151,15 +167,17 @@ impl<T> Receiver<T> {
     }
 }
 
-/// The new version for a receiver that has seen `seen`, if there is one; `Closed` if
-/// there is none and can be none.
-fn poll_version<T>(shared: &Shared<T>, seen: &mut u64) -> Option<Result<(), Closed>> {
-    let version = shared.version.load(Ordering::SeqCst);
+/// For a receiver that has seen `seen`: the new version if there is one; `Closed` if
+/// there is none and can be none. One load reads both, so a last send followed at once
+/// by the last sender's drop is seen as the send, then (next time) as closed.
+fn poll_state<T>(shared: &Shared<T>, seen: &mut u64) -> Option<Result<(), Closed>> {
+    let state = shared.state.load(Ordering::SeqCst);
+    let version = state & !CLOSED;
     if version != *seen {
         *seen = version;
         return Some(Ok(()));
     }
-    if shared.senders.load(Ordering::SeqCst) == 0 {
+    if state & CLOSED != 0 {
         return Some(Err(Closed));
     }
     None
@@ -230,6 +248,18 @@ mod tests {
         tx.send_modify(|v| *v = "completed");
         late.changed().await.unwrap();
         assert_eq!(*late.borrow_and_update(), "completed");
+    }
+
+    #[tokio::test]
+    async fn a_last_send_then_the_close_are_seen_in_that_order() {
+        // The case of a finished operation: its result is published by the last sender,
+        // which is dropped at once. A watcher must see the result before the close.
+        let (tx, mut rx) = channel("executing");
+        tx.send_modify(|v| *v = "completed");
+        drop(tx);
+        assert_eq!(rx.changed().await, Ok(()));
+        assert_eq!(*rx.borrow_and_update(), "completed");
+        assert_eq!(rx.changed().await, Err(Closed));
     }
 
     #[tokio::test]

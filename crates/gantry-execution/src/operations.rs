@@ -316,8 +316,11 @@ impl Operations for OperationsService {
             .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32))
             .filter(|d| !d.is_zero())
             .unwrap_or(Duration::from_secs(60));
-        let _ = tokio::time::timeout(timeout, rx.wait_for(|s| s.stage == Stage::Completed)).await;
-        let s = rx.borrow().clone();
+        let s = match tokio::time::timeout(timeout, rx.wait_for(|s| s.stage == Stage::Completed)).await {
+            Ok(Ok(done)) => done,
+            // Not done in time (or dropped meanwhile): its state as it is.
+            _ => rx.borrow().clone(),
+        };
         Ok(Response::new(to_operation(&s)))
     }
 }

@@ -62,9 +62,10 @@ impl wpb::worker_service_server::WorkerService for WorkerService {
                         Some(wpb::worker_message::Kind::Finished(f)) => {
                             // Its own task: a result must be saved even if this session is
                             // aborted meanwhile, and heartbeats must not wait on the database.
-                            // Decoded here, at the wire (an in-process worker's report never is).
-                            let (s, w, f) = (scheduler.clone(), worker.clone(), gantry_core::Finished::from_wire(f));
-                            tokio::spawn(async move { s.finished(&w, f).await });
+                            // Decoded at this end of the wire (an in-process worker's report
+                            // never is), in that task too, so heartbeats do not wait on it.
+                            let (s, w) = (scheduler.clone(), worker.clone());
+                            tokio::spawn(async move { s.finished(&w, gantry_core::Finished::from_wire(f)).await });
                         }
                         Some(wpb::worker_message::Kind::Register(_)) | None => {
                             tracing::warn!(%worker, "ignoring an unexpected worker message");
