@@ -239,6 +239,12 @@ pub struct SimOptions {
     /// prediction would close; individual outcomes stay unknown.
     #[serde(default)]
     pub sq_knows_conflicts: bool,
+    /// Diagnostic: `sq` is told, as each change arrives, whether it fails on its own
+    /// (P(success) 1 or 0; conflicts stay learned). Measures how much of the gap to the
+    /// oracle knowing individual outcomes, which building each change alone on the
+    /// mainline would learn, would close.
+    #[serde(default)]
+    pub sq_knows_failures: bool,
     /// 0: a flaky failure fails the targets of a random member of the tree
     /// (every target is as flaky as any other). Above 0: only this share of
     /// the targets is flaky (a fixed set, chosen by the seed); a tree holding
@@ -262,6 +268,7 @@ impl Default for SimOptions {
             seed: 1,
             sq_config: PlannerConfig::default(),
             sq_knows_conflicts: false,
+            sq_knows_failures: false,
             flaky_target_share: 0.0,
             compact_every: 0,
         }
@@ -577,6 +584,10 @@ pub fn simulate_logged(
                 Action::Reject { .. } => last_decision_ms = now,
                 Action::StartBuild { .. } => {}
             }
+        }
+        if let (Policy::Sq | Policy::SqBatch, Some(i), true) = (policy, arrival, opts.sq_knows_failures) {
+            let p = if trace[i].succeeds_alone { 1.0 } else { 0.0 };
+            planner.override_success(&ChangeId(trace[i].id.clone()), p)?;
         }
         if let (Policy::Sq | Policy::SqBatch, Some(i), true) = (policy, arrival, opts.sq_knows_conflicts) {
             let id = ChangeId(trace[i].id.clone());

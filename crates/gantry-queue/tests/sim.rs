@@ -85,6 +85,25 @@ fn sq_told_the_true_conflicts_stays_correct_and_uses_them() {
 }
 
 #[test]
+fn sq_told_the_individual_outcomes_stays_correct_and_uses_them() {
+    let trace = small(300.0, 3);
+    assert!(trace.iter().any(|c| !c.succeeds_alone), "the trace has failures to tell");
+    let base = SimOptions { capacity: 20, ..SimOptions::default() };
+    let told = SimOptions { sq_knows_failures: true, ..base.clone() };
+    for policy in [Policy::Sq, Policy::SqBatch] {
+        let a = simulate(&trace, policy, &base).unwrap();
+        let b = simulate(&trace, policy, &told).unwrap();
+        for r in [&a, &b] {
+            assert_eq!(r.violations, 0, "{:?}", r.violation_examples);
+            assert!(r.green);
+        }
+        assert_eq!(a.landed, b.landed);
+        // The hint changes the plan (it is applied, not ignored).
+        assert_ne!((a.builds_started, a.p50_s.to_bits()), (b.builds_started, b.p50_s.to_bits()));
+    }
+}
+
+#[test]
 fn flaky_builds_are_retried() {
     let trace = small(60.0, 3);
     let opts = SimOptions { capacity: 30, flaky_rate: 0.05, max_retries: 2, ..SimOptions::default() };

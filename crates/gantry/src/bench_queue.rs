@@ -48,6 +48,10 @@ pub struct QueueBenchArgs {
     /// the gap to the oracle perfect conflict prediction would close).
     #[arg(long)]
     sq_knows_conflicts: bool,
+    /// Diagnostic: tell sq whether each change fails on its own as it arrives (how much
+    /// of the gap to the oracle knowing individual outcomes would close).
+    #[arg(long)]
+    sq_knows_failures: bool,
     /// Batching policies ignore which targets a failed build reports failing, so a
     /// failed tree decides none of its members (how much attribution buys).
     #[arg(long)]
@@ -88,6 +92,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         max_retries: args.max_retries,
         seed: args.seed,
         sq_knows_conflicts: args.sq_knows_conflicts,
+        sq_knows_failures: args.sq_knows_failures,
         sq_config: gantry_queue::PlannerConfig {
             attribution: !args.no_attribution,
             // Above 1: no target is ever known flaky.
