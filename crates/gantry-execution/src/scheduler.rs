@@ -33,9 +33,8 @@ use gantry_proto::worker::v1 as wpb;
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 
-use crate::op_watch;
-
 use crate::dispatcher::{Assign, Dispatcher, IdMap, JobId, Properties, WorkerId, CALLER_IDS};
+use crate::op_watch;
 use crate::platform::{self, Property};
 use crate::sizing::{Learned, RunEnd, Trial};
 
@@ -562,11 +561,12 @@ impl State {
     /// are ones the operators' fleet offers.
     fn fit(&mut self, required: Vec<Property>) -> Result<(Properties, Arc<[u32]>)> {
         let generation = self.d.generation();
-        if let Some((p, fit)) = self.platforms.get_key_value(&required[..])
-            && fit.generation == generation
-        {
-            return Ok((p.clone(), fit.classes.clone()));
-        }
+        // Known and current: the answer. Known from an older fleet: its shared copy, asked again.
+        let interned = match self.platforms.get_key_value(&required[..]) {
+            Some((p, fit)) if fit.generation == generation => return Ok((p.clone(), fit.classes.clone())),
+            Some((p, _)) => Some(p.clone()),
+            None => None,
+        };
         if self.d.has_workers()
             && let Some(p) = self.d.first_unoffered(&required)
         {
@@ -582,8 +582,8 @@ impl State {
                 required.iter().map(|p| format!("{}={}", p.name, p.value)).collect::<Vec<_>>().join(", ")
             )));
         }
-        let p: Properties = match self.platforms.get_key_value(&required[..]) {
-            Some((p, _)) => p.clone(),
+        let p: Properties = match interned {
+            Some(p) => p,
             None => {
                 if self.platforms.len() >= INTERNED_PLATFORMS_MAX {
                     self.platforms.clear();
@@ -1153,9 +1153,10 @@ impl Scheduler {
     /// stats, action cache, execution log) follow outside the lock, together, and only
     /// once all three are done is the result published.
     pub async fn finished(&self, worker: &str, mut f: gantry_core::Finished) {
+        // Taken, not copied: the locked transition reads none of them.
         let mut result = f.action_result.take();
         let mut code = f.status_code;
-        let mut message = f.status_message.clone();
+        let mut message = std::mem::take(&mut f.status_message);
         if code == 0 && result.is_none() {
             code = tonic::Code::Internal as i32;
             message = "worker returned no result".into();
@@ -1230,14 +1231,14 @@ impl Scheduler {
             _ => "error",
         };
         self.gauges.completed(outcome).inc();
-        let mut human = if f.message.is_empty() { message.clone() } else { f.message.clone() };
+        let mut human = if f.message.is_empty() { message.clone() } else { std::mem::take(&mut f.message) };
         if !notes.is_empty() {
             human = if human.is_empty() { notes } else { format!("{human}; {notes}") };
         }
         let details = if f.missing_blobs.is_empty() {
             vec![]
         } else {
-            vec![gantry_core::error::missing_details(f.missing_blobs.iter().cloned())]
+            vec![gantry_core::error::missing_details(std::mem::take(&mut f.missing_blobs).into_iter())]
         };
         let response = ExecuteResponse {
             result,
