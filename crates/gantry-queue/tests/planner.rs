@@ -1131,6 +1131,50 @@ fn a_higher_priority_change_goes_ahead_of_the_lower_ones_that_depend_on_it() {
 }
 
 #[test]
+fn a_change_certain_to_fail_runs_its_retries_at_once_on_its_likely_tree() {
+    // Batching under a backlog, with the retry-once rule. c2 is known to be broken
+    // (success preset to 0). Its two attempts start together, on the tree it will
+    // land on if c1 lands, without waiting for c1's decision; when c1 lands those
+    // two failures are on c2's final tree and reject it at once, with no third build.
+    let config = PlannerConfig {
+        capacity: 4,
+        max_retries: 1,
+        batching: true,
+        overload_pending_factor: Some(0.0),
+        ..PlannerConfig::default()
+    };
+    let mut p = Planner::new(config);
+    let b1 = started(&enqueue(&mut p, 1, "c1", None));
+    assert_eq!(b1.iter().map(shape).collect::<Vec<_>>(), [("c1".to_string(), vec![])]);
+    p.preset(id("c2"), 0.0, &[]).unwrap();
+    let b2 = started(&enqueue(&mut p, 2, "c2", None));
+    assert_eq!(
+        b2.iter().map(|b| (shape(b), b.attempt)).collect::<Vec<_>>(),
+        [(("c2".to_string(), vec!["c1".to_string()]), 1), (("c2".to_string(), vec!["c1".to_string()]), 2)],
+        "both attempts at once, assuming c1"
+    );
+    let b3 = started(&enqueue(&mut p, 3, "c3", None));
+    assert_eq!(b3.iter().map(shape).collect::<Vec<_>>(), [("c3".to_string(), vec!["c1".to_string()])]);
+    for (t, b) in b2.iter().enumerate() {
+        let acts = finish(&mut p, 4 + t as u64, b.id, false);
+        assert!(started(&acts).iter().all(|x| x.change != id("c2")), "no third attempt: {acts:?}");
+    }
+    let acts = finish(&mut p, 10, b1[0].id, true);
+    let decided: Vec<String> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::Land { change, .. } => Some(format!("{change} landed")),
+            Action::Reject { change, reason } => Some(format!("{change} rejected after {}", reason.attempts)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(decided, ["c1 landed", "c2 rejected after 2"]);
+    assert!(started(&acts).iter().all(|x| x.change != id("c2")));
+    let acts = finish(&mut p, 11, b3[0].id, true);
+    assert!(acts.iter().any(|a| matches!(a, Action::Land { change, .. } if *change == id("c3"))), "{acts:?}");
+}
+
+#[test]
 fn an_independent_change_is_not_held_behind_a_failing_batch() {
     // c1 alone on an idle queue; c2..c5 (all on //a, c3 broken) and x (//b,
     // independent of all of them) queue behind it and are built as one tree.
