@@ -165,6 +165,13 @@ pub enum Policy {
     /// backlog. The floor for any batching policy.
     #[serde(rename = "oracle-batch")]
     OracleBatch,
+    /// `oracle-batch` held to the retry rule, as `oracle-retry` is: a change
+    /// it knows will be rejected is still built `1 + max_retries` times on its
+    /// final tree (all at once) before it is rejected. The floor for a
+    /// batching policy that obeys the rule; the gap to `oracle-batch` is the
+    /// rule's price once batching is allowed.
+    #[serde(rename = "oracle-batch-retry")]
+    OracleBatchRetry,
     /// GitHub's merge queue: fixed batches of `BATCH_ONLY_SIZE` in queue order,
     /// each tested on top of the batches ahead assuming they pass, a failed
     /// batch bisected; no predictions, no conflict analyzer, no value ranking.
@@ -177,10 +184,11 @@ pub const BATCH_ONLY_SIZE: usize = 5;
 
 impl Policy {
     /// All policies, oracle first (it is the normaliser).
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 10] = [
         Policy::Oracle,
         Policy::OracleRetry,
         Policy::OracleBatch,
+        Policy::OracleBatchRetry,
         Policy::Sq,
         Policy::SqBatch,
         Policy::BatchOnly,
@@ -195,6 +203,7 @@ impl Policy {
             Policy::Sq => "sq",
             Policy::SqBatch => "sq-batch",
             Policy::OracleBatch => "oracle-batch",
+            Policy::OracleBatchRetry => "oracle-batch-retry",
             Policy::BatchOnly => "batch-only",
             Policy::Single => "single",
             Policy::Optimistic => "optimistic",
@@ -457,6 +466,9 @@ pub fn policy_config(policy: Policy, opts: &SimOptions) -> PlannerConfig {
             overload_pending_factor: Some(1.0),
             ..policy_config(Policy::Oracle, opts)
         },
+        Policy::OracleBatchRetry => {
+            PlannerConfig { max_retries: opts.max_retries, ..policy_config(Policy::OracleBatch, opts) }
+        }
     }
 }
 
@@ -551,7 +563,9 @@ pub fn simulate_logged(
             planner.forget_decided();
             planner = Planner::restore_state(&planner.save_state()?)?;
         }
-        if let (Policy::Oracle | Policy::OracleRetry | Policy::OracleBatch, Some(i)) = (policy, arrival) {
+        if let (Policy::Oracle | Policy::OracleRetry | Policy::OracleBatch | Policy::OracleBatchRetry, Some(i)) =
+            (policy, arrival)
+        {
             // The oracle learns the truth about a change as it arrives, before
             // the arrival is planned (a hedged retry is priced by it).
             // Only a pending partner can be a dependency, where conflicts count; a

@@ -2,9 +2,13 @@
 //! green on generated traces, the oracle runs exactly one build per change,
 //! traces round-trip, and the ground-truth checks do catch bad decisions.
 
+use std::collections::HashMap;
+
 use gantry_queue::sim::{
-    compare_policies, generate, parse_trace, simulate, trace_to_jsonl, Policy, SimOptions, TraceChange, WorkloadParams,
+    compare_policies, generate, parse_trace, simulate, simulate_logged, trace_to_jsonl, Policy, SimOptions,
+    TraceChange, WorkloadParams,
 };
+use gantry_queue::Action;
 
 fn small(rate: f64, seed: u64) -> Vec<TraceChange> {
     generate(&WorkloadParams { hours: 0.75, ..WorkloadParams::at_rate(rate, seed) }).unwrap()
@@ -35,7 +39,7 @@ fn every_policy_is_correct_and_green() {
         assert_eq!(held.builds_started as usize, trace.len() + held.rejected, "one retry per rejection");
         assert!(held.p50_s >= oracle.p50_s && held.p99_s >= oracle.p99_s);
         // Without batching nobody beats the oracle; batching policies may.
-        let batching = ["oracle-batch", "sq-batch", "batch-only"];
+        let batching = ["oracle-batch", "oracle-batch-retry", "sq-batch", "batch-only"];
         assert!(
             cmp.normalized.iter().filter(|n| !batching.contains(&n.policy.as_str())).all(|n| n.p50_ratio >= 0.999),
             "nobody beats the oracle: {:?}",
@@ -65,6 +69,38 @@ fn every_policy_is_correct_and_green() {
             assert_eq!(r.bisection_builds, 0, "{} bisected", r.policy);
         }
     }
+}
+
+#[test]
+fn the_batching_oracle_held_to_the_retry_rule_builds_every_rejection_twice() {
+    // A backlog (300/h on 20 slots) where oracle-batch batches. Held to the rule,
+    // it still knows every outcome, but each change it rejects was built on its own
+    // (as the build's change) 1 + max_retries times, and it is never faster.
+    let trace = small(300.0, 4);
+    let opts = SimOptions { capacity: 20, ..SimOptions::default() };
+    let free = simulate(&trace, Policy::OracleBatch, &opts).unwrap();
+    let mut own: HashMap<String, u32> = HashMap::new();
+    let mut rejections = Vec::new();
+    let held = simulate_logged(&trace, Policy::OracleBatchRetry, &opts, &mut |_, _, acts| {
+        for a in acts {
+            match a {
+                Action::StartBuild { build } => *own.entry(build.change.0.clone()).or_default() += 1,
+                Action::Reject { change, reason } => rejections.push((own[&change.0], reason.attempts)),
+                _ => {}
+            }
+        }
+    })
+    .unwrap();
+    for r in [&free, &held] {
+        assert_eq!(r.violations, 0, "{}: {:?}", r.policy, r.violation_examples);
+        assert!(r.green);
+    }
+    assert_eq!((held.landed, held.rejected), (free.landed, free.rejected));
+    assert!(held.batches > 0, "it still batches: {held:?}");
+    assert_eq!(rejections.len(), held.rejected);
+    assert!(rejections.iter().all(|&(built, attempts)| built >= 2 && attempts == 2), "{rejections:?}");
+    assert!(free.rejected > 0 && held.builds_started > free.builds_started, "{held:?} vs {free:?}");
+    assert!(held.p50_s >= free.p50_s, "{held:?} vs {free:?}");
 }
 
 #[test]

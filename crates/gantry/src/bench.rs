@@ -40,7 +40,7 @@ pub enum BenchCommand {
     /// 1 s delay, and dynamic with the learned delay.
     Run(crate::bench_run::RunBenchArgs),
     /// Submit queue: simulate every policy (sq, sq-batch, single, optimistic,
-    /// speculate-all, oracle, oracle-retry, oracle-batch, batch-only) on a trace or on generated streams, normalised to the oracle.
+    /// speculate-all, oracle, oracle-retry, oracle-batch, oracle-batch-retry, batch-only) on a trace or on generated streams, normalised to the oracle.
     Queue(crate::bench_queue::QueueBenchArgs),
     /// The scheduler alone, in process with simulated workers: assignments per second at
     /// a steady backlog, arrival-to-assignment latency with a free slot, and memory.

@@ -16,7 +16,7 @@ pub struct QueueBenchArgs {
     /// Concurrent builds.
     #[arg(long, default_value_t = 100)]
     capacity: usize,
-    /// One policy (sq, sq-batch, batch-only, single, optimistic, speculate-all, oracle, oracle-retry, oracle-batch) [default: all, with ratios to the oracle].
+    /// One policy (sq, sq-batch, batch-only, single, optimistic, speculate-all, oracle, oracle-retry, oracle-batch, oracle-batch-retry) [default: all, with ratios to the oracle].
     #[arg(long)]
     policy: Option<String>,
     /// Probability that a build that should pass fails anyway (flaky tests).
@@ -135,7 +135,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                 println!("{}", report_json(&r));
             } else {
                 eprintln!("{name}: {}", sim::describe(trace));
-                println!("{:<14} p50 {:>8.0}s p95 {:>8.0}s p99 {:>8.0}s  builds/landed {:>5.2}  util {:>4.2}  landed {:>5} rejected {:>5} green {}", r.policy, r.p50_s, r.p95_s, r.p99_s, r.builds_per_landed, r.utilisation, r.landed, r.rejected, r.green);
+                println!("{:<18} p50 {:>8.0}s p95 {:>8.0}s p99 {:>8.0}s  builds/landed {:>5.2}  util {:>4.2}  landed {:>5} rejected {:>5} green {}", r.policy, r.p50_s, r.p95_s, r.p99_s, r.builds_per_landed, r.utilisation, r.landed, r.rejected, r.green);
             }
             continue;
         }
@@ -143,7 +143,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         if !args.json {
             println!("{name} ({}), capacity {}:", sim::describe(trace), args.capacity);
             println!(
-                "{:<14} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>5} {:>7} {:>8} {:>6}",
+                "{:<18} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10} {:>5} {:>7} {:>8} {:>6}",
                 "policy",
                 "p50 s",
                 "p95 s",
@@ -168,7 +168,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
                 println!("{v}");
             } else {
                 println!(
-                    "{:<14} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>5.2} {:>7} {:>8} {:>6}",
+                    "{:<18} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>7.2} {:>10.2} {:>5.2} {:>7} {:>8} {:>6}",
                     r.policy,
                     r.p50_s,
                     r.p95_s,
