@@ -2017,16 +2017,20 @@ impl Planner {
             // A failed tree of several changes is split, not retried; a
             // change's own tree is retried before it is rejected.
             //
-            // A change certain to fail before any build of it failed (its
-            // landing probability is 0: only an override of its success, or of
-            // a conflict with a change certain to land, says that; a model
-            // never does) is built alone on its most likely tree, every attempt
-            // the retry rule asks for at once, without waiting for its
-            // dependencies to be decided: once they all land, those failures
-            // are on its final tree and reject it, and the changes behind it
-            // stop waiting one build later instead of one build per attempt.
+            // A change told that it fails (its success overridden, and its
+            // landing probability 0: its own success is 0, or it conflicts with
+            // a change certain to land), before any build of it failed, whose
+            // tree holds only changes certain to land, is built alone on that
+            // tree, every attempt the retry rule asks for at once, without
+            // waiting for its dependencies to be decided: once they land, those
+            // failures are on its final tree and reject it, and the changes
+            // behind it stop waiting one build later instead of one build per
+            // attempt. Predictions never qualify (a blamed change's tree may
+            // still change, and the attempts on the old one would be wasted).
             let certain_failure = g.len() == 1
                 && pi[g[0]] <= 0.0
+                && self.changes[order[g[0]]].success_override.is_some()
+                && key.iter().all(|m| pos.get(m).is_some_and(|&q| pi[q] >= 1.0))
                 && self.changes[order[g[0]]]
                     .builds
                     .iter()
@@ -2212,7 +2216,8 @@ impl Planner {
         // Backlog: more pending changes than slots. Every slot then has a
         // queue of certain work waiting for it, so a speculative alternative
         // costs a needed build; speculate on the most likely path only, and
-        // neither preempt nor hedge.
+        // neither preempt nor hedge (with batching, a change told that it
+        // fails still runs its attempts together: `schedule_batches`).
         let overloaded = strategy == Strategy::Value
             && self
                 .config

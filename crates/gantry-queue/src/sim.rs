@@ -169,7 +169,8 @@ pub enum Policy {
     /// it knows will be rejected is still built `1 + max_retries` times on its
     /// final tree (all at once) before it is rejected. The floor for a
     /// batching policy that obeys the rule; the gap to `oracle-batch` is the
-    /// rule's price once batching is allowed.
+    /// rule's price once batching is allowed. With flaky builds both retry, and
+    /// the two are the same policy.
     #[serde(rename = "oracle-batch-retry")]
     OracleBatchRetry,
     /// GitHub's merge queue: fixed batches of `BATCH_ONLY_SIZE` in queue order,

@@ -876,7 +876,7 @@ fn serial_outcome(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn serializability_under_random_outcomes(
@@ -888,6 +888,11 @@ proptest! {
         attribution in any::<bool>(),
         priorities in proptest::collection::vec(prop_oneof![4 => Just(0i32), 1 => Just(1), 1 => Just(2)], 7),
         compactions in proptest::collection::vec(proptest::bool::weighted(0.3), 64),
+        max_retries in 0u32..3,
+        // Per change: 0-1 nothing told, 2 its own outcome told (success preset to 1
+        // or 0, as the simulator's oracles are told), 3 the opposite told (a wrong
+        // override must cost builds, never a wrong decision).
+        told in proptest::collection::vec(0u8..4, 7),
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -909,7 +914,7 @@ proptest! {
         // of the undecided changes of lower priority that depend on it, and
         // of the ones behind those that depend on them.
         let mut serial: Vec<usize> = Vec::new();
-        let mut p = Planner::new(PlannerConfig { capacity, max_retries: 0, batching, ..PlannerConfig::default() });
+        let mut p = Planner::new(PlannerConfig { capacity, max_retries, batching, ..PlannerConfig::default() });
         // A twin that now and then forgets its decided changes and is restored from
         // its saved state (a queue's retention): it must answer every event alike.
         let mut twin = Planner::new(p.config().clone());
@@ -946,6 +951,11 @@ proptest! {
                 serial.push(i);
                 serial.extend(moved);
                 let analysis = world_analysis(&w, i);
+                if told[i] >= 2 {
+                    let success = if w.ok[i] == (told[i] == 2) { 1.0 } else { 0.0 };
+                    p.preset(name(i), success, &[]).unwrap();
+                    twin.preset(name(i), success, &[]).unwrap();
+                }
                 Event::Enqueue { change: name(i), features: ChangeFeatures::default(), analysis, priority: priorities[i] }
             } else if let Some(pick) = picks.get(step % picks.len()) {
                 gap += 1;
@@ -988,6 +998,9 @@ proptest! {
                 match a {
                     Action::StartBuild { build } => {
                         prop_assert_eq!(build.base_version as usize, mainline.len());
+                        // Never more attempts of one tree at once than the rule allows.
+                        let same = running.iter().filter(|r| r.change == build.change && r.assumed == build.assumed).count();
+                        prop_assert!(same < max_retries as usize + 1, "{} attempts of one tree at once", same + 1);
                         running.push(build);
                     }
                     Action::CancelBuild { id } => {
@@ -1040,8 +1053,11 @@ proptest! {
                         mainline.push(c);
                         decided.insert(c, true);
                     }
-                    Action::Reject { change, .. } => {
+                    Action::Reject { change, reason } => {
                         let c = index(&change);
+                        // Nothing here fails conclusively: every rejection rests on
+                        // 1 + max_retries failures of its tree.
+                        prop_assert!(reason.attempts > max_retries, "c{} rejected after {} attempts", c, reason.attempts);
                         for &e in &serial[..at(&serial, c)] {
                             prop_assert!(decided.contains_key(&e) || independent(&w, c, e));
                         }
@@ -1132,10 +1148,11 @@ fn a_higher_priority_change_goes_ahead_of_the_lower_ones_that_depend_on_it() {
 
 #[test]
 fn a_change_certain_to_fail_runs_its_retries_at_once_on_its_likely_tree() {
-    // Batching under a backlog, with the retry-once rule. c2 is known to be broken
-    // (success preset to 0). Its two attempts start together, on the tree it will
-    // land on if c1 lands, without waiting for c1's decision; when c1 lands those
-    // two failures are on c2's final tree and reject it at once, with no third build.
+    // Batching under a backlog, with the retry-once rule. c1 is known to pass and
+    // c2 to be broken (success preset to 1 and 0). c2's two attempts start together,
+    // on the tree it will land on once c1 lands, without waiting for c1's decision;
+    // when c1 lands those two failures are on c2's final tree and reject it at once,
+    // with no third build.
     let config = PlannerConfig {
         capacity: 4,
         max_retries: 1,
@@ -1143,7 +1160,19 @@ fn a_change_certain_to_fail_runs_its_retries_at_once_on_its_likely_tree() {
         overload_pending_factor: Some(0.0),
         ..PlannerConfig::default()
     };
+    // Only when its tree is certain too: with c1 merely likely to pass, a tree
+    // without c1 may become c2's, and attempts on this one would be wasted.
+    let mut p = Planner::new(config.clone());
+    enqueue(&mut p, 1, "c1", None);
+    p.preset(id("c2"), 0.0, &[]).unwrap();
+    let one = started(&enqueue(&mut p, 2, "c2", None));
+    assert_eq!(
+        one.iter().map(|b| (shape(b), b.attempt)).collect::<Vec<_>>(),
+        [(("c2".to_string(), vec!["c1".to_string()]), 1)]
+    );
+
     let mut p = Planner::new(config);
+    p.preset(id("c1"), 1.0, &[]).unwrap();
     let b1 = started(&enqueue(&mut p, 1, "c1", None));
     assert_eq!(b1.iter().map(shape).collect::<Vec<_>>(), [("c1".to_string(), vec![])]);
     p.preset(id("c2"), 0.0, &[]).unwrap();

@@ -32,7 +32,7 @@ pub struct QueueBenchArgs {
     #[arg(long)]
     no_flaky_records: bool,
     /// Retries of a failing build before its change is rejected (the queue's
-    /// `max_retries`; `oracle-retry` is held to it too).
+    /// `max_retries`; `oracle-retry` and `oracle-batch-retry` are held to it too).
     #[arg(long, default_value_t = 1)]
     max_retries: u32,
     /// Arrival rates of the generated streams, changes per hour (repeat the flag).
