@@ -2050,15 +2050,14 @@ impl Planner {
                 self.stats.flaky_retries += 1;
             }
             self.stats.bisection_builds += u64::from(halved);
-            let mut attempt = attempt;
-            loop {
-                self.start_build(now, k, key.clone(), attempt, actions);
-                free -= 1;
-                if !certain_failure || free == 0 || attempt >= max_attempts {
-                    break;
-                }
-                attempt += 1;
+            // A certain failure also starts its remaining attempts, as slots allow.
+            let last =
+                if certain_failure { max_attempts.min(attempt.saturating_add(free as u32 - 1)) } else { attempt };
+            for a in attempt..last {
+                self.start_build(now, k, key.clone(), a, actions);
             }
+            self.start_build(now, k, key, last, actions);
+            free -= (last - attempt + 1) as usize;
         }
         // Liveness: a change with no pending dependency (the head of its
         // lane) not in any running tree gets a build of its own, which decides
