@@ -261,17 +261,14 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     });
     let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
     // Read the group's figures, then kill what is left in it (also what left the process
-    // group) and remove it; rmdir waits for the killed to exit, so off the runtime. Its
-    // OOM counters matter only to a failure (below), so a success does not read them.
+    // group) and remove it, or keep it for the next action (cgroup.rs); rmdir waits for
+    // the killed to exit, so off the runtime. Its OOM counters matter only to a failure
+    // (below), so a success does not read them.
     let from_cgroup = match cgroup {
-        Some(g) => tokio::task::spawn_blocking(move || {
-            let figures = (g.peak_memory(), if failed { g.oom() } else { Oom::No });
-            g.remove();
-            figures
-        })
-        .await
-        .map_err(|e| Error::internal(format!("cgroup task: {e}")))
-        .map(Some)?,
+        Some(g) => tokio::task::spawn_blocking(move || g.finish(failed))
+            .await
+            .map_err(|e| Error::internal(format!("cgroup task: {e}")))
+            .map(Some)?,
         None => None,
     };
     // Linux reports ru_maxrss in KiB.

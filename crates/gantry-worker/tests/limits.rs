@@ -391,3 +391,60 @@ async fn no_cgroup_outlives_its_action() {
     }
     check(d.path(), "dropped");
 }
+
+/// The group an action ran in, from its own /proc/self/cgroup (written to `groups`).
+fn group_of(dir: &Path) -> String {
+    let names = groups_named_in(&read(dir.join("groups")));
+    assert_eq!(names.len(), 1, "one gantry group: {}", read(dir.join("groups")));
+    names[0].clone()
+}
+
+/// On cgroup v1 a finished action's group is kept for the next action with the same
+/// limits. The next one's peak is its own, not what the group's earlier action held, and
+/// an earlier OOM kill does not make its ordinary failure an OOM. Every run here is one
+/// shell process with no children, so each group is left empty and reusable. (The limits
+/// are this test's own: the pool is per process and keyed by them.)
+#[tokio::test]
+async fn a_reused_group_reports_each_actions_own_peak_and_oom() {
+    let Some(cgroups) = cgroups() else { return };
+    let record = "cat /proc/self/cgroup > groups";
+    let run_sh = |d: &Path, limits: Limits, script: String| {
+        let d = d.to_path_buf();
+        let cgroups = cgroups.clone();
+        async move {
+            let args = ["/bin/sh", "-c", &script];
+            run(&d, Some(&cgroups), limits, &args, Duration::from_secs(60), std::future::pending()).await
+        }
+    };
+    let d = tempfile::tempdir().unwrap();
+    let reused = cgroups.version() == cgroup::Version::V1;
+
+    // A 64 MiB string in the shell, then a run that holds nothing.
+    let limits = Limits { memory_bytes: Some(512 * MIB + 4096), cpus: None };
+    let grow = |n: u32| format!("{record}; x=a; i=0; while [ $i -lt {n} ]; do x=$x$x; i=$((i+1)); done; echo ${{#x}}");
+    let big = run_sh(d.path(), limits, grow(26)).await;
+    assert_eq!(big.ending, Ending::Exited(0), "stderr: {}", read(d.path().join("stderr")));
+    assert!(big.peak_memory_bytes >= 64 * MIB, "the shell held 64 MiB: peak {}", big.peak_memory_bytes);
+    let first = group_of(d.path());
+    let small = run_sh(d.path(), limits, record.to_string()).await;
+    assert_eq!(small.ending, Ending::Exited(0));
+    assert_eq!(group_of(d.path()) == first, reused, "v1 reuses the group, v2 makes another");
+    assert!(
+        small.peak_memory_bytes < 8 * MIB,
+        "the second action's peak is its own, not the first's 64 MiB: {}",
+        small.peak_memory_bytes
+    );
+
+    // An OOM kill (the string doubles past 32 MiB), then an ordinary failure.
+    let limits = Limits { memory_bytes: Some(32 * MIB + 4096), cpus: None };
+    let oom = run_sh(d.path(), limits, format!("{record}; x=a; while :; do x=$x$x; done")).await;
+    assert_eq!((oom.ending, oom.out_of_memory), (Ending::Signaled(libc::SIGKILL), true));
+    let killed_in = group_of(d.path());
+    let failed = run_sh(d.path(), limits, format!("{record}; exit 3")).await;
+    assert_eq!(group_of(d.path()) == killed_in, reused, "v1 reuses the group, v2 makes another");
+    assert_eq!((failed.ending, failed.out_of_memory), (Ending::Exited(3), false), "not the earlier action's OOM");
+    // And the group still tells a new OOM kill from the old one.
+    let again = run_sh(d.path(), limits, format!("{record}; x=a; while :; do x=$x$x; done")).await;
+    assert_eq!(group_of(d.path()) == killed_in, reused);
+    assert_eq!((again.ending, again.out_of_memory), (Ending::Signaled(libc::SIGKILL), true));
+}

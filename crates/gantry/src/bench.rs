@@ -819,6 +819,8 @@ async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
         eprintln!("gantry bench exec against {target} (metadata: {name})");
         runs.push((name, exec_once(&args, &target).await?));
     }
+    // The in-process workers' groups kept for reuse, as `gantry serve` does when it stops.
+    gantry_worker::cgroup::release_idle();
     let base = runs[0].1.throughput;
     println!(
         "| metadata | no-op actions/s ({} actions, {} in flight) | vs SQLite | cache-hit Execute p50 | p99 |",

@@ -293,6 +293,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "releasing a role's lease");
         }
     }
+    gantry_worker::cgroup::release_idle();
     tracing::info!("stopped");
     Ok(())
 }

@@ -111,5 +111,6 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         _ = work => {}
         _ = crate::serve::shutdown_signal() => tracing::info!("worker stopping"),
     }
+    gantry_worker::cgroup::release_idle();
     Ok(())
 }
