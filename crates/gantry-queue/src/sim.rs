@@ -306,6 +306,11 @@ pub struct Report {
     pub green: bool,
     /// Number of violated checks (wrong decisions, red trees, unproven lands, undecided changes).
     pub violations: usize,
+    /// Of those, rejections of a change the serial reference lands on a tree that
+    /// passes: every failure on it was a flake, and `1 + max_retries` flakes in a
+    /// row reject a change under the retry rule.
+    #[serde(default)]
+    pub flaky_rejections: usize,
     /// The first few violation messages.
     pub violation_examples: Vec<String>,
     /// Builds started.
@@ -513,6 +518,10 @@ pub fn simulate_logged(
     }
     let mut running: HashMap<u64, SimBuild> = HashMap::new();
     let mut passed_builds: HashSet<u64> = HashSet::new();
+    // Builds whose tree passes but that failed anyway (flaky), and the wrong
+    // rejections they alone explain.
+    let mut flaked_builds: HashSet<u64> = HashSet::new();
+    let mut flaky_rejections = 0usize;
     // (build, member) whose own build steps truly pass on the build's tree.
     let mut member_pass: HashSet<(u64, usize)> = HashSet::new();
     let mut mainline: Vec<usize> = Vec::new();
@@ -624,6 +633,8 @@ pub fn simulate_logged(
             &mut seq,
             &mut running,
             &passed_builds,
+            &mut flaked_builds,
+            &mut flaky_rejections,
             &mut member_pass,
             &mut mainline,
             &mut landed,
@@ -655,6 +666,7 @@ pub fn simulate_logged(
         rejected: n_rejected,
         green,
         violations: violations.len(),
+        flaky_rejections,
         violation_examples: violations.into_iter().take(5).collect(),
         builds_started: st.builds_started,
         builds_cancelled: st.builds_cancelled,
@@ -688,6 +700,8 @@ fn execute(
     seq: &mut u64,
     running: &mut HashMap<u64, SimBuild>,
     passed_builds: &HashSet<u64>,
+    flaked_builds: &mut HashSet<u64>,
+    flaky_rejections: &mut usize,
     member_pass: &mut HashSet<(u64, usize)>,
     mainline: &mut Vec<usize>,
     landed: &mut HashSet<usize>,
@@ -731,6 +745,7 @@ fn execute(
                     }
                 }
                 let mut passes = failing.is_empty();
+                let tree_passes = passes;
                 // A failing member fails its targets (conservatively: all of
                 // them); a flaky failure fails the targets of one member.
                 let mut culprits = failing;
@@ -764,6 +779,9 @@ fn execute(
                         })
                 });
                 *builds_started += 1;
+                if tree_passes && !passes {
+                    flaked_builds.insert(build.id.0);
+                }
                 running.insert(build.id.0, SimBuild { passes, started_ms: now, failed_targets });
                 events.push(Reverse((now + to_ms(trace[c].build_s), *seq, SimEv::BuildDone(build.id.0))));
                 *seq += 1;
@@ -850,6 +868,11 @@ fn execute(
             Action::Reject { change, reason } => {
                 let c = truth.idx[&change.0];
                 if truth.reference_lands[c] {
+                    // Its tree passes: every failure on it was a flake, which the
+                    // retry rule accepts as a (rare) wrong rejection.
+                    if flaked_builds.contains(&reason.build.id.0) {
+                        *flaky_rejections += 1;
+                    }
                     violations.push(format!(
                         "{change} rejected (build {} failed {}x) but the serial reference lands it",
                         reason.build.id, reason.attempts

@@ -71,7 +71,7 @@ fn policy(name: &str) -> anyhow::Result<Policy> {
 fn report_json(r: &sim::Report) -> serde_json::Value {
     serde_json::json!({
         "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
-        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "flaky_retries": r.flaky_retries, "flaky_targets": r.flaky_targets, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green,
+        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "flaky_retries": r.flaky_retries, "flaky_targets": r.flaky_targets, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green, "violations": r.violations, "flaky_rejections": r.flaky_rejections,
     })
 }
 
