@@ -262,6 +262,12 @@ pub struct QueueConfig {
     /// their own: keep this off (the default) where every commit must have been built.
     /// Fixed when the queue is created, like `max_retries` and the priors.
     pub batching: bool,
+    /// Learning: a change queued behind undecided changes it may conflict with also gets
+    /// a build on the mainline alone when slots are free (not under a backlog), so the
+    /// queue learns whether it fails on its own before speculating on the changes behind
+    /// it. Costs about one build per such change; decides nothing by itself. Default on.
+    /// Fixed when the queue is created.
+    pub learn_alone: bool,
     /// Output bases and worktrees of the queue's builds. Default `{data_dir}/queue`.
     pub work_dir: Option<PathBuf>,
 }
@@ -278,6 +284,7 @@ impl Default for QueueConfig {
             prior_success: 0.9,
             prior_conflict: 0.05,
             batching: false,
+            learn_alone: true,
             work_dir: None,
         }
     }

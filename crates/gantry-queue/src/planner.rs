@@ -231,6 +231,16 @@ pub struct PlannerConfig {
     /// slot is better spent on the most likely per-change builds.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub hold_free_slots: bool,
+    /// Learn each change's own outcome early (value strategy, without a backlog): a
+    /// change waiting on undecided changes it may conflict with also gets a build on
+    /// the mainline alone, and that build's outcome (and any pass) then stands for its
+    /// own success on every tree, in place of the model's guess. Speculation on the
+    /// changes behind it then follows what it will do rather than the average change.
+    /// Decisions still need a build of the exact tree. On by default; off when absent
+    /// from a saved configuration, since a queue's journal written before it existed
+    /// must replay to the same builds.
+    #[serde(default)]
+    pub learn_alone: bool,
 }
 
 fn default_known_flaky_share() -> f64 {
@@ -297,6 +307,7 @@ impl Default for PlannerConfig {
             known_flaky_share: default_known_flaky_share(),
             fixed_batches: false,
             hold_free_slots: false,
+            learn_alone: true,
         }
     }
 }
@@ -323,6 +334,11 @@ struct Change {
     /// Builds still worth remembering (running, or finished with possible assumptions).
     builds: Vec<u64>,
     success_override: Option<f64>,
+    /// What its builds say about its own build steps (`learn_alone`): true once any
+    /// build passed its targets, false once a build on the mainline alone failed in
+    /// them (and none passed).
+    #[serde(default)]
+    learned: Option<bool>,
     spec_passed: u32,
     spec_failed: u32,
     /// Distinct (passed, failed) build counts seen before the decision; each
@@ -420,6 +436,9 @@ pub struct PlannerStats {
     /// to be flaky (instead of a bisection).
     #[serde(default)]
     pub flaky_retries: u64,
+    /// Builds of a change on the mainline alone, started to learn its own outcome.
+    #[serde(default)]
+    pub learn_builds: u64,
 }
 
 /// Read-only view of one pending change, for dashboards and debugging.
@@ -446,6 +465,8 @@ struct Cand {
     value: f64,
     /// A concurrent second attempt of an already running build (hedged retry).
     hedge: bool,
+    /// A build on the mainline alone, to learn the change's own outcome.
+    learn: bool,
 }
 
 impl PartialEq for Cand {
@@ -537,6 +558,12 @@ pub struct Planner {
     conflict_events: f64,
     retry_trials: f64,
     retry_passes: f64,
+    /// Decided changes with a learned own outcome, and how many of them landed, per
+    /// outcome (index 0: failed on the mainline alone, 1: passed).
+    #[serde(default)]
+    learned_decided: [f64; 2],
+    #[serde(default)]
+    learned_landed: [f64; 2],
     duration_sum: f64,
     duration_n: f64,
     stats: PlannerStats,
@@ -701,6 +728,8 @@ impl Planner {
             conflict_pairs: 0.0,
             conflict_events: 0.0,
             retry_trials: 0.0,
+            learned_decided: [0.0; 2],
+            learned_landed: [0.0; 2],
             retry_passes: 0.0,
             duration_sum: 0.0,
             duration_n: 0.0,
@@ -1028,6 +1057,7 @@ impl Planner {
                     self.attribute(build.0, failed);
                 }
                 self.record_flakes(build.0, outcome, failed_targets.as_deref());
+                self.learn_from(build.0, outcome);
             }
             Event::SetCapacity { capacity } => self.config.capacity = capacity,
             Event::FlakyTargets { targets } => {
@@ -1111,6 +1141,7 @@ impl Planner {
             status: Status::Pending,
             builds: Vec::new(),
             success_override: None,
+            learned: None,
             spec_passed: 0,
             spec_failed: 0,
             snapshots: vec![(0, 0)],
@@ -1307,6 +1338,45 @@ impl Planner {
             }
             _ => {}
         }
+    }
+
+    /// What a finished build says about its change's own build steps (`learn_alone`):
+    /// a pass on any tree means they pass; a failure on the mainline alone, unless the
+    /// attribution puts it on other targets, means they fail (or flaked).
+    fn learn_from(&mut self, bid: u64, outcome: BuildOutcome) {
+        let Some(b) = self.builds.get(&bid) else { return };
+        let i = b.change;
+        let passed = match outcome {
+            BuildOutcome::Passed => true,
+            _ if !b.assumed.is_empty() || b.implicated.as_ref().is_some_and(|m| !m.contains(&i)) => return,
+            BuildOutcome::Failed | BuildOutcome::FailedConclusively => false,
+        };
+        // A pass stands: the same steps failing elsewhere was a flake or a conflict.
+        if self.changes[i].learned != Some(true) {
+            self.changes[i].learned = Some(passed);
+        }
+    }
+
+    /// P(lands) of a change whose own outcome was learned: how often the decided
+    /// changes with that outcome landed (conflicts and flakes included), from a prior of
+    /// `prior_success` after a pass and `prior_retry_pass` after a failure.
+    fn learned_rate(&self, passed: bool) -> f64 {
+        let k = usize::from(passed);
+        let prior = if passed { self.config.prior_success } else { self.config.prior_retry_pass };
+        let w = self.config.flake_prior_weight;
+        (w * prior + self.learned_landed[k]) / (w + self.learned_decided[k])
+    }
+
+    /// Whether change `i` should get a build on the mainline alone to learn its own
+    /// outcome: it waits on a pending dependency it expects to land (else its most
+    /// likely tree is that build already), nothing is learned or told yet, and no
+    /// such build is running or remembered.
+    fn wants_to_learn(&self, i: usize, view: &View) -> bool {
+        let ch = &self.changes[i];
+        ch.learned.is_none()
+            && ch.success_override.is_none()
+            && view.main.iter().any(|&lands| lands)
+            && !ch.builds.iter().any(|b| self.builds[b].assumed.is_empty())
     }
 
     /// The interned id of a target label (new labels get the next id).
@@ -1587,6 +1657,11 @@ impl Planner {
     /// `conflict_evidence`: the change both passed and failed on different
     /// assumption sets, which only a conflict explains (flakes are retried).
     fn record_decision(&mut self, i: usize, landed: bool, conflict_evidence: bool) {
+        if let Some(passed) = self.changes[i].learned {
+            let k = usize::from(passed);
+            self.learned_decided[k] += 1.0;
+            self.learned_landed[k] += f64::from(u8::from(landed));
+        }
         let ch = &self.changes[i];
         let author_rate = self.author_rate(&ch.features.author);
         // The snapshot taken when the decisive result arrived already reflects
@@ -1657,6 +1732,9 @@ impl Planner {
         if let Some(p) = ch.success_override {
             return p;
         }
+        if let (true, Some(passed)) = (self.config.learn_alone, ch.learned) {
+            return self.learned_rate(passed);
+        }
         match &self.model {
             Some(m) => m.predict(&FeatureVector::new(
                 &ch.features,
@@ -1687,7 +1765,12 @@ impl Planner {
             let dead = self.changes[b.change].status != Status::Pending;
             let key = if dead { None } else { self.build_key(b) };
             let running = b.state == BuildState::Running;
+            // A build on the mainline alone still tells its change's own outcome once a
+            // dependency landed, though it can no longer decide it (`learn_alone`).
+            let learning =
+                self.config.learn_alone && !dead && b.assumed.is_empty() && self.changes[b.change].learned.is_none();
             match key {
+                None if running && learning => {}
                 None if running => cancel.push(bid),
                 None => forget.push(bid),
                 Some(k) => {
@@ -2235,6 +2318,8 @@ impl Planner {
             (order, vec![1.0; n], vec![1.0; n])
         };
         let hedge = strategy == Strategy::Value && self.config.hedge_retries && !overloaded;
+        // Under a backlog a slot spent learning is a needed build not started.
+        let learn = strategy == Strategy::Value && self.config.learn_alone && !overloaded;
         let window = match self.config.overload_window {
             Some(w) if overloaded => (w * self.config.capacity as f64).ceil() as usize,
             _ => usize::MAX,
@@ -2282,6 +2367,24 @@ impl Planner {
                         flips: Vec::new(),
                         value: main_value,
                         hedge: false,
+                        learn: false,
+                    });
+                }
+                if learn && !certified && self.wants_to_learn(i, &view) {
+                    // Valued at the chance that its own steps fail, which every tree
+                    // assuming it (its own, and those of the changes behind it) now
+                    // prices at the model's guess, times the chance that its most
+                    // likely tree is wrong: a change whose tree is nearly certain is
+                    // decided by that build soon enough.
+                    let v = (1.0 - self.success_probability(i)) * (1.0 - main_value);
+                    heap.push(Cand {
+                        urgency: 0,
+                        prio: self.quantize(v) * weight[p],
+                        pos: p,
+                        flips: Vec::new(),
+                        value: v,
+                        hedge: false,
+                        learn: true,
                     });
                 }
                 views[p] = Some(view);
@@ -2294,6 +2397,7 @@ impl Planner {
                     flips: Vec::new(),
                     value: 1.0,
                     hedge: false,
+                    learn: false,
                 });
             }
         }
@@ -2340,6 +2444,26 @@ impl Planner {
                 // quantised priority may hide a later non-zero one; skip, don't stop.
                 continue;
             }
+            if c.learn {
+                // Never worth preempting a build that may decide something.
+                if free == 0 {
+                    continue;
+                }
+                let i = order[c.pos];
+                let view = views[c.pos].get_or_insert_with(|| self.view(i, &pos, &pi));
+                // Its most likely trees, popped since, may include the mainline alone.
+                if !self.wants_to_learn(i, view) {
+                    continue;
+                }
+                self.ensure_stats(view, i);
+                let id = self.start_build(now, i, Vec::new(), 1, actions);
+                self.stats.learn_builds += 1;
+                let st = views[c.pos].as_mut().expect("built above").stats.entry(Vec::new()).or_default();
+                st.running = Some(id);
+                st.running_n += 1;
+                free -= 1;
+                continue;
+            }
             let (key, startable) = {
                 let view = views[c.pos].get_or_insert_with(|| self.view(order[c.pos], &pos, &pi));
                 self.ensure_stats(view, order[c.pos]);
@@ -2379,6 +2503,7 @@ impl Planner {
                         flips: c.flips.clone(),
                         value: v,
                         hedge: true,
+                        learn: false,
                     });
                 }
                 (key, startable)
@@ -2448,7 +2573,7 @@ impl Planner {
                     ext.push(next);
                     let v = c.value * ratios[next as usize];
                     let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
-                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: ext, value: v, hedge: false });
+                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: ext, value: v, hedge: false, learn: false });
                 }
                 if let Some(t) = t {
                     let mut rep = c.flips.clone();
@@ -2456,7 +2581,7 @@ impl Planner {
                     let rt = ratios[t as usize];
                     let v = if rt > 0.0 { c.value / rt * ratios[next as usize] } else { 0.0 };
                     let prio = if strategy == Strategy::Value { self.quantize(v) * weight[c.pos] } else { 0.0 };
-                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: rep, value: v, hedge: false });
+                    heap.push(Cand { urgency: 0, prio, pos: c.pos, flips: rep, value: v, hedge: false, learn: false });
                 }
             }
         }

@@ -332,6 +332,9 @@ pub struct Report {
     /// Failed trees retried whole because their failing targets were known flaky.
     #[serde(default)]
     pub flaky_retries: u64,
+    /// Builds on the mainline alone, to learn a change's own outcome.
+    #[serde(default)]
+    pub learn_builds: u64,
     /// Targets the planner has recorded as flaky (a failure that passed on the
     /// same tree), at the end.
     #[serde(default)]
@@ -676,6 +679,7 @@ pub fn simulate_logged(
         attributed_landed: attributed,
         bisection_builds: st.bisection_builds,
         flaky_retries: st.flaky_retries,
+        learn_builds: st.learn_builds,
         flaky_targets: planner.flaky_targets().len(),
         utilisation: {
             let first = truth.order.first().map_or(0, |&i| to_ms(trace[i].arrival_s));

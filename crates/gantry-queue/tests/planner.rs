@@ -163,7 +163,8 @@ fn independent_changes_do_not_speculate_on_each_other() {
 
 #[test]
 fn outcome_prunes_impossible_builds() {
-    let mut p = Planner::new(PlannerConfig { max_retries: 0, ..cfg(10) });
+    // Without learning: a build on the mainline alone would be kept to learn from.
+    let mut p = Planner::new(PlannerConfig { max_retries: 0, learn_alone: false, ..cfg(10) });
     let mut builds = Vec::new();
     for c in ["c1", "c2", "c3"] {
         builds.extend(started(&enqueue(&mut p, 0, c, None)));
@@ -226,7 +227,8 @@ fn independent_changes_land_in_parallel_lanes() {
 
 #[test]
 fn failed_landing_counts_as_rejected_and_prunes_builds_assuming_it() {
-    let mut p = Planner::new(cfg(10));
+    // Without learning: c3's build on the mainline alone would be kept to learn from.
+    let mut p = Planner::new(PlannerConfig { learn_alone: false, ..cfg(10) });
     let b1 = started(&enqueue(&mut p, 0, "c1", analysis(&["//a"])));
     let b2 = started(&enqueue(&mut p, 1, "c2", analysis(&["//b"])));
     let b3 = started(&enqueue(&mut p, 2, "c3", analysis(&["//b", "//c"])));
@@ -998,9 +1000,13 @@ proptest! {
                 match a {
                     Action::StartBuild { build } => {
                         prop_assert_eq!(build.base_version as usize, mainline.len());
-                        // Never more attempts of one tree at once than the rule allows.
-                        let same = running.iter().filter(|r| r.change == build.change && r.assumed == build.assumed).count();
-                        prop_assert!(same < max_retries as usize + 1, "{} attempts of one tree at once", same + 1);
+                        // Never more attempts of one tree at once than the rule allows
+                        // (a tree: its base, the changes assumed, the change).
+                        let same = running
+                            .iter()
+                            .filter(|r| r.change == build.change && r.assumed == build.assumed && r.base_version == build.base_version)
+                            .count();
+                        prop_assert!(same < max_retries as usize + 1, "{} attempts of one tree at once: {:?} while {:?}; mr {} batching {}", same + 1, build, running, max_retries, batching);
                         running.push(build);
                     }
                     Action::CancelBuild { id } => {
@@ -1388,4 +1394,36 @@ fn a_saved_state_of_another_format_is_refused() {
     let err = Planner::restore_state(&text).err().expect("refused").to_string();
     assert!(err.contains("format 99"), "{err}");
     assert!(Planner::restore_state("{\"format\":1}").is_err(), "no planner in it");
+}
+
+#[test]
+fn a_change_behind_an_undecided_one_learns_its_own_outcome_on_the_mainline_alone() {
+    // c1, c2, c3 all touch //a. c2's build on the mainline alone runs beside its
+    // build on c1 (here as its second most likely tree). With learning it keeps running when c1 lands (it can no longer
+    // decide c2, but it says whether c2 fails on its own), and its failure then
+    // stands for c2 on every tree: c2 becomes unlikely to land, so c3's most likely
+    // tree leaves it out. Without learning the same build is cancelled when c1 lands.
+    let p_c2 = |p: &Planner| p.landing_probabilities().into_iter().find(|(c, _)| *c == id("c2")).unwrap().1;
+    for learn_alone in [true, false] {
+        let mut p = Planner::new(PlannerConfig { max_retries: 0, learn_alone, ..cfg(10) });
+        let mut builds = Vec::new();
+        for (t, c) in ["c1", "c2", "c3"].into_iter().enumerate() {
+            builds.extend(started(&enqueue(&mut p, t as u64, c, analysis(&["//a"]))));
+        }
+        let alone = find(&builds, "c2", &[]);
+        let acts = finish(&mut p, 10, find(&builds, "c1", &[]), true);
+        assert!(matches!(&acts[0], Action::Land { change, .. } if *change == id("c1")), "{acts:?}");
+        assert_eq!(cancelled(&acts).contains(&alone), !learn_alone, "learning {learn_alone}: {acts:?}");
+        if !learn_alone {
+            continue;
+        }
+        // c2's build alone was also its second most likely tree; c3's was started to learn.
+        assert_eq!(p.stats().learn_builds, 1);
+        assert!(p_c2(&p) > 0.7, "before: the model's guess, {}", p_c2(&p));
+        assert!(p.value_of(&id("c3"), &[]).unwrap() < 0.5, "c3's tree without c2 is unlikely");
+        let acts = finish(&mut p, 11, alone, false);
+        assert!(acts.iter().all(|a| !matches!(a, Action::Land { .. } | Action::Reject { .. })), "decides nothing");
+        assert!(p_c2(&p) < 0.2, "after: c2's own failure, unless a flake: {}", p_c2(&p));
+        assert!(p.value_of(&id("c3"), &[]).unwrap() > 0.5, "c3's tree without c2 is now the likely one");
+    }
 }

@@ -161,8 +161,8 @@ fn flaky_targets_confine_flakes_and_batching_stays_correct() {
     // rate, two flakes in a row on a change's passing tree reject it under the
     // retry-once rule, and the changes after it are then judged against a
     // reference that had it. Over seeds 1-30 (both settings of the records) that
-    // happened 66 times in 1,776 rejections, and every other wrong decision
-    // followed one of those.
+    // happened 66 times, with and without `learn_alone` (1,776 and 1,778
+    // rejections), and every other wrong decision followed one of those.
     let trace = small(200.0, 5);
     let base =
         SimOptions { capacity: 10, flaky_rate: 0.2, max_retries: 1, flaky_target_share: 0.3, ..SimOptions::default() };

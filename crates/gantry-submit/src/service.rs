@@ -76,6 +76,8 @@ pub struct QueueSettings {
     pub prior_conflict: f64,
     /// `[queue] batching`.
     pub batching: bool,
+    /// `[queue] learn_alone`.
+    pub learn_alone: bool,
     /// `[retention]` as the queue applies it.
     pub retention: QueueRetention,
 }
@@ -190,6 +192,7 @@ impl QueueService {
             prior_success: settings.prior_success,
             prior_conflict: settings.prior_conflict,
             batching: settings.batching,
+            learn_alone: settings.learn_alone,
             ..PlannerConfig::default()
         };
         // Version 0 is the mainline when the queue was created; its record also keeps the

@@ -56,6 +56,10 @@ pub struct QueueBenchArgs {
     /// failed tree decides none of its members (how much attribution buys).
     #[arg(long)]
     no_attribution: bool,
+    /// sq and sq-batch do not learn a change's own outcome from a build on the
+    /// mainline alone (how much learning buys; the queue's `learn_alone = false`).
+    #[arg(long)]
+    no_learn: bool,
     /// Print JSON: one object per policy (with --policy: exactly one object).
     #[arg(long)]
     json: bool,
@@ -71,7 +75,7 @@ fn policy(name: &str) -> anyhow::Result<Policy> {
 fn report_json(r: &sim::Report) -> serde_json::Value {
     serde_json::json!({
         "policy": r.policy, "p50_s": r.p50_s, "p95_s": r.p95_s, "p99_s": r.p99_s,
-        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "flaky_retries": r.flaky_retries, "flaky_targets": r.flaky_targets, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green, "violations": r.violations, "flaky_rejections": r.flaky_rejections,
+        "builds_per_landed": r.builds_per_landed, "batches": r.batches, "batch_landed": r.batch_landed, "attributed_landed": r.attributed_landed, "flaky_retries": r.flaky_retries, "flaky_targets": r.flaky_targets, "learn_builds": r.learn_builds, "utilisation": r.utilisation, "landed": r.landed, "rejected": r.rejected, "green": r.green, "violations": r.violations, "flaky_rejections": r.flaky_rejections,
     })
 }
 
@@ -95,6 +99,7 @@ pub fn run(args: QueueBenchArgs) -> anyhow::Result<()> {
         sq_knows_failures: args.sq_knows_failures,
         sq_config: gantry_queue::PlannerConfig {
             attribution: !args.no_attribution,
+            learn_alone: !args.no_learn,
             // Above 1: no target is ever known flaky.
             known_flaky_share: if args.no_flaky_records {
                 2.0

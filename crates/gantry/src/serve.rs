@@ -408,6 +408,7 @@ async fn start_queue(
         prior_success: q.prior_success,
         prior_conflict: q.prior_conflict,
         batching: q.batching,
+        learn_alone: q.learn_alone,
         retention: gantry_submit::QueueRetention {
             interval: config.retention.interval,
             batch_size: config.retention.batch_size,

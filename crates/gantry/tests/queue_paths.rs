@@ -186,7 +186,11 @@ fn queue_infra_retry_cancel_and_failed_combined_tree_check() {
     let gates = dir.path().join("gates");
     std::fs::create_dir_all(&gates).unwrap();
     let script = dir.path().join("check.sh");
-    let config = write_config(dir.path(), &repo, &script, "capacity = 6\n");
+    // Without learning: this test follows z's builds one by one. With it, z's build on
+    // the mainline alone would be kept when y lands (to learn z's own outcome), and
+    // after y's failed landing it would decide z in place of the rebuild on version 3
+    // checked below.
+    let config = write_config(dir.path(), &repo, &script, "capacity = 6\nlearn_alone = false\n");
     let data = dir.path().join("data");
     let server = GantryServer::start(&data, &["--config", config.to_str().unwrap()]);
     let url = format!("grpc://{}", server.grpc);
