@@ -895,6 +895,9 @@ proptest! {
         // or 0, as the simulator's oracles are told), 3 the opposite told (a wrong
         // override must cost builds, never a wrong decision).
         told in proptest::collection::vec(0u8..4, 7),
+        // A low prior makes every tree uncertain, so that builds on the mainline alone
+        // (learning each change's own outcome) get slots.
+        prior_success in prop_oneof![Just(0.9), Just(0.5)],
     ) {
         // Ground-truth conflicts only between changes the analyzer calls
         // dependent; otherwise the analyzer would be wrong, not the planner.
@@ -916,7 +919,8 @@ proptest! {
         // of the undecided changes of lower priority that depend on it, and
         // of the ones behind those that depend on them.
         let mut serial: Vec<usize> = Vec::new();
-        let mut p = Planner::new(PlannerConfig { capacity, max_retries, batching, ..PlannerConfig::default() });
+        let mut p =
+            Planner::new(PlannerConfig { capacity, max_retries, batching, prior_success, ..PlannerConfig::default() });
         // A twin that now and then forgets its decided changes and is restored from
         // its saved state (a queue's retention): it must answer every event alike.
         let mut twin = Planner::new(p.config().clone());
