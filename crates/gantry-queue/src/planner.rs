@@ -393,6 +393,12 @@ struct KeyStat {
 }
 
 impl KeyStat {
+    /// Records an attempt of this tree that has just started.
+    fn started(&mut self, id: u64) {
+        self.running = Some(id);
+        self.running_n += 1;
+    }
+
     fn confirmed_failed(&self, max_attempts: u32) -> bool {
         self.passed.is_none() && (self.conclusive || self.failures >= max_attempts)
     }
@@ -689,6 +695,11 @@ impl std::hash::Hasher for FastHasher {
 }
 
 type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+
+/// A rate observed as `hits` in `trials`, starting from `prior` worth `weight` trials.
+fn prior_weighted(prior: f64, weight: f64, hits: f64, trials: f64) -> f64 {
+    (weight * prior + hits) / (weight + trials)
+}
 
 fn disjoint(a: &[u32], b: &[u32]) -> bool {
     let (mut i, mut j) = (0, 0);
@@ -1363,8 +1374,7 @@ impl Planner {
     fn learned_rate(&self, passed: bool) -> f64 {
         let k = usize::from(passed);
         let prior = if passed { self.config.prior_success } else { self.config.prior_retry_pass };
-        let w = self.config.flake_prior_weight;
-        (w * prior + self.learned_landed[k]) / (w + self.learned_decided[k])
+        prior_weighted(prior, self.config.flake_prior_weight, self.learned_landed[k], self.learned_decided[k])
     }
 
     /// Whether change `i` should get a build on the mainline alone to learn its own
@@ -1717,14 +1727,22 @@ impl Planner {
 
     /// Learned P(a retry passes | the first attempt of the same tree failed).
     pub fn retry_pass_rate(&self) -> f64 {
-        let w = self.config.flake_prior_weight;
-        (w * self.config.prior_retry_pass + self.retry_passes) / (w + self.retry_trials)
+        prior_weighted(
+            self.config.prior_retry_pass,
+            self.config.flake_prior_weight,
+            self.retry_passes,
+            self.retry_trials,
+        )
     }
 
     /// Learned P(conflict) for a dependent pair: prior-weighted rate.
     pub fn conflict_rate(&self) -> f64 {
-        let w = self.config.conflict_prior_weight;
-        (w * self.config.prior_conflict + self.conflict_events) / (w + self.conflict_pairs)
+        prior_weighted(
+            self.config.prior_conflict,
+            self.config.conflict_prior_weight,
+            self.conflict_events,
+            self.conflict_pairs,
+        )
     }
 
     fn success_probability(&self, i: usize) -> f64 {
@@ -2458,9 +2476,7 @@ impl Planner {
                 self.ensure_stats(view, i);
                 let id = self.start_build(now, i, Vec::new(), 1, actions);
                 self.stats.learn_builds += 1;
-                let st = views[c.pos].as_mut().expect("built above").stats.entry(Vec::new()).or_default();
-                st.running = Some(id);
-                st.running_n += 1;
+                views[c.pos].as_mut().expect("built above").stats.entry(Vec::new()).or_default().started(id);
                 free -= 1;
                 continue;
             }
@@ -2534,9 +2550,7 @@ impl Planner {
             let view = views[c.pos].as_mut().expect("view built above");
             if let Some(attempt) = startable {
                 let id = self.start_build(now, order[c.pos], key.clone(), attempt, actions);
-                let st = view.stats.entry(key).or_default();
-                st.running = Some(id);
-                st.running_n += 1;
+                view.stats.entry(key).or_default().started(id);
                 free -= 1;
             }
             if strategy == Strategy::Optimistic || view.pdeps.is_empty() || c.hedge {

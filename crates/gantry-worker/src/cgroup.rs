@@ -102,6 +102,20 @@ struct Idle {
     oom_kills_before: u64,
 }
 
+impl Idle {
+    /// The group again, for an action (`pool`: where it may return) or for removal.
+    fn into_group(self, version: Version, pool: Option<Arc<Mutex<Vec<Idle>>>>) -> ActionCgroup {
+        ActionCgroup {
+            version,
+            dirs: self.dirs,
+            removed: false,
+            limits: self.limits,
+            oom_kills_before: self.oom_kills_before,
+            pool,
+        }
+    }
+}
+
 /// How actions are metered with `cgroups` (None: without).
 pub fn metering(cgroups: Option<&Cgroups>) -> &'static str {
     match cgroups.map(|c| c.version) {
@@ -160,11 +174,8 @@ static DETECTED: OnceLock<std::result::Result<Arc<Cgroups>, String>> = OnceLock:
 pub fn release_idle() {
     if let Some(Ok(cgroups)) = DETECTED.get() {
         let idle = std::mem::take(&mut *cgroups.idle.lock().unwrap_or_else(|p| p.into_inner()));
-        let deadline = Instant::now() + TEARDOWN_LIMIT;
-        for dir in idle.iter().flat_map(|g| g.dirs.iter().rev()) {
-            if let Err(e) = empty_and_remove(dir, cgroups.version, deadline) {
-                tracing::warn!(cgroup = %dir.display(), error = %e, "could not remove an idle cgroup");
-            }
+        for g in idle {
+            g.into_group(cgroups.version, None).remove();
         }
     }
 }
@@ -225,20 +236,12 @@ impl Cgroups {
     /// new one. Dropping it kills what is left in it and removes it; [`ActionCgroup::finish`]
     /// may keep it for reuse instead.
     pub fn create(&self, limits: Limits) -> Result<ActionCgroup> {
-        let reuse = self.version == Version::V1;
         let idle = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             idle.iter().position(|g| g.limits == limits).map(|i| idle.swap_remove(i))
         };
         if let Some(g) = idle {
-            return Ok(ActionCgroup {
-                version: self.version,
-                dirs: g.dirs,
-                removed: false,
-                limits,
-                oom_kills_before: g.oom_kills_before,
-                pool: Some(self.idle.clone()),
-            });
+            return Ok(g.into_group(self.version, Some(self.idle.clone())));
         }
         let name = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut group = ActionCgroup {
@@ -247,7 +250,8 @@ impl Cgroups {
             removed: false,
             limits,
             oom_kills_before: 0,
-            pool: reuse.then(|| self.idle.clone()),
+            // Only v1 groups are reused (see the module doc).
+            pool: (self.version == Version::V1).then(|| self.idle.clone()),
         };
         let memory = self.memory.join(&name);
         make_dir(&memory)?;
@@ -366,9 +370,7 @@ impl ActionCgroup {
     /// little left charged, a counter of OOM kills to take as the next baseline, and its
     /// peak reset. Returns that counter.
     fn reset_for_reuse(&self) -> Option<u64> {
-        if self.pool.is_none() || self.version != Version::V1 {
-            return None;
-        }
+        self.pool.as_ref()?;
         let memory = &self.dirs[0];
         let read = |f: &str| std::fs::read_to_string(memory.join(f)).ok();
         // Every process of the action joined both hierarchies' groups, and its children
