@@ -350,20 +350,23 @@ impl ActionCgroup {
     }
 
     /// After the action: its peak memory and OOM verdict (read only when it `failed`),
-    /// then the group is kept for reuse if it may be (see the module doc), else removed
-    /// as [`ActionCgroup::remove`] does. Blocks like it.
-    pub fn finish(mut self, failed: bool) -> (Option<u64>, Oom) {
+    /// and the group kept for reuse if it may be (see the module doc). A group that may
+    /// not is handed back, to be [`ActionCgroup::remove`]d: removal may block, while
+    /// keeping one only reads and writes a few kernel counters, which never wait.
+    pub fn finish(mut self, failed: bool) -> ((Option<u64>, Oom), Option<ActionCgroup>) {
         let figures = (self.peak_memory(), if failed { self.oom() } else { Oom::No });
         if let (Some(oom_kills), Some(pool)) = (self.reset_for_reuse(), &self.pool) {
             let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
             if pool.len() < POOL_MAX {
                 let dirs = std::mem::take(&mut self.dirs);
                 pool.push(Idle { dirs, limits: self.limits, oom_kills_before: oom_kills });
+                drop(pool);
+                // Its directories moved to the pool: nothing is left to remove.
+                self.removed = true;
+                return (figures, None);
             }
         }
-        // Nothing to remove once the group is in the pool (its directories moved there).
-        self.teardown();
-        figures
+        (figures, Some(self))
     }
 
     /// Makes the group ready for another action, if it may be: no process left in it,

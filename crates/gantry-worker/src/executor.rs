@@ -75,16 +75,37 @@ impl ActionDirs {
     /// when it cannot be emptied.
     async fn give_back(&self, dir: PathBuf) {
         let free = self.free.clone();
-        let _ = tokio::task::spawn_blocking(move || {
+        let small = little_to_empty(&dir);
+        let _ = crate::blocking_unless_small(small, move || {
             if empty_action_dir(&dir) {
                 free.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
             } else {
                 remove_tree(&dir);
             }
+            Ok(())
         })
         .await;
     }
 }
+
+/// Whether emptying `dir` is a few unlinks: at most [`INLINE_EMPTY_ENTRIES`] entries in its
+/// input root, none a directory, and small logs.
+fn little_to_empty(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir.join("root")) else { return false };
+    let mut n = 0;
+    for e in entries {
+        n += 1;
+        if n > INLINE_EMPTY_ENTRIES || !e.is_ok_and(|e| e.file_type().is_ok_and(|t| !t.is_dir())) {
+            return false;
+        }
+    }
+    ["stdout", "stderr"]
+        .iter()
+        .all(|log| std::fs::symlink_metadata(dir.join(log)).map_or(true, |m| m.len() <= crate::INLINE_FILE_BYTES))
+}
+
+/// See [`little_to_empty`].
+const INLINE_EMPTY_ENTRIES: usize = 16;
 
 /// Removes what an action left in `dir`'s input root and truncates its logs (a large log
 /// should not take disk space until the next action). False if something could not be

@@ -17,6 +17,25 @@ pub mod spawner;
 pub use executor::Executor;
 pub use session::run_worker;
 
+/// Files at most this large are read, hashed or copied on the runtime's own thread: a
+/// handoff to the blocking pool and back costs more than that work, and a no-op action
+/// made several of them.
+pub(crate) const INLINE_FILE_BYTES: u64 = 64 << 10;
+
+/// Runs `f` on this thread when `small` says it cannot wait long (a few metadata calls,
+/// a file of at most [`INLINE_FILE_BYTES`]), else on the blocking pool.
+pub(crate) async fn blocking_unless_small<T: Send + 'static>(
+    small: bool,
+    f: impl FnOnce() -> gantry_core::Result<T> + Send + 'static,
+) -> gantry_core::Result<T> {
+    if small {
+        return f();
+    }
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| gantry_core::Error::internal(format!("blocking task failed: {e}")))?
+}
+
 /// Properties every gantry worker offers.
 pub fn base_properties() -> Vec<(String, String)> {
     vec![("OSFamily".into(), "linux".into()), ("ISA".into(), "x86-64".into())]

@@ -16,6 +16,9 @@ use prost::Message;
 
 /// Files fetched into the cache at once.
 const FETCH_CONCURRENCY: usize = 8;
+/// At most this many input files (of at most [`crate::INLINE_FILE_BYTES`] in all) are
+/// placed on the runtime's thread rather than the blocking pool.
+const INLINE_PLACE_FILES: usize = 16;
 
 pub struct Materializer {
     pub cas: Arc<dyn BlobStore>,
@@ -98,7 +101,9 @@ impl Materializer {
         let bytes: u64 = files.iter().map(|e| e.digest.size).sum();
         let count = files.len();
         let cache = self.cache.clone();
-        tokio::task::spawn_blocking(move || -> Result<()> {
+        // Mostly hard links, so a few small files do not wait long, even copied.
+        let small = count <= INLINE_PLACE_FILES && bytes <= crate::INLINE_FILE_BYTES;
+        crate::blocking_unless_small(small, move || -> Result<()> {
             for e in &files {
                 let src = cache
                     .path_of(&e.digest)
@@ -111,8 +116,7 @@ impl Materializer {
             }
             Ok(())
         })
-        .await
-        .map_err(|e| Error::internal(format!("materialize task: {e}")))??;
+        .await?;
         Ok((count, bytes))
     }
 

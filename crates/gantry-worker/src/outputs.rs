@@ -33,19 +33,18 @@ impl Uploader {
     /// Digests a file and uploads it if the CAS lacks it.
     pub async fn upload_file(&self, path: &Path) -> Result<Digest> {
         let (p, f) = (path.to_owned(), self.function);
-        let (digest, small) = tokio::task::spawn_blocking(move || hash_file(f, &p))
-            .await
-            .map_err(|e| Error::internal(format!("hash task: {e}")))??;
-        self.upload_hashed(path, digest, small).await
+        let small = is_small(path);
+        let (digest, bytes) = crate::blocking_unless_small(small, move || hash_file(f, &p)).await?;
+        self.upload_hashed(path, digest, bytes).await
     }
 
-    /// `upload_file` of a command's stdout and stderr, hashed in one blocking task:
-    /// most commands' logs are empty or tiny, and a task is a handoff between threads.
+    /// `upload_file` of a command's stdout and stderr, hashed together: most commands'
+    /// logs are empty or tiny, and a blocking task is a handoff between threads.
     pub async fn upload_logs(&self, stdout: &Path, stderr: &Path) -> Result<(Digest, Digest)> {
         let (out, err, f) = (stdout.to_owned(), stderr.to_owned(), self.function);
-        let (o, e) = tokio::task::spawn_blocking(move || Ok::<_, Error>((hash_file(f, &out)?, hash_file(f, &err)?)))
-            .await
-            .map_err(|e| Error::internal(format!("hash task: {e}")))??;
+        let small = is_small(stdout) && is_small(stderr);
+        let (o, e) =
+            crate::blocking_unless_small(small, move || Ok((hash_file(f, &out)?, hash_file(f, &err)?))).await?;
         Ok((self.upload_hashed(stdout, o.0, o.1).await?, self.upload_hashed(stderr, e.0, e.1).await?))
     }
 
@@ -208,6 +207,12 @@ impl Uploader {
 }
 
 /// Digests the file at `p`; with its bytes when it fits in one upload chunk.
+/// Whether the file at `p` is small enough to hash on the runtime's thread (a file that
+/// cannot be looked at is not: the blocking task reports why).
+fn is_small(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.len() <= crate::INLINE_FILE_BYTES)
+}
+
 fn hash_file(f: DigestFunction, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
     use std::io::Read;
     let mut file = std::fs::File::open(p).context(format_args!("opening output {}", p.display()))?;

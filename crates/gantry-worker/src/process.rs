@@ -260,15 +260,21 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         Ending::Exited(-1)
     });
     let failed = matches!(ending, Ending::Signaled(_)) || matches!(ending, Ending::Exited(c) if c != 0);
-    // Read the group's figures, then kill what is left in it (also what left the process
-    // group) and remove it, or keep it for the next action (cgroup.rs); rmdir waits for
-    // the killed to exit, so off the runtime. Its OOM counters matter only to a failure
-    // (below), so a success does not read them.
+    // Read the group's figures, then keep it for the next action (cgroup.rs), or kill
+    // what is left in it (also what left the process group) and remove it. Only removal
+    // can wait (rmdir waits for the killed to exit), so only it goes off the runtime: a
+    // handoff to a blocking thread costs a no-op action more than the counters do. Its
+    // OOM counters matter only to a failure (below), so a success does not read them.
     let from_cgroup = match cgroup {
-        Some(g) => tokio::task::spawn_blocking(move || g.finish(failed))
-            .await
-            .map_err(|e| Error::internal(format!("cgroup task: {e}")))
-            .map(Some)?,
+        Some(g) => {
+            let (figures, left) = g.finish(failed);
+            if let Some(g) = left {
+                tokio::task::spawn_blocking(move || g.remove())
+                    .await
+                    .map_err(|e| Error::internal(format!("cgroup task: {e}")))?;
+            }
+            Some(figures)
+        }
         None => None,
     };
     // Linux reports ru_maxrss in KiB.
