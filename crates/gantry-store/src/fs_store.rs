@@ -55,6 +55,8 @@ const MIN_ROOM: u64 = 1 << 20;
 /// 4 MiB chunks read 64 MiB blobs 10-15% faster than 1 MiB ones (fewer blocking-pool
 /// hops); ByteStream still sends them as `read_chunk_size` messages.
 const READ_CHUNK: u64 = 4 << 20;
+/// Reads of at most this many bytes run on the calling thread (see `FsStore::read`).
+const INLINE_READ: u64 = 64 << 10;
 /// A temp file this old belongs to no write in progress (an upload idle longer is
 /// dropped), so an open removes it even beside live processes.
 const STALE_TEMP: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
@@ -632,8 +634,11 @@ impl BlobStore for FsStore {
         let inner = self.inner.clone();
         let d = *digest;
         let first = (len.min(READ_CHUNK)) as usize;
-        // Open and read the first chunk in one blocking task: most blobs fit in it.
-        let res = blocking(move || {
+        // Open and read the first chunk in one step: most blobs fit in it. A small one is
+        // read on this thread (an Action, a Command, a Directory: a page-cache copy of a
+        // few KiB), since a blocking task is a handoff to another thread and back that
+        // costs more than the read.
+        let open_first = move || {
             let mut f = match File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -658,8 +663,8 @@ impl BlobStore for FsStore {
             }
             let chunk = read_exact_chunk(&mut f, first, &d)?;
             Ok(Ok((f, chunk)))
-        })
-        .await?;
+        };
+        let res = if len <= INLINE_READ { open_first()? } else { blocking(open_first).await? };
         let (file, first_chunk) = match res {
             Ok(opened) => opened,
             Err(unplaced) => {

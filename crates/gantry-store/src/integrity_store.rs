@@ -29,11 +29,14 @@ impl IntegrityStore {
 #[async_trait]
 impl BlobStore for IntegrityStore {
     async fn find_present(&self, digests: &[Digest]) -> Result<Vec<bool>> {
-        let mut present = self.inner.find_present(digests).await?;
-        for (p, d) in present.iter_mut().zip(digests) {
-            *p |= d.is_empty_blob();
+        // The empty blob is never stored, so the inner store is not asked for it: a miss
+        // there can cost a look on disk (every no-op action's stdout and stderr are it).
+        if !digests.iter().any(Digest::is_empty_blob) {
+            return self.inner.find_present(digests).await;
         }
-        Ok(present)
+        let stored: Vec<Digest> = digests.iter().filter(|d| !d.is_empty_blob()).copied().collect();
+        let mut inner = if stored.is_empty() { vec![] } else { self.inner.find_present(&stored).await? }.into_iter();
+        Ok(digests.iter().map(|d| d.is_empty_blob() || inner.next().unwrap_or(false)).collect())
     }
 
     async fn read(&self, digest: &Digest, offset: u64, limit: Option<u64>) -> Result<BlobStream> {

@@ -112,6 +112,13 @@ pub async fn empty_blob(s: Arc<dyn BlobStore>) {
         let e2 = s.put(&e, Bytes::from_static(b"x")).await.err().unwrap();
         assert!(matches!(e2, Error::InvalidArgument(_)), "{e2}");
     }
+    // Among other digests, each answer stays in its place.
+    let (data, stored) = blob(7, 100);
+    let (_, absent) = blob(8, 100);
+    s.put(&stored, data).await.unwrap();
+    let e = stored.function.empty();
+    let asked = [e, stored, absent, e, absent];
+    assert_eq!(s.find_present(&asked).await.unwrap(), vec![true, true, false, true, false]);
 }
 
 pub async fn eviction_order(s: Arc<dyn BlobStore>) {
