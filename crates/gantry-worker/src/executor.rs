@@ -72,51 +72,72 @@ impl ActionDirs {
     }
 
     /// Empties `dir`'s input root and keeps it for the next action, or removes it whole
-    /// when it cannot be emptied.
+    /// when it cannot be emptied. A few unlinks are done on this thread (a handoff to the
+    /// blocking pool costs more); more than that goes to the pool.
     async fn give_back(&self, dir: PathBuf) {
-        let free = self.free.clone();
-        let small = little_to_empty(&dir);
-        let _ = crate::blocking_unless_small(small, move || {
-            if empty_action_dir(&dir) {
-                free.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
-            } else {
-                remove_tree(&dir);
+        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES)) {
+            Emptied::TooMuch => {
+                let d = dir.clone();
+                tokio::task::spawn_blocking(move || empty_action_dir(&d, None)).await.unwrap_or(Emptied::No)
             }
-            Ok(())
-        })
-        .await;
-    }
-}
-
-/// Whether emptying `dir` is a few unlinks: at most [`INLINE_EMPTY_ENTRIES`] entries in its
-/// input root, none a directory, and small logs.
-fn little_to_empty(dir: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir(dir.join("root")) else { return false };
-    let mut n = 0;
-    for e in entries {
-        n += 1;
-        if n > INLINE_EMPTY_ENTRIES || !e.is_ok_and(|e| e.file_type().is_ok_and(|t| !t.is_dir())) {
-            return false;
+            done => done,
+        };
+        if emptied == Emptied::Yes {
+            self.free.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
+        } else {
+            let _ = tokio::task::spawn_blocking(move || remove_tree(&dir)).await;
         }
     }
-    ["stdout", "stderr"]
-        .iter()
-        .all(|log| std::fs::symlink_metadata(dir.join(log)).map_or(true, |m| m.len() <= crate::INLINE_FILE_BYTES))
 }
 
-/// See [`little_to_empty`].
+/// At most this many entries, none a directory, and logs of at most
+/// [`crate::INLINE_FILE_BYTES`], are emptied on the runtime's thread.
 const INLINE_EMPTY_ENTRIES: usize = 16;
 
+#[derive(Debug, PartialEq, Eq)]
+enum Emptied {
+    Yes,
+    /// Something could not be removed.
+    No,
+    /// More than the caller's bound; nothing was touched.
+    TooMuch,
+}
+
 /// Removes what an action left in `dir`'s input root and truncates its logs (a large log
-/// should not take disk space until the next action). False if something could not be
-/// removed.
-fn empty_action_dir(dir: &Path) -> bool {
+/// should not take disk space until the next action). With `bound`, only when the root
+/// holds at most that many entries, none a directory, and the logs are small.
+fn empty_action_dir(dir: &Path, bound: Option<usize>) -> Emptied {
+    use std::os::unix::fs::OpenOptionsExt;
     let root = dir.join("root");
-    let Ok(entries) = std::fs::read_dir(&root) else { return false };
-    for e in entries {
-        let Ok(e) = e else { return false };
+    let Ok(entries) = std::fs::read_dir(&root) else { return Emptied::No };
+    let entries: Vec<std::fs::DirEntry> =
+        match entries.take(bound.map_or(usize::MAX, |b| b + 1)).collect::<std::io::Result<_>>() {
+            Ok(e) => e,
+            Err(_) => return Emptied::No,
+        };
+    let is_dir = |e: &std::fs::DirEntry| e.file_type().is_ok_and(|t| t.is_dir());
+    // A log's length, from a stat: an empty one (most are) needs no open and truncate.
+    // One that is no longer a regular file (the command could reach it as ../stdout and
+    // make it a link) is removed, so that nothing truncates what a link points to.
+    let logs: Vec<(PathBuf, u64)> = ["stdout", "stderr"]
+        .iter()
+        .map(|l| dir.join(l))
+        .filter_map(|p| match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_file() => Some((p, m.len())),
+            Ok(_) => Some((p, u64::MAX)),
+            Err(_) => None,
+        })
+        .collect();
+    if let Some(b) = bound
+        && (entries.len() > b
+            || entries.iter().any(is_dir)
+            || logs.iter().any(|(_, len)| *len > crate::INLINE_FILE_BYTES))
+    {
+        return Emptied::TooMuch;
+    }
+    for e in &entries {
         let path = e.path();
-        let removed = if e.file_type().is_ok_and(|t| t.is_dir()) {
+        let removed = if is_dir(e) {
             remove_tree(&path)
         } else {
             match std::fs::remove_file(&path) {
@@ -125,15 +146,21 @@ fn empty_action_dir(dir: &Path) -> bool {
             }
         };
         if !removed {
-            return false;
+            return Emptied::No;
         }
     }
-    for log in ["stdout", "stderr"] {
-        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(dir.join(log)) {
+    for (log, len) in &logs {
+        if *len == u64::MAX {
+            if !remove_tree(log) {
+                return Emptied::No;
+            }
+        } else if *len > 0
+            && let Ok(f) = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(log)
+        {
             let _ = f.set_len(0);
         }
     }
-    true
+    Emptied::Yes
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {
@@ -254,9 +281,14 @@ impl Executor {
         md.input_fetch_completed_timestamp = Some(ts());
 
         let cwd = exec_root.join(&command.working_directory);
-        std::fs::create_dir_all(&cwd).context("creating the working directory")?;
+        // The input root exists (materialized), and so does what is made once below.
+        if !command.working_directory.is_empty() {
+            std::fs::create_dir_all(&cwd).context("creating the working directory")?;
+        }
         for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
-            if let Some(parent) = cwd.join(p).parent() {
+            if let Some(parent) = cwd.join(p).parent()
+                && parent != cwd
+            {
                 std::fs::create_dir_all(parent).context(format_args!("creating the parent of output {p}"))?;
             }
         }

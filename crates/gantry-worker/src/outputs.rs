@@ -32,19 +32,23 @@ pub struct Declared<'a> {
 impl Uploader {
     /// Digests a file and uploads it if the CAS lacks it.
     pub async fn upload_file(&self, path: &Path) -> Result<Digest> {
+        let (file, len) = open_output(path)?;
         let (p, f) = (path.to_owned(), self.function);
-        let small = is_small(path);
-        let (digest, bytes) = crate::blocking_unless_small(small, move || hash_file(f, &p)).await?;
+        let small = len <= crate::INLINE_FILE_BYTES;
+        let (digest, bytes) = crate::blocking_unless_small(small, move || hash_file(f, file, len, &p)).await?;
         self.upload_hashed(path, digest, bytes).await
     }
 
     /// `upload_file` of a command's stdout and stderr, hashed together: most commands'
     /// logs are empty or tiny, and a blocking task is a handoff between threads.
     pub async fn upload_logs(&self, stdout: &Path, stderr: &Path) -> Result<(Digest, Digest)> {
+        let ((out_file, out_len), (err_file, err_len)) = (open_output(stdout)?, open_output(stderr)?);
         let (out, err, f) = (stdout.to_owned(), stderr.to_owned(), self.function);
-        let small = is_small(stdout) && is_small(stderr);
-        let (o, e) =
-            crate::blocking_unless_small(small, move || Ok((hash_file(f, &out)?, hash_file(f, &err)?))).await?;
+        let small = out_len.max(err_len) <= crate::INLINE_FILE_BYTES;
+        let (o, e) = crate::blocking_unless_small(small, move || {
+            Ok((hash_file(f, out_file, out_len, &out)?, hash_file(f, err_file, err_len, &err)?))
+        })
+        .await?;
         Ok((self.upload_hashed(stdout, o.0, o.1).await?, self.upload_hashed(stderr, e.0, e.1).await?))
     }
 
@@ -206,21 +210,32 @@ impl Uploader {
     }
 }
 
-/// Digests the file at `p`; with its bytes when it fits in one upload chunk.
-/// Whether the file at `p` is small enough to hash on the runtime's thread (a file that
-/// cannot be looked at is not: the blocking task reports why).
-fn is_small(p: &Path) -> bool {
-    std::fs::symlink_metadata(p).is_ok_and(|m| m.len() <= crate::INLINE_FILE_BYTES)
+/// Opens an output to hash it, with its length. Without waiting: a FIFO the command left
+/// would block a plain open until a writer came, so it is opened non-blocking, and anything
+/// but a regular file is refused. A link is not followed: outputs that are links were
+/// recorded as links before this, and a log is never one unless the command made it so.
+fn open_output(p: &Path) -> Result<(std::fs::File, u64)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(p)
+        .context(format_args!("opening output {}", p.display()))?;
+    let meta = file.metadata().context(format_args!("stat output {}", p.display()))?;
+    if !meta.is_file() {
+        return Err(Error::FailedPrecondition(format!("output {} is not a regular file", p.display())));
+    }
+    Ok((file, meta.len()))
 }
 
-fn hash_file(f: DigestFunction, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
+/// Digests `file` (at `p`, `len` bytes when opened); with its bytes when it fits in one
+/// upload chunk.
+fn hash_file(f: DigestFunction, mut file: std::fs::File, len: u64, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
     use std::io::Read;
-    let mut file = std::fs::File::open(p).context(format_args!("opening output {}", p.display()))?;
     let mut h = f.hasher();
     // Sized to the file (one byte more, to read its end in the same call): most
     // outputs, and stdout and stderr above all, are tiny or empty, and zeroing a
     // whole chunk for each was a visible share of a no-op action's CPU.
-    let len = file.metadata().map_or(UPLOAD_CHUNK as u64, |m| m.len());
     let mut buf = vec![0u8; (len.saturating_add(1)).min(UPLOAD_CHUNK as u64) as usize];
     let mut first = Vec::new();
     loop {

@@ -30,12 +30,23 @@ async fn executor(d: &Path, cas: Arc<dyn BlobStore>) -> Executor {
 /// Runs `script` under `/bin/sh -c` in an empty input root; returns its exit code and
 /// its stdout.
 async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, String) {
+    let finished = finish(ex, script, &[]).await;
+    assert_eq!(finished.status_code, 0, "{}", finished.status_message);
+    let result = finished.action_result.unwrap();
+    let stdout = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
+    let bytes = cas.get(&stdout).await.expect("stdout uploaded");
+    (result.exit_code, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+/// Runs `script` as `run` does, declaring `outputs`, and returns the worker's report.
+async fn finish(ex: &Executor, script: &str, outputs: &[&str]) -> gantry_core::Finished {
     let command = reapi::Command {
         arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
         environment_variables: vec![reapi::command::EnvironmentVariable {
             name: "PATH".into(),
             value: "/usr/bin:/bin".into(),
         }],
+        output_paths: outputs.iter().map(|o| o.to_string()).collect(),
         ..Default::default()
     };
     let action = reapi::Action {
@@ -50,12 +61,10 @@ async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, Str
         command: command.into(),
         timeout: std::time::Duration::from_secs(60),
     };
-    let finished = ex.execute(work, std::future::pending()).await;
-    assert_eq!(finished.status_code, 0, "{}", finished.status_message);
-    let result = finished.action_result.unwrap();
-    let stdout = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
-    let bytes = cas.get(&stdout).await.expect("stdout uploaded");
-    (result.exit_code, String::from_utf8(bytes.to_vec()).unwrap())
+    // Bounded: an output the worker waited on forever (a FIFO) must fail the test.
+    tokio::time::timeout(std::time::Duration::from_secs(60), ex.execute(work, std::future::pending()))
+        .await
+        .expect("the action's report came within a minute")
 }
 
 fn entries(dir: &Path) -> Vec<String> {
@@ -128,4 +137,33 @@ async fn concurrent_actions_get_directories_of_their_own() {
     for a in ["a0", "a1", "a2", "a3"] {
         assert_eq!(entries(&d.path().join("actions").join(a).join("root")), Vec::<String>::new());
     }
+}
+
+#[tokio::test]
+async fn a_log_or_output_the_command_made_a_link_or_fifo_is_refused_and_nothing_outside_is_touched() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone()).await;
+    let victim = d.path().join("victim");
+    std::fs::write(&victim, "keep me").unwrap();
+
+    // Its stdout replaced by a link to a file outside the action directory: the log is
+    // not followed (so not reported, and not truncated when the directory is emptied).
+    let f = finish(&ex, &format!("echo out; ln -sf {} ../stdout", victim.display()), &[]).await;
+    assert_eq!(f.status_code, tonic::Code::Internal as i32, "{f:?}");
+    assert!(f.status_message.contains("stdout"), "{}", f.status_message);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+    assert_eq!(entries(&d.path().join("actions")), ["a0"], "the directory is kept: the link is removed");
+    let (code, out) = run(&ex, &cas, "echo next").await;
+    assert_eq!((code, out.as_str()), (0, "next\n"), "the next action has a log of its own");
+    assert!(std::fs::symlink_metadata(d.path().join("actions/a0/stdout")).unwrap().is_file());
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+
+    // A declared output left as a FIFO is refused at once (opening it plainly would wait
+    // for a writer that never comes).
+    let f = finish(&ex, "mkfifo out", &["out"]).await;
+    assert_eq!(f.status_code, tonic::Code::FailedPrecondition as i32, "{f:?}");
+    assert!(f.status_message.contains("not a regular file"), "{}", f.status_message);
+    let (code, out) = run(&ex, &cas, "ls -A; echo after").await;
+    assert_eq!((code, out.as_str()), (0, "after\n"));
 }
