@@ -334,6 +334,16 @@ impl fs_journal::BlobFiles for Files {
 
     fn place_accounted(&self, d: &Digest, data: &[u8]) -> Result<()> {
         let attempt = || -> Result<()> {
+            // Already in place (`path_of` put it there for a hard link, as a worker's
+            // input cache does for every blob it fetches): a second copy renamed over it
+            // would cost a file and free an inode, and on ext4 without a journal every
+            // inode freed in the last minute slows each file created after it.
+            {
+                let index = self.index.lock().expect("poisoned");
+                if index.peek(d).is_none() || blob_path(&self.root, d).exists() {
+                    return Ok(());
+                }
+            }
             let mut t = TempFile::create(&self.tmp)?.with(data)?;
             t.file.take();
             // Under the index lock, as `place`: an eviction never races the rename.
@@ -1269,6 +1279,34 @@ mod tests {
         assert_eq!(store.usage().used_bytes, 200);
         assert_eq!(store.get(&ds[2]).await.unwrap(), blobs[2]);
         assert!(!blob_path(dir.path(), &ds[0]).exists());
+    }
+
+    #[tokio::test]
+    async fn a_file_put_in_place_for_a_hard_link_is_not_replaced_by_the_placer() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        // (digest, inode) of each blob whose file `path_of` made before the placer did.
+        let mut made = Vec::new();
+        for i in 0..20u8 {
+            let data = Bytes::from(vec![i; 1000]);
+            let d = DigestFunction::Sha256.digest_of(&data);
+            store.put(&d, data).await.unwrap();
+            let before = blob_path(dir.path(), &d).exists();
+            let path = store.path_of(&d).unwrap();
+            if !before {
+                made.push((d, fs::metadata(&path).unwrap().ino()));
+            }
+        }
+        // The placer waits for a pause in the writes: most files are made by path_of.
+        assert!(!made.is_empty(), "every blob was placed before path_of looked");
+        store.wait_placed();
+        for (d, ino) in made {
+            let m = fs::metadata(blob_path(dir.path(), &d)).unwrap();
+            assert_eq!(m.ino(), ino, "{d}: the placer wrote a second copy over the first");
+            assert_eq!(m.len(), 1000);
+        }
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
     }
 
     #[tokio::test]
