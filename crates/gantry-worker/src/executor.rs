@@ -15,6 +15,7 @@ use crate::cgroup::Cgroups;
 use crate::materialize::Materializer;
 use crate::outputs::{Declared, Uploader};
 use crate::process::{self, Ending};
+use crate::spare_dirs::SpareDirs;
 
 pub struct Executor {
     pub worker_id: String,
@@ -51,15 +52,19 @@ pub struct Executor {
 /// running: their process group is killed when they end, and with cgroups their whole
 /// process tree; only a process that left the group without cgroups could (see
 /// process.rs).
+///
+/// The directories inside an input root are kept too, as spares ([`SpareDirs`]).
 #[derive(Default)]
 pub struct ActionDirs {
     free: Arc<Mutex<Vec<PathBuf>>>,
     made: AtomicUsize,
+    spare: SpareDirs,
 }
 
 impl ActionDirs {
     /// A directory whose `root/` is empty, kept or new.
     fn take(&self, work_root: &Path) -> Result<PathBuf> {
+        self.spare.init(work_root);
         // A kept directory's root is there and empty (`empty_action_dir` checked it).
         if let Some(dir) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             return Ok(dir);
@@ -75,10 +80,10 @@ impl ActionDirs {
     /// when it cannot be emptied. A few unlinks are done on this thread (a handoff to the
     /// blocking pool costs more); more than that goes to the pool.
     async fn give_back(&self, dir: PathBuf) {
-        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES)) {
+        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES), &self.spare) {
             Emptied::TooMuch => {
-                let d = dir.clone();
-                tokio::task::spawn_blocking(move || empty_action_dir(&d, None)).await.unwrap_or(Emptied::No)
+                let (d, spare) = (dir.clone(), self.spare.clone());
+                tokio::task::spawn_blocking(move || empty_action_dir(&d, None, &spare)).await.unwrap_or(Emptied::No)
             }
             done => done,
         };
@@ -106,7 +111,7 @@ enum Emptied {
 /// Removes what an action left in `dir`'s input root and truncates its logs (a large log
 /// should not take disk space until the next action). With `bound`, only when the root
 /// holds at most that many entries, none a directory, and the logs are small.
-fn empty_action_dir(dir: &Path, bound: Option<usize>) -> Emptied {
+fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Emptied {
     use std::os::unix::fs::OpenOptionsExt;
     let root = dir.join("root");
     let Ok(entries) = std::fs::read_dir(&root) else { return Emptied::No };
@@ -138,7 +143,7 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>) -> Emptied {
     for e in &entries {
         let path = e.path();
         let removed = if is_dir(e) {
-            remove_tree(&path)
+            spare.recycle_tree(&path) || remove_tree(&path)
         } else {
             match std::fs::remove_file(&path) {
                 Ok(()) => true,
@@ -276,20 +281,21 @@ impl Executor {
         let exec_root = dir.join("root");
 
         md.input_fetch_start_timestamp = Some(ts());
-        let materializer = Materializer { cas: self.cas.clone(), cache: self.cache.clone() };
+        let materializer =
+            Materializer { cas: self.cas.clone(), cache: self.cache.clone(), dirs: self.dirs.spare.clone() };
         materializer.materialize(f, input_root, &exec_root).await?;
         md.input_fetch_completed_timestamp = Some(ts());
 
         let cwd = exec_root.join(&command.working_directory);
         // The input root exists (materialized), and so does what is made once below.
         if !command.working_directory.is_empty() {
-            std::fs::create_dir_all(&cwd).context("creating the working directory")?;
+            self.dirs.spare.create_dir_all(&cwd).context("creating the working directory")?;
         }
         for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
             if let Some(parent) = cwd.join(p).parent()
                 && parent != cwd
             {
-                std::fs::create_dir_all(parent).context(format_args!("creating the parent of output {p}"))?;
+                self.dirs.spare.create_dir_all(parent).context(format_args!("creating the parent of output {p}"))?;
             }
         }
         let env: Vec<(String, String)> =

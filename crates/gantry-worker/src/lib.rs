@@ -12,6 +12,7 @@ pub mod outputs;
 pub mod process;
 pub mod remote;
 pub mod session;
+pub mod spare_dirs;
 pub mod spawner;
 
 pub use executor::Executor;

@@ -23,6 +23,8 @@ const INLINE_PLACE_FILES: usize = 16;
 pub struct Materializer {
     pub cas: Arc<dyn BlobStore>,
     pub cache: Arc<FsStore>,
+    /// Where directories are made from ([`SpareDirs::create_dir_all`]).
+    pub dirs: crate::spare_dirs::SpareDirs,
 }
 
 struct FileEntry {
@@ -63,7 +65,7 @@ impl Materializer {
                     dir
                 }
             };
-            std::fs::create_dir_all(&path).context(format_args!("creating {}", path.display()))?;
+            self.dirs.create_dir_all(&path).context(format_args!("creating {}", path.display()))?;
             // REAPI requires names sorted and unique within a directory; a duplicate would
             // make two inputs share a path, so it is refused rather than guessed at.
             let mut names: Vec<&str> = dir

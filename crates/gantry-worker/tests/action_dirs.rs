@@ -67,9 +67,13 @@ async fn finish(ex: &Executor, script: &str, outputs: &[&str]) -> gantry_core::F
         .expect("the action's report came within a minute")
 }
 
+/// The names in `dir`, but for the worker's spare directories (spare_dirs.rs).
 fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> =
-        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "spare")
+        .collect();
     names.sort();
     names
 }
@@ -97,6 +101,13 @@ async fn each_action_starts_empty_in_a_kept_directory() {
     let (code, out) = run(&ex, &cas, "ls -A; echo done").await;
     assert_eq!((code, out.as_str()), (0, "done\n"));
     assert_eq!(entries(&d.path().join("actions")), ["a0"], "the same directory, kept");
+
+    // Output parents made from the directories the first action left (kept as spares):
+    // empty, and with the mode a new directory gets, though it left them read-only.
+    let f = finish(&ex, "ls -A o/p; mkdir fresh; stat -c %a fresh o o/p | uniq | wc -l", &["o/p/out"]).await;
+    assert_eq!(f.status_code, 0, "{}", f.status_message);
+    let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
+    assert_eq!(cas.get(&stdout).await.unwrap(), "1\n", "one mode for all three, and nothing in o/p");
 
     // An action that breaks its directory (its input root replaced by a file) gets it
     // removed; the next action runs in a new one.
