@@ -175,6 +175,11 @@ pub struct BazelBenchArgs {
     /// to the cache and to Bazel.
     #[arg(long)]
     warm: bool,
+    /// With `--warm`: measured builds per mode, local and remote alternating, each with
+    /// actions new to both (so a drift of the machine's speed falls on both alike, and a
+    /// JIT still compiling shows as a trend). The ratio reported is the median round's.
+    #[arg(long, default_value_t = 3, requires = "warm")]
+    rounds: usize,
 }
 
 #[derive(clap::Args)]
@@ -1387,26 +1392,44 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
         eprintln!("    {secs:.1} s; {summary}");
         Ok(secs)
     };
-    let run = |name: &str, extra: Vec<String>, clean_first: bool| -> anyhow::Result<f64> {
-        if clean_first {
-            bazel(name, "clean", &[])?;
-        } else if warm {
-            eprintln!("  bazel build //... ({name}, warming the server up)...");
-            build(name, &extra, "warmup")?;
-        }
-        eprintln!("  bazel build //... ({name})...");
-        build(name, &extra, "measured")
-    };
     let remote =
         vec![format!("--remote_executor={target}"), "--spawn_strategy=remote".to_string(), "--jobs=16".to_string()];
-    let local = run("local", vec!["--spawn_strategy=local".into()], false)?;
-    let rx = run("remote", remote.clone(), false)?;
-    let cached = run("remote", remote, true)?;
+    let local = vec!["--spawn_strategy=local".to_string()];
+    let modes = [("local", &local), ("remote", &remote)];
     if warm {
-        for name in ["local", "remote"] {
+        for (name, extra) in modes {
+            eprintln!("  bazel build //... ({name}, warming the server up)...");
+            build(name, extra, "warmup")?;
+        }
+    }
+    // (local, remote) seconds per round, and the CPU this process (the server and its
+    // in-process workers, not their spawners or commands) spent on each remote build:
+    // a figure less at the mercy of the machine's speed than wall time.
+    let mut rounds: Vec<(f64, f64)> = Vec::new();
+    let mut server_cpu: Vec<f64> = Vec::new();
+    for r in 1..=if warm { args.rounds.max(1) } else { 1 } {
+        let mut secs = [0.0; 2];
+        for (i, (name, extra)) in modes.iter().enumerate() {
+            eprintln!("  bazel build //... ({name}, round {r})...");
+            let cpu = process_cpu(std::process::id())?;
+            secs[i] = build(name, extra, &format!("measured-{r}"))?;
+            if *name == "remote" {
+                server_cpu.push((process_cpu(std::process::id())? - cpu).as_secs_f64());
+            }
+        }
+        rounds.push((secs[0], secs[1]));
+    }
+    bazel("remote", "clean", &[])?;
+    eprintln!("  bazel build //... (remote, after bazel clean)...");
+    let cached = build("remote", &remote, &format!("measured-{}", rounds.len()))?;
+    if warm {
+        for (name, _) in modes {
             bazel(name, "shutdown", &[])?;
         }
     }
+    let mut by_ratio = rounds.clone();
+    by_ratio.sort_by(|a, b| (a.1 / a.0).total_cmp(&(b.1 / b.0)));
+    let (local, rx) = by_ratio[by_ratio.len() / 2];
     let how = if warm { "warm server, every action new" } else { "batch mode, includes JVM start" };
     println!("| {} genrules, Bazel 4.2.3 `build //...` ({how}) | wall time |", args.targets);
     println!("|---|---|");
@@ -1414,6 +1437,13 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
     println!("| gantry remote execution (in-process workers) | {rx:.1} s |");
     println!("| gantry cache after `bazel clean` | {cached:.1} s |");
     println!("| remote / local | {:.2}x |", rx / local);
+    if rounds.len() > 1 {
+        let each: Vec<String> = rounds.iter().map(|(l, r)| format!("{l:.1}/{r:.1} s = {:.2}x", r / l)).collect();
+        println!("\nrounds (local/remote), the table shows the median: {}", each.join(", "));
+    }
+    let per_action: Vec<String> =
+        server_cpu.iter().map(|c| format!("{:.2}", c * 1000.0 / args.targets as f64)).collect();
+    println!("gantry's own CPU per remote action, by round: {} ms", per_action.join(", "));
     Ok(())
 }
 
