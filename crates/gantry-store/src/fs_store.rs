@@ -240,8 +240,8 @@ impl FsStore {
     /// The file holding `digest`, if the store has it (touching it). Workers hard-link
     /// inputs from here; the file must be treated as read-only.
     pub fn path_of(&self, digest: &Digest) -> Option<PathBuf> {
-        // Acknowledged but not yet in place: put it there now (the placer's later copy
-        // replaces it with the same bytes).
+        // Acknowledged but not yet in place: put it there now (the placer then finds it
+        // in place and leaves it).
         if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
             self.inner.write_in_place(digest, &data).ok()?;
         }
@@ -645,9 +645,10 @@ impl BlobStore for FsStore {
         let d = *digest;
         let first = (len.min(READ_CHUNK)) as usize;
         // Open and read the first chunk in one step: most blobs fit in it. A small one is
-        // read on this thread (an Action, a Command, a Directory: a page-cache copy of a
-        // few KiB), since a blocking task is a handoff to another thread and back that
-        // costs more than the read.
+        // read on this thread (an Action, a Command, a Directory: mostly a page-cache copy
+        // of a few KiB; cold, one read of at most 64 KiB waits on the disk), since a
+        // blocking task is a handoff to another thread and back that costs more than the
+        // read.
         let open_first = move || {
             let mut f = match File::open(&path) {
                 Ok(f) => f,

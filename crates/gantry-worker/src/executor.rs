@@ -38,7 +38,8 @@ pub struct Executor {
 /// Action directories, kept from one action to the next: `{work_root}/a{n}`, holding the
 /// action's input root `root/` and its `stdout` and `stderr`. Only the input root's
 /// contents are removed after an action; the directory, `root/` itself and the two log
-/// files (truncated, then opened with `O_TRUNC` by the next action) stay.
+/// files (truncated, then opened with `O_TRUNC` by the next action) stay, unless the
+/// command changed a log into something else (then it is removed and made anew).
 ///
 /// Why: every inode an action creates and frees costs twice over on ext4 without a
 /// journal, whose inode allocator reads every inode freed in the last minute or so
@@ -48,7 +49,9 @@ pub struct Executor {
 /// CAS's included.
 ///
 /// The log files being the same inodes means a process that escaped its action and
-/// still holds one open would write into a later action's log. Actions leave nothing
+/// still holds one open would write into a later action's log; one whose working
+/// directory was a subdirectory would write into a later action's tree, since those
+/// directories are kept too. Actions leave nothing
 /// running: their process group is killed when they end, and with cgroups their whole
 /// process tree; only a process that left the group without cgroups could (see
 /// process.rs).
@@ -112,8 +115,12 @@ enum Emptied {
 /// should not take disk space until the next action). With `bound`, only when the root
 /// holds at most that many entries, none a directory, and the logs are small.
 fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Emptied {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let root = dir.join("root");
+    // A command may have made its input root read-only; the next one must find it as new.
+    if !spare.reset_mode(&root) {
+        return Emptied::No;
+    }
     let Ok(entries) = std::fs::read_dir(&root) else { return Emptied::No };
     let entries: Vec<std::fs::DirEntry> =
         match entries.take(bound.map_or(usize::MAX, |b| b + 1)).collect::<std::io::Result<_>>() {
@@ -122,23 +129,29 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Empt
         };
     let is_dir = |e: &std::fs::DirEntry| e.file_type().is_ok_and(|t| t.is_dir());
     // A log's length, from a stat: an empty one (most are) needs no open and truncate.
-    // One that is no longer a regular file (the command could reach it as ../stdout and
-    // make it a link) is removed, so that nothing truncates what a link points to.
-    let logs: Vec<(PathBuf, u64)> = ["stdout", "stderr"]
+    // One that is not a regular file of its own (the command can reach it as ../stdout,
+    // and make it a link, or a hard link to a file of the input cache) is removed, so that
+    // truncating it truncates nothing else; the next action's log is made anew.
+    let logs: Vec<(PathBuf, Option<u64>)> = ["stdout", "stderr"]
         .iter()
         .map(|l| dir.join(l))
         .filter_map(|p| match std::fs::symlink_metadata(&p) {
-            Ok(m) if m.is_file() => Some((p, m.len())),
-            Ok(_) => Some((p, u64::MAX)),
+            Ok(m) if m.is_file() && m.nlink() == 1 => Some((p, Some(m.len()))),
+            Ok(_) => Some((p, None)),
             Err(_) => None,
         })
         .collect();
-    if let Some(b) = bound
-        && (entries.len() > b
-            || entries.iter().any(is_dir)
-            || logs.iter().any(|(_, len)| *len > crate::INLINE_FILE_BYTES))
-    {
-        return Emptied::TooMuch;
+    if let Some(b) = bound {
+        // Unlinking a file frees its blocks, which for a large one can wait on the disk;
+        // a hard link into the input cache frees nothing.
+        let large =
+            |e: &std::fs::DirEntry| e.metadata().map_or(true, |m| m.nlink() == 1 && m.len() > crate::INLINE_FILE_BYTES);
+        if entries.len() > b
+            || entries.iter().any(|e| is_dir(e) || large(e))
+            || logs.iter().any(|(_, len)| len.is_none_or(|l| l > crate::INLINE_FILE_BYTES))
+        {
+            return Emptied::TooMuch;
+        }
     }
     for e in &entries {
         let path = e.path();
@@ -155,17 +168,32 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Empt
         }
     }
     for (log, len) in &logs {
-        if *len == u64::MAX {
-            if !remove_tree(log) {
-                return Emptied::No;
-            }
-        } else if *len > 0
-            && let Ok(f) = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(log)
-        {
-            let _ = f.set_len(0);
+        let truncated = match len {
+            Some(0) => true,
+            Some(_) => std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(log)
+                .and_then(|f| f.set_len(0))
+                .is_ok(),
+            None => false,
+        };
+        // A log that cannot be truncated (the command took away its write permission)
+        // goes too: the next action's spawner makes a new one.
+        if !truncated && !remove_entry(log) {
+            return Emptied::No;
         }
     }
     Emptied::Yes
+}
+
+/// Removes whatever is at `p`: a directory tree, or anything else as one entry.
+fn remove_entry(p: &Path) -> bool {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => remove_tree(p),
+        Ok(_) => std::fs::remove_file(p).is_ok(),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 fn ts() -> gantry_core::google::protobuf::Timestamp {

@@ -33,6 +33,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 
 use crate::spawner::{wait_child, StartAction};
 
@@ -121,8 +122,14 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
     };
     let cgroup_procs: Vec<CString> = a.cgroup_procs.iter().map(|p| c(p.as_os_str())).collect::<io::Result<_>>()?;
     let stdin = File::open("/dev/null")?;
-    let stdout = File::create(&a.stdout)?;
-    let stderr = File::create(&a.stderr)?;
+    // Not through a link: the worker removes a log an earlier command turned into one,
+    // and this makes sure a link never sends a command's output somewhere else.
+    let log = |p: &Path| {
+        use std::os::unix::fs::OpenOptionsExt;
+        File::options().write(true).create(true).truncate(true).custom_flags(libc::O_NOFOLLOW).open(p)
+    };
+    let stdout = log(&a.stdout)?;
+    let stderr = log(&a.stderr)?;
     let nul_terminated = |v: &[CString]| v.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect::<Vec<_>>();
     let mut sh_argv = nul_terminated(&strings);
     sh_argv.insert(0, c"/bin/sh".as_ptr());

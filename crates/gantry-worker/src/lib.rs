@@ -30,6 +30,9 @@ pub(crate) async fn blocking_unless_small<T: Send + 'static>(
     f: impl FnOnce() -> gantry_core::Result<T> + Send + 'static,
 ) -> gantry_core::Result<T> {
     if small {
+        // A tree of many small outputs is many such calls in a row: the task still yields
+        // to others when its budget is spent.
+        tokio::task::coop::consume_budget().await;
         return f();
     }
     tokio::task::spawn_blocking(f)

@@ -16,8 +16,9 @@ use prost::Message;
 
 /// Files fetched into the cache at once.
 const FETCH_CONCURRENCY: usize = 8;
-/// At most this many input files (of at most [`crate::INLINE_FILE_BYTES`] in all) are
-/// placed on the runtime's thread rather than the blocking pool.
+/// At most this many input files and symlinks (files of at most
+/// [`crate::INLINE_FILE_BYTES`] in all) are placed on the runtime's thread rather than the
+/// blocking pool.
 const INLINE_PLACE_FILES: usize = 16;
 
 pub struct Materializer {
@@ -104,7 +105,7 @@ impl Materializer {
         let count = files.len();
         let cache = self.cache.clone();
         // Mostly hard links, so a few small files do not wait long, even copied.
-        let small = count <= INLINE_PLACE_FILES && bytes <= crate::INLINE_FILE_BYTES;
+        let small = count + symlinks.len() <= INLINE_PLACE_FILES && bytes <= crate::INLINE_FILE_BYTES;
         crate::blocking_unless_small(small, move || -> Result<()> {
             for e in &files {
                 let src = cache

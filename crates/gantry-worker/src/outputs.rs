@@ -64,10 +64,17 @@ impl Uploader {
                 let mut w = self.cas.begin_write(&digest).await?;
                 let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes>>(2);
                 let p = path.to_owned();
+                let size = digest.size;
                 let reader = tokio::task::spawn_blocking(move || {
                     use std::io::Read;
-                    let mut file = match std::fs::File::open(&p) {
-                        Ok(f) => f,
+                    use std::os::unix::fs::OpenOptionsExt;
+                    let opened = std::fs::OpenOptions::new()
+                        .read(true)
+                        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+                        .open(&p);
+                    // The bytes that were hashed, no more.
+                    let mut file = match opened {
+                        Ok(f) => f.take(size),
                         Err(e) => {
                             let _ = tx.blocking_send(Err(Error::io(format!("opening {}", p.display()), e)));
                             return;
@@ -216,11 +223,15 @@ impl Uploader {
 /// recorded as links before this, and a log is never one unless the command made it so.
 fn open_output(p: &Path) -> Result<(std::fs::File, u64)> {
     use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(p)
-        .context(format_args!("opening output {}", p.display()))?;
+    let file = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(p) {
+        Ok(f) => f,
+        // A command's doing (outputs that are links were recorded as links), not the
+        // worker's: a failed precondition, which a client does not retry as a fault.
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(Error::FailedPrecondition(format!("output {} is a symbolic link", p.display())));
+        }
+        Err(e) => return Err(Error::io(format!("opening output {}", p.display()), e)),
+    };
     let meta = file.metadata().context(format_args!("stat output {}", p.display()))?;
     if !meta.is_file() {
         return Err(Error::FailedPrecondition(format!("output {} is not a regular file", p.display())));
@@ -230,8 +241,11 @@ fn open_output(p: &Path) -> Result<(std::fs::File, u64)> {
 
 /// Digests `file` (at `p`, `len` bytes when opened); with its bytes when it fits in one
 /// upload chunk.
-fn hash_file(f: DigestFunction, mut file: std::fs::File, len: u64, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
+fn hash_file(f: DigestFunction, file: std::fs::File, len: u64, p: &Path) -> Result<(Digest, Option<Vec<u8>>)> {
     use std::io::Read;
+    // The length it had when opened: a file something still appends to is not read on
+    // and on (and its upload is checked against this digest).
+    let mut file = file.take(len);
     let mut h = f.hasher();
     // Sized to the file (one byte more, to read its end in the same call): most
     // outputs, and stdout and stderr above all, are tiny or empty, and zeroing a

@@ -9,9 +9,12 @@
 //! every inode freed in the last minute or so slows each later allocation (the allocator
 //! reads it to skip it, see `ActionDirs`); a rename allocates and frees nothing.
 //!
-//! A directory moved back is as a new one would be: empty, with the mode a new directory
-//! gets here (an action may have changed it). Only directories this worker emptied are
-//! kept, and at most [`MAX_SPARE`]; the rest are removed.
+//! A directory moved back is empty (checked again when it is taken: the spares' home is
+//! reachable from an action's directory) and has the mode a new directory gets here (an
+//! action may have changed it). It keeps what a command running as the worker's user
+//! could set and gantry does not reset: owner, extended attributes (default ACLs among
+//! them) and inode flags; a new directory's timestamps are newer. Only directories this
+//! worker emptied are kept, and at most [`MAX_SPARE`]; the rest are removed.
 
 use std::io;
 use std::os::unix::fs::PermissionsExt;
@@ -82,10 +85,10 @@ impl SpareDirs {
         for dir in missing.into_iter().rev() {
             let spare = self.0.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
             if let Some(spare) = spare {
-                if std::fs::rename(&spare, dir).is_ok() {
+                if is_empty_dir(&spare) && std::fs::rename(&spare, dir).is_ok() {
                     continue;
                 }
-                let _ = std::fs::remove_dir(&spare);
+                crate::executor::remove_tree(&spare);
             }
             match std::fs::create_dir(dir) {
                 Ok(()) => {}
@@ -120,8 +123,10 @@ impl SpareDirs {
         if self.0.free.lock().unwrap_or_else(|p| p.into_inner()).len() >= MAX_SPARE {
             return std::fs::remove_dir(path).is_ok();
         }
-        // As a new directory would be: the action may have changed its mode.
+        // As a new directory would be: the action may have changed its mode. Not through
+        // a link that replaced the directory meanwhile.
         match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.is_dir() => return false,
             Ok(m) if m.permissions().mode() & 0o7777 == *mode => {}
             Ok(_) => {
                 if std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode)).is_err() {
@@ -138,6 +143,18 @@ impl SpareDirs {
         true
     }
 
+    /// Gives `path`, a directory kept from an earlier action, a new directory's mode if an
+    /// action changed it. False if it is not a directory (a link is not followed).
+    pub fn reset_mode(&self, path: &Path) -> bool {
+        let mode = self.home().map_or(0o755, |(_, m)| *m);
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.is_dir() => false,
+            Ok(m) if m.permissions().mode() & 0o7777 == mode => true,
+            Ok(_) => std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).is_ok(),
+            Err(_) => false,
+        }
+    }
+
     /// How many spares wait (for tests).
     pub fn len(&self) -> usize {
         self.0.free.lock().unwrap_or_else(|p| p.into_inner()).len()
@@ -146,6 +163,12 @@ impl SpareDirs {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// A directory (not a link to one) with nothing in it.
+fn is_empty_dir(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir())
+        && std::fs::read_dir(p).is_ok_and(|mut entries| entries.next().is_none())
 }
 
 #[cfg(test)]
@@ -178,6 +201,17 @@ mod tests {
         }
         assert_eq!(std::fs::read_dir(root.join("x/y/z/w")).unwrap().count(), 0);
         assert_eq!(std::fs::read_dir(root.join("x/y/z")).unwrap().count(), 1);
+
+        // A spare something was put into (its home is reachable from an action's
+        // directory) is removed, not handed out.
+        assert!(spare.recycle_tree(&root.join("x/y/z/w")));
+        let (home, _) = spare.home().unwrap().clone();
+        let kept: Vec<_> = std::fs::read_dir(&home).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(kept.len(), 1);
+        std::fs::write(kept[0].join("planted"), "x").unwrap();
+        spare.create_dir_all(&root.join("v")).unwrap();
+        assert_eq!(std::fs::read_dir(root.join("v")).unwrap().count(), 0);
+        assert!(!kept[0].exists());
 
         // An existing file in the way is an error, as with std's create_dir_all.
         std::fs::write(root.join("file"), "").unwrap();

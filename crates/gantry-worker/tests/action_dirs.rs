@@ -109,6 +109,13 @@ async fn each_action_starts_empty_in_a_kept_directory() {
     let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
     assert_eq!(cas.get(&stdout).await.unwrap(), "1\n", "one mode for all three, and nothing in o/p");
 
+    // The directories an action leaves are the ones the worker makes for the next (the
+    // same inodes), writable ones included.
+    let (_, made) = run(&ex, &cas, "mkdir -p q/r && stat -c %i q q/r | sort").await;
+    let f = finish(&ex, "stat -c %i s s/t | sort", &["s/t/out"]).await;
+    let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
+    assert_eq!(cas.get(&stdout).await.unwrap(), made, "output parents from the spares");
+
     // An action that breaks its directory (its input root replaced by a file) gets it
     // removed; the next action runs in a new one.
     let (code, _) = run(&ex, &cas, "cd .. && rm -rf root && echo x > root").await;
@@ -161,8 +168,8 @@ async fn a_log_or_output_the_command_made_a_link_or_fifo_is_refused_and_nothing_
     // Its stdout replaced by a link to a file outside the action directory: the log is
     // not followed (so not reported, and not truncated when the directory is emptied).
     let f = finish(&ex, &format!("echo out; ln -sf {} ../stdout", victim.display()), &[]).await;
-    assert_eq!(f.status_code, tonic::Code::Internal as i32, "{f:?}");
-    assert!(f.status_message.contains("stdout"), "{}", f.status_message);
+    assert_eq!(f.status_code, tonic::Code::FailedPrecondition as i32, "{f:?}");
+    assert!(f.status_message.contains("stdout is a symbolic link"), "{}", f.status_message);
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
     assert_eq!(entries(&d.path().join("actions")), ["a0"], "the directory is kept: the link is removed");
     let (code, out) = run(&ex, &cas, "echo next").await;
@@ -170,8 +177,25 @@ async fn a_log_or_output_the_command_made_a_link_or_fifo_is_refused_and_nothing_
     assert!(std::fs::symlink_metadata(d.path().join("actions/a0/stdout")).unwrap().is_file());
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
 
+    // Its stderr replaced by a hard link to that file, and its input root made
+    // read-only: the link is removed, not truncated, and the next action can write.
+    let (code, _) = run(&ex, &cas, &format!("ln -f {} ../stderr && chmod 0555 .", victim.display())).await;
+    assert_eq!(code, 0);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+    let (code, out) = run(&ex, &cas, "touch mine && echo wrote").await;
+    assert_eq!((code, out.as_str()), (0, "wrote\n"));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+
     // A declared output left as a FIFO is refused at once (opening it plainly would wait
-    // for a writer that never comes).
+    // for a writer that never comes). Should it wait, this thread comes as the writer
+    // after 20 s, so that the test fails on the report rather than hanging.
+    let fifo = d.path().join("actions/a0/root/out");
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(20));
+        if fifo.exists() {
+            let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+        }
+    });
     let f = finish(&ex, "mkfifo out", &["out"]).await;
     assert_eq!(f.status_code, tonic::Code::FailedPrecondition as i32, "{f:?}");
     assert!(f.status_message.contains("not a regular file"), "{}", f.status_message);
