@@ -177,7 +177,8 @@ pub struct BazelBenchArgs {
     warm: bool,
     /// With `--warm`: measured builds per mode, local and remote alternating, each with
     /// actions new to both (so a drift of the machine's speed falls on both alike, and a
-    /// JIT still compiling shows as a trend). The ratio reported is the median round's.
+    /// JIT still compiling shows as a trend). The ratio reported is the median round's
+    /// (of an even number, the higher of the middle two).
     #[arg(long, default_value_t = 3, requires = "warm")]
     rounds: usize,
 }
@@ -1439,7 +1440,8 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
     println!("| remote / local | {:.2}x |", rx / local);
     if rounds.len() > 1 {
         let each: Vec<String> = rounds.iter().map(|(l, r)| format!("{l:.1}/{r:.1} s = {:.2}x", r / l)).collect();
-        println!("\nrounds (local/remote), the table shows the median: {}", each.join(", "));
+        let which = if rounds.len().is_multiple_of(2) { "the higher of the middle two" } else { "the median" };
+        println!("\nrounds (local/remote), the table shows {which}: {}", each.join(", "));
     }
     let per_action: Vec<String> =
         server_cpu.iter().map(|c| format!("{:.2}", c * 1000.0 / args.targets as f64)).collect();
