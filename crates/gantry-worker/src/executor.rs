@@ -51,10 +51,9 @@ pub struct Executor {
 /// The log files being the same inodes means a process that escaped its action and
 /// still holds one open would write into a later action's log; one whose working
 /// directory was a subdirectory would write into a later action's tree, since those
-/// directories are kept too. Actions leave nothing
-/// running: their process group is killed when they end, and with cgroups their whole
-/// process tree; only a process that left the group without cgroups could (see
-/// process.rs).
+/// directories are kept too. Actions leave nothing running: their process group is
+/// killed when they end, and with cgroups their whole process tree; only a process that
+/// left the group without cgroups could (see process.rs).
 ///
 /// The directories inside an input root are kept too, as spares ([`SpareDirs`]).
 #[derive(Default)]
@@ -155,14 +154,7 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Empt
     }
     for e in &entries {
         let path = e.path();
-        let removed = if is_dir(e) {
-            spare.recycle_tree(&path) || remove_tree(&path)
-        } else {
-            match std::fs::remove_file(&path) {
-                Ok(()) => true,
-                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
-            }
-        };
+        let removed = if is_dir(e) { spare.recycle_tree(&path) || remove_tree(&path) } else { unlink(&path) };
         if !removed {
             return Emptied::No;
         }
@@ -191,7 +183,15 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Empt
 fn remove_entry(p: &Path) -> bool {
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => remove_tree(p),
-        Ok(_) => std::fs::remove_file(p).is_ok(),
+        Ok(_) => unlink(p),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
+/// Unlinks a non-directory; true once nothing is at `p`.
+pub(crate) fn unlink(p: &Path) -> bool {
+    match std::fs::remove_file(p) {
+        Ok(()) => true,
         Err(e) => e.kind() == std::io::ErrorKind::NotFound,
     }
 }

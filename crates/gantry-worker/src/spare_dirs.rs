@@ -103,7 +103,7 @@ impl SpareDirs {
     /// removing them once the pool is full). False when something could not be removed
     /// or moved: the caller removes what is left.
     pub fn recycle_tree(&self, path: &Path) -> bool {
-        let Some((home, mode)) = self.home() else { return false };
+        let Some((home, _)) = self.home() else { return false };
         let Ok(entries) = std::fs::read_dir(path) else { return false };
         for e in entries {
             let Ok(e) = e else { return false };
@@ -111,10 +111,7 @@ impl SpareDirs {
             let emptied = if e.file_type().is_ok_and(|t| t.is_dir()) {
                 self.recycle_tree(&child)
             } else {
-                match std::fs::remove_file(&child) {
-                    Ok(()) => true,
-                    Err(e) => e.kind() == io::ErrorKind::NotFound,
-                }
+                crate::executor::unlink(&child)
             };
             if !emptied {
                 return false;
@@ -125,15 +122,8 @@ impl SpareDirs {
         }
         // As a new directory would be: the action may have changed its mode. Not through
         // a link that replaced the directory meanwhile.
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if !m.is_dir() => return false,
-            Ok(m) if m.permissions().mode() & 0o7777 == *mode => {}
-            Ok(_) => {
-                if std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode)).is_err() {
-                    return false;
-                }
-            }
-            Err(_) => return false,
+        if !self.reset_mode(path) {
+            return false;
         }
         let name = home.join(format!("d{}", self.0.made.fetch_add(1, Ordering::Relaxed)));
         if std::fs::rename(path, &name).is_err() {
@@ -155,13 +145,10 @@ impl SpareDirs {
         }
     }
 
-    /// How many spares wait (for tests).
-    pub fn len(&self) -> usize {
+    /// How many spares wait.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.0.free.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
