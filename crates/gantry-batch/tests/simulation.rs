@@ -35,3 +35,33 @@ fn models_beat_a_fixed_batch_size() {
     assert!(r.density_vs_oracle > 0.8, "density {}", r.density_vs_oracle);
     assert_eq!(r.models.targets, r.oracle.targets);
 }
+
+/// The bound `compare` reports as `oracle-seen`: exact where the history looked, a
+/// prior where it never did.
+#[test]
+fn the_seen_view_differs_from_the_truth_only_where_the_history_never_looked() {
+    let cfg = SimConfig::small();
+    let (truth, history, streams) = gantry_batch::sim::generate(&cfg);
+    let seen = truth.seen_view();
+    let ctx = &streams[0].0;
+    let in_history: std::collections::HashSet<&str> =
+        history.iter().flat_map(|r| r.targets.iter().map(String::as_str)).collect();
+    let (mut unseen, mut differ, mut true_sum, mut seen_sum) = (0, 0, 0.0, 0.0);
+    for (id, label) in truth.labels.iter().enumerate() {
+        let one = |t: &gantry_batch::sim::GroundTruth| t.truth(ctx, &[id as u32], true).memory_bytes;
+        if in_history.contains(label.as_str()) {
+            assert_eq!(one(&seen), one(&truth), "{label} was built in the history");
+        } else {
+            unseen += 1;
+            differ += (one(&seen) != one(&truth)) as usize;
+            true_sum += one(&truth);
+            seen_sum += one(&seen);
+        }
+    }
+    // The small workload's packages are 5% new: they exist, and their targets are
+    // charged a prior, not their hidden cost.
+    assert!(differ > 0 && differ <= unseen, "{differ} of {unseen} unseen targets differ");
+    // The prior is a mean of the seen costs, so over all unseen targets it is near the truth.
+    let ratio = seen_sum / true_sum;
+    assert!((0.5..2.0).contains(&ratio), "prior over truth {ratio}");
+}

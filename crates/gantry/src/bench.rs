@@ -201,7 +201,7 @@ pub struct BatchBenchArgs {
     /// A small simulation (seconds instead of tens of seconds).
     #[arg(long)]
     small: bool,
-    /// Compare every learner, fixed batch sizes and the oracle on large held-out
+    /// Compare every learner, fixed batch sizes, the oracle and the seen-costs bound on large held-out
     /// streams (new packages, a last-day memory regression), one workload per seed.
     #[arg(long)]
     compare: bool,
