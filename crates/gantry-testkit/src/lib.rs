@@ -269,6 +269,15 @@ pub struct S3Tls<'a> {
     pub ca: &'a Path,
 }
 
+/// The temporary directory of [`S3Server::shared`], removed at exit.
+static SHARED_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+extern "C" fn remove_shared_dir() {
+    if let Some(dir) = SHARED_DIR.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 impl S3Server {
     /// Starts a server, or returns `None` (see [`unavailable`]).
     pub fn start() -> Option<S3Server> {
@@ -309,6 +318,13 @@ impl S3Server {
                 .name("gantry-testkit-s3".into())
                 .spawn(move || {
                     let server = Self::start().map(|s| &*Box::leak(Box::new(s)));
+                    if let Some(s) = server {
+                        // A leaked server is never dropped, so its temporary directory
+                        // would outlive the test binary: remove it when the process exits.
+                        let _ = SHARED_DIR.set(s._dir.path().to_path_buf());
+                        // SAFETY: registers a plain function with no captured state.
+                        unsafe { libc::atexit(remove_shared_dir) };
+                    }
                     let _ = tx.send(server);
                     loop {
                         std::thread::park();
