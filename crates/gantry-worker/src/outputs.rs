@@ -67,16 +67,11 @@ impl Uploader {
                 let size = digest.size;
                 let reader = tokio::task::spawn_blocking(move || {
                     use std::io::Read;
-                    use std::os::unix::fs::OpenOptionsExt;
-                    let opened = std::fs::OpenOptions::new()
-                        .read(true)
-                        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-                        .open(&p);
-                    // The bytes that were hashed, no more.
-                    let mut file = match opened {
-                        Ok(f) => f.take(size),
+                    // Opened as it was to be hashed; the bytes that were hashed, no more.
+                    let mut file = match open_output(&p) {
+                        Ok((f, _)) => f.take(size),
                         Err(e) => {
-                            let _ = tx.blocking_send(Err(Error::io(format!("opening {}", p.display()), e)));
+                            let _ = tx.blocking_send(Err(e));
                             return;
                         }
                     };

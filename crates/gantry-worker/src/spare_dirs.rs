@@ -20,7 +20,7 @@ use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// Spare directories kept per worker: each is an inode and a block.
 pub const MAX_SPARE: usize = 1024;
@@ -56,6 +56,12 @@ impl SpareDirs {
         self.0.home.get().and_then(Option::as_ref)
     }
 
+    /// The spares waiting. Nothing breaks a list of paths half-way, so a poisoned lock
+    /// is taken as it is.
+    fn free(&self) -> MutexGuard<'_, Vec<PathBuf>> {
+        self.0.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// As `std::fs::create_dir_all`, moving spare directories into place where it can.
     pub fn create_dir_all(&self, path: &Path) -> io::Result<()> {
         if self.home().is_none() {
@@ -83,7 +89,7 @@ impl SpareDirs {
             }
         }
         for dir in missing.into_iter().rev() {
-            let spare = self.0.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            let spare = self.free().pop();
             if let Some(spare) = spare {
                 if is_empty_dir(&spare) && std::fs::rename(&spare, dir).is_ok() {
                     continue;
@@ -117,7 +123,7 @@ impl SpareDirs {
                 return false;
             }
         }
-        if self.0.free.lock().unwrap_or_else(|p| p.into_inner()).len() >= MAX_SPARE {
+        if self.free().len() >= MAX_SPARE {
             return std::fs::remove_dir(path).is_ok();
         }
         // As a new directory would be: the action may have changed its mode. Not through
@@ -129,7 +135,7 @@ impl SpareDirs {
         if std::fs::rename(path, &name).is_err() {
             return false;
         }
-        self.0.free.lock().unwrap_or_else(|p| p.into_inner()).push(name);
+        self.free().push(name);
         true
     }
 
@@ -148,7 +154,7 @@ impl SpareDirs {
     /// How many spares wait.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.0.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.free().len()
     }
 }
 
@@ -162,11 +168,17 @@ fn is_empty_dir(p: &Path) -> bool {
 mod tests {
     use super::*;
 
+    /// A pool keeping its spares under `dir`.
+    fn pool(dir: &Path) -> SpareDirs {
+        let spare = SpareDirs::default();
+        spare.init(dir);
+        spare
+    }
+
     #[test]
     fn directories_come_back_empty_with_a_new_directorys_mode() {
         let d = tempfile::tempdir().unwrap();
-        let spare = SpareDirs::default();
-        spare.init(d.path());
+        let spare = pool(d.path());
         let root = d.path().join("root");
         std::fs::create_dir(&root).unwrap();
 
@@ -210,8 +222,7 @@ mod tests {
     #[test]
     fn a_tree_that_cannot_be_emptied_is_reported() {
         let d = tempfile::tempdir().unwrap();
-        let spare = SpareDirs::default();
-        spare.init(d.path());
+        let spare = pool(d.path());
         let a = d.path().join("a");
         std::fs::create_dir_all(a.join("b")).unwrap();
         std::fs::write(a.join("b/f"), "x").unwrap();

@@ -202,8 +202,9 @@ pub struct BatchBenchArgs {
     /// A small simulation (seconds instead of tens of seconds).
     #[arg(long)]
     small: bool,
-    /// Compare every learner, fixed batch sizes, the oracle and the seen-costs bound on large held-out
-    /// streams (new packages, a last-day memory regression), one workload per seed.
+    /// Compare every learner, fixed batch sizes, the oracle and the seen-costs bound on
+    /// large held-out streams (new packages, a last-day memory regression), one workload
+    /// per seed.
     #[arg(long)]
     compare: bool,
     /// Seeds of --compare, comma-separated.
@@ -1413,9 +1414,9 @@ async fn bazel(args: BazelBenchArgs) -> anyhow::Result<()> {
         let mut secs = [0.0; 2];
         for (i, (name, extra)) in modes.iter().enumerate() {
             eprintln!("  bazel build //... ({name}, round {r})...");
-            let cpu = process_cpu(std::process::id())?;
+            let cpu = if *name == "remote" { Some(process_cpu(std::process::id())?) } else { None };
             secs[i] = build(name, extra, &format!("measured-{r}"))?;
-            if *name == "remote" {
+            if let Some(cpu) = cpu {
                 server_cpu.push((process_cpu(std::process::id())? - cpu).as_secs_f64());
             }
         }
