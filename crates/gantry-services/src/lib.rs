@@ -14,6 +14,7 @@ pub mod bytestream_read;
 pub mod cache_hits;
 pub mod capabilities;
 pub mod cas;
+pub mod coalesce;
 pub mod compression;
 pub mod metrics;
 pub mod tls;
@@ -416,10 +417,10 @@ impl RunningServer {
                 // Small gRPC frames (a cache hit's headers, message and trailers) must not
                 // wait for Nagle's algorithm: with delayed ACKs that adds ~40 ms to some calls.
                 let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener).map(|s| {
-                    if let Ok(s) = &s {
+                    s.map(|s| {
                         let _ = s.set_nodelay(true);
-                    }
-                    s
+                        coalesce::CoalescedWrites::new(s)
+                    })
                 });
                 tokio::spawn(async move {
                     router
@@ -432,8 +433,8 @@ impl RunningServer {
                 let (conns, accept) = tls.incoming(grpc_listener);
                 tasks.push(accept);
                 tasks.push(tls.reload_on_sighup()?);
-                let incoming =
-                    tokio_stream::wrappers::ReceiverStream::new(conns).map(|(s, _)| Ok::<_, std::io::Error>(s));
+                let incoming = tokio_stream::wrappers::ReceiverStream::new(conns)
+                    .map(|(s, _)| Ok::<_, std::io::Error>(coalesce::CoalescedWrites::new(s)));
                 tokio::spawn(async move {
                     router
                         .serve_with_incoming_shutdown(incoming, shutdown)
