@@ -360,6 +360,15 @@ async fn find_missing_rate(
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    let result = bench(cmd).await;
+    // The groups in-process workers kept for reuse (exec, bazel and run start such
+    // workers), removed as `gantry serve` does when it stops: else each run of a bench
+    // left its groups behind until the next worker process started.
+    gantry_worker::cgroup::release_idle();
+    result
+}
+
+async fn bench(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Cas(args) => cas(args).await,
         BenchCommand::Batch(args) => tokio::task::spawn_blocking(move || batch(args)).await?,
@@ -827,8 +836,6 @@ async fn exec(args: ExecBenchArgs) -> anyhow::Result<()> {
         eprintln!("gantry bench exec against {target} (metadata: {name})");
         runs.push((name, exec_once(&args, &target).await?));
     }
-    // The in-process workers' groups kept for reuse, as `gantry serve` does when it stops.
-    gantry_worker::cgroup::release_idle();
     let base = runs[0].1.throughput;
     println!(
         "| metadata | no-op actions/s ({} actions, {} in flight) | vs SQLite | cache-hit Execute p50 | p99 |",
