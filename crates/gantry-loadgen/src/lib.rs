@@ -47,11 +47,67 @@ fn call(what: impl Into<String>) -> impl FnOnce(tonic::Status) -> Error {
     move |status| Error::Call { call, status }
 }
 
-/// A channel to `target` ("http://HOST:PORT"), with tonic's default settings.
-pub async fn connect(target: &str) -> Result<Channel> {
-    let endpoint =
+/// How to reach the server: TLS (an `https://` target) and a bearer token are optional.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectOptions {
+    /// PEM of the CA that signed the server's certificate; without it, the system's roots.
+    pub ca_pem: Option<String>,
+    /// Sent as `authorization: Bearer TOKEN` on every call.
+    pub token: Option<String>,
+}
+
+/// A connection to the server; [`Conn::service`] is what the clients are built on.
+#[derive(Clone)]
+pub struct Conn {
+    channel: Channel,
+    bearer: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+/// The channel with the bearer token added to every request.
+pub type Service = tonic::service::interceptor::InterceptedService<Channel, Bearer>;
+
+/// Adds `authorization: Bearer TOKEN`, when there is one.
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+impl Conn {
+    pub fn service(&self) -> Service {
+        tonic::service::interceptor::InterceptedService::new(self.channel.clone(), Bearer(self.bearer.clone()))
+    }
+}
+
+/// Connects to `target` ("http://HOST:PORT", or "https://HOST:PORT" for TLS), with tonic's
+/// default settings.
+pub async fn connect(target: &str, options: &ConnectOptions) -> Result<Conn> {
+    let mut endpoint =
         Endpoint::from_shared(target.to_string()).map_err(|e| Error::Check(format!("target {target:?}: {e}")))?;
-    endpoint.connect().await.map_err(|source| Error::Connect { target: target.to_string(), source })
+    if target.starts_with("https://") {
+        let tls = tonic::transport::ClientTlsConfig::new();
+        let tls = match &options.ca_pem {
+            Some(pem) => tls.ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+            None => tls.with_native_roots(),
+        };
+        endpoint = endpoint.tls_config(tls).map_err(|source| Error::Connect { target: target.to_string(), source })?;
+    } else if options.ca_pem.is_some() {
+        return Err(Error::Check(format!("a CA was given for {target:?}, which is not https://")));
+    }
+    let bearer = match &options.token {
+        Some(t) => Some(
+            format!("Bearer {t}").parse().map_err(|_| Error::Check("the token is not a valid header value".into()))?,
+        ),
+        None => None,
+    };
+    let channel = endpoint.connect().await.map_err(|source| Error::Connect { target: target.to_string(), source })?;
+    Ok(Conn { channel, bearer })
 }
 
 /// CPU used per unit of work: this process, the server (when its pid is known) and the
@@ -231,13 +287,13 @@ fn random_blob(size: usize, seed: u64) -> Vec<u8> {
 
 /// Uploads `count` random blobs of `size` bytes through ByteStream and returns their
 /// resource names for reading.
-pub async fn upload_blobs(channel: &Channel, instance: &str, count: usize, size: usize) -> Result<Vec<String>> {
+pub async fn upload_blobs(conn: &Conn, instance: &str, count: usize, size: usize) -> Result<Vec<String>> {
     if count == 0 || size == 0 {
         return Err(Error::Check("count and size must be positive".into()));
     }
     let seed = uuid::Uuid::new_v4().as_u64_pair().0;
     let mut names = Vec::with_capacity(count);
-    let mut bs = ByteStreamClient::new(channel.clone());
+    let mut bs = ByteStreamClient::new(conn.service());
     for i in 0..count {
         let data = random_blob(size, seed ^ i as u64);
         let d = digest_of(&data);
@@ -278,7 +334,7 @@ impl ReadRound {
 }
 
 pub async fn read_round(
-    channel: &Channel,
+    conn: &Conn,
     names: &[String],
     size: usize,
     concurrency: usize,
@@ -289,9 +345,9 @@ pub async fn read_round(
     let start = meter.sample();
     let mut tasks = Vec::new();
     for _ in 0..concurrency.max(1) {
-        let (channel, names, next) = (channel.clone(), names.clone(), next.clone());
+        let (service, names, next) = (conn.service(), names.clone(), next.clone());
         tasks.push(tokio::spawn(async move {
-            let mut grpc = tonic::client::Grpc::new(channel);
+            let mut grpc = tonic::client::Grpc::new(service);
             let mut n = 0u64;
             while let Some(name) = names.get(next.fetch_add(1, Ordering::Relaxed)) {
                 grpc.ready().await.map_err(|e| Error::Check(format!("channel: {e}")))?;
@@ -345,7 +401,7 @@ impl ExecReport {
 /// Runs `actions` actions of `command`, `concurrency` at a time. Each action has its own
 /// salt, so none is answered from the action cache.
 pub async fn exec(
-    channel: &Channel,
+    conn: &Conn,
     instance: &str,
     actions: usize,
     concurrency: usize,
@@ -362,11 +418,11 @@ pub async fn exec(
     let start = meter.sample();
     let mut tasks = Vec::new();
     for _ in 0..concurrency.max(1) {
-        let (channel, next, shared) = (channel.clone(), next.clone(), shared.clone());
+        let (conn, next, shared) = (conn.clone(), next.clone(), shared.clone());
         tasks.push(tokio::spawn(async move {
             let (cmd_digest, cmd, root_digest, root, run, instance) = &*shared;
-            let mut cas = ContentAddressableStorageClient::new(channel.clone());
-            let mut execution = ExecutionClient::new(channel);
+            let mut cas = ContentAddressableStorageClient::new(conn.service());
+            let mut execution = ExecutionClient::new(conn.service());
             let (mut latencies, mut failed) = (Vec::new(), 0);
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);

@@ -7,9 +7,17 @@ use gantry_loadgen::Meter;
 #[derive(Parser)]
 #[command(name = "reapi-load", about = "REAPI load generator: ByteStream reads and no-op Execute, against any server")]
 struct Cli {
-    /// Server address (plaintext).
+    /// Server address: http://HOST:PORT, or https://HOST:PORT for TLS.
     #[arg(long, global = true, default_value = "http://127.0.0.1:8980")]
     target: String,
+    /// PEM file of the CA that signed the server's certificate (https:// only; default:
+    /// the system's roots).
+    #[arg(long, global = true)]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Bearer token for a server with [auth], read from this environment variable so
+    /// that it appears in no process list.
+    #[arg(long, global = true, default_value = "GANTRY_TOKEN")]
+    token_env: String,
     /// Instance name.
     #[arg(long, global = true, default_value = "")]
     instance: String,
@@ -58,14 +66,19 @@ fn parse_size(s: &str) -> Result<usize, String> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    let channel = gantry_loadgen::connect(&cli.target).await?;
+    let ca_pem = match &cli.tls_ca {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading --tls-ca {}", p.display()))?),
+        None => None,
+    };
+    let options = gantry_loadgen::ConnectOptions { ca_pem, token: std::env::var(&cli.token_env).ok() };
+    let conn = gantry_loadgen::connect(&cli.target, &options).await?;
     let meter = Meter { server_pid: cli.server_pid };
     match cli.cmd {
         Cmd::Read { count, size, concurrency, rounds } => {
-            let names = gantry_loadgen::upload_blobs(&channel, &cli.instance, count, size).await?;
+            let names = gantry_loadgen::upload_blobs(&conn, &cli.instance, count, size).await?;
             gantry_loadgen::settle().await;
             for round in 0..rounds {
-                let r = gantry_loadgen::read_round(&channel, &names, size, concurrency, meter).await?;
+                let r = gantry_loadgen::read_round(&conn, &names, size, concurrency, meter).await?;
                 println!(
                     "round {round}: {:.0} MiB/s, {} ({count} x {} MiB, concurrency {concurrency})",
                     r.mib_per_second(),
@@ -75,7 +88,7 @@ async fn main() -> Result<()> {
             }
         }
         Cmd::Exec { actions, concurrency, command } => {
-            let r = gantry_loadgen::exec(&channel, &cli.instance, actions, concurrency, &command, meter)
+            let r = gantry_loadgen::exec(&conn, &cli.instance, actions, concurrency, &command, meter)
                 .await
                 .context("running actions")?;
             println!(
