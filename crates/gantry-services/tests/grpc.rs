@@ -22,22 +22,31 @@ struct Harness {
     server: Option<RunningServer>,
     channel: Channel,
     cas: Arc<dyn BlobStore>,
-    _dir: tempfile::TempDir,
+}
+
+/// A directory for a test's stores, removed when the test binary exits: the server's
+/// task holds the store until the test's runtime shuts down, after the test's own
+/// locals are gone, and its journal then puts its last blobs in place, which would
+/// recreate a directory removed with them and leave it behind.
+fn store_dir() -> std::path::PathBuf {
+    let dir = tempfile::tempdir().unwrap().keep();
+    gantry_testkit::remove_at_exit(dir.clone());
+    dir
 }
 
 async fn harness_with(limits: Limits, max_cas: u64) -> Harness {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = store_dir();
     let cas: Arc<dyn BlobStore> =
-        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), max_cas).await.unwrap())));
+        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.join("cas"), max_cas).await.unwrap())));
     let sql = SqlActionCache::new(
-        gantry_store::MetadataDb::open(&format!("sqlite://{}/ac.db", dir.path().display())).await.unwrap(),
+        gantry_store::MetadataDb::open(&format!("sqlite://{}/ac.db", dir.display())).await.unwrap(),
     );
     let ac = Arc::new(CompletenessCheckingActionCache::new(Arc::new(sql), cas.clone()));
     let services = Services::new(cas.clone(), ac, limits);
     let server =
         RunningServer::start(&services, "127.0.0.1:0".parse().unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let channel = Channel::from_shared(format!("http://{}", server.grpc_addr)).unwrap().connect().await.unwrap();
-    Harness { server: Some(server), channel, cas, _dir: dir }
+    Harness { server: Some(server), channel, cas }
 }
 
 async fn harness() -> Harness {
@@ -748,9 +757,9 @@ async fn write_cancelled_mid_chunk_restarts_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_uploads_are_limited_per_client() {
     use gantry_services::auth::{token_sha256, Authenticator};
-    let dir = tempfile::tempdir().unwrap();
+    let dir = store_dir();
     let cas: Arc<dyn BlobStore> =
-        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.join("cas"), 1 << 30).await.unwrap())));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let text = format!(
         "[auth]\n[[auth.tokens]]\nname = \"greedy\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n[[auth.tokens]]\nname = \"polite\"\nsha256 = \"{}\"\ngrants = [\"w\"]\n\
@@ -799,9 +808,9 @@ fn metric(text: &str, series: &str) -> f64 {
 /// exactly its bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_uploads_spill_past_the_memory_ceiling_and_still_resume() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = store_dir();
     let cas: Arc<dyn BlobStore> =
-        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.path().join("cas"), 1 << 30).await.unwrap())));
+        Arc::new(IntegrityStore::new(Arc::new(FsStore::open(dir.join("cas"), 1 << 30).await.unwrap())));
     let ac = Arc::new(SqlActionCache::new(gantry_store::MetadataDb::open("sqlite::memory:").await.unwrap()));
     let limits = Limits { max_upload_memory: 4 << 20, ..Limits::default() };
     let services = Services::new(cas.clone(), ac, limits);

@@ -270,12 +270,27 @@ pub struct S3Tls<'a> {
 }
 
 /// The temporary directory of [`S3Server::shared`], removed at exit.
-static SHARED_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+/// Directories to remove when the test binary exits (see [`remove_at_exit`]).
+static AT_EXIT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
-extern "C" fn remove_shared_dir() {
-    if let Some(dir) = SHARED_DIR.get() {
+extern "C" fn remove_dirs_at_exit() {
+    let dirs = std::mem::take(&mut *AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()));
+    for dir in dirs {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// Removes `dir` when the test binary exits, for a directory something may still write to
+/// after the test that made it is done: a leaked shared server's, or a store whose last
+/// owner is a task that ends only when the test's runtime shuts down (a CAS journal
+/// puts its last blobs in place then, recreating a directory removed before).
+pub fn remove_at_exit(dir: PathBuf) {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a plain function with no captured state, once.
+    REGISTERED.call_once(|| unsafe {
+        libc::atexit(remove_dirs_at_exit);
+    });
+    AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
 }
 
 impl S3Server {
@@ -321,9 +336,7 @@ impl S3Server {
                     if let Some(s) = server {
                         // A leaked server is never dropped, so its temporary directory
                         // would outlive the test binary: remove it when the process exits.
-                        let _ = SHARED_DIR.set(s._dir.path().to_path_buf());
-                        // SAFETY: registers a plain function with no captured state.
-                        unsafe { libc::atexit(remove_shared_dir) };
+                        remove_at_exit(s._dir.path().to_path_buf());
                     }
                     let _ = tx.send(server);
                     loop {
