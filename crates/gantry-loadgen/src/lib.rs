@@ -343,10 +343,9 @@ pub async fn read_round(
     let names = Arc::new(names.to_vec());
     let next = Arc::new(AtomicUsize::new(0));
     let start = meter.sample();
-    let mut tasks = Vec::new();
-    for _ in 0..concurrency.max(1) {
+    let counts = in_parallel(concurrency, || {
         let (service, names, next) = (conn.service(), names.clone(), next.clone());
-        tasks.push(tokio::spawn(async move {
+        async move {
             let mut grpc = tonic::client::Grpc::new(service);
             let mut n = 0u64;
             while let Some(name) = names.get(next.fetch_add(1, Ordering::Relaxed)) {
@@ -368,15 +367,28 @@ pub async fn read_round(
                 n += got as u64;
             }
             Ok(n)
-        }));
-    }
-    let mut bytes = 0;
-    for t in tasks {
-        bytes += t.await.map_err(|e| Error::Check(format!("reader task: {e}")))??;
-    }
+        }
+    })
+    .await?;
+    let bytes: u64 = counts.iter().sum();
     let seconds = start.at.elapsed().as_secs_f64();
     let usage = meter.usage(start, bytes as f64 / (1u64 << 30) as f64, 1.0);
     Ok(ReadRound { bytes, seconds, usage })
+}
+
+/// Runs `concurrency` (at least one) tasks made by `task`, and their results in order.
+async fn in_parallel<T, F, Fut>(concurrency: usize, task: F) -> Result<Vec<T>>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    let tasks: Vec<_> = (0..concurrency.max(1)).map(|_| tokio::spawn(task())).collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.map_err(|e| Error::Check(format!("client task: {e}")))??);
+    }
+    Ok(out)
 }
 
 /// A run of no-op actions.
@@ -416,10 +428,9 @@ pub async fn exec(
     let shared = Arc::new((digest_of(&cmd), cmd, digest_of(&root), root, uuid::Uuid::new_v4(), instance.to_string()));
     let next = Arc::new(AtomicUsize::new(0));
     let start = meter.sample();
-    let mut tasks = Vec::new();
-    for _ in 0..concurrency.max(1) {
+    let runs = in_parallel(concurrency, || {
         let (conn, next, shared) = (conn.clone(), next.clone(), shared.clone());
-        tasks.push(tokio::spawn(async move {
+        async move {
             let (cmd_digest, cmd, root_digest, root, run, instance) = &*shared;
             let mut cas = ContentAddressableStorageClient::new(conn.service());
             let mut execution = ExecutionClient::new(conn.service());
@@ -498,11 +509,11 @@ pub async fn exec(
                 latencies.push(t0.elapsed());
             }
             Ok((latencies, failed))
-        }));
-    }
+        }
+    })
+    .await?;
     let (mut latencies, mut failed) = (Vec::new(), 0);
-    for t in tasks {
-        let (l, f) = t.await.map_err(|e| Error::Check(format!("client task: {e}")))??;
+    for (l, f) in runs {
         latencies.extend(l);
         failed += f;
     }

@@ -185,8 +185,11 @@ mod tests {
         }
     }
 
-    fn ctx(w: &Arc<CountWakes>) -> std::task::Waker {
-        w.clone().into()
+    /// A wrapper over a counting sink, and a waker that counts its wake-ups.
+    fn setup() -> (CoalescedWrites<Sink>, Arc<CountWakes>, std::task::Waker) {
+        let wakes = Arc::new(CountWakes::default());
+        let waker = wakes.clone().into();
+        (CoalescedWrites::new(Sink::default()), wakes, waker)
     }
 
     /// Writes `frame` then flushes, as h2 does for each frame it buffers.
@@ -197,10 +200,8 @@ mod tests {
 
     #[test]
     fn the_frames_of_a_bulk_transfer_go_out_together_on_the_next_flush() {
-        let wakes = Arc::new(CountWakes::default());
-        let waker = ctx(&wakes);
+        let (mut io, wakes, waker) = setup();
         let mut cx = Context::from_waker(&waker);
-        let mut io = CoalescedWrites::new(Sink::default());
         let payload: Vec<u8> = (0..16 * 1024).map(|i| i as u8).collect();
         for _ in 0..10 {
             frame(&mut io, &mut cx, &payload);
@@ -217,10 +218,8 @@ mod tests {
 
     #[test]
     fn small_writes_are_written_at_the_first_flush() {
-        let wakes = Arc::new(CountWakes::default());
-        let waker = ctx(&wakes);
+        let (mut io, wakes, waker) = setup();
         let mut cx = Context::from_waker(&waker);
-        let mut io = CoalescedWrites::new(Sink::default());
         frame(&mut io, &mut cx, b"headers and a small message");
         assert_eq!(io.get_ref().writes, 1);
         assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
@@ -233,10 +232,8 @@ mod tests {
 
     #[test]
     fn gathering_stops_at_its_limit_and_shutdown_writes_the_rest() {
-        let wakes = Arc::new(CountWakes::default());
-        let waker = ctx(&wakes);
+        let (mut io, _, waker) = setup();
         let mut cx = Context::from_waker(&waker);
-        let mut io = CoalescedWrites::new(Sink::default());
         for _ in 0..40 {
             frame(&mut io, &mut cx, &[1u8; 16 * 1024]);
         }
