@@ -168,7 +168,7 @@ fn proc_cpu(pid: &str) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / clock_ticks())
+    Some(ticks / USER_HZ)
 }
 
 /// Busy CPU seconds of the whole machine (everything but idle and iowait).
@@ -176,27 +176,26 @@ fn machine_cpu() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let cpu: Vec<f64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
     let busy: f64 = cpu.iter().take(8).sum::<f64>() - cpu.get(3)? - cpu.get(4)?;
-    Some(busy / clock_ticks())
+    Some(busy / USER_HZ)
 }
 
-fn clock_ticks() -> f64 {
-    // USER_HZ: 100 on every Linux architecture this runs on.
-    100.0
-}
+/// USER_HZ, the unit of /proc's CPU times: 100 on every Linux architecture.
+const USER_HZ: f64 = 100.0;
 
-/// Wait (up to 60 s) until the machine is idle: a server may still be writing what was
-/// just uploaded back to disk, and reads measured during that measure the disk.
-pub async fn settle() {
+/// Waits (up to 60 s) until the machine is idle: a server may still be writing what was
+/// just uploaded back to disk, and reads measured during that measure the disk. False:
+/// it did not go idle.
+pub async fn settle() -> bool {
     let deadline = Instant::now() + std::time::Duration::from_secs(60);
     while Instant::now() < deadline {
         let before = machine_cpu().unwrap_or(0.0);
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         // Under a tenth of one core busy for a second.
         if machine_cpu().unwrap_or(0.0) - before < 0.1 {
-            return;
+            return true;
         }
     }
-    eprintln!("the machine did not go idle within 60 s; measuring anyway");
+    false
 }
 
 /// A ByteStream Read response counted, not decoded: the length of its `data` field.

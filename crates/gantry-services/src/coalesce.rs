@@ -12,7 +12,9 @@
 //! of at least 8 KiB, a full DATA frame) is put off, and the task is woken so that the
 //! connection is polled again; that next flush, with nothing written in between, writes
 //! everything out. Small writes (headers, small messages, trailers) with nothing gathered
-//! go straight to the socket as before, so a small call's latency does not change.
+//! go straight to the socket as before, so a small call's latency does not change. The
+//! buffer (256 KiB) lives only while a transfer does: the flush after its last, small
+//! write lets it go.
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -115,6 +117,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for CoalescedWrites<T> {
                 return Poll::Ready(Ok(()));
             }
             ready!(this.poll_drain(cx))?;
+            if !this.bulk {
+                // The transfer ended (its trailers were the last write): an idle
+                // connection keeps no buffer.
+                this.buf = Vec::new();
+            }
         }
         this.deferred = false;
         Pin::new(&mut this.inner).poll_flush(cx)

@@ -269,7 +269,6 @@ pub struct S3Tls<'a> {
     pub ca: &'a Path,
 }
 
-/// The temporary directory of [`S3Server::shared`], removed at exit.
 /// Directories to remove when the test binary exits (see [`remove_at_exit`]).
 static AT_EXIT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
