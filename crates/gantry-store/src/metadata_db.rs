@@ -282,6 +282,10 @@ impl MetadataDb {
                 .min_connections(if memory { 1 } else { 0 })
                 .idle_timeout(if memory { None } else { Some(Duration::from_secs(600)) })
                 .max_lifetime(if memory { None } else { Some(Duration::from_secs(1800)) })
+                // A ping before each use finds a server that dropped the connection. An
+                // embedded SQLite file has no server to lose, and its ping is a round trip
+                // to the connection's thread (two thread switches) before every query.
+                .test_before_acquire(dialect == Dialect::Postgres)
                 .acquire_timeout(opts.connect_timeout)
                 // A connection that still counts an open transaction is not handed out
                 // again. After a COMMIT that failed (a full disk), SQLite may have rolled
