@@ -35,9 +35,15 @@
 //! [`REUSE_RESIDUE`] that an earlier action left charged. cgroup v2 groups are not reused:
 //! `memory.peak` is reset only per open file and only from Linux 6.12, which this code is
 //! not tested on.
+//!
+//! A reused group keeps its control files open ([`V1Files`]): reading one by path walks
+//! the cgroup filesystem's long paths and allocates an open file, and the five reads and
+//! writes after each action cost, that way, more than the rest of the group's bookkeeping.
 
 use std::ffi::CString;
+use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -98,8 +104,47 @@ pub struct Cgroups {
 #[derive(Debug)]
 struct Idle {
     dirs: Vec<PathBuf>,
+    files: Option<V1Files>,
     limits: Limits,
     oom_kills_before: u64,
+}
+
+/// The memory group's control files that a reusable (v1) group reads and writes after
+/// every action, kept open for its lifetime.
+#[derive(Debug)]
+struct V1Files {
+    procs: File,
+    usage: File,
+    max_usage: File,
+    oom_control: File,
+}
+
+impl V1Files {
+    fn open(memory: &Path) -> Result<V1Files> {
+        let open = |name: &str, write: bool| {
+            let path = memory.join(name);
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(write)
+                .open(&path)
+                .map_err(|e| Error::io(format!("opening {}", path.display()), e))
+        };
+        Ok(V1Files {
+            procs: open("cgroup.procs", false)?,
+            usage: open("memory.usage_in_bytes", false)?,
+            max_usage: open("memory.max_usage_in_bytes", true)?,
+            oom_control: open("memory.oom_control", false)?,
+        })
+    }
+}
+
+/// A control file's whole text, read from its start: the kernel renders it anew for
+/// every read at offset 0.
+fn read_control(file: &File) -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    buf.truncate(n);
+    String::from_utf8(buf).ok()
 }
 
 impl Idle {
@@ -108,6 +153,7 @@ impl Idle {
         ActionCgroup {
             version,
             dirs: self.dirs,
+            files: self.files,
             removed: false,
             limits: self.limits,
             oom_kills_before: self.oom_kills_before,
@@ -247,6 +293,7 @@ impl Cgroups {
         let mut group = ActionCgroup {
             version: self.version,
             dirs: Vec::new(),
+            files: None,
             removed: false,
             limits,
             oom_kills_before: 0,
@@ -283,6 +330,7 @@ impl Cgroups {
                     write(&cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
                     write(&cpu.join("cpu.cfs_quota_us"), &(n as u64 * CPU_PERIOD_US).to_string())?;
                 }
+                group.files = Some(V1Files::open(&memory)?);
             }
         }
         Ok(group)
@@ -295,6 +343,8 @@ pub struct ActionCgroup {
     version: Version,
     /// The memory hierarchy's first.
     dirs: Vec<PathBuf>,
+    /// v1 only: the memory group's control files, open.
+    files: Option<V1Files>,
     removed: bool,
     limits: Limits,
     /// The group's OOM kill counter when this action got it (a reused group's counter
@@ -317,11 +367,12 @@ impl ActionCgroup {
     /// Highest memory charged to the group since it was made: every process of the
     /// action, also those killed or never reaped, and the page cache they dirtied.
     pub fn peak_memory(&self) -> Option<u64> {
-        let file = match self.version {
-            Version::V2 => "memory.peak",
-            Version::V1 => "memory.max_usage_in_bytes",
+        let text = match (&self.files, self.version) {
+            (Some(f), _) => read_control(&f.max_usage)?,
+            (None, Version::V2) => std::fs::read_to_string(self.dirs[0].join("memory.peak")).ok()?,
+            (None, Version::V1) => std::fs::read_to_string(self.dirs[0].join("memory.max_usage_in_bytes")).ok()?,
         };
-        std::fs::read_to_string(self.dirs[0].join(file)).ok()?.trim().parse().ok()
+        text.trim().parse().ok()
     }
 
     /// Whether the kernel killed a process of the group for want of memory. Kernels too
@@ -329,9 +380,10 @@ impl ActionCgroup {
     /// which the caller counts as an OOM only together with a SIGKILL.
     pub fn oom(&self) -> Oom {
         let read = |f: &str| std::fs::read_to_string(self.dirs[0].join(f)).unwrap_or_default();
-        let (events, counter) = match self.version {
-            Version::V2 => (read("memory.events"), "oom_kill"),
-            Version::V1 => (read("memory.oom_control"), "oom_kill"),
+        let (events, counter) = match (&self.files, self.version) {
+            (Some(f), _) => (read_control(&f.oom_control).unwrap_or_default(), "oom_kill"),
+            (None, Version::V2) => (read("memory.events"), "oom_kill"),
+            (None, Version::V1) => (read("memory.oom_control"), "oom_kill"),
         };
         match parse_counter(&events, counter) {
             Some(n) if n <= self.oom_kills_before => Oom::No,
@@ -359,7 +411,7 @@ impl ActionCgroup {
             let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
             if pool.len() < POOL_MAX {
                 let dirs = std::mem::take(&mut self.dirs);
-                pool.push(Idle { dirs, limits: self.limits, oom_kills_before: oom_kills });
+                pool.push(Idle { dirs, files: self.files.take(), limits: self.limits, oom_kills_before: oom_kills });
                 drop(pool);
                 // Its directories moved to the pool: nothing is left to remove.
                 self.removed = true;
@@ -374,21 +426,20 @@ impl ActionCgroup {
     /// peak reset. Returns that counter.
     fn reset_for_reuse(&self) -> Option<u64> {
         self.pool.as_ref()?;
-        let memory = &self.dirs[0];
-        let read = |f: &str| std::fs::read_to_string(memory.join(f)).ok();
+        let f = self.files.as_ref()?;
         // Every process of the action joined both hierarchies' groups, and its children
         // inherit them, so the memory group's members are all of them.
-        if !read("cgroup.procs")?.trim().is_empty() {
+        if !read_control(&f.procs)?.trim().is_empty() {
             return None;
         }
-        let usage: u64 = read("memory.usage_in_bytes")?.trim().parse().ok()?;
+        let usage: u64 = read_control(&f.usage)?.trim().parse().ok()?;
         if usage > REUSE_RESIDUE {
             return None;
         }
         // Kernels that do not count OOM kills say only that the limit was hit
         // (memory.failcnt), which could not tell one action's from another's.
-        let oom_kills = parse_counter(&read("memory.oom_control")?, "oom_kill")?;
-        std::fs::write(memory.join("memory.max_usage_in_bytes"), "0").ok()?;
+        let oom_kills = parse_counter(&read_control(&f.oom_control)?, "oom_kill")?;
+        f.max_usage.write_at(b"0", 0).ok()?;
         Some(oom_kills)
     }
 
@@ -396,6 +447,7 @@ impl ActionCgroup {
         if std::mem::replace(&mut self.removed, true) {
             return;
         }
+        self.files = None;
         let deadline = Instant::now() + TEARDOWN_LIMIT;
         for dir in self.dirs.iter().rev() {
             if let Err(e) = empty_and_remove(dir, self.version, deadline) {
