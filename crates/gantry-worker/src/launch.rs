@@ -49,6 +49,7 @@ enum Step {
     Directory,
     Cgroup,
     AddressSpace,
+    OpenFiles,
     DeathSignal,
     ParentGone,
     Exec,
@@ -62,6 +63,7 @@ impl Step {
             Step::Directory => "entering its working directory",
             Step::Cgroup => "joining its cgroup",
             Step::AddressSpace => "limiting its address space",
+            Step::OpenFiles => "restoring its limit on open files",
             Step::DeathSignal => "setting its death signal",
             Step::ParentGone => "the worker exited while starting the action",
             Step::Exec => "executing it",
@@ -85,6 +87,8 @@ struct Child<'a> {
     stderr: libc::c_int,
     cgroup_procs: &'a [CString],
     address_space: Option<u64>,
+    /// RLIMIT_NOFILE as the command gets it (the server raised its own).
+    open_files: Option<libc::rlimit>,
     cpus: Option<usize>,
     /// The pid that will be the child's parent: if another one is, the parent died.
     parent: i32,
@@ -144,6 +148,7 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
         stderr: stderr.as_raw_fd(),
         cgroup_procs: &cgroup_procs,
         address_space: a.address_space,
+        open_files: a.open_files.map(open_files_limit).transpose()?,
         cpus: a.cpus,
         parent,
         failed: None,
@@ -273,6 +278,11 @@ unsafe fn prepare_and_exec(c: &mut Child) -> (Step, i32) {
         if let Some(Err(e)) = c.address_space.map(limit_address_space) {
             return (Step::AddressSpace, e.raw_os_error().unwrap_or(0));
         }
+        if let Some(rl) = &c.open_files
+            && libc::setrlimit(libc::RLIMIT_NOFILE, rl) != 0
+        {
+            return (Step::OpenFiles, errno());
+        }
         if let Some(n) = c.cpus {
             pin_to_cpus(n);
         }
@@ -331,6 +341,18 @@ fn join_cgroup(procs: &CString) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The RLIMIT_NOFILE that gives a command `soft` open files, under this process's hard
+/// limit (made here, in the parent: the child only applies it).
+fn open_files_limit(soft: u64) -> io::Result<libc::rlimit> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit with a valid struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    rl.rlim_cur = (soft as libc::rlim_t).min(rl.rlim_max);
+    Ok(rl)
+}
+
 /// Limits the address space of the calling process (and what it starts) to `bytes`.
 fn limit_address_space(bytes: u64) -> std::io::Result<()> {
     let rl = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
@@ -382,6 +404,7 @@ mod tests {
             stderr: dir.join("err"),
             cgroup_procs: Vec::new(),
             address_space: None,
+            open_files: None,
             cpus: None,
         }
     }
@@ -405,6 +428,21 @@ mod tests {
     fn write_files(dir: &std::path::Path, script: &str) {
         let st = std::process::Command::new("/bin/sh").arg("-c").arg(script).current_dir(dir).status().unwrap();
         assert!(st.success());
+    }
+
+    #[test]
+    fn the_command_gets_the_open_file_limit_it_is_given() {
+        let d = tempfile::tempdir().unwrap();
+        let mut a = action(d.path(), "/bin/sh", &["-c", "ulimit -Sn"], &[]);
+        a.open_files = Some(200);
+        let (_, out) = run(&a);
+        assert_eq!(out.trim(), "200");
+        // Never above the hard limit, which only a privileged process could raise.
+        let hard = open_files_limit(u64::MAX).unwrap().rlim_max;
+        a.open_files = Some(u64::MAX);
+        let (code, out) = run(&a);
+        let hard = if hard == libc::RLIM_INFINITY { "unlimited".to_string() } else { hard.to_string() };
+        assert_eq!((code, out.trim()), (0, hard.as_str()));
     }
 
     #[test]

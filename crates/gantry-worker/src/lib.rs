@@ -8,6 +8,7 @@ pub mod cgroup;
 pub mod executor;
 mod launch;
 pub mod materialize;
+pub mod open_files;
 pub mod outputs;
 pub mod process;
 pub mod remote;

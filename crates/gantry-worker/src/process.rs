@@ -195,6 +195,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         stderr: spec.stderr.to_path_buf(),
         cgroup_procs: cgroup.as_ref().map(ActionCgroup::procs_files).unwrap_or_default(),
         address_space: if cgroup.is_none() { spec.limits.memory_bytes } else { None },
+        open_files: crate::open_files::for_actions(),
         cpus: spec.limits.cpus,
     };
     let could_not_start = |e: &dyn std::fmt::Display| {

@@ -57,13 +57,16 @@ pub struct StartAction {
     pub cgroup_procs: Vec<PathBuf>,
     /// RLIMIT_AS, when memory is not limited by a cgroup.
     pub address_space: Option<u64>,
+    /// The soft limit on open files the command starts with; None: the spawner's own.
+    #[serde(default)]
+    pub open_files: Option<u64>,
     pub cpus: Option<usize>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "t")]
 pub enum Request {
-    Start(StartAction),
+    Start(Box<StartAction>),
     Kill { id: u64 },
 }
 
@@ -300,7 +303,7 @@ impl Spawner {
         let (tx, events) = mpsc::unbounded_channel();
         conn.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(a.id, tx);
         let id = a.id;
-        if !conn.send(&Request::Start(a)) {
+        if !conn.send(&Request::Start(Box::new(a))) {
             conn.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
             return Err(Error::Unavailable("the action spawner has exited".into()));
         }
@@ -428,7 +431,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip_as_one_line_each() {
-        let start = Request::Start(StartAction {
+        let start = Request::Start(Box::new(StartAction {
             id: 7,
             program: "/bin/sh".into(),
             args: vec!["-c".into(), "echo 'a\nb'".into()],
@@ -438,8 +441,9 @@ mod tests {
             stderr: "/tmp/x/err".into(),
             cgroup_procs: vec!["/sys/fs/cgroup/memory/g/cgroup.procs".into()],
             address_space: Some(1 << 30),
+            open_files: Some(1024),
             cpus: None,
-        });
+        }));
         let line = serde_json::to_string(&start).unwrap();
         assert!(!line.contains('\n'), "{line}");
         match serde_json::from_str::<Request>(&line).unwrap() {
@@ -447,6 +451,7 @@ mod tests {
                 assert_eq!(a.id, 7);
                 assert_eq!(a.args[1], "echo 'a\nb'");
                 assert_eq!(a.address_space, Some(1 << 30));
+                assert_eq!(a.open_files, Some(1024));
             }
             other => panic!("{other:?}"),
         }

@@ -101,6 +101,15 @@ fn main() -> anyhow::Result<()> {
         LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
         LogFormat::Json => logs.json().init(),
     }
+    // Servers and workers hold a socket per connection and files per reusable cgroup;
+    // their actions get the original limit back (gantry_worker::open_files).
+    if matches!(cli.command, Command::Serve(_) | Command::Worker(_) | Command::Bench(_)) {
+        match gantry_worker::open_files::raise() {
+            Ok((before, after)) if after > before => tracing::debug!(before, after, "raised the open-file limit"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("gantry").build()?;
     let result = rt.block_on(async {
         match cli.command {

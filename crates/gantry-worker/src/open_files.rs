@@ -1,0 +1,58 @@
+//! The limit on open files: a server raises its own to the hard limit, and every action
+//! it starts gets back the limit the server was started with.
+//!
+//! Why raise it: a server holds a socket per client connection and, for each reusable
+//! cgroup, that group's open control files (cgroup.rs); the usual soft limit of 1,024
+//! (systemd's default for services and sessions) is reached by a few hundred of each, and
+//! then connections and actions fail with EMFILE. Why give actions the original back:
+//! an action should run as it would anywhere else, and some programs size tables by the
+//! limit or still use select(2), which cannot watch a descriptor past 1,023.
+
+use std::sync::OnceLock;
+
+/// Most a raised soft limit may be, whatever the hard limit: a limit in the millions makes
+/// some programs that close every possible descriptor (as daemons do) crawl.
+const MOST: u64 = 1 << 20;
+
+/// The soft limit actions get: the one this process started with, when it raised its own.
+static FOR_ACTIONS: OnceLock<u64> = OnceLock::new();
+
+/// Raises this process's soft limit on open files to its hard limit (at most [`MOST`])
+/// and records the limit its actions get. Returns the limit before and after.
+pub fn raise() -> std::io::Result<(u64, u64)> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit with a valid struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let before: u64 = rl.rlim_cur;
+    let after = rl.rlim_max.min(MOST).max(before);
+    if after > before {
+        let raised = libc::rlimit { rlim_cur: after, rlim_max: rl.rlim_max };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let _ = FOR_ACTIONS.set(before);
+    }
+    Ok((before, after))
+}
+
+/// The soft limit on open files an action starts with, if it is not this process's own.
+pub fn for_actions() -> Option<u64> {
+    FOR_ACTIONS.get().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn raising_never_lowers_and_records_what_actions_get() {
+        let (before, after) = super::raise().unwrap();
+        assert!(after >= before);
+        let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit with a valid struct.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) }, 0);
+        assert_eq!(rl.rlim_cur, after);
+        assert_eq!(super::for_actions(), (after > before).then_some(before));
+    }
+}
