@@ -36,9 +36,12 @@
 //! `memory.peak` is reset only per open file and only from Linux 6.12, which this code is
 //! not tested on.
 //!
-//! A reused group keeps its control files open ([`V1Files`]): reading one by path walks
-//! the cgroup filesystem's long paths and allocates an open file, and the five reads and
-//! writes after each action cost, that way, more than the rest of the group's bookkeeping.
+//! A reused group keeps three of its control files open ([`V1Files`]): reading one by
+//! path walks the cgroup filesystem's long paths and allocates an open file, and the
+//! reads and writes after each action cost, that way, more than the rest of the group's
+//! bookkeeping. Not `cgroup.procs`: v1 keeps the list of pids an open `cgroup.procs`
+//! file read, and shows it again to reads for about a second, so a file held open would
+//! call a group empty that an action had just left a process in.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -110,10 +113,9 @@ struct Idle {
 }
 
 /// The memory group's control files that a reusable (v1) group reads and writes after
-/// every action, kept open for its lifetime.
+/// every action, kept open for its lifetime (see the module doc for `cgroup.procs`).
 #[derive(Debug)]
 struct V1Files {
-    procs: File,
     usage: File,
     max_usage: File,
     oom_control: File,
@@ -130,7 +132,6 @@ impl V1Files {
                 .map_err(|e| Error::io(format!("opening {}", path.display()), e))
         };
         Ok(V1Files {
-            procs: open("cgroup.procs", false)?,
             usage: open("memory.usage_in_bytes", false)?,
             max_usage: open("memory.max_usage_in_bytes", true)?,
             oom_control: open("memory.oom_control", false)?,
@@ -429,7 +430,7 @@ impl ActionCgroup {
         let f = self.files.as_ref()?;
         // Every process of the action joined both hierarchies' groups, and its children
         // inherit them, so the memory group's members are all of them.
-        if !read_control(&f.procs)?.trim().is_empty() {
+        if !std::fs::read_to_string(self.dirs[0].join("cgroup.procs")).ok()?.trim().is_empty() {
             return None;
         }
         let usage: u64 = read_control(&f.usage)?.trim().parse().ok()?;

@@ -332,6 +332,43 @@ fn groups_named_in(proc_self_cgroup: &str) -> Vec<String> {
     names
 }
 
+/// Leaves a child in the action's cgroup but outside its process group and session, and
+/// ends: `sleep`, which leaves less charged to the group than reuse allows. (The pause
+/// lets it leave the process group, which the shell's end kills, before the shell ends.)
+const LEAVES_A_CHILD: &str = "cat /proc/self/cgroup > groups; setsid sleep 60 & echo $! > child; sleep 0.3; exit 0";
+
+/// A group kept for reuse must be empty: a process that the action left outside its
+/// process group is found in it and killed, also when the group was checked moments
+/// before, after another action. (cgroup v1 keeps the list of pids an open `cgroup.procs`
+/// file read for about a second, so a file held open would still read empty.)
+#[tokio::test]
+async fn a_process_left_in_a_group_just_reused_is_killed() {
+    let Some(cgroups) = cgroups() else { return };
+    // This test's own limits: the pool of idle groups is keyed by them.
+    let limits = Limits { memory_bytes: Some(384 * MIB + 8192), cpus: None };
+    let d = tempfile::tempdir().unwrap();
+    let sh = |script: &'static str| {
+        let (d, cgroups) = (d.path().to_path_buf(), cgroups.clone());
+        async move {
+            let args = ["/bin/sh", "-c", script];
+            run(&d, Some(&cgroups), limits, &args, Duration::from_secs(60), std::future::pending()).await
+        }
+    };
+    assert_eq!(sh("cat /proc/self/cgroup > groups").await.ending, Ending::Exited(0));
+    let first = group_of(d.path());
+    let out = sh(LEAVES_A_CHILD).await;
+    assert_eq!(out.ending, Ending::Exited(0), "stderr: {}", read(d.path().join("stderr")));
+    if cgroups.version() == cgroup::Version::V1 {
+        assert_eq!(group_of(d.path()), first, "the second action reused the first one's group");
+    }
+    let pid: u32 = read(d.path().join("child")).trim().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !dead(pid) {
+        assert!(Instant::now() < deadline, "the child {pid} outlived its action");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Whether any of `cgroups`' parents still holds a group called `name`.
 fn exists(cgroups: &Cgroups, name: &str) -> bool {
     cgroups.parents().iter().any(|p| p.join(name).exists())
