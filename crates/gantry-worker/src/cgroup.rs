@@ -344,7 +344,8 @@ pub struct ActionCgroup {
     version: Version,
     /// The memory hierarchy's first.
     dirs: Vec<PathBuf>,
-    /// v1 only: the memory group's control files, open.
+    /// The memory group's control files, open: Some exactly for a v1 group not yet
+    /// removed (v2 groups are read by path).
     files: Option<V1Files>,
     removed: bool,
     limits: Limits,
@@ -368,10 +369,10 @@ impl ActionCgroup {
     /// Highest memory charged to the group since it was made: every process of the
     /// action, also those killed or never reaped, and the page cache they dirtied.
     pub fn peak_memory(&self) -> Option<u64> {
-        let text = match (&self.files, self.version) {
-            (Some(f), _) => read_control(&f.max_usage)?,
-            (None, Version::V2) => std::fs::read_to_string(self.dirs[0].join("memory.peak")).ok()?,
-            (None, Version::V1) => std::fs::read_to_string(self.dirs[0].join("memory.max_usage_in_bytes")).ok()?,
+        // A v1 group holds its files open until it is removed; v2 has none.
+        let text = match &self.files {
+            Some(f) => read_control(&f.max_usage)?,
+            None => std::fs::read_to_string(self.dirs[0].join("memory.peak")).ok()?,
         };
         text.trim().parse().ok()
     }
@@ -381,12 +382,11 @@ impl ActionCgroup {
     /// which the caller counts as an OOM only together with a SIGKILL.
     pub fn oom(&self) -> Oom {
         let read = |f: &str| std::fs::read_to_string(self.dirs[0].join(f)).unwrap_or_default();
-        let (events, counter) = match (&self.files, self.version) {
-            (Some(f), _) => (read_control(&f.oom_control).unwrap_or_default(), "oom_kill"),
-            (None, Version::V2) => (read("memory.events"), "oom_kill"),
-            (None, Version::V1) => (read("memory.oom_control"), "oom_kill"),
+        let events = match &self.files {
+            Some(f) => read_control(&f.oom_control).unwrap_or_default(),
+            None => read("memory.events"),
         };
-        match parse_counter(&events, counter) {
+        match parse_counter(&events, "oom_kill") {
             Some(n) if n <= self.oom_kills_before => Oom::No,
             Some(_) => Oom::Killed,
             None if self.version == Version::V1 && read("memory.failcnt").trim().parse::<u64>().unwrap_or(0) > 0 => {

@@ -148,7 +148,7 @@ pub(crate) fn launch(a: &StartAction, parent: i32) -> io::Result<i32> {
         stderr: stderr.as_raw_fd(),
         cgroup_procs: &cgroup_procs,
         address_space: a.address_space,
-        open_files: a.open_files.map(open_files_limit).transpose()?,
+        open_files: a.open_files.map(crate::open_files::with_soft).transpose()?,
         cpus: a.cpus,
         parent,
         failed: None,
@@ -341,18 +341,6 @@ fn join_cgroup(procs: &CString) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The RLIMIT_NOFILE that gives a command `soft` open files, under this process's hard
-/// limit (made here, in the parent: the child only applies it).
-fn open_files_limit(soft: u64) -> io::Result<libc::rlimit> {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit with a valid struct.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    rl.rlim_cur = (soft as libc::rlim_t).min(rl.rlim_max);
-    Ok(rl)
-}
-
 /// Limits the address space of the calling process (and what it starts) to `bytes`.
 fn limit_address_space(bytes: u64) -> std::io::Result<()> {
     let rl = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
@@ -438,7 +426,7 @@ mod tests {
         let (_, out) = run(&a);
         assert_eq!(out.trim(), "200");
         // Never above the hard limit, which only a privileged process could raise.
-        let hard = open_files_limit(u64::MAX).unwrap().rlim_max;
+        let hard = crate::open_files::with_soft(u64::MAX).unwrap().rlim_max;
         a.open_files = Some(u64::MAX);
         let (code, out) = run(&a);
         let hard = if hard == libc::RLIM_INFINITY { "unlimited".to_string() } else { hard.to_string() };

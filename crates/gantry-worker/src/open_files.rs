@@ -25,16 +25,12 @@ static FOR_ACTIONS: OnceLock<u64> = OnceLock::new();
 /// Raises this process's soft limit on open files to its hard limit (at most [`MOST`])
 /// and records the limit its actions get. Returns the limit before and after.
 pub fn raise() -> std::io::Result<(u64, u64)> {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit and setrlimit with a valid struct.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let rl = current()?;
     let before: u64 = rl.rlim_cur;
     let after = rl.rlim_max.min(MOST).max(before);
     if after > before {
         let raised = libc::rlimit { rlim_cur: after, rlim_max: rl.rlim_max };
-        // SAFETY: as above.
+        // SAFETY: setrlimit with a valid struct.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -46,4 +42,22 @@ pub fn raise() -> std::io::Result<(u64, u64)> {
 /// The soft limit on open files an action starts with, if it is not this process's own.
 pub fn for_actions() -> Option<u64> {
     FOR_ACTIONS.get().copied()
+}
+
+/// The RLIMIT_NOFILE that gives a command `soft` open files, under this process's hard
+/// limit (made in the parent: a launched child only applies it).
+pub(crate) fn with_soft(soft: u64) -> std::io::Result<libc::rlimit> {
+    let mut rl = current()?;
+    rl.rlim_cur = soft.min(rl.rlim_max);
+    Ok(rl)
+}
+
+/// This process's RLIMIT_NOFILE.
+fn current() -> std::io::Result<libc::rlimit> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit with a valid struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(rl)
 }
