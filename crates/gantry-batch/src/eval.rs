@@ -122,9 +122,23 @@ pub fn eval(models: &Models, history: &[BuildRecord]) -> Result<EvalReport> {
             skipped += 1;
             continue;
         };
-        let btv = BuildTargetValues::from_labels(parsed.iter());
         let ctx = r.context();
         let mut ok = true;
+        // The model the planner uses: the shared-cost one when there is one.
+        if let Some(shared) = &models.shared {
+            let labels: Vec<&str> = r.targets.iter().map(String::as_str).collect();
+            match shared.estimate(&ctx, &labels) {
+                Ok((mem, occ)) => {
+                    mem_pairs.push((r.peak_memory_bytes as f64 / GB as f64, mem / GB as f64));
+                    if let Some(actual) = r.occupancy_esu() {
+                        occ_pairs.push((actual, occ));
+                    }
+                }
+                Err(_) => skipped += 1,
+            }
+            continue;
+        }
+        let btv = BuildTargetValues::from_labels(parsed.iter());
         if let Some(m) = &models.memory {
             match m.predict_values(&ctx, &btv) {
                 Ok(est) => mem_pairs.push((r.peak_memory_bytes as f64 / GB as f64, est / GB as f64)),

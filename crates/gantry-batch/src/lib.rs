@@ -5,9 +5,12 @@
 //! by the executor types they need, sorts each group by label, and cuts it
 //! into builds (Algorithm 1) whose predicted Bazel peak heap stays under a
 //! per-priority cutoff and whose predicted executor occupancy stays under an
-//! occupancy cutoff. The predictions come from linear models over hashed
-//! build and target features, trained on build history with non-negative
-//! target weights so that adding a target never lowers an estimate.
+//! occupancy cutoff. The predictions come from the shared-cost model
+//! ([`shared`]): non-negative costs per target, package and directory, each
+//! charged once per build, scaled and based by the build's context, so that
+//! adding a target never lowers an estimate. The linear models over hashed
+//! build and target features ([`model`]) are the earlier learner, kept beside
+//! it.
 //!
 //! Module map:
 //! * [`label`]: Bazel label validation and decomposition.
@@ -17,6 +20,7 @@
 //! * [`features`]: feature families, hashing, crosses, count buckets.
 //! * [`model`]: training, [`Models`] save/load, [`MemoryEstimator`].
 //! * [`eval`]: error report of models against history.
+//! * [`shared`]: the shared-cost learner, the planner's default.
 //! * [`margin`]: a model's held-out error distribution and the safety margin it implies.
 //! * [`feedback`]: the recent builds' error per tool, and the estimator that corrects by it.
 //! * [`history`]: history JSONL and RFC 3339 timestamps.
@@ -34,6 +38,7 @@ pub mod label;
 pub mod margin;
 pub mod model;
 pub mod planner;
+pub mod shared;
 pub mod sim;
 pub mod types;
 

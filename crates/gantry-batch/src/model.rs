@@ -15,6 +15,7 @@ use crate::error::{BatchError, Result};
 use crate::features::{BuildTargetValues, Cross, FeatureSpec};
 use crate::history::{window, BuildRecord, Timestamp};
 use crate::label::{parse_label, Label};
+use crate::shared::{SharedConfig, SharedModel};
 use crate::types::BuildContext;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -106,6 +107,21 @@ pub struct TrainConfig {
     /// Fewer builds than this in the short window: no short model.
     pub min_short_window_builds: usize,
     pub seed: u64,
+    /// Which learner the planner uses: `shared` (default) trains the shared-cost
+    /// model ([`crate::shared`]) beside the linear ones and plans with it; `linear`
+    /// plans with the linear models alone, as before it existed.
+    pub learner: Learner,
+    /// Settings of the shared-cost learner.
+    pub shared: SharedConfig,
+}
+
+/// See [`TrainConfig::learner`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Learner {
+    Linear,
+    #[default]
+    Shared,
 }
 
 impl Default for TrainConfig {
@@ -136,6 +152,8 @@ impl Default for TrainConfig {
             calibration_min_occupancy_esu: 50.0,
             min_short_window_builds: 50,
             seed: 0x9a27_7e5b,
+            learner: Learner::default(),
+            shared: SharedConfig::default(),
         }
     }
 }
@@ -606,6 +624,11 @@ impl MemoryEstimator {
 pub struct Models {
     pub memory: Option<MemoryEstimator>,
     pub occupancy: Option<LinearModel>,
+    /// The shared-cost learner ([`crate::shared`]): when present, the planner's
+    /// memory and occupancy estimates come from it, and the linear models above are
+    /// kept for reports and as what older model directories hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<SharedModel>,
     pub manifest: Manifest,
 }
 
@@ -627,6 +650,7 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 pub const MEMORY_LONG_FILE: &str = "memory_long.json";
 pub const MEMORY_SHORT_FILE: &str = "memory_short.json";
 pub const OCCUPANCY_FILE: &str = "occupancy.json";
+pub const SHARED_FILE: &str = "shared.json";
 
 impl Models {
     /// Write the model directory (created if missing). Files absent from
@@ -663,6 +687,10 @@ impl Models {
         match &self.occupancy {
             Some(o) => write(OCCUPANCY_FILE, o)?,
             None => remove(OCCUPANCY_FILE)?,
+        }
+        match &self.shared {
+            Some(m) => write(SHARED_FILE, m)?,
+            None => remove(SHARED_FILE)?,
         }
         let mut manifest = self.manifest.clone();
         manifest.format = MODEL_FORMAT;
@@ -704,11 +732,31 @@ impl Models {
         if long.is_none() && short.is_some() {
             return Err(bad(format!("{MEMORY_SHORT_FILE} without {MEMORY_LONG_FILE}")));
         }
+        let shared = match read(SHARED_FILE)? {
+            None => None,
+            Some(s) => Some(serde_json::from_str(&s).map_err(|e| bad(format!("{SHARED_FILE}: {e}")))?),
+        };
         Ok(Models {
             memory: long.map(|long| MemoryEstimator { long, short }),
             occupancy: model(OCCUPANCY_FILE, ModelKind::OccupancyEsu)?,
+            shared,
             manifest,
         })
+    }
+
+    /// Whether there is a memory model to plan with.
+    pub fn has_memory(&self) -> bool {
+        self.shared.is_some() || self.memory.is_some()
+    }
+
+    /// The memory estimate (bytes) of one build by the model the planner uses, before
+    /// any feedback correction; `None` without a memory model.
+    pub fn predict_memory(&self, ctx: &BuildContext, labels: &[&str]) -> Option<Result<f64>> {
+        match (&self.shared, &self.memory) {
+            (Some(s), _) => Some(s.predict(ctx, labels)),
+            (None, Some(m)) => Some(m.predict(ctx, labels)),
+            (None, None) => None,
+        }
     }
 }
 
@@ -1256,7 +1304,21 @@ pub fn train(history: &[BuildRecord], config: &TrainConfig, now: Timestamp) -> R
     } else {
         Some(train_one(config, ModelKind::OccupancyEsu, &occ, None, config.long_window_days, short_start)?)
     };
+    // The shared-cost learner on the same window, its last day marked as recent. A
+    // window too small for it keeps the linear models alone.
+    let shared = match config.learner {
+        Learner::Linear => None,
+        Learner::Shared => {
+            let cfg = SharedConfig { recent_days: config.short_window_days, ..config.shared.clone() };
+            match SharedModel::train(long.iter().copied(), &cfg, now) {
+                Ok(m) => Some(m),
+                Err(BatchError::Training(_)) => None,
+                Err(e) => return Err(e),
+            }
+        }
+    };
     Ok(Models {
+        shared,
         manifest: Manifest {
             format: MODEL_FORMAT,
             trained_at: Some(now),

@@ -28,6 +28,7 @@ use crate::features::{Family, TargetValues};
 use crate::label::{parse_label, parse_label_trusted, Label};
 use crate::margin::ErrorModel;
 use crate::model::{LinearModel, Models};
+use crate::shared::SharedGroup;
 use crate::types::{Batch, BatchSizeReason, BuildContext, ExecutorSet, PlannerConfig, Target};
 use std::collections::VecDeque;
 
@@ -176,9 +177,11 @@ struct Terms {
     cum_packages: u64,
 }
 
-/// [`GroupEstimator`] backed by [`Models`]: slot 0 long memory, 1 short
-/// memory, 2 occupancy.
+/// [`GroupEstimator`] backed by [`Models`]: the shared-cost model's group when
+/// the models have one, else the linear models' scorers (slot 0 long memory, 1
+/// short memory, 2 occupancy).
 pub struct ModelGroup<'m> {
+    shared: Option<SharedGroup<'m>>,
     scorers: [Option<Scorer<'m>>; 3],
     terms: VecDeque<Terms>,
     prev: Option<TargetValues>,
@@ -190,12 +193,16 @@ pub struct ModelGroup<'m> {
 impl Estimator for Models {
     type Group<'a> = ModelGroup<'a>;
     fn group<'a>(&'a self, ctx: &BuildContext) -> ModelGroup<'a> {
-        let mem = self.memory.as_ref();
+        let shared = self.shared.as_ref().map(|s| s.group(ctx));
+        // With the shared-cost model, the linear ones are not scored at all.
+        let mem = self.memory.as_ref().filter(|_| shared.is_none());
+        let occupancy = self.occupancy.as_ref().filter(|_| shared.is_none());
         ModelGroup {
+            shared,
             scorers: [
                 mem.map(|m| Scorer::new(&m.long, ctx)),
                 mem.and_then(|m| m.short.as_ref()).map(|s| Scorer::new(s, ctx)),
-                self.occupancy.as_ref().map(|o| Scorer::new(o, ctx)),
+                occupancy.map(|o| Scorer::new(o, ctx)),
             ],
             terms: VecDeque::new(),
             prev: None,
@@ -222,6 +229,9 @@ impl ModelGroup<'_> {
 
 impl GroupEstimator for ModelGroup<'_> {
     fn push(&mut self, label: &Label<'_>) {
+        if let Some(s) = &mut self.shared {
+            return s.push(label);
+        }
         self.cur.fill(label);
         let mut full = [0.0; 3];
         for (m, s) in self.scorers.iter().enumerate() {
@@ -243,10 +253,16 @@ impl GroupEstimator for ModelGroup<'_> {
     }
 
     fn pop_front(&mut self, n: usize) {
+        if let Some(s) = &mut self.shared {
+            return s.pop_front(n);
+        }
         self.terms.drain(..n.min(self.terms.len()));
     }
 
     fn memory_bytes(&mut self, len: usize) -> Result<f64> {
+        if let Some(s) = &mut self.shared {
+            return s.memory_bytes(len);
+        }
         let long = self.window(0, len)?;
         if self.scorers[1].is_some() {
             Ok(long.max(self.window(1, len)?))
@@ -256,10 +272,16 @@ impl GroupEstimator for ModelGroup<'_> {
     }
 
     fn occupancy_esu(&mut self, len: usize) -> Result<f64> {
+        if let Some(s) = &mut self.shared {
+            return s.occupancy_esu(len);
+        }
         self.window(2, len)
     }
 
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
+        if let Some(s) = &self.shared {
+            return s.errors();
+        }
         // The memory estimate is the larger of the two windows' models.
         let err = |i: usize| self.scorers[i].as_ref().and_then(|s| s.model.error);
         (ErrorModel::wider(err(0), err(1)), err(2))

@@ -963,6 +963,21 @@ pub fn score_with_feedback(
     models: &Models,
     regressed: bool,
 ) -> Result<PlanScore> {
+    let predict = |ctx: &BuildContext, labels: &[&str]| models.predict_memory(ctx, labels).transpose();
+    score_with_feedback_of(name, truth, streams, cfg, models, predict, regressed)
+}
+
+/// [`score_with_feedback`] for any estimator; `predict` gives its uncorrected memory
+/// estimate of a build (`None`: it has no memory model, and nothing is observed).
+pub fn score_with_feedback_of<E: Estimator>(
+    name: &str,
+    truth: &GroundTruth,
+    streams: &[Stream],
+    cfg: &SimConfig,
+    estimator: &E,
+    predict: impl Fn(&BuildContext, &[&str]) -> Result<Option<f64>>,
+    regressed: bool,
+) -> Result<PlanScore> {
     // The plans read it and the builds write it, one after the other.
     let feedback = std::cell::RefCell::new(Feedback::new());
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xfeed_bac4);
@@ -976,7 +991,7 @@ pub fn score_with_feedback(
         // A stream plans with the builds of the streams before it: its own have not
         // finished yet.
         |ctx, targets| {
-            plan(ctx, targets, &cfg.planner, &Corrected { inner: models, feedback: feedback.borrow().clone() })
+            plan(ctx, targets, &cfg.planner, &Corrected { inner: estimator, feedback: feedback.borrow().clone() })
         },
         |b| {
             let label = if b.oom {
@@ -986,9 +1001,9 @@ pub fn score_with_feedback(
             } else {
                 b.usage.memory_bytes
             };
-            if let Some(m) = &models.memory {
-                let labels: Vec<&str> = b.batch.targets.iter().map(String::as_str).collect();
-                feedback.borrow_mut().observe(&b.ctx.tool_tag, m.predict(b.ctx, &labels)?, label, b.oom);
+            let labels: Vec<&str> = b.batch.targets.iter().map(String::as_str).collect();
+            if let Some(estimate) = predict(b.ctx, &labels)? {
+                feedback.borrow_mut().observe(&b.ctx.tool_tag, estimate, label, b.oom);
             }
             Ok(())
         },
@@ -1214,9 +1229,12 @@ pub fn bench(cfg: &BenchConfig) -> Result<BenchReport> {
 
 /// A learner configuration compared by [`compare`].
 pub fn model_variants() -> Vec<(&'static str, TrainConfig)> {
-    use crate::model::{Calibration, Centring, Loss};
-    let v2 = TrainConfig::default();
+    use crate::model::{Calibration, Centring, Learner, Loss};
+    // The linear learner, as it was the default before the shared-cost one.
+    let v2 = TrainConfig { learner: Learner::Linear, ..TrainConfig::default() };
     vec![
+        // The default: the shared-cost learner (`crate::shared`).
+        ("shared", TrainConfig::default()),
         // The first version: least squares, a q95 safety factor, no priors.
         (
             "v1-q95",
@@ -1251,8 +1269,9 @@ pub struct CompareRow {
 /// packages and a last-day regression), train every learner of
 /// [`model_variants`] on the history, and score every learner, fixed batch
 /// sizes, the oracle and the seen-costs bound ([`GroundTruth::seen_view`]) on
-/// the streams; the default learner also with [`score_with_feedback`]
-/// ("v2+feedback"). `progress` hears each row.
+/// the streams; the default learner and the linear one also with
+/// [`score_with_feedback`] ("shared+feedback", "v2+feedback"). `progress` hears
+/// each row.
 pub fn compare(
     base: &SimConfig,
     seeds: &[u64],
@@ -1283,10 +1302,10 @@ pub fn compare(
         for (name, tc) in model_variants() {
             let models = train(&history, &tc, cfg.now)?;
             push(name, score(name, &truth, &streams, &cfg.planner, &models, true)?);
-            if name == "v2" {
-                // The default as the service runs it: corrected by the builds it ran.
-                let fb = "v2+feedback";
-                push(fb, score_with_feedback(fb, &truth, &streams, &cfg, &models, true)?);
+            if name == "shared" || name == "v2" {
+                // As the service runs it: corrected by the builds it ran.
+                let fb = format!("{name}+feedback");
+                push(&fb, score_with_feedback(&fb, &truth, &streams, &cfg, &models, true)?);
             }
         }
         for &size in fixed_sizes {

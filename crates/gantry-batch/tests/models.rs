@@ -179,11 +179,10 @@ fn planner_estimates_never_below_model_prediction() {
     let targets: Vec<Target> = f.truth.labels.iter().map(|l| Target::new(l.clone())).collect();
     let batches = plan(&c, targets, &PlannerConfig::default(), &f.models).unwrap();
     assert!(batches.len() > 1);
-    let mem = f.models.memory.as_ref().unwrap();
     let mut exact = 0;
     for b in batches.iter().filter(|b| b.targets.len() > 1) {
         let labels: Vec<&str> = b.targets.iter().map(String::as_str).collect();
-        let set = mem.predict(&c, &labels).unwrap();
+        let set = f.models.predict_memory(&c, &labels).unwrap().unwrap();
         let inc = b.memory_estimate_bytes.unwrap() as f64;
         assert!(inc >= set - 1.0, "{inc} < {set}");
         if (inc - set).abs() <= 1.0 {

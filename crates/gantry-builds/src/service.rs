@@ -813,8 +813,8 @@ impl Inner {
         let summary = TrainSummary {
             builds: n,
             oom_builds,
-            memory_model: models.memory.is_some(),
-            occupancy_model: models.occupancy.is_some(),
+            memory_model: models.has_memory(),
+            occupancy_model: models.occupancy.is_some() || models.shared.is_some(),
             seconds: started.elapsed().as_secs_f64(),
         };
         // New streams and retries plan with the new models from now on; running streams
@@ -888,7 +888,9 @@ struct Measured {
 
 /// `doc`'s memory against `models`' estimate, if `models` planned it and it has a label.
 fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64) -> Option<Measured> {
-    let memory = models.memory.as_ref()?;
+    if !models.has_memory() {
+        return None;
+    }
     if doc.models_trained_at.is_none() || doc.models_trained_at != models.manifest.trained_at.map(|t| t.0) {
         return None;
     }
@@ -896,7 +898,7 @@ fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64)
     let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
     Some(Measured {
         tool: doc.context.tool_tag.clone(),
-        estimate: memory.predict(&doc.context, &labels).ok()?,
+        estimate: models.predict_memory(&doc.context, &labels)?.ok()?,
         actual: record.peak_memory_bytes as f64,
         oom: doc.outcome == Some(BuildOutcome::Oom),
     })

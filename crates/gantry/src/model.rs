@@ -123,11 +123,15 @@ fn run_offline(cmd: ModelCommand) -> anyhow::Result<()> {
             models.save(&out)?;
             let m = &models.manifest;
             eprintln!(
-                "trained on {} builds up to {} in {:.1}s ({} skipped); memory crosses {}, occupancy crosses {}; wrote {}",
+                "trained on {} builds up to {} in {:.1}s ({} skipped); planning with {}; memory crosses {}, occupancy crosses {}; wrote {}",
                 history.len(),
                 now.to_rfc3339(),
                 start.elapsed().as_secs_f64(),
                 m.skipped_records,
+                match &models.shared {
+                    Some(s) => format!("the shared-cost model (memory power {:.3})", s.power()),
+                    None => "the linear models".to_string(),
+                },
                 m.memory_crosses.len(),
                 m.occupancy_crosses.len(),
                 out.display()
