@@ -840,6 +840,9 @@ pub struct SimReport {
     pub history_builds: usize,
     pub history_oom: usize,
     pub train_seconds: f64,
+    /// Which model the planner used ("shared-cost, memory power 0.92" or "linear").
+    #[serde(default)]
+    pub planned_with: String,
     pub eval_streams: usize,
     pub eval_targets: usize,
     pub memory_calibration: f64,
@@ -1032,6 +1035,10 @@ pub fn simulate(cfg: &SimConfig) -> Result<SimRun> {
         train_seconds,
         eval_streams: streams.len(),
         eval_targets: streams.iter().map(|s| s.1.len()).sum(),
+        planned_with: match &models.shared {
+            Some(m) => format!("the shared-cost model (memory power {:.3})", m.power()),
+            None => "the linear models".to_string(),
+        },
         memory_calibration: mem.map(|m| m.long.calibration).unwrap_or(1.0),
         occupancy_calibration: models.occupancy.as_ref().map(|o| o.calibration).unwrap_or(1.0),
         memory_crosses: models.manifest.memory_crosses.iter().map(|c| c.to_string()).collect(),
@@ -1052,13 +1059,14 @@ impl fmt::Display for SimReport {
             "repo: {} targets; history: {} builds ({} OOM); training {:.1}s",
             self.repo_targets, self.history_builds, self.history_oom, self.train_seconds
         )?;
+        writeln!(f, "planned with {}", self.planned_with)?;
         writeln!(
             f,
-            "calibration: memory x{:.3}, occupancy x{:.3}",
+            "linear models: calibration memory x{:.3}, occupancy x{:.3}",
             self.memory_calibration, self.occupancy_calibration
         )?;
-        writeln!(f, "memory crosses: [{}]", self.memory_crosses.join(", "))?;
-        writeln!(f, "occupancy crosses: [{}]", self.occupancy_crosses.join(", "))?;
+        writeln!(f, "linear memory crosses: [{}]", self.memory_crosses.join(", "))?;
+        writeln!(f, "linear occupancy crosses: [{}]", self.occupancy_crosses.join(", "))?;
         writeln!(f, "evaluation: {} streams, {} targets\n", self.eval_streams, self.eval_targets)?;
         writeln!(
             f,
