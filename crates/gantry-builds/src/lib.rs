@@ -23,6 +23,6 @@ pub mod workspace;
 pub use classify::{classify, oom_signal, BuildOutcome, OomSignal};
 pub use error::BuildsError;
 pub use service::{
-    read_history, BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings, SharedModels,
-    TrainSummary,
+    learner_of, read_history, BuildDoc, BuildService, BuildState, MemoryLabel, RetryKind, ServiceSettings,
+    SharedModels, TrainSummary,
 };

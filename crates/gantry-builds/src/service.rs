@@ -185,6 +185,8 @@ pub struct ServiceSettings {
     pub feedback: bool,
     pub long_window: Duration,
     pub short_window: Duration,
+    /// The model that plans (`[batch] learner`).
+    pub learner: gantry_config::Learner,
 }
 
 /// What one training produced.
@@ -795,6 +797,7 @@ impl Inner {
         let config = TrainConfig {
             long_window_days: self.settings.long_window.as_secs_f64() / 86_400.0,
             short_window_days: self.settings.short_window.as_secs_f64() / 86_400.0,
+            learner: learner_of(self.settings.learner),
             ..TrainConfig::default()
         };
         let dir = self.settings.model_dir.clone();
@@ -877,6 +880,14 @@ pub async fn read_history(
 
 /// Builds read at startup for the feedback: more than its window holds for a few tools.
 const SEED_LIMIT: usize = 5000;
+
+/// The training configuration's learner for `[batch] learner`.
+pub fn learner_of(l: gantry_config::Learner) -> gantry_batch::model::Learner {
+    match l {
+        gantry_config::Learner::Shared => gantry_batch::model::Learner::Shared,
+        gantry_config::Learner::Linear => gantry_batch::model::Learner::Linear,
+    }
+}
 
 /// One finished build as the feedback sees it.
 struct Measured {

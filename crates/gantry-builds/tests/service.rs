@@ -92,6 +92,7 @@ async fn service_with(dir: &Path, deadline: Duration, min_history: usize, models
         feedback: true,
         long_window: Duration::from_secs(86_400),
         short_window: Duration::from_secs(3_600),
+        learner: gantry_config::Learner::default(),
     };
     let url = format!("sqlite://{}", dir.join("meta.db").display());
     let db = gantry_store::MetadataDb::open(&url).await.unwrap();

@@ -875,6 +875,20 @@ pub struct BatchConfig {
     pub long_window: Duration,
     #[serde(with = "humantime_serde")]
     pub short_window: Duration,
+    /// Which model plans: "shared" (default), the shared-cost model (costs per target,
+    /// package and directory, each charged once per build); "linear", the hashed linear
+    /// models of the first versions, which are trained beside it either way (README,
+    /// "Target batching").
+    pub learner: Learner,
+}
+
+/// The model the planner uses (`[batch] learner`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Learner {
+    #[default]
+    Shared,
+    Linear,
 }
 
 /// The measurement the memory model learns (`[batch] memory_label`).
@@ -923,6 +937,7 @@ impl Default for BatchConfig {
             feedback: true,
             long_window: Duration::from_secs(17 * 86_400),
             short_window: Duration::from_secs(86_400),
+            learner: Learner::default(),
         }
     }
 }

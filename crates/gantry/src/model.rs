@@ -34,6 +34,11 @@ pub struct TrainArgs {
     /// End of the training windows (RFC 3339) [default: the newest build in the history].
     #[arg(long)]
     now: Option<String>,
+    /// The model that plans: shared (costs per target, package and directory) or linear
+    /// (the first versions' hashed linear models). With --server, the server's
+    /// `[batch] learner` decides.
+    #[arg(long, default_value = "shared", value_parser = ["shared", "linear"], conflicts_with = "server")]
+    learner: String,
 }
 
 #[derive(clap::Args)]
@@ -119,7 +124,12 @@ fn run_offline(cmd: ModelCommand) -> anyhow::Result<()> {
                 None => history.iter().map(|r| r.time).max().expect("non-empty"),
             };
             let start = Instant::now();
-            let models = train(&history, &TrainConfig::default(), now)?;
+            let learner = match a.learner.as_str() {
+                "linear" => gantry_config::Learner::Linear,
+                _ => gantry_config::Learner::Shared,
+            };
+            let config = TrainConfig { learner: gantry_builds::learner_of(learner), ..TrainConfig::default() };
+            let models = train(&history, &config, now)?;
             models.save(&out)?;
             let m = &models.manifest;
             eprintln!(

@@ -331,6 +331,7 @@ async fn start_build_runners(
         feedback: b.feedback,
         long_window: b.long_window,
         short_window: b.short_window,
+        learner: b.learner,
     };
     // One process runs the batch builds of a database: each requeues the builds it finds
     // unfinished at startup, which would be the other's running ones.

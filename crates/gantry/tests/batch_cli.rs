@@ -43,6 +43,22 @@ fn train_eval_plan_and_enqueue() {
     let out = gantry().args(["model", "train", "--history"]).arg(&hist).arg("--out").arg(&models).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(models.join("manifest.json").exists() && models.join("memory_long.json").exists());
+    // The shared-cost model plans by default; `--learner linear` leaves it out, and a
+    // directory written that way loses a stale one.
+    assert!(models.join("shared.json").exists(), "the default learner's model");
+    let linear = dir.path().join("linear");
+    std::fs::create_dir_all(&linear).unwrap();
+    std::fs::write(linear.join("shared.json"), "stale").unwrap();
+    let out = gantry()
+        .args(["model", "train", "--learner", "linear", "--history"])
+        .arg(&hist)
+        .arg("--out")
+        .arg(&linear)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("planning with the linear models"));
+    assert!(linear.join("memory_long.json").exists() && !linear.join("shared.json").exists());
 
     let out = gantry().args(["model", "eval", "--model"]).arg(&models).arg("--history").arg(&hist).output().unwrap();
     assert!(out.status.success());
