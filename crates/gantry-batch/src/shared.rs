@@ -430,26 +430,25 @@ impl Part {
 
     /// A target's own cost and its package's: learned, or for one training never saw,
     /// its package's mean target, else its nearest seen ancestor's means.
-    fn target_terms(&self, index: &Index, label: &Label<'_>) -> (f64, f64) {
-        let target = index.targets.get(label.canonical().as_ref());
-        if let Some(&p) = index.pkgs.get(label.package()) {
-            let w = target.map_or(self.pkg_unseen_target[p as usize], |&t| self.w[t as usize]);
+    fn target_terms(&self, known: &Known) -> (f64, f64) {
+        if let Some(p) = known.pkg {
+            let w = known.target.map_or(self.pkg_unseen_target[p as usize], |t| self.w[t as usize]);
             return (w, self.u[p as usize]);
         }
-        match label.ancestors().find_map(|a| index.dirs.get(a)) {
-            Some(&d) => (self.dir_target_mean[d as usize], self.dir_pkg_mean[d as usize]),
+        match known.nearest_dir {
+            Some(d) => (self.dir_target_mean[d as usize], self.dir_pkg_mean[d as usize]),
             None => (self.unseen_target, self.unseen_pkg),
         }
     }
 
     /// A directory's cost: learned, or the mean of the seen ones as deep.
-    fn dir_cost(&self, index: &Index, dir: &str) -> f64 {
+    fn dir_cost(&self, dir: &KnownDir) -> f64 {
         if self.v.is_empty() {
             return 0.0;
         }
-        match index.dirs.get(dir) {
-            Some(&d) => self.v[d as usize],
-            None => self.depth_dir_mean.get(dir.matches('/').count()).copied().unwrap_or(self.unseen_dir),
+        match dir.id {
+            Some(d) => self.v[d as usize],
+            None => self.depth_dir_mean.get(dir.depth).copied().unwrap_or(self.unseen_dir),
         }
     }
 
@@ -593,9 +592,46 @@ pub struct SharedGroup<'a> {
     /// Per part: the context's multiplier and base.
     context: [(f64, f64); 2],
     terms: VecDeque<Terms>,
-    prev_pkg: Option<String>,
-    prev_dirs: Vec<String>,
+    /// The previous target's package ("" before the first).
+    prev_pkg: String,
     cum: [f64; 2],
+}
+
+/// What the index knows of one label: looked up once, priced by each part.
+struct Known {
+    target: Option<u32>,
+    pkg: Option<u32>,
+    /// For a package training never saw: its nearest seen ancestor directory.
+    nearest_dir: Option<u32>,
+    /// Its ancestor directories, deepest first.
+    dirs: Vec<KnownDir>,
+}
+
+struct KnownDir {
+    id: Option<u32>,
+    depth: usize,
+    /// Not an ancestor of the previous target's package: first charged here.
+    new: bool,
+}
+
+impl Known {
+    fn of(index: &Index, label: &Label<'_>, prev_pkg: &str) -> Known {
+        let pkg = index.pkgs.get(label.package()).copied();
+        let dirs: Vec<KnownDir> = label
+            .ancestors()
+            .map(|a| KnownDir {
+                id: index.dirs.get(a).copied(),
+                depth: a.matches('/').count(),
+                new: !(prev_pkg.len() > a.len() && prev_pkg.starts_with(a) && prev_pkg.as_bytes()[a.len()] == b'/'),
+            })
+            .collect();
+        Known {
+            target: index.targets.get(label.canonical().as_ref()).copied(),
+            pkg,
+            nearest_dir: if pkg.is_none() { dirs.iter().find_map(|d| d.id) } else { None },
+            dirs,
+        }
+    }
 }
 
 impl Estimator for SharedModel {
@@ -606,8 +642,7 @@ impl Estimator for SharedModel {
             model: self,
             context: [self.memory.context_terms(&self.index, ctx), self.occupancy.context_terms(&self.index, ctx)],
             terms: VecDeque::new(),
-            prev_pkg: None,
-            prev_dirs: Vec::new(),
+            prev_pkg: String::new(),
             cum: [0.0; 2],
         }
     }
@@ -620,7 +655,7 @@ impl SharedGroup<'_> {
         }
         let (first, last) = (&self.terms[0], &self.terms[len - 1]);
         let s = (first.full[part] + last.cum[part] - first.cum[part]).max(1e-12);
-        let power = [self.model.memory.power, 1.0][part];
+        let power = [&self.model.memory, &self.model.occupancy][part].power;
         let (mult, base) = self.context[part];
         Ok(mult * (base + s.powf(power)))
     }
@@ -628,25 +663,22 @@ impl SharedGroup<'_> {
 
 impl GroupEstimator for SharedGroup<'_> {
     fn push(&mut self, label: &Label<'_>) {
-        let (m, index) = (self.model, &self.model.index);
-        let dirs: Vec<String> = label.ancestors().map(str::to_string).collect();
-        let same_pkg = self.prev_pkg.as_deref() == Some(label.package());
+        let m = self.model;
+        let known = Known::of(&m.index, label, &self.prev_pkg);
+        let same_pkg = self.prev_pkg == label.package();
         let mut full = [0.0; 2];
-        let mut new = [0.0; 2];
         for (k, part) in [&m.memory, &m.occupancy].into_iter().enumerate() {
-            let (w, u) = part.target_terms(index, label);
-            full[k] = w + u + dirs.iter().map(|d| part.dir_cost(index, d)).sum::<f64>();
-            new[k] = if same_pkg {
+            let (w, u) = part.target_terms(&known);
+            full[k] = w + u + known.dirs.iter().map(|d| part.dir_cost(d)).sum::<f64>();
+            self.cum[k] += if same_pkg {
                 w
             } else {
-                w + u
-                    + dirs.iter().filter(|d| !self.prev_dirs.contains(d)).map(|d| part.dir_cost(index, d)).sum::<f64>()
+                w + u + known.dirs.iter().filter(|d| d.new).map(|d| part.dir_cost(d)).sum::<f64>()
             };
-            self.cum[k] += new[k];
         }
         self.terms.push_back(Terms { full, cum: self.cum });
-        self.prev_pkg = Some(label.package().to_string());
-        self.prev_dirs = dirs;
+        self.prev_pkg.clear();
+        self.prev_pkg.push_str(label.package());
     }
 
     fn pop_front(&mut self, n: usize) {
