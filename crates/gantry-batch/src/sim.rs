@@ -53,6 +53,9 @@ pub struct SimConfig {
     /// Multiplier of every target's own memory: a heavier repository (bigger
     /// targets, fewer per build) with the same structure.
     pub target_memory_scale: f64,
+    /// The power of a build's summed analysis cost in its memory: below 1, large
+    /// analysis graphs compact better (sub-additive beyond the shared costs).
+    pub analysis_power: f64,
     /// Fraction of packages that are new: none of their targets appear in the
     /// history, all of them may appear in the evaluation streams (the shift
     /// between training and scoring data).
@@ -84,6 +87,7 @@ impl Default for SimConfig {
             builds_per_day: 700,
             regression: 1.12,
             target_memory_scale: 1.0,
+            analysis_power: 0.93,
             new_package_fraction: 0.05,
             label_noise_fraction: 0.03,
             label_noise_max: 1.8,
@@ -98,12 +102,37 @@ impl Default for SimConfig {
     }
 }
 
+/// The workloads of [`SimConfig::workload`]: the default; target memory ×1.5 and
+/// ×0.6; memory additive in the analysis cost and more sub-additive than the
+/// default; a tenth of the labels reading up to 2.5× high; three times as many
+/// packages new to the streams; a last-day regression of 1.3 instead of 1.12.
+pub const WORKLOADS: [&str; 8] =
+    ["default", "heavy", "light", "additive", "compact", "noisy", "new-code", "regression"];
+
 impl SimConfig {
     /// The workload of [`compare`]: 17 days of history, then 36 held-out
     /// postsubmit, coverage and release streams of 4,000 to 15,000 targets
     /// from a repository of about 42,000 targets.
     pub fn large_streams() -> Self {
         SimConfig { packages: 6000, eval_small_streams: 0, eval_large_streams: 36, ..SimConfig::default() }
+    }
+
+    /// A named workload of [`compare`]: [`SimConfig::large_streams`] (`default`), or a
+    /// shift of it that no learner was shaped on (see [`WORKLOADS`]). `None` for an
+    /// unknown name.
+    pub fn workload(name: &str) -> Option<Self> {
+        let base = SimConfig::large_streams();
+        Some(match name {
+            "default" => base,
+            "heavy" => SimConfig { target_memory_scale: 1.5, ..base },
+            "light" => SimConfig { target_memory_scale: 0.6, ..base },
+            "additive" => SimConfig { analysis_power: 1.0, ..base },
+            "compact" => SimConfig { analysis_power: 0.85, ..base },
+            "noisy" => SimConfig { label_noise_fraction: 0.10, label_noise_max: 2.5, ..base },
+            "new-code" => SimConfig { new_package_fraction: 0.15, ..base },
+            "regression" => SimConfig { regression: 1.3, ..base },
+            _ => return None,
+        })
     }
 
     /// A configuration small enough for unit tests (a few seconds).
@@ -172,6 +201,7 @@ pub struct GroundTruth {
     /// Each package's subtree weight (every cost under a top directory scales with it).
     pkg_weight: Vec<f64>,
     regression: f64,
+    analysis_power: f64,
 }
 
 /// The resource usage of one build according to the ground truth.
@@ -314,6 +344,7 @@ impl GroundTruth {
             pkg_new,
             pkg_weight,
             regression: cfg.regression,
+            analysis_power: cfg.analysis_power,
         }
     }
 
@@ -404,7 +435,7 @@ impl GroundTruth {
         let (mem_mult, esu_mult, flag_base) = context_effects(ctx);
         let base = if ctx.command == Command::Test { 0.75e9 } else { 0.5e9 } + flag_base + user_base(&ctx.user);
         // Sub-additive beyond sharing: large analysis graphs compact better.
-        let analysed = GB as f64 * (s / GB as f64).powf(0.93);
+        let analysed = GB as f64 * (s / GB as f64).powf(self.analysis_power);
         let reg = if regressed { self.regression } else { 1.0 };
         Usage { memory_bytes: mem_mult * reg * (base + analysed), occupancy_esu: esu_mult * e }
     }
@@ -1280,12 +1311,16 @@ pub struct CompareRow {
 /// the streams; the default learner and the linear one also with
 /// [`score_with_feedback`] ("shared+feedback", "v2+feedback"). `progress` hears
 /// each row.
+/// `only` names the planners to score (empty: all); the oracle is always scored, as
+/// every density is read against it.
 pub fn compare(
     base: &SimConfig,
     seeds: &[u64],
     fixed_sizes: &[usize],
+    only: &[String],
     mut progress: impl FnMut(&CompareRow),
 ) -> Result<Vec<CompareRow>> {
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     let mut rows = Vec::new();
     for &seed in seeds {
         let cfg = SimConfig { seed, ..base.clone() };
@@ -1302,24 +1337,32 @@ pub fn compare(
             rows.push(row);
         };
         push("oracle", oracle.clone());
-        let seen = truth.seen_view();
-        push(
-            "oracle-seen",
-            score("oracle-seen", &truth, &streams, &cfg.planner, &Oracle { truth: &seen, regressed: true }, true)?,
-        );
+        if wanted("oracle-seen") {
+            let seen = truth.seen_view();
+            let o = Oracle { truth: &seen, regressed: true };
+            push("oracle-seen", score("oracle-seen", &truth, &streams, &cfg.planner, &o, true)?);
+        }
         for (name, tc) in model_variants() {
+            // As the service runs it: corrected by the builds it ran.
+            let fb = format!("{name}+feedback");
+            let with_feedback = (name == "shared" || name == "v2") && wanted(&fb);
+            if !wanted(name) && !with_feedback {
+                continue;
+            }
             let models = train(&history, &tc, cfg.now)?;
-            push(name, score(name, &truth, &streams, &cfg.planner, &models, true)?);
-            if name == "shared" || name == "v2" {
-                // As the service runs it: corrected by the builds it ran.
-                let fb = format!("{name}+feedback");
+            if wanted(name) {
+                push(name, score(name, &truth, &streams, &cfg.planner, &models, true)?);
+            }
+            if with_feedback {
                 push(&fb, score_with_feedback(&fb, &truth, &streams, &cfg, &models, true)?);
             }
         }
         for &size in fixed_sizes {
-            let p = PlannerConfig { fallback_batch_size: size, ..cfg.planner.clone() };
             let name = format!("fixed-{size}");
-            push(&name, score(&name, &truth, &streams, &p, &Models::default(), true)?);
+            if wanted(&name) {
+                let p = PlannerConfig { fallback_batch_size: size, ..cfg.planner.clone() };
+                push(&name, score(&name, &truth, &streams, &p, &Models::default(), true)?);
+            }
         }
     }
     Ok(rows)

@@ -65,3 +65,33 @@ fn the_seen_view_differs_from_the_truth_only_where_the_history_never_looked() {
     let ratio = seen_sum / true_sum;
     assert!((0.5..2.0).contains(&ratio), "prior over truth {ratio}");
 }
+
+/// `gantry bench batch --compare --workload` names: each resolves to a shift of the
+/// default workload, and the analysis power reaches the truth.
+#[test]
+fn every_named_workload_is_a_shift_of_the_default() {
+    use gantry_batch::sim::WORKLOADS;
+    let default = SimConfig::workload("default").unwrap();
+    assert_eq!(default, SimConfig::large_streams());
+    for name in WORKLOADS.iter().filter(|n| **n != "default") {
+        let w = SimConfig::workload(name).unwrap_or_else(|| panic!("{name} is listed but unknown"));
+        assert_ne!(w, default, "{name} is the default");
+        assert_eq!(SimConfig { seed: 1, ..w.clone() }.packages, default.packages, "{name} keeps the repository's size");
+    }
+    assert_eq!(SimConfig::workload("heavier"), None);
+
+    // The same repository and build under three powers: additive memory is the
+    // largest for a build whose analysis cost exceeds 1 GB.
+    let small = |power: f64| {
+        let cfg = SimConfig { analysis_power: power, ..SimConfig::small() };
+        // The repository comes first from the seed, so it is the same under every power.
+        let (truth, _, _) = gantry_batch::sim::generate(&cfg);
+        let ctx =
+            gantry_batch::BuildContext::new_workspace("ws", gantry_batch::Command::Build, gantry_batch::Priority::Low);
+        let ids: Vec<u32> = (0..truth.labels.len() as u32).collect();
+        (truth.labels.len(), truth.truth(&ctx, &ids, false).memory_bytes)
+    };
+    let ((n1, compact), (n2, base), (n3, additive)) = (small(0.85), small(0.93), small(1.0));
+    assert!(n1 == n2 && n2 == n3, "the repository changed with the power");
+    assert!(compact < base && base < additive, "{compact} {base} {additive}");
+}

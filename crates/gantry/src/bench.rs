@@ -217,9 +217,18 @@ pub struct BatchBenchArgs {
     /// this learner (e.g. v2).
     #[arg(long)]
     per_stream: Option<String>,
-    /// --compare: multiply every target's memory (a heavier repository).
+    /// --compare: multiply every target's memory (a heavier repository), on top of
+    /// the workload's own scale.
     #[arg(long, default_value_t = 1.0)]
     target_memory_scale: f64,
+    /// --compare: the workload, the default or a shift of it: default, heavy, light,
+    /// additive, compact, noisy, new-code, regression.
+    #[arg(long, default_value = "default")]
+    workload: String,
+    /// --compare: score only these planners (comma-separated, e.g.
+    /// shared,shared+feedback,fixed-300); the oracle is always scored.
+    #[arg(long, value_delimiter = ',')]
+    planners: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -628,12 +637,12 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
     let mut sim = if args.small { SimConfig::small() } else { SimConfig::default() };
     sim.seed = args.seed;
     if args.compare {
-        let base = gantry_batch::sim::SimConfig {
-            target_memory_scale: args.target_memory_scale,
-            ..gantry_batch::sim::SimConfig::large_streams()
+        let Some(mut base) = SimConfig::workload(&args.workload) else {
+            anyhow::bail!("--workload {:?} is not one of {}", args.workload, gantry_batch::sim::WORKLOADS.join(", "));
         };
+        base.target_memory_scale *= args.target_memory_scale;
         anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
-        let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, |r| {
+        let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, &args.planners, |r| {
             eprintln!(
                 "  seed {}: {:<14} {:>5} builds, OOM {:.3}%, DE {:.3}%, density {:.3} of the oracle",
                 r.seed,
