@@ -16,8 +16,18 @@
 //! the 30 builds an error model needs. An OOM build's label is the heap it died in, a
 //! lower bound, counted when it is above the estimate. A retraining replaces the
 //! models, and with them what the errors were measured against: feedback starts over.
+//!
+//! A per-tool factor cannot help when one target costs far more than the models
+//! think: history that always built it with the same neighbours cannot say which of
+//! them carries the cost, and every later batch that holds it runs out of memory.
+//! So an OOM build the models under-read also makes its targets *suspects*: each may
+//! carry the whole deficit (the heap minus the estimate), and a batch holding suspects
+//! of that OOM is charged the deficit once, on top of its estimate. A build that
+//! succeeds bounds what each of its suspects can carry by what it used beyond its
+//! estimate, so the split halves of an OOM build (and any later build) clear the
+//! innocent and leave the deficit on the culprit.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::label::Label;
 use crate::margin::{ErrorModel, TrustedSide};
@@ -36,10 +46,18 @@ pub const WINDOW: usize = 200;
 const MAX_DOWN: f64 = -0.3;
 const MAX_UP: f64 = std::f64::consts::LN_2 * 2.0;
 
-/// Recent memory errors per tool tag.
+/// OOM builds whose suspects are kept: the oldest are forgotten first.
+pub const MAX_OOM_EVENTS: usize = 64;
+
+/// Recent memory errors per tool tag, and the suspects of recent OOM builds.
 #[derive(Debug, Clone, Default)]
 pub struct Feedback {
     by_tool: BTreeMap<String, VecDeque<f64>>,
+    /// Per suspect target: (OOM build, bytes it may still carry), each above zero.
+    suspects: HashMap<String, Vec<(u32, f64)>>,
+    /// The kept OOM builds, oldest first, with their targets.
+    events: VecDeque<(u32, Vec<String>)>,
+    next_event: u32,
 }
 
 /// What the recent builds of one tool say about the memory estimates.
@@ -63,12 +81,20 @@ impl Feedback {
     /// estimate: an OOM of a build estimated over the heap anyway (one target over the
     /// cutoff) says nothing about them and is not counted. Ignored when either number
     /// is not positive.
-    pub fn observe(&mut self, tool: &str, estimate: f64, actual: f64, oom: bool) {
+    ///
+    /// `targets` are the build's: an OOM build's become suspects, and a build that
+    /// finished bounds what its suspects may carry (see the module's doc).
+    pub fn observe(&mut self, tool: &str, targets: &[&str], estimate: f64, actual: f64, oom: bool) {
         if !(estimate > 0.0 && actual > 0.0 && estimate.is_finite() && actual.is_finite()) {
             return;
         }
         if oom && actual <= estimate {
             return;
+        }
+        if oom {
+            self.suspect(targets, actual - estimate);
+        } else {
+            self.clear(targets, (actual - estimate).max(0.0));
         }
         let q = self.by_tool.entry(tool.to_string()).or_default();
         if q.len() == WINDOW {
@@ -95,6 +121,57 @@ impl Feedback {
     pub fn observations(&self, tool: &str) -> usize {
         self.by_tool.get(tool).map_or(0, VecDeque::len)
     }
+
+    /// What `target` may carry beyond the models' estimate: per OOM build it was in,
+    /// the bytes (empty when it is no suspect).
+    pub fn suspicion(&self, target: &str) -> &[(u32, f64)] {
+        self.suspects.get(target).map_or(&[], Vec::as_slice)
+    }
+
+    fn suspect(&mut self, targets: &[&str], deficit: f64) {
+        if self.events.len() == MAX_OOM_EVENTS
+            && let Some((old, labels)) = self.events.pop_front()
+        {
+            for l in labels {
+                self.forget(&l, old);
+            }
+        }
+        let id = self.next_event;
+        self.next_event = self.next_event.wrapping_add(1);
+        let mut labels: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
+        labels.sort();
+        labels.dedup();
+        for l in &labels {
+            self.suspects.entry(l.clone()).or_default().push((id, deficit));
+        }
+        self.events.push_back((id, labels));
+    }
+
+    /// A finished build used `excess` bytes beyond its estimate: none of its targets
+    /// carries more than that.
+    fn clear(&mut self, targets: &[&str], excess: f64) {
+        for t in targets {
+            self.keep(t, |(_, d)| {
+                *d = d.min(excess);
+                *d > 0.0
+            });
+        }
+    }
+
+    /// `target` is no longer a suspect of OOM build `event`.
+    fn forget(&mut self, target: &str, event: u32) {
+        self.keep(target, |(e, _)| *e != event);
+    }
+
+    /// Keeps the suspicions of `target` for which `f` (which may lower them) holds.
+    fn keep(&mut self, target: &str, mut f: impl FnMut(&mut (u32, f64)) -> bool) {
+        if let Some(list) = self.suspects.get_mut(target) {
+            list.retain_mut(|x| f(x));
+            if list.is_empty() {
+                self.suspects.remove(target);
+            }
+        }
+    }
 }
 
 /// An [`Estimator`] whose memory estimates and margin are corrected by [`Feedback`].
@@ -105,10 +182,16 @@ pub struct Corrected<M> {
 }
 
 /// The group of a [`Corrected`] estimator.
-pub struct CorrectedGroup<G> {
+pub struct CorrectedGroup<'a, G> {
     inner: G,
     factor: f64,
     error: Option<ErrorModel>,
+    feedback: &'a Feedback,
+    /// The queued suspects: (position since the group began, their suspicion).
+    suspects: VecDeque<(usize, &'a [(u32, f64)])>,
+    /// Targets pushed and popped since the group began.
+    pushed: usize,
+    popped: usize,
 }
 
 impl<M> Estimator for Corrected<M>
@@ -117,7 +200,7 @@ where
     M::Target: Estimator,
 {
     type Group<'a>
-        = CorrectedGroup<<M::Target as Estimator>::Group<'a>>
+        = CorrectedGroup<'a, <M::Target as Estimator>::Group<'a>>
     where
         Self: 'a;
 
@@ -127,22 +210,58 @@ where
             inner: self.inner.group(ctx),
             factor: c.map_or(1.0, |c| c.log_bias.exp()),
             error: c.and_then(|c| c.error),
+            feedback: &self.feedback,
+            suspects: VecDeque::new(),
+            pushed: 0,
+            popped: 0,
         }
     }
 }
 
-impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<G> {
+impl<G: GroupEstimator> CorrectedGroup<'_, G> {
+    /// The deficits of the OOM builds the first `len` queued targets were suspects of,
+    /// each charged once, at the most its suspects here may still carry.
+    fn suspected_bytes(&self, len: usize) -> f64 {
+        let end = self.popped + len;
+        let mut per_event: Vec<(u32, f64)> = Vec::new();
+        for (_, list) in self.suspects.iter().take_while(|(pos, _)| *pos < end) {
+            for &(e, d) in *list {
+                match per_event.iter_mut().find(|(x, _)| *x == e) {
+                    Some((_, m)) => *m = m.max(d),
+                    None => per_event.push((e, d)),
+                }
+            }
+        }
+        per_event.iter().map(|(_, d)| d).sum()
+    }
+}
+
+impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<'_, G> {
     fn push(&mut self, label: &Label<'_>) {
         self.inner.push(label);
+        let s = self.feedback.suspicion(label.as_str());
+        if !s.is_empty() {
+            self.suspects.push_back((self.pushed, s));
+        }
+        self.pushed += 1;
     }
 
     fn pop_front(&mut self, n: usize) {
         self.inner.pop_front(n);
+        self.popped += n;
+        while self.suspects.front().is_some_and(|(pos, _)| *pos < self.popped) {
+            self.suspects.pop_front();
+        }
     }
 
     fn memory_bytes(&mut self, len: usize) -> Result<f64> {
-        // A positive constant factor keeps the estimate monotone in `len`.
-        Ok(self.inner.memory_bytes(len)? * self.factor)
+        // A positive constant factor keeps the estimate monotone in `len`, and so does
+        // a sum over the OOM builds met so far.
+        let base = self.inner.memory_bytes(len)? * self.factor;
+        if self.suspects.is_empty() {
+            return Ok(base);
+        }
+        Ok(base + self.suspected_bytes(len))
     }
 
     fn occupancy_esu(&mut self, len: usize) -> Result<f64> {
@@ -158,25 +277,119 @@ impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<G> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::label::parse_label;
+    use crate::types::{Command, Priority};
+
+    /// Every target costs 1 GB by the models.
+    struct PerTarget;
+    struct PerTargetGroup(usize);
+    impl Estimator for PerTarget {
+        type Group<'a> = PerTargetGroup;
+        fn group(&self, _: &BuildContext) -> PerTargetGroup {
+            PerTargetGroup(0)
+        }
+    }
+    impl GroupEstimator for PerTargetGroup {
+        fn push(&mut self, _: &Label<'_>) {
+            self.0 += 1;
+        }
+        fn pop_front(&mut self, n: usize) {
+            self.0 -= n;
+        }
+        fn memory_bytes(&mut self, len: usize) -> Result<f64> {
+            assert!(len <= self.0);
+            Ok(len as f64 * 1e9)
+        }
+        fn occupancy_esu(&mut self, _: usize) -> Result<f64> {
+            Ok(1.0)
+        }
+    }
+
+    /// Memory estimates of each prefix of `labels`, corrected by `f`.
+    fn prefixes(f: &Feedback, labels: &[&str]) -> Vec<f64> {
+        let c = Corrected { inner: &PerTarget, feedback: f.clone() };
+        let ctx = BuildContext::new_workspace("ws", Command::Build, Priority::Low);
+        let mut g = c.group(&ctx);
+        for l in labels {
+            g.push(&parse_label(l).unwrap());
+        }
+        (1..=labels.len()).map(|n| g.memory_bytes(n).unwrap() / 1e9).collect()
+    }
+
+    #[test]
+    fn an_under_read_oom_charges_its_deficit_once_to_a_batch_of_its_targets() {
+        let mut f = Feedback::new();
+        // Estimated 9 GB, died in the 13 GB heap: 4 GB that one of a, b, c carries.
+        f.observe("t", &["//p:a", "//p:b", "//p:c"], 9e9, 13e9, true);
+        assert_eq!(f.suspicion("//p:a"), &[(0, 4e9)]);
+        assert_eq!(prefixes(&f, &["//p:x", "//p:a", "//p:b", "//q:y"]), [1.0, 6.0, 7.0, 8.0]);
+        assert_eq!(prefixes(&f, &["//p:x", "//q:y"]), [1.0, 2.0], "no suspects, no charge");
+        // An OOM of a batch estimated over the heap says nothing of its targets.
+        f.observe("t", &["//p:x"], 20e9, 13e9, true);
+        assert!(f.suspicion("//p:x").is_empty());
+        // A second under-read OOM is a second deficit.
+        f.observe("t", &["//p:b", "//q:y"], 12e9, 13e9, true);
+        assert_eq!(prefixes(&f, &["//p:b", "//q:y"]), [1.0 + 4.0 + 1.0, 2.0 + 4.0 + 1.0]);
+        // Popping the suspects off the front stops their charge.
+        let c = Corrected { inner: &PerTarget, feedback: f.clone() };
+        let mut g = c.group(&BuildContext::new_workspace("ws", Command::Build, Priority::Low));
+        for l in ["//p:a", "//q:z", "//q:w"] {
+            g.push(&parse_label(l).unwrap());
+        }
+        assert_eq!(g.memory_bytes(2).unwrap(), 6e9);
+        g.pop_front(1);
+        assert_eq!(g.memory_bytes(2).unwrap(), 2e9);
+    }
+
+    #[test]
+    fn builds_that_finish_clear_their_suspects_down_to_what_they_used_beyond_the_estimate() {
+        let mut f = Feedback::new();
+        f.observe("t", &["//p:a", "//p:b", "//p:c", "//p:d"], 9e9, 13e9, true);
+        // The halves of the split: a and b used 0.5 GB more than estimated, c and d 5 GB.
+        f.observe("t", &["//p:a", "//p:b"], 4e9, 4.5e9, false);
+        f.observe("t", &["//p:c", "//p:d"], 5e9, 10e9, false);
+        assert_eq!(f.suspicion("//p:a"), &[(0, 0.5e9)]);
+        assert_eq!(f.suspicion("//p:c"), &[(0, 4e9)], "5 GB over bounds nothing below the 4 GB deficit");
+        // A build under its estimate clears its suspects entirely.
+        f.observe("t", &["//p:a", "//q:y"], 4e9, 3e9, false);
+        assert!(f.suspicion("//p:a").is_empty());
+        assert_eq!(
+            prefixes(&f, &["//p:a", "//p:b", "//p:c"]),
+            [1.0, 2.5, 7.0],
+            "the largest suspicion of the OOM, once"
+        );
+    }
+
+    #[test]
+    fn only_the_newest_ooms_keep_suspects() {
+        let mut f = Feedback::new();
+        for i in 0..MAX_OOM_EVENTS + 1 {
+            f.observe("t", &[&format!("//p:t{i}"), "//p:shared"], 9e9, 13e9, true);
+        }
+        assert!(f.suspicion("//p:t0").is_empty(), "the oldest OOM is forgotten");
+        assert_eq!(f.suspicion("//p:t1").len(), 1);
+        assert_eq!(f.suspicion("//p:shared").len(), MAX_OOM_EVENTS);
+        assert_eq!(f.events.len(), MAX_OOM_EVENTS);
+    }
 
     #[test]
     fn no_correction_before_enough_builds_then_the_median() {
         let mut f = Feedback::new();
         for _ in 0..MIN_OBSERVATIONS - 1 {
-            f.observe("coverage", 10.0, 13.0, false);
+            f.observe("coverage", &[], 10.0, 13.0, false);
         }
         assert_eq!(f.correction("coverage"), None);
-        f.observe("coverage", 10.0, 13.0, false);
+        f.observe("coverage", &[], 10.0, 13.0, false);
         let c = f.correction("coverage").unwrap();
         assert!((c.log_bias - 1.3f64.ln()).abs() < 1e-12, "{c:?}");
         assert_eq!(f.correction("postsubmit"), None, "per tool");
         // Nonsense is ignored, as is an OOM under its estimate; the window keeps the newest.
-        f.observe("coverage", 0.0, 5.0, false);
-        f.observe("coverage", f64::NAN, 5.0, false);
-        f.observe("coverage", 20.0, 13.0, true);
+        f.observe("coverage", &[], 0.0, 5.0, false);
+        f.observe("coverage", &[], f64::NAN, 5.0, false);
+        f.observe("coverage", &[], 20.0, 13.0, true);
         assert_eq!(f.observations("coverage"), MIN_OBSERVATIONS);
         for _ in 0..WINDOW {
-            f.observe("coverage", 10.0, 9.0, false);
+            f.observe("coverage", &[], 10.0, 9.0, false);
         }
         assert_eq!(f.observations("coverage"), WINDOW);
         assert!((f.correction("coverage").unwrap().log_bias - 0.9f64.ln()).abs() < 1e-12);
@@ -187,8 +400,8 @@ mod tests {
         let mut up = Feedback::new();
         let mut down = Feedback::new();
         for _ in 0..20 {
-            up.observe("t", 1.0, 5.0, false);
-            down.observe("t", 1.0, 0.5, false);
+            up.observe("t", &[], 1.0, 5.0, false);
+            down.observe("t", &[], 1.0, 0.5, false);
         }
         assert_eq!(up.correction("t").unwrap().log_bias, MAX_UP);
         assert_eq!(down.correction("t").unwrap().log_bias, MAX_DOWN);
@@ -198,7 +411,7 @@ mod tests {
         for i in 0..100 {
             let noise = [-0.08, -0.04, 0.0, 0.04, 0.08][i % 5];
             let actual = if i % 10 == 9 { 30.0 } else { 10.0 * f64::exp(0.1 + noise) };
-            f.observe("t", 10.0, actual, false);
+            f.observe("t", &[], 10.0, actual, false);
         }
         let c = f.correction("t").unwrap();
         assert!((c.log_bias - 0.1).abs() < 0.05, "{c:?}");

@@ -1037,7 +1037,7 @@ pub fn score_with_feedback_of<E: Estimator>(
             };
             let labels: Vec<&str> = b.batch.targets.iter().map(String::as_str).collect();
             if let Some(estimate) = predict(b.ctx, &labels)? {
-                feedback.borrow_mut().observe(&b.ctx.tool_tag, estimate, label, b.oom);
+                feedback.borrow_mut().observe(&b.ctx.tool_tag, &labels, estimate, label, b.oom);
             }
             Ok(())
         },

@@ -562,7 +562,8 @@ impl Inner {
             *learned = Learned { trained_at, feedback: Feedback::new() };
         }
         for m in measured {
-            learned.feedback.observe(&m.tool, m.estimate, m.actual, m.oom);
+            let targets: Vec<&str> = m.targets.iter().map(String::as_str).collect();
+            learned.feedback.observe(&m.tool, &targets, m.estimate, m.actual, m.oom);
         }
     }
 
@@ -892,6 +893,7 @@ pub fn learner_of(l: gantry_config::Learner) -> gantry_batch::model::Learner {
 /// One finished build as the feedback sees it.
 struct Measured {
     tool: String,
+    targets: Vec<String>,
     estimate: f64,
     actual: f64,
     oom: bool,
@@ -907,11 +909,13 @@ fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64)
     }
     let record = doc.history_record(label, heap_bytes)?;
     let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
+    let estimate = models.predict_memory(&doc.context, &labels)?.ok()?;
     Some(Measured {
         tool: doc.context.tool_tag.clone(),
-        estimate: models.predict_memory(&doc.context, &labels)?.ok()?,
+        estimate,
         actual: record.peak_memory_bytes as f64,
         oom: doc.outcome == Some(BuildOutcome::Oom),
+        targets: record.targets,
     })
 }
 

@@ -266,3 +266,36 @@ async fn builds_planned_by_the_current_models_feed_back_and_survive_a_restart() 
     assert_eq!(s.feedback().observations("t"), 12, "seeded from the store at startup");
     s.shutdown().await;
 }
+
+/// An OOM build planned by the current models makes its targets suspects of the
+/// deficit, and the split halves that fit clear theirs: the culprit keeps it.
+#[tokio::test]
+async fn an_oom_leaves_its_deficit_on_the_target_its_halves_do_not_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = workspace(dir.path());
+    let s = service(dir.path(), Duration::from_secs(60), 6).await;
+    for i in 0..8 {
+        let labels = [format!("//p{}:a", i % 5), format!("//p{}:b", i % 3)];
+        let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
+        let targets = labels.iter().map(|l| target(l)).collect();
+        s.submit(format!("h-{i}"), "h", &ctx(&ws), targets, &batch(&refs), String::new(), None).await.unwrap();
+    }
+    wait_stream(&s, "h").await;
+    s.train_now().await.unwrap();
+    let trained_at = s.models().read().unwrap().manifest.trained_at.map(|t| t.0);
+    // Two targets fit, three run out of memory, and so does any named *oom*.
+    let labels = ["//p1:a", "//p2:oom", "//p3:b"];
+    let targets = labels.iter().map(|l| target(l)).collect();
+    s.submit("x-0".into(), "x", &ctx(&ws), targets, &batch(&labels), String::new(), trained_at).await.unwrap();
+    let builds = wait_stream(&s, "x").await;
+    let ids: Vec<&str> = builds.iter().map(|b| b.id.as_str()).collect();
+    // Split into //p1:a and the other two, which run out of memory and split again.
+    assert_eq!(ids, ["x-0", "x-0.1", "x-0.2", "x-0.2.1", "x-0.2.2"]);
+    let fb = s.feedback();
+    let carried = |l: &str| fb.suspicion(l).iter().map(|(_, d)| *d).fold(0.0, f64::max);
+    // The models read a few kilobytes; the build died in the 64 MiB heap.
+    assert!(carried("//p2:oom") > 60.0 * (1 << 20) as f64, "{:?}", fb.suspicion("//p2:oom"));
+    assert!(carried("//p1:a") < 1e5, "the half that fit clears it: {:?}", fb.suspicion("//p1:a"));
+    assert!(carried("//p3:b") < 1e5, "so does its own build: {:?}", fb.suspicion("//p3:b"));
+    s.shutdown().await;
+}
