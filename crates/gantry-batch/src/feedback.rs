@@ -125,6 +125,10 @@ impl Feedback {
     /// What `target` may carry beyond the models' estimate: per OOM build it was in,
     /// the bytes (empty when it is no suspect).
     pub fn suspicion(&self, target: &str) -> &[(u32, f64)] {
+        // Most of the time there is none: skip hashing the label.
+        if self.suspects.is_empty() {
+            return &[];
+        }
         self.suspects.get(target).map_or(&[], Vec::as_slice)
     }
 
@@ -150,6 +154,9 @@ impl Feedback {
     /// A finished build used `excess` bytes beyond its estimate: none of its targets
     /// carries more than that.
     fn clear(&mut self, targets: &[&str], excess: f64) {
+        if self.suspects.is_empty() {
+            return;
+        }
         for t in targets {
             self.keep(t, |(_, d)| {
                 *d = d.min(excess);
