@@ -21,11 +21,13 @@
 //! think: history that always built it with the same neighbours cannot say which of
 //! them carries the cost, and every later batch that holds it runs out of memory.
 //! So an OOM build the models under-read also makes its targets *suspects*: each may
-//! carry the whole deficit (the heap minus the estimate), and a batch holding suspects
-//! of that OOM is charged the deficit once, on top of its estimate. A build that
-//! succeeds bounds what each of its suspects can carry by what it used beyond its
-//! estimate, so the split halves of an OOM build (and any later build) clear the
-//! innocent and leave the deficit on the culprit.
+//! carry the whole deficit (the heap minus the estimate and minus what its suspects were
+//! already charged), and a batch holding suspects of that OOM is charged the deficit
+//! once, on top of the models' estimate. A build that built all its targets bounds what
+//! each of its suspects can carry by what it used beyond its estimate, so the split
+//! halves of an OOM build (and any later build) clear the innocent and leave the
+//! deficit on the culprit. A build that stopped early bounds nothing. Suspects are kept
+//! per tool, as the corrections are: a target's cost depends on the context.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -46,15 +48,38 @@ pub const WINDOW: usize = 200;
 const MAX_DOWN: f64 = -0.3;
 const MAX_UP: f64 = std::f64::consts::LN_2 * 2.0;
 
-/// OOM builds whose suspects are kept: the oldest are forgotten first.
+/// OOM builds per tool whose suspects are kept: when full, an OOM whose suspects were
+/// all cleared makes room first, then the oldest.
 pub const MAX_OOM_EVENTS: usize = 64;
+
+/// How a build the feedback observes ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// It built every target (its tests may have failed): what it used bounds what its
+    /// targets cost.
+    Complete,
+    /// It ran out of memory: what it used is the heap, a lower bound.
+    Oom,
+    /// It stopped before building everything (a build error, a deadline): what it used
+    /// bounds nothing.
+    Partial,
+}
 
 /// Recent memory errors per tool tag, and the suspects of recent OOM builds.
 #[derive(Debug, Clone, Default)]
 pub struct Feedback {
     by_tool: BTreeMap<String, VecDeque<f64>>,
-    /// Per suspect target: (OOM build, bytes it may still carry), each above zero.
-    suspects: HashMap<String, Vec<(u32, f64)>>,
+    /// Per tool: a target's cost depends on the context (coverage multiplies it), so a
+    /// cheap build in one context says nothing of an OOM in another.
+    suspects: BTreeMap<String, Suspects>,
+}
+
+/// The suspects of one tool's recent OOM builds.
+#[derive(Debug, Clone, Default)]
+struct Suspects {
+    /// Per suspect target: (OOM build, bytes it may still carry), each above zero,
+    /// oldest OOM first.
+    by_target: HashMap<String, Vec<(u32, f64)>>,
     /// The kept OOM builds, oldest first, with their targets.
     events: VecDeque<(u32, Vec<String>)>,
     next_event: u32,
@@ -76,25 +101,36 @@ impl Feedback {
     }
 
     /// A finished build of `tool`: the models' memory estimate for exactly its targets
-    /// and what it used; for an OOM build (`oom`), the heap it ran out of. That is a
-    /// lower bound, which says the models under-read only when it is above their
-    /// estimate: an OOM of a build estimated over the heap anyway (one target over the
-    /// cutoff) says nothing about them and is not counted. Ignored when either number
-    /// is not positive.
+    /// and what it used; for an OOM build, the heap it ran out of. That is a lower bound,
+    /// which says the models under-read only when it is above their estimate: an OOM of
+    /// a build estimated over the heap anyway (one target over the cutoff) says nothing
+    /// about them and is not counted. Ignored when either number is not positive.
     ///
-    /// `targets` are the build's: an OOM build's become suspects, and a build that
-    /// finished bounds what its suspects may carry (see the module's doc).
-    pub fn observe(&mut self, tool: &str, targets: &[&str], estimate: f64, actual: f64, oom: bool) {
+    /// `targets` are the build's: an OOM build's become suspects of what it used beyond
+    /// its estimate and the suspects it was already charged, and a complete build bounds
+    /// what its suspects may carry (see the module's doc).
+    pub fn observe(&mut self, tool: &str, targets: &[&str], estimate: f64, actual: f64, ended: Ended) {
         if !(estimate > 0.0 && actual > 0.0 && estimate.is_finite() && actual.is_finite()) {
             return;
         }
+        let oom = ended == Ended::Oom;
         if oom && actual <= estimate {
             return;
         }
-        if oom {
-            self.suspect(targets, actual - estimate);
-        } else {
-            self.clear(targets, (actual - estimate).max(0.0));
+        match ended {
+            Ended::Oom => {
+                let s = self.suspects.entry(tool.to_string()).or_default();
+                let deficit = actual - estimate - s.charge(targets.iter().map(|t| s.of(t)), &mut Vec::new());
+                if deficit > 0.0 {
+                    s.add(targets, deficit);
+                }
+            }
+            Ended::Complete => {
+                if let Some(s) = self.suspects.get_mut(tool) {
+                    s.clear(targets, (actual - estimate).max(0.0));
+                }
+            }
+            Ended::Partial => {}
         }
         let q = self.by_tool.entry(tool.to_string()).or_default();
         if q.len() == WINDOW {
@@ -122,22 +158,50 @@ impl Feedback {
         self.by_tool.get(tool).map_or(0, VecDeque::len)
     }
 
-    /// What `target` may carry beyond the models' estimate: per OOM build it was in,
-    /// the bytes (empty when it is no suspect).
-    pub fn suspicion(&self, target: &str) -> &[(u32, f64)] {
+    /// What `target` may carry beyond the models' estimate in `tool`'s builds: per OOM
+    /// build it was in, the bytes (empty when it is no suspect).
+    pub fn suspicion(&self, tool: &str, target: &str) -> &[(u32, f64)] {
+        self.suspects.get(tool).map_or(&[], |s| s.of(target))
+    }
+}
+
+impl Suspects {
+    fn of(&self, target: &str) -> &[(u32, f64)] {
         // Most of the time there is none: skip hashing the label.
-        if self.suspects.is_empty() {
+        if self.by_target.is_empty() {
             return &[];
         }
-        self.suspects.get(target).map_or(&[], Vec::as_slice)
+        self.by_target.get(target).map_or(&[], Vec::as_slice)
     }
 
-    fn suspect(&mut self, targets: &[&str], deficit: f64) {
-        if self.events.len() == MAX_OOM_EVENTS
+    /// What a build holding these suspicions is charged: each OOM's largest, once.
+    /// `scratch` is reused between calls.
+    fn charge<'s>(&self, lists: impl Iterator<Item = &'s [(u32, f64)]>, scratch: &mut Vec<(u32, f64)>) -> f64 {
+        scratch.clear();
+        for list in lists {
+            for &(e, d) in list {
+                match scratch.iter_mut().find(|(x, _)| *x == e) {
+                    Some((_, m)) => *m = m.max(d),
+                    None => scratch.push((e, d)),
+                }
+            }
+        }
+        scratch.iter().map(|(_, d)| d).sum()
+    }
+
+    fn add(&mut self, targets: &[&str], deficit: f64) {
+        if self.events.len() >= MAX_OOM_EVENTS {
+            // Make room: first the OOMs whose suspects were all cleared.
+            let by_target = &self.by_target;
+            self.events.retain(|(e, labels)| {
+                labels.iter().any(|l| by_target.get(l).is_some_and(|v| v.iter().any(|(x, _)| x == e)))
+            });
+        }
+        if self.events.len() >= MAX_OOM_EVENTS
             && let Some((old, labels)) = self.events.pop_front()
         {
             for l in labels {
-                self.forget(&l, old);
+                self.keep(&l, |(e, _)| *e != old);
             }
         }
         let id = self.next_event;
@@ -146,36 +210,34 @@ impl Feedback {
         labels.sort();
         labels.dedup();
         for l in &labels {
-            self.suspects.entry(l.clone()).or_default().push((id, deficit));
+            self.by_target.entry(l.clone()).or_default().push((id, deficit));
         }
         self.events.push_back((id, labels));
     }
 
-    /// A finished build used `excess` bytes beyond its estimate: none of its targets
-    /// carries more than that.
+    /// A complete build used `excess` bytes beyond its estimate: none of its targets
+    /// carries more than that, over all the OOMs it is a suspect of (the oldest keep
+    /// theirs first).
     fn clear(&mut self, targets: &[&str], excess: f64) {
-        if self.suspects.is_empty() {
+        if self.by_target.is_empty() {
             return;
         }
         for t in targets {
+            let mut left = excess;
             self.keep(t, |(_, d)| {
-                *d = d.min(excess);
+                *d = d.min(left);
+                left -= *d;
                 *d > 0.0
             });
         }
     }
 
-    /// `target` is no longer a suspect of OOM build `event`.
-    fn forget(&mut self, target: &str, event: u32) {
-        self.keep(target, |(e, _)| *e != event);
-    }
-
     /// Keeps the suspicions of `target` for which `f` (which may lower them) holds.
     fn keep(&mut self, target: &str, mut f: impl FnMut(&mut (u32, f64)) -> bool) {
-        if let Some(list) = self.suspects.get_mut(target) {
+        if let Some(list) = self.by_target.get_mut(target) {
             list.retain_mut(|x| f(x));
             if list.is_empty() {
-                self.suspects.remove(target);
+                self.by_target.remove(target);
             }
         }
     }
@@ -193,12 +255,14 @@ pub struct CorrectedGroup<'a, G> {
     inner: G,
     factor: f64,
     error: Option<ErrorModel>,
-    feedback: &'a Feedback,
+    /// The context's tool's suspects, if it has any.
+    suspects: Option<&'a Suspects>,
     /// The queued suspects: (position since the group began, their suspicion).
-    suspects: VecDeque<(usize, &'a [(u32, f64)])>,
+    queued: VecDeque<(usize, &'a [(u32, f64)])>,
     /// Targets pushed and popped since the group began.
     pushed: usize,
     popped: usize,
+    scratch: Vec<(u32, f64)>,
 }
 
 impl<M> Estimator for Corrected<M>
@@ -217,38 +281,23 @@ where
             inner: self.inner.group(ctx),
             factor: c.map_or(1.0, |c| c.log_bias.exp()),
             error: c.and_then(|c| c.error),
-            feedback: &self.feedback,
-            suspects: VecDeque::new(),
+            suspects: self.feedback.suspects.get(&ctx.tool_tag).filter(|s| !s.by_target.is_empty()),
+            queued: VecDeque::new(),
             pushed: 0,
             popped: 0,
+            scratch: Vec::new(),
         }
-    }
-}
-
-impl<G: GroupEstimator> CorrectedGroup<'_, G> {
-    /// The deficits of the OOM builds the first `len` queued targets were suspects of,
-    /// each charged once, at the most its suspects here may still carry.
-    fn suspected_bytes(&self, len: usize) -> f64 {
-        let end = self.popped + len;
-        let mut per_event: Vec<(u32, f64)> = Vec::new();
-        for (_, list) in self.suspects.iter().take_while(|(pos, _)| *pos < end) {
-            for &(e, d) in *list {
-                match per_event.iter_mut().find(|(x, _)| *x == e) {
-                    Some((_, m)) => *m = m.max(d),
-                    None => per_event.push((e, d)),
-                }
-            }
-        }
-        per_event.iter().map(|(_, d)| d).sum()
     }
 }
 
 impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<'_, G> {
     fn push(&mut self, label: &Label<'_>) {
         self.inner.push(label);
-        let s = self.feedback.suspicion(label.as_str());
-        if !s.is_empty() {
-            self.suspects.push_back((self.pushed, s));
+        if let Some(s) = self.suspects {
+            let list = s.of(label.as_str());
+            if !list.is_empty() {
+                self.queued.push_back((self.pushed, list));
+            }
         }
         self.pushed += 1;
     }
@@ -256,19 +305,24 @@ impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<'_, G> {
     fn pop_front(&mut self, n: usize) {
         self.inner.pop_front(n);
         self.popped += n;
-        while self.suspects.front().is_some_and(|(pos, _)| *pos < self.popped) {
-            self.suspects.pop_front();
+        while self.queued.front().is_some_and(|(pos, _)| *pos < self.popped) {
+            self.queued.pop_front();
         }
     }
 
     fn memory_bytes(&mut self, len: usize) -> Result<f64> {
-        // A positive constant factor keeps the estimate monotone in `len`, and so does
-        // a sum over the OOM builds met so far.
-        let base = self.inner.memory_bytes(len)? * self.factor;
-        if self.suspects.is_empty() {
-            return Ok(base);
-        }
-        Ok(base + self.suspected_bytes(len))
+        let raw = self.inner.memory_bytes(len)?;
+        let (Some(s), false) = (self.suspects, self.queued.is_empty()) else {
+            // A positive constant factor keeps the estimate monotone in `len`.
+            return Ok(raw * self.factor);
+        };
+        // Deficits were measured against the models' own estimates, so they add to
+        // those; the tool's factor may already cover them. Both sides, and so their
+        // maximum, grow with `len`.
+        let end = self.popped + len;
+        let lists = self.queued.iter().take_while(|(pos, _)| *pos < end).map(|(_, l)| *l);
+        let charged = s.charge(lists, &mut self.scratch);
+        Ok((raw * self.factor).max(raw + charged))
     }
 
     fn occupancy_esu(&mut self, len: usize) -> Result<f64> {
@@ -312,11 +366,16 @@ mod tests {
         }
     }
 
-    /// Memory estimates of each prefix of `labels`, corrected by `f`.
+    fn ctx(tool: &str) -> BuildContext {
+        let mut c = BuildContext::new_workspace("ws", Command::Build, Priority::Low);
+        c.tool_tag = tool.into();
+        c
+    }
+
+    /// Memory estimates of each prefix of `labels` in tool `t`'s builds, corrected by `f`.
     fn prefixes(f: &Feedback, labels: &[&str]) -> Vec<f64> {
         let c = Corrected { inner: &PerTarget, feedback: f.clone() };
-        let ctx = BuildContext::new_workspace("ws", Command::Build, Priority::Low);
-        let mut g = c.group(&ctx);
+        let mut g = c.group(&ctx("t"));
         for l in labels {
             g.push(&parse_label(l).unwrap());
         }
@@ -327,39 +386,48 @@ mod tests {
     fn an_under_read_oom_charges_its_deficit_once_to_a_batch_of_its_targets() {
         let mut f = Feedback::new();
         // Estimated 9 GB, died in the 13 GB heap: 4 GB that one of a, b, c carries.
-        f.observe("t", &["//p:a", "//p:b", "//p:c"], 9e9, 13e9, true);
-        assert_eq!(f.suspicion("//p:a"), &[(0, 4e9)]);
+        f.observe("t", &["//p:a", "//p:b", "//p:c"], 9e9, 13e9, Ended::Oom);
+        assert_eq!(f.suspicion("t", "//p:a"), &[(0, 4e9)]);
         assert_eq!(prefixes(&f, &["//p:x", "//p:a", "//p:b", "//q:y"]), [1.0, 6.0, 7.0, 8.0]);
         assert_eq!(prefixes(&f, &["//p:x", "//q:y"]), [1.0, 2.0], "no suspects, no charge");
         // An OOM of a batch estimated over the heap says nothing of its targets.
-        f.observe("t", &["//p:x"], 20e9, 13e9, true);
-        assert!(f.suspicion("//p:x").is_empty());
+        f.observe("t", &["//p:x"], 20e9, 13e9, Ended::Oom);
+        assert!(f.suspicion("t", "//p:x").is_empty());
         // A second under-read OOM is a second deficit.
-        f.observe("t", &["//p:b", "//q:y"], 12e9, 13e9, true);
-        assert_eq!(prefixes(&f, &["//p:b", "//q:y"]), [1.0 + 4.0 + 1.0, 2.0 + 4.0 + 1.0]);
+        f.observe("t", &["//q:y", "//q:z"], 12e9, 13e9, Ended::Oom);
+        assert_eq!(prefixes(&f, &["//p:b", "//q:y"]), [1.0 + 4.0, 2.0 + 4.0 + 1.0]);
         // Popping the suspects off the front stops their charge.
         let c = Corrected { inner: &PerTarget, feedback: f.clone() };
-        let mut g = c.group(&BuildContext::new_workspace("ws", Command::Build, Priority::Low));
-        for l in ["//p:a", "//q:z", "//q:w"] {
+        let mut g = c.group(&ctx("t"));
+        for l in ["//p:a", "//r:z", "//r:w"] {
             g.push(&parse_label(l).unwrap());
         }
         assert_eq!(g.memory_bytes(2).unwrap(), 6e9);
         g.pop_front(1);
         assert_eq!(g.memory_bytes(2).unwrap(), 2e9);
+        // Another tool's batches are not charged: a target's cost depends on its context.
+        let c = Corrected { inner: &PerTarget, feedback: f.clone() };
+        let mut g = c.group(&ctx("coverage"));
+        g.push(&parse_label("//p:a").unwrap());
+        assert_eq!(g.memory_bytes(1).unwrap(), 1e9);
     }
 
     #[test]
-    fn builds_that_finish_clear_their_suspects_down_to_what_they_used_beyond_the_estimate() {
+    fn complete_builds_clear_their_suspects_down_to_what_they_used_beyond_the_estimate() {
         let mut f = Feedback::new();
-        f.observe("t", &["//p:a", "//p:b", "//p:c", "//p:d"], 9e9, 13e9, true);
+        f.observe("t", &["//p:a", "//p:b", "//p:c", "//p:d"], 9e9, 13e9, Ended::Oom);
         // The halves of the split: a and b used 0.5 GB more than estimated, c and d 5 GB.
-        f.observe("t", &["//p:a", "//p:b"], 4e9, 4.5e9, false);
-        f.observe("t", &["//p:c", "//p:d"], 5e9, 10e9, false);
-        assert_eq!(f.suspicion("//p:a"), &[(0, 0.5e9)]);
-        assert_eq!(f.suspicion("//p:c"), &[(0, 4e9)], "5 GB over bounds nothing below the 4 GB deficit");
-        // A build under its estimate clears its suspects entirely.
-        f.observe("t", &["//p:a", "//q:y"], 4e9, 3e9, false);
-        assert!(f.suspicion("//p:a").is_empty());
+        f.observe("t", &["//p:a", "//p:b"], 4e9, 4.5e9, Ended::Complete);
+        f.observe("t", &["//p:c", "//p:d"], 5e9, 10e9, Ended::Complete);
+        assert_eq!(f.suspicion("t", "//p:a"), &[(0, 0.5e9)]);
+        assert_eq!(f.suspicion("t", "//p:c"), &[(0, 4e9)], "5 GB over bounds nothing below the 4 GB deficit");
+        // A build that stopped early, or one of another tool, clears nothing.
+        f.observe("t", &["//p:c"], 5e9, 1e9, Ended::Partial);
+        f.observe("coverage", &["//p:c"], 5e9, 1e9, Ended::Complete);
+        assert_eq!(f.suspicion("t", "//p:c"), &[(0, 4e9)]);
+        // A complete build under its estimate clears its suspects entirely.
+        f.observe("t", &["//p:a", "//q:y"], 4e9, 3e9, Ended::Complete);
+        assert!(f.suspicion("t", "//p:a").is_empty());
         assert_eq!(
             prefixes(&f, &["//p:a", "//p:b", "//p:c"]),
             [1.0, 2.5, 7.0],
@@ -368,35 +436,71 @@ mod tests {
     }
 
     #[test]
-    fn only_the_newest_ooms_keep_suspects() {
+    fn repeated_ooms_of_one_culprit_add_up_to_the_heap_less_its_smallest_estimate() {
+        let mut f = Feedback::new();
+        // A split tree: 9 GB estimated, then the half holding the culprit at 6 GB, then
+        // the culprit alone at 3 GB; every one died in the 13 GB heap.
+        f.observe("t", &["//p:a", "//p:b", "//p:c", "//p:d"], 9e9, 13e9, Ended::Oom);
+        f.observe("t", &["//p:a", "//p:b"], 4e9, 4e9, Ended::Complete);
+        f.observe("t", &["//p:c", "//p:d"], 6e9, 13e9, Ended::Oom);
+        f.observe("t", &["//p:d"], 2e9, 2e9, Ended::Complete);
+        f.observe("t", &["//p:c"], 3e9, 13e9, Ended::Oom);
+        let total: f64 = f.suspicion("t", "//p:c").iter().map(|(_, d)| d).sum();
+        assert_eq!(total, 10e9, "{:?}", f.suspicion("t", "//p:c"));
+        assert_eq!(prefixes(&f, &["//p:c"]), [1.0 + 10.0]);
+        // A complete build bounds the sum of what it carries, not each part alone.
+        f.observe("t", &["//p:c", "//q:y"], 3e9, 8e9, Ended::Complete);
+        let total: f64 = f.suspicion("t", "//p:c").iter().map(|(_, d)| d).sum();
+        assert_eq!(total, 5e9, "{:?}", f.suspicion("t", "//p:c"));
+    }
+
+    #[test]
+    fn the_charge_adds_to_the_models_estimate_unless_the_tools_factor_is_larger() {
+        let mut f = Feedback::new();
+        for _ in 0..MIN_OBSERVATIONS {
+            f.observe("t", &[], 10e9, 15e9, Ended::Complete);
+        }
+        f.observe("t", &["//p:a"], 12.5e9, 13e9, Ended::Oom);
+        f.observe("t", &["//p:b"], 9e9, 13e9, Ended::Oom);
+        // Factor 1.5: the 0.5 GB suspicion is within it, the 4 GB one is not.
+        assert_eq!(prefixes(&f, &["//p:a"]), [1.5]);
+        assert_eq!(prefixes(&f, &["//p:b"]), [5.0]);
+    }
+
+    #[test]
+    fn only_the_newest_or_still_suspected_ooms_are_kept() {
         let mut f = Feedback::new();
         for i in 0..MAX_OOM_EVENTS + 1 {
-            f.observe("t", &[&format!("//p:t{i}"), "//p:shared"], 9e9, 13e9, true);
+            f.observe("t", &[&format!("//p:t{i}")], 9e9, 13e9, Ended::Oom);
         }
-        assert!(f.suspicion("//p:t0").is_empty(), "the oldest OOM is forgotten");
-        assert_eq!(f.suspicion("//p:t1").len(), 1);
-        assert_eq!(f.suspicion("//p:shared").len(), MAX_OOM_EVENTS);
-        assert_eq!(f.events.len(), MAX_OOM_EVENTS);
+        assert!(f.suspicion("t", "//p:t0").is_empty(), "the oldest OOM is forgotten");
+        assert_eq!(f.suspicion("t", "//p:t1").len(), 1);
+        // Once its suspects are cleared, an OOM makes room before any older one.
+        f.observe("t", &["//p:t5"], 9e9, 9e9, Ended::Complete);
+        f.observe("t", &["//p:new"], 9e9, 13e9, Ended::Oom);
+        assert_eq!(f.suspicion("t", "//p:t1").len(), 1, "still kept");
+        assert_eq!(f.suspects["t"].events.len(), MAX_OOM_EVENTS);
+        assert!(!f.suspects["t"].events.iter().any(|(e, _)| *e == 5));
     }
 
     #[test]
     fn no_correction_before_enough_builds_then_the_median() {
         let mut f = Feedback::new();
         for _ in 0..MIN_OBSERVATIONS - 1 {
-            f.observe("coverage", &[], 10.0, 13.0, false);
+            f.observe("coverage", &[], 10.0, 13.0, Ended::Complete);
         }
         assert_eq!(f.correction("coverage"), None);
-        f.observe("coverage", &[], 10.0, 13.0, false);
+        f.observe("coverage", &[], 10.0, 13.0, Ended::Complete);
         let c = f.correction("coverage").unwrap();
         assert!((c.log_bias - 1.3f64.ln()).abs() < 1e-12, "{c:?}");
         assert_eq!(f.correction("postsubmit"), None, "per tool");
         // Nonsense is ignored, as is an OOM under its estimate; the window keeps the newest.
-        f.observe("coverage", &[], 0.0, 5.0, false);
-        f.observe("coverage", &[], f64::NAN, 5.0, false);
-        f.observe("coverage", &[], 20.0, 13.0, true);
+        f.observe("coverage", &[], 0.0, 5.0, Ended::Complete);
+        f.observe("coverage", &[], f64::NAN, 5.0, Ended::Complete);
+        f.observe("coverage", &[], 20.0, 13.0, Ended::Oom);
         assert_eq!(f.observations("coverage"), MIN_OBSERVATIONS);
         for _ in 0..WINDOW {
-            f.observe("coverage", &[], 10.0, 9.0, false);
+            f.observe("coverage", &[], 10.0, 9.0, Ended::Complete);
         }
         assert_eq!(f.observations("coverage"), WINDOW);
         assert!((f.correction("coverage").unwrap().log_bias - 0.9f64.ln()).abs() < 1e-12);
@@ -407,8 +511,8 @@ mod tests {
         let mut up = Feedback::new();
         let mut down = Feedback::new();
         for _ in 0..20 {
-            up.observe("t", &[], 1.0, 5.0, false);
-            down.observe("t", &[], 1.0, 0.5, false);
+            up.observe("t", &[], 1.0, 5.0, Ended::Complete);
+            down.observe("t", &[], 1.0, 0.5, Ended::Complete);
         }
         assert_eq!(up.correction("t").unwrap().log_bias, MAX_UP);
         assert_eq!(down.correction("t").unwrap().log_bias, MAX_DOWN);
@@ -418,7 +522,7 @@ mod tests {
         for i in 0..100 {
             let noise = [-0.08, -0.04, 0.0, 0.04, 0.08][i % 5];
             let actual = if i % 10 == 9 { 30.0 } else { 10.0 * f64::exp(0.1 + noise) };
-            f.observe("t", &[], 10.0, actual, false);
+            f.observe("t", &[], 10.0, actual, Ended::Complete);
         }
         let c = f.correction("t").unwrap();
         assert!((c.log_bias - 0.1).abs() < 0.05, "{c:?}");

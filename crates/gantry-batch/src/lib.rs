@@ -45,7 +45,7 @@ pub mod types;
 pub use error::{BatchError, Result};
 pub use eval::{eval, EvalReport};
 pub use executor::{executor_types, group_targets};
-pub use feedback::{Corrected, Feedback};
+pub use feedback::{Corrected, Ended, Feedback};
 pub use formats::{parse_context, parse_targets, read_targets, write_batches};
 pub use history::{parse_history, read_history, BuildRecord, Outcome, Timestamp};
 pub use label::{parse_label, validate_label, Label};

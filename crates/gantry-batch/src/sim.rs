@@ -22,7 +22,7 @@
 //! trained on that history only; scoring uses the truth.
 
 use crate::error::Result;
-use crate::feedback::{Corrected, Feedback};
+use crate::feedback::{Corrected, Ended, Feedback};
 use crate::history::{BuildRecord, Outcome, Timestamp, SECONDS_PER_DAY};
 use crate::label::Label;
 use crate::model::{train, Models, TrainConfig};
@@ -1037,7 +1037,8 @@ pub fn score_with_feedback_of<E: Estimator>(
             };
             let labels: Vec<&str> = b.batch.targets.iter().map(String::as_str).collect();
             if let Some(estimate) = predict(b.ctx, &labels)? {
-                feedback.borrow_mut().observe(&b.ctx.tool_tag, &labels, estimate, label, b.oom);
+                let ended = if b.oom { Ended::Oom } else { Ended::Complete };
+                feedback.borrow_mut().observe(&b.ctx.tool_tag, &labels, estimate, label, ended);
             }
             Ok(())
         },

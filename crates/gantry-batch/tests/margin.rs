@@ -156,7 +156,7 @@ fn feedback_from_finished_builds_restores_the_target_rate_under_a_shift() {
         if rng.random::<f64>() < 0.04 {
             actual *= rng.random_range(1.0..1.8);
         }
-        feedback.observe(&ctx.tool_tag, &[], est, actual, false);
+        feedback.observe(&ctx.tool_tag, &[], est, actual, gantry_batch::Ended::Complete);
     }
     // The corrected planner's estimates include the factor; the truth is the models'.
     let factor = feedback.correction(&ctx.tool_tag).expect("200 builds").log_bias.exp();

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gantry_batch::{
-    Batch, BatchSizeReason, BuildContext, BuildRecord, Corrected, Estimator, Feedback, Models, PlannerConfig,
+    Batch, BatchSizeReason, BuildContext, BuildRecord, Corrected, Ended, Estimator, Feedback, Models, PlannerConfig,
     StreamingPlanner, Target, Timestamp, TrainConfig,
 };
 use gantry_core::task::{spawn_named, TaskGuard};
@@ -563,7 +563,7 @@ impl Inner {
         }
         for m in measured {
             let targets: Vec<&str> = m.targets.iter().map(String::as_str).collect();
-            learned.feedback.observe(&m.tool, &targets, m.estimate, m.actual, m.oom);
+            learned.feedback.observe(&m.tool, &targets, m.estimate, m.actual, m.ended);
         }
     }
 
@@ -676,6 +676,9 @@ impl Inner {
         doc.peak_post_gc_heap = report.bep.peak_post_gc_heap;
         doc.server_vm_hwm = report.server_vm_hwm;
 
+        doc.finished_unix_ms = Some(now_ms());
+        // Observed before its retries are planned: an OOM's halves are charged its deficit.
+        self.observe(&doc);
         // Retries are recorded before the parent is marked done, so a watcher that sees
         // the parent finished also sees its children.
         let children = self.retries_for(&doc);
@@ -684,9 +687,7 @@ impl Inner {
         }
         doc.retries = children.iter().map(|c| c.id.clone()).collect();
         doc.state = BuildState::Done;
-        doc.finished_unix_ms = Some(now_ms());
         self.put(&doc).await?;
-        self.observe(&doc);
         self.state.lock().expect("poisoned").running.remove(&doc.id);
         for child in children {
             self.enqueue(child);
@@ -896,7 +897,7 @@ struct Measured {
     targets: Vec<String>,
     estimate: f64,
     actual: f64,
-    oom: bool,
+    ended: Ended,
 }
 
 /// `doc`'s memory against `models`' estimate, if `models` planned it and it has a label.
@@ -914,7 +915,12 @@ fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64)
         tool: doc.context.tool_tag.clone(),
         estimate,
         actual: record.peak_memory_bytes as f64,
-        oom: doc.outcome == Some(BuildOutcome::Oom),
+        ended: match doc.outcome {
+            Some(BuildOutcome::Oom) => Ended::Oom,
+            // Every target was built, whatever its tests said.
+            Some(BuildOutcome::Success | BuildOutcome::TestsFailed) => Ended::Complete,
+            _ => Ended::Partial,
+        },
         targets: record.targets,
     })
 }
