@@ -26,8 +26,9 @@
 //! once, on top of the models' estimate. A build that built all its targets bounds what
 //! each of its suspects can carry by what it used beyond its estimate, so the split
 //! halves of an OOM build (and any later build) clear the innocent and leave the
-//! deficit on the culprit. A build that stopped early bounds nothing. Suspects are kept
-//! per tool, as the corrections are: a target's cost depends on the context.
+//! deficit on the culprit. A build that stopped early bounds nothing. Unlike the
+//! corrections, suspects are shared by every tool: a culprit is costly in every context,
+//! though a build in a lighter one may clear a little more of it than it should.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -48,7 +49,7 @@ pub const WINDOW: usize = 200;
 const MAX_DOWN: f64 = -0.3;
 const MAX_UP: f64 = std::f64::consts::LN_2 * 2.0;
 
-/// OOM builds per tool whose suspects are kept: when full, an OOM whose suspects were
+/// OOM builds whose suspects are kept: when full, an OOM whose suspects were
 /// all cleared makes room first, then the oldest.
 pub const MAX_OOM_EVENTS: usize = 64;
 
@@ -69,12 +70,12 @@ pub enum Ended {
 #[derive(Debug, Clone, Default)]
 pub struct Feedback {
     by_tool: BTreeMap<String, VecDeque<f64>>,
-    /// Per tool: a target's cost depends on the context (coverage multiplies it), so a
-    /// cheap build in one context says nothing of an OOM in another.
-    suspects: BTreeMap<String, Suspects>,
+    /// Shared by every tool: a target that costs far more than the models think usually
+    /// does in every context, and each tool would otherwise run out of memory on it once.
+    suspects: Suspects,
 }
 
-/// The suspects of one tool's recent OOM builds.
+/// The suspects of recent OOM builds.
 #[derive(Debug, Clone, Default)]
 struct Suspects {
     /// Per suspect target: (OOM build, bytes it may still carry), each above zero,
@@ -119,17 +120,13 @@ impl Feedback {
         }
         match ended {
             Ended::Oom => {
-                let s = self.suspects.entry(tool.to_string()).or_default();
+                let s = &mut self.suspects;
                 let deficit = actual - estimate - s.charge(targets.iter().map(|t| s.of(t)), &mut Vec::new());
                 if deficit > 0.0 {
                     s.add(targets, deficit);
                 }
             }
-            Ended::Complete => {
-                if let Some(s) = self.suspects.get_mut(tool) {
-                    s.clear(targets, (actual - estimate).max(0.0));
-                }
-            }
+            Ended::Complete => self.suspects.clear(targets, (actual - estimate).max(0.0)),
             Ended::Partial => {}
         }
         let q = self.by_tool.entry(tool.to_string()).or_default();
@@ -158,10 +155,10 @@ impl Feedback {
         self.by_tool.get(tool).map_or(0, VecDeque::len)
     }
 
-    /// What `target` may carry beyond the models' estimate in `tool`'s builds: per OOM
-    /// build it was in, the bytes (empty when it is no suspect).
-    pub fn suspicion(&self, tool: &str, target: &str) -> &[(u32, f64)] {
-        self.suspects.get(tool).map_or(&[], |s| s.of(target))
+    /// What `target` may carry beyond the models' estimate: per OOM build it was in,
+    /// the bytes (empty when it is no suspect).
+    pub fn suspicion(&self, target: &str) -> &[(u32, f64)] {
+        self.suspects.of(target)
     }
 }
 
@@ -255,7 +252,7 @@ pub struct CorrectedGroup<'a, G> {
     inner: G,
     factor: f64,
     error: Option<ErrorModel>,
-    /// The context's tool's suspects, if it has any.
+    /// The suspects, if there are any.
     suspects: Option<&'a Suspects>,
     /// The queued suspects: (position since the group began, their suspicion).
     queued: VecDeque<(usize, &'a [(u32, f64)])>,
@@ -281,7 +278,7 @@ where
             inner: self.inner.group(ctx),
             factor: c.map_or(1.0, |c| c.log_bias.exp()),
             error: c.and_then(|c| c.error),
-            suspects: self.feedback.suspects.get(&ctx.tool_tag).filter(|s| !s.by_target.is_empty()),
+            suspects: Some(&self.feedback.suspects).filter(|s| !s.by_target.is_empty()),
             queued: VecDeque::new(),
             pushed: 0,
             popped: 0,
@@ -387,12 +384,12 @@ mod tests {
         let mut f = Feedback::new();
         // Estimated 9 GB, died in the 13 GB heap: 4 GB that one of a, b, c carries.
         f.observe("t", &["//p:a", "//p:b", "//p:c"], 9e9, 13e9, Ended::Oom);
-        assert_eq!(f.suspicion("t", "//p:a"), &[(0, 4e9)]);
+        assert_eq!(f.suspicion("//p:a"), &[(0, 4e9)]);
         assert_eq!(prefixes(&f, &["//p:x", "//p:a", "//p:b", "//q:y"]), [1.0, 6.0, 7.0, 8.0]);
         assert_eq!(prefixes(&f, &["//p:x", "//q:y"]), [1.0, 2.0], "no suspects, no charge");
         // An OOM of a batch estimated over the heap says nothing of its targets.
         f.observe("t", &["//p:x"], 20e9, 13e9, Ended::Oom);
-        assert!(f.suspicion("t", "//p:x").is_empty());
+        assert!(f.suspicion("//p:x").is_empty());
         // A second under-read OOM is a second deficit.
         f.observe("t", &["//q:y", "//q:z"], 12e9, 13e9, Ended::Oom);
         assert_eq!(prefixes(&f, &["//p:b", "//q:y"]), [1.0 + 4.0, 2.0 + 4.0 + 1.0]);
@@ -405,11 +402,11 @@ mod tests {
         assert_eq!(g.memory_bytes(2).unwrap(), 6e9);
         g.pop_front(1);
         assert_eq!(g.memory_bytes(2).unwrap(), 2e9);
-        // Another tool's batches are not charged: a target's cost depends on its context.
+        // Every tool's batches are charged: a culprit is costly in every context.
         let c = Corrected { inner: &PerTarget, feedback: f.clone() };
         let mut g = c.group(&ctx("coverage"));
         g.push(&parse_label("//p:a").unwrap());
-        assert_eq!(g.memory_bytes(1).unwrap(), 1e9);
+        assert_eq!(g.memory_bytes(1).unwrap(), 5e9);
     }
 
     #[test]
@@ -419,15 +416,14 @@ mod tests {
         // The halves of the split: a and b used 0.5 GB more than estimated, c and d 5 GB.
         f.observe("t", &["//p:a", "//p:b"], 4e9, 4.5e9, Ended::Complete);
         f.observe("t", &["//p:c", "//p:d"], 5e9, 10e9, Ended::Complete);
-        assert_eq!(f.suspicion("t", "//p:a"), &[(0, 0.5e9)]);
-        assert_eq!(f.suspicion("t", "//p:c"), &[(0, 4e9)], "5 GB over bounds nothing below the 4 GB deficit");
-        // A build that stopped early, or one of another tool, clears nothing.
+        assert_eq!(f.suspicion("//p:a"), &[(0, 0.5e9)]);
+        assert_eq!(f.suspicion("//p:c"), &[(0, 4e9)], "5 GB over bounds nothing below the 4 GB deficit");
+        // A build that stopped early clears nothing.
         f.observe("t", &["//p:c"], 5e9, 1e9, Ended::Partial);
-        f.observe("coverage", &["//p:c"], 5e9, 1e9, Ended::Complete);
-        assert_eq!(f.suspicion("t", "//p:c"), &[(0, 4e9)]);
+        assert_eq!(f.suspicion("//p:c"), &[(0, 4e9)]);
         // A complete build under its estimate clears its suspects entirely.
         f.observe("t", &["//p:a", "//q:y"], 4e9, 3e9, Ended::Complete);
-        assert!(f.suspicion("t", "//p:a").is_empty());
+        assert!(f.suspicion("//p:a").is_empty());
         assert_eq!(
             prefixes(&f, &["//p:a", "//p:b", "//p:c"]),
             [1.0, 2.5, 7.0],
@@ -445,13 +441,13 @@ mod tests {
         f.observe("t", &["//p:c", "//p:d"], 6e9, 13e9, Ended::Oom);
         f.observe("t", &["//p:d"], 2e9, 2e9, Ended::Complete);
         f.observe("t", &["//p:c"], 3e9, 13e9, Ended::Oom);
-        let total: f64 = f.suspicion("t", "//p:c").iter().map(|(_, d)| d).sum();
-        assert_eq!(total, 10e9, "{:?}", f.suspicion("t", "//p:c"));
+        let total: f64 = f.suspicion("//p:c").iter().map(|(_, d)| d).sum();
+        assert_eq!(total, 10e9, "{:?}", f.suspicion("//p:c"));
         assert_eq!(prefixes(&f, &["//p:c"]), [1.0 + 10.0]);
         // A complete build bounds the sum of what it carries, not each part alone.
         f.observe("t", &["//p:c", "//q:y"], 3e9, 8e9, Ended::Complete);
-        let total: f64 = f.suspicion("t", "//p:c").iter().map(|(_, d)| d).sum();
-        assert_eq!(total, 5e9, "{:?}", f.suspicion("t", "//p:c"));
+        let total: f64 = f.suspicion("//p:c").iter().map(|(_, d)| d).sum();
+        assert_eq!(total, 5e9, "{:?}", f.suspicion("//p:c"));
     }
 
     #[test]
@@ -473,14 +469,14 @@ mod tests {
         for i in 0..MAX_OOM_EVENTS + 1 {
             f.observe("t", &[&format!("//p:t{i}")], 9e9, 13e9, Ended::Oom);
         }
-        assert!(f.suspicion("t", "//p:t0").is_empty(), "the oldest OOM is forgotten");
-        assert_eq!(f.suspicion("t", "//p:t1").len(), 1);
+        assert!(f.suspicion("//p:t0").is_empty(), "the oldest OOM is forgotten");
+        assert_eq!(f.suspicion("//p:t1").len(), 1);
         // Once its suspects are cleared, an OOM makes room before any older one.
         f.observe("t", &["//p:t5"], 9e9, 9e9, Ended::Complete);
         f.observe("t", &["//p:new"], 9e9, 13e9, Ended::Oom);
-        assert_eq!(f.suspicion("t", "//p:t1").len(), 1, "still kept");
-        assert_eq!(f.suspects["t"].events.len(), MAX_OOM_EVENTS);
-        assert!(!f.suspects["t"].events.iter().any(|(e, _)| *e == 5));
+        assert_eq!(f.suspicion("//p:t1").len(), 1, "still kept");
+        assert_eq!(f.suspects.events.len(), MAX_OOM_EVENTS);
+        assert!(!f.suspects.events.iter().any(|(e, _)| *e == 5));
     }
 
     #[test]
