@@ -758,6 +758,12 @@ impl Models {
             (None, None) => None,
         }
     }
+
+    /// The occupancy estimate (ESU) of one build by the model the planner uses, before
+    /// any feedback correction; `None` without an occupancy model.
+    pub fn predict_occupancy(&self, ctx: &BuildContext, labels: &[&str]) -> Option<Result<f64>> {
+        (self.shared.is_some() || self.occupancy.is_some()).then(|| crate::planner::occupancy_of(self, ctx, labels))
+    }
 }
 
 mod erased {

@@ -63,6 +63,19 @@ pub trait GroupEstimator {
     }
 }
 
+/// The uncorrected occupancy estimate (ESU) of one build of `labels`, read as the
+/// planner reads a batch: the labels sorted and de-duplicated, in one group.
+pub fn occupancy_of<E: Estimator>(estimator: &E, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
+    let mut parsed = labels.iter().map(|l| parse_label(l)).collect::<Result<Vec<_>>>()?;
+    parsed.sort_by(|a, b| a.canonical().cmp(&b.canonical()));
+    parsed.dedup_by(|a, b| a.canonical() == b.canonical());
+    let mut g = estimator.group(ctx);
+    for l in &parsed {
+        g.push(l);
+    }
+    g.occupancy_esu(parsed.len())
+}
+
 // ---------------------------------------------------------------------------
 // Model-backed estimator
 // ---------------------------------------------------------------------------

@@ -34,6 +34,11 @@ fn models_beat_a_fixed_batch_size() {
     assert!(r.models.oom < r.fixed.oom, "models {} vs fixed {}", r.models.oom, r.fixed.oom);
     assert!(r.density_vs_oracle > 0.8, "density {}", r.density_vs_oracle);
     assert_eq!(r.models.targets, r.oracle.targets);
+    // The service's planner (the models corrected by the feedback of earlier builds) plans
+    // every target too, and is what the goal line judges.
+    assert_eq!(r.service.targets, r.oracle.targets);
+    assert!(r.service.oom < r.fixed.oom, "service {} vs fixed {}", r.service.oom, r.fixed.oom);
+    assert!((r.density_vs_oracle - r.service.density() / r.oracle.density()).abs() < 1e-12);
 }
 
 /// The bound `compare` reports as `oracle-seen`: exact where the history looked, a

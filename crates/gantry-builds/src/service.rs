@@ -564,6 +564,9 @@ impl Inner {
         for m in measured {
             let targets: Vec<&str> = m.targets.iter().map(String::as_str).collect();
             learned.feedback.observe(&m.tool, &targets, m.estimate, m.actual, m.ended);
+            if let Some((estimate, actual)) = m.occupancy {
+                learned.feedback.observe_occupancy(&m.tool, estimate, actual, m.ended);
+            }
         }
     }
 
@@ -898,6 +901,8 @@ struct Measured {
     estimate: f64,
     actual: f64,
     ended: Ended,
+    /// Its occupancy (ESU) estimate against what it had, when both are known.
+    occupancy: Option<(f64, f64)>,
 }
 
 /// `doc`'s memory against `models`' estimate, if `models` planned it and it has a label.
@@ -911,7 +916,12 @@ fn measure(models: &Models, doc: &BuildDoc, label: MemoryLabel, heap_bytes: u64)
     let record = doc.history_record(label, heap_bytes)?;
     let labels: Vec<&str> = record.targets.iter().map(String::as_str).collect();
     let estimate = models.predict_memory(&doc.context, &labels)?.ok()?;
+    let occupancy = doc
+        .occupancy_esu
+        .zip(models.predict_occupancy(&doc.context, &labels).and_then(|r| r.ok()))
+        .map(|(actual, estimate)| (estimate, actual));
     Some(Measured {
+        occupancy,
         tool: doc.context.tool_tag.clone(),
         estimate,
         actual: record.peak_memory_bytes as f64,
