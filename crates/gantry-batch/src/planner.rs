@@ -63,9 +63,14 @@ pub trait GroupEstimator {
     }
 }
 
-/// The uncorrected occupancy estimate (ESU) of one build of `labels`, read as the
-/// planner reads a batch: the labels sorted and de-duplicated, in one group.
-pub fn occupancy_of<E: Estimator>(estimator: &E, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
+/// One build of `labels` as the planner reads a batch: a group holding the labels sorted
+/// and de-duplicated (groups charge a package at its first target, so its targets must
+/// be adjacent), and how many it holds.
+pub(crate) fn build_group<'a, E: Estimator>(
+    estimator: &'a E,
+    ctx: &BuildContext,
+    labels: &[&str],
+) -> Result<(E::Group<'a>, usize)> {
     let mut parsed = labels.iter().map(|l| parse_label(l)).collect::<Result<Vec<_>>>()?;
     parsed.sort_by(|a, b| a.canonical().cmp(&b.canonical()));
     parsed.dedup_by(|a, b| a.canonical() == b.canonical());
@@ -73,7 +78,13 @@ pub fn occupancy_of<E: Estimator>(estimator: &E, ctx: &BuildContext, labels: &[&
     for l in &parsed {
         g.push(l);
     }
-    g.occupancy_esu(parsed.len())
+    Ok((g, parsed.len()))
+}
+
+/// The uncorrected occupancy estimate (ESU) of one build of `labels`.
+pub fn occupancy_of<E: Estimator>(estimator: &E, ctx: &BuildContext, labels: &[&str]) -> Result<f64> {
+    let (mut g, n) = build_group(estimator, ctx, labels)?;
+    g.occupancy_esu(n)
 }
 
 // ---------------------------------------------------------------------------

@@ -564,16 +564,8 @@ impl SharedModel {
 
     /// The (uncorrected) memory (bytes) and occupancy (ESU) estimates of one build.
     pub fn estimate(&self, ctx: &BuildContext, labels: &[&str]) -> Result<(f64, f64)> {
-        // The group charges a package at its first target: sorted, a package's targets
-        // are adjacent, as the planner's are.
-        let mut parsed = labels.iter().map(|l| parse_label(l)).collect::<Result<Vec<_>>>()?;
-        parsed.sort_by(|a, b| a.canonical().cmp(&b.canonical()));
-        parsed.dedup_by(|a, b| a.canonical() == b.canonical());
-        let mut g = self.group(ctx);
-        for l in &parsed {
-            g.push(l);
-        }
-        Ok((g.memory_bytes(parsed.len())?, g.occupancy_esu(parsed.len())?))
+        let (mut g, n) = crate::planner::build_group(self, ctx, labels)?;
+        Ok((g.memory_bytes(n)?, g.occupancy_esu(n)?))
     }
 }
 
