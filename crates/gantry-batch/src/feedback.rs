@@ -151,11 +151,7 @@ impl Feedback {
         if ended != Ended::Complete && actual <= estimate {
             return;
         }
-        let q = self.occupancy_by_tool.entry(tool.to_string()).or_default();
-        if q.len() == WINDOW {
-            q.pop_front();
-        }
-        q.push_back(((actual / estimate).ln(), ended != Ended::Complete));
+        push_error(&mut self.occupancy_by_tool, tool, ((actual / estimate).ln(), ended != Ended::Complete));
     }
 
     /// The memory correction for `tool`, once it has [`MIN_OBSERVATIONS`] builds.
@@ -187,8 +183,8 @@ impl Feedback {
     }
 }
 
-/// Appends one build's log error to `tool`'s window.
-fn push_error(by_tool: &mut BTreeMap<String, VecDeque<f64>>, tool: &str, log_error: f64) {
+/// Appends one build's log error (and whatever is kept with it) to `tool`'s window.
+fn push_error<T>(by_tool: &mut BTreeMap<String, VecDeque<T>>, tool: &str, log_error: T) {
     let q = by_tool.entry(tool.to_string()).or_default();
     if q.len() == WINDOW {
         q.pop_front();
