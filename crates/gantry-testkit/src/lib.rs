@@ -269,14 +269,26 @@ pub struct S3Tls<'a> {
     pub ca: &'a Path,
 }
 
-/// Directories to remove when the test binary exits (see [`remove_at_exit`]).
-static AT_EXIT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+/// What to do when the test binary exits (see [`at_exit`]).
+type ExitWork = Box<dyn FnOnce() + Send>;
+static AT_EXIT: std::sync::Mutex<Vec<ExitWork>> = std::sync::Mutex::new(Vec::new());
 
-extern "C" fn remove_dirs_at_exit() {
-    let dirs = std::mem::take(&mut *AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()));
-    for dir in dirs {
-        let _ = std::fs::remove_dir_all(dir);
+extern "C" fn run_at_exit() {
+    let work = std::mem::take(&mut *AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()));
+    for f in work {
+        f();
     }
+}
+
+/// Runs `f` when the test binary exits, for clean-up that must wait until every test and
+/// every task they left behind is done.
+pub fn at_exit(f: impl FnOnce() + Send + 'static) {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a plain function with no captured state, once.
+    REGISTERED.call_once(|| unsafe {
+        libc::atexit(run_at_exit);
+    });
+    AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(f));
 }
 
 /// Removes `dir` when the test binary exits, for a directory something may still write to
@@ -284,12 +296,9 @@ extern "C" fn remove_dirs_at_exit() {
 /// owner is a task that ends only when the test's runtime shuts down (a CAS journal
 /// puts its last blobs in place then, recreating a directory removed before).
 pub fn remove_at_exit(dir: PathBuf) {
-    static REGISTERED: std::sync::Once = std::sync::Once::new();
-    // SAFETY: registers a plain function with no captured state, once.
-    REGISTERED.call_once(|| unsafe {
-        libc::atexit(remove_dirs_at_exit);
+    at_exit(move || {
+        let _ = std::fs::remove_dir_all(dir);
     });
-    AT_EXIT.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
 }
 
 impl S3Server {

@@ -19,21 +19,15 @@ fn cgroups() -> Option<Arc<Cgroups>> {
     static RELEASE_AT_EXIT: std::sync::Once = std::sync::Once::new();
     match cgroup::detect() {
         Ok(c) => {
-            // SAFETY: registers a plain function with no captured state, once.
-            RELEASE_AT_EXIT.call_once(|| unsafe {
-                libc::atexit(release_idle_at_exit);
-            });
+            // The groups this binary's runs kept for reuse go when it exits, as a stopping
+            // worker's do. The next worker to start removes a dead one's groups only under
+            // its own parent group, and in some sandboxes every shell has a parent of its
+            // own, so they would stay.
+            RELEASE_AT_EXIT.call_once(|| gantry_testkit::at_exit(cgroup::release_idle));
             Some(c)
         }
         Err(why) => gantry_testkit::unavailable("cgroups for actions", &why),
     }
-}
-
-/// The groups this binary's runs kept for reuse go when it exits, as a stopping worker's
-/// do. The next worker to start removes a dead one's groups only under its own parent
-/// group, and in some sandboxes every shell has a parent of its own, so they would stay.
-extern "C" fn release_idle_at_exit() {
-    cgroup::release_idle();
 }
 
 /// The first `name` on this process's PATH.
