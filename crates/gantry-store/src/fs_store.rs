@@ -241,8 +241,12 @@ impl FsStore {
     /// inputs from here; the file must be treated as read-only.
     pub fn path_of(&self, digest: &Digest) -> Option<PathBuf> {
         // Acknowledged but not yet in place: put it there now (the placer then finds it
-        // in place and leaves it).
-        if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
+        // in place and leaves it). Only once: until the placer has been by, the journal
+        // still calls it unplaced, and writing it again would rename a new file over the
+        // one a worker has linked and made read-only, freeing an inode each time.
+        if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest))
+            && !blob_path(&self.inner.root, digest).exists()
+        {
             self.inner.write_in_place(digest, &data).ok()?;
         }
         let mut index = self.inner.index.lock().expect("poisoned");
@@ -1283,7 +1287,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_file_put_in_place_for_a_hard_link_is_not_replaced_by_the_placer() {
+    async fn a_file_put_in_place_for_a_hard_link_is_not_replaced_by_the_placer_or_by_path_of() {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().unwrap();
         let store = FsStore::open(dir.path(), 1 << 20).await.unwrap();
@@ -1296,7 +1300,12 @@ mod tests {
             let before = blob_path(dir.path(), &d).exists();
             let path = store.path_of(&d).unwrap();
             if !before {
-                made.push((d, fs::metadata(&path).unwrap().ino()));
+                let ino = fs::metadata(&path).unwrap().ino();
+                // A worker links it and looks again (to set its mode, to link it into
+                // the next action) before the placer has been by: the same file.
+                let again = store.path_of(&d).unwrap();
+                assert_eq!(fs::metadata(&again).unwrap().ino(), ino, "{d}: path_of wrote it a second time");
+                made.push((d, ino));
             }
         }
         // The placer waits for a pause in the writes: most files are made by path_of.
