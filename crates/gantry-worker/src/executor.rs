@@ -9,10 +9,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use gantry_core::reapi::{ActionResult, ExecutedActionMetadata};
 use gantry_core::{BlobStore, Digest, Error, Finished, Metering, Result, ResultExt, Work};
-use gantry_store::FsStore;
 
 use crate::cgroup::Cgroups;
-use crate::materialize::Materializer;
+use crate::materialize::{InputCache, Materializer};
 use crate::outputs::{Declared, Uploader};
 use crate::process::{self, Ending};
 use crate::spare_dirs::SpareDirs;
@@ -20,7 +19,7 @@ use crate::spare_dirs::SpareDirs;
 pub struct Executor {
     pub worker_id: String,
     pub cas: Arc<dyn BlobStore>,
-    pub cache: Arc<FsStore>,
+    pub cache: Arc<InputCache>,
     /// Each action runs in a directory of `{work_root}` ([`ActionDirs`]).
     pub work_root: PathBuf,
     /// The directories of `work_root` not in use.

@@ -1,7 +1,7 @@
 //! Materializing an input root: the Directory tree is read from the CAS, every file is
-//! brought into the worker's local cache once, then hard-linked into the action's fresh
-//! directory (executables are copied, since a hard link shares permission bits with the
-//! cache file). Names are validated so a malicious tree cannot escape the directory.
+//! brought into the worker's local cache once ([`InputCache`]), then hard-linked into the
+//! action's fresh directory. Names are validated so a malicious tree cannot escape the
+//! directory.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::unix::fs::PermissionsExt;
@@ -21,9 +21,50 @@ const FETCH_CONCURRENCY: usize = 8;
 /// blocking pool.
 const INLINE_PLACE_FILES: usize = 16;
 
+/// The worker's input cache: each input file once, as a read-only file that actions get
+/// hard links to. A hard link shares its mode with the cache's file, so executables are
+/// kept apart, in files of mode 0555: before, each action got its own copy of every
+/// executable input, a whole compiler per action for a toolchain, and on ext4 without a
+/// journal every inode freed and made again is dear (see `ActionDirs`).
+pub struct InputCache {
+    /// Files linked with mode 0444.
+    pub files: FsStore,
+    /// Files linked with mode 0555.
+    pub executables: FsStore,
+    /// Largest executable `executables` takes.
+    executable_max: u64,
+}
+
+impl InputCache {
+    /// Opens the cache under `dir` (`cache/` and `cache-x/`), `max_bytes` in all: a
+    /// quarter of it for executables, which most input trees hold few of.
+    pub async fn open(dir: &Path, max_bytes: u64) -> Result<InputCache> {
+        let executable_max = max_bytes / 4;
+        Ok(InputCache {
+            files: FsStore::open(dir.join("cache"), max_bytes - executable_max).await?,
+            executables: FsStore::open(dir.join("cache-x"), executable_max).await?,
+            executable_max,
+        })
+    }
+
+    fn store(&self, executable: bool) -> &FsStore {
+        if executable {
+            &self.executables
+        } else {
+            &self.files
+        }
+    }
+
+    /// Whether `e` is linked from `executables`: an executable small enough for it. A
+    /// larger one is kept in `files` and copied, with its own mode.
+    fn linked_executable(&self, e: &FileEntry) -> bool {
+        e.executable && e.digest.size <= self.executable_max
+    }
+}
+
 pub struct Materializer {
     pub cas: Arc<dyn BlobStore>,
-    pub cache: Arc<FsStore>,
+    pub cache: Arc<InputCache>,
     /// Where directories are made from ([`SpareDirs::create_dir_all`]).
     pub dirs: crate::spare_dirs::SpareDirs,
 }
@@ -108,10 +149,15 @@ impl Materializer {
         let small = count + symlinks.len() <= INLINE_PLACE_FILES && bytes <= crate::INLINE_FILE_BYTES;
         crate::blocking_unless_small(small, move || -> Result<()> {
             for e in &files {
+                let linked_executable = cache.linked_executable(e);
                 let src = cache
+                    .store(linked_executable)
                     .path_of(&e.digest)
                     .ok_or_else(|| Error::internal(format!("input {} vanished from the worker cache", e.digest)))?;
-                place(&src, &e.path, e.executable)?;
+                match (e.executable, linked_executable) {
+                    (true, false) => copy_executable(&src, &e.path)?,
+                    (_, x) => place(&src, &e.path, if x { 0o555 } else { 0o444 })?,
+                }
             }
             for (path, target) in &symlinks {
                 std::os::unix::fs::symlink(target, path)
@@ -125,19 +171,33 @@ impl Materializer {
 
     /// Brings every missing input into the local cache, a few at a time.
     async fn fill_cache(&self, files: &[FileEntry]) -> Result<()> {
-        let mut unique: Vec<Digest> = files.iter().map(|e| e.digest).collect();
-        unique.sort();
-        unique.dedup();
-        let present = self.cache.find_present(&unique).await?;
-        let missing: Vec<Digest> = unique.into_iter().zip(present).filter(|(_, p)| !p).map(|(d, _)| d).collect();
+        let (mut plain, mut executable): (Vec<Digest>, Vec<Digest>) = (Vec::new(), Vec::new());
+        for e in files {
+            if self.cache.linked_executable(e) {
+                executable.push(e.digest)
+            } else {
+                plain.push(e.digest)
+            }
+        }
+        let mut missing = Vec::new();
+        for (is_executable, mut digests) in [(false, plain), (true, executable)] {
+            digests.sort();
+            digests.dedup();
+            let present = self.cache.store(is_executable).find_present(&digests).await?;
+            missing.extend(digests.into_iter().zip(present).filter(|(_, p)| !p).map(|(d, _)| (d, is_executable)));
+        }
         // Report every input the CAS lacks at once, so the client uploads them in one go.
-        let in_cas = self.cas.find_present(&missing).await?;
-        let absent: Vec<Digest> = missing.iter().zip(&in_cas).filter(|(_, p)| !**p).map(|(d, _)| *d).collect();
+        let wanted: Vec<Digest> = missing.iter().map(|(d, _)| *d).collect();
+        let in_cas = self.cas.find_present(&wanted).await?;
+        let mut absent: Vec<Digest> = wanted.iter().zip(&in_cas).filter(|(_, p)| !**p).map(|(d, _)| *d).collect();
         if !absent.is_empty() {
+            absent.sort();
+            absent.dedup();
             return Err(Error::MissingBlobs { what: "input files".into(), digests: absent });
         }
         futures::stream::iter(missing)
-            .map(|d| async move {
+            .map(|(d, is_executable)| async move {
+                let store = self.cache.store(is_executable);
                 let mut src = self.cas.read(&d, 0, None).await.map_err(|e| {
                     if e.is_not_found() {
                         Error::MissingBlobs { what: "input file".into(), digests: vec![d] }
@@ -145,14 +205,15 @@ impl Materializer {
                         e
                     }
                 })?;
-                let mut w = self.cache.begin_write(&d).await?;
+                let mut w = store.begin_write(&d).await?;
                 while let Some(chunk) = src.next().await {
                     w.write(chunk?).await?;
                 }
                 w.commit().await?;
                 // Cache files are shared by hard links: make accidental writes fail.
-                if let Some(p) = self.cache.path_of(&d) {
-                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o444));
+                if let Some(p) = store.path_of(&d) {
+                    let mode = if is_executable { 0o555 } else { 0o444 };
+                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode));
                 }
                 Ok::<(), Error>(())
             })
@@ -163,14 +224,26 @@ impl Materializer {
     }
 }
 
-fn place(src: &Path, dest: &Path, executable: bool) -> Result<()> {
-    if executable {
-        std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
-        std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o555))
-            .context(format_args!("chmod {}", dest.display()))?;
-        return Ok(());
-    }
+/// An executable too large for the cache's executables: a copy of its own.
+fn copy_executable(src: &Path, dest: &Path) -> Result<()> {
+    std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
+    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o555))
+        .context(format_args!("chmod {}", dest.display()))
+}
+
+/// Links the cache's file `src` at `dest`; it is to have `mode` (0444 or 0555).
+fn place(src: &Path, dest: &Path, mode: u32) -> Result<()> {
     match std::fs::hard_link(src, dest) {
+        // An executable just fetched by another action may not have its mode yet (it is
+        // set after the file is in the cache): set it, on the one inode all links share.
+        Ok(()) if mode & 0o111 != 0 => {
+            let meta = std::fs::metadata(dest).context(format_args!("reading input {}", dest.display()))?;
+            if meta.permissions().mode() & 0o777 == mode {
+                return Ok(());
+            }
+            std::fs::set_permissions(dest, std::fs::Permissions::from_mode(mode))
+                .context(format_args!("chmod {}", dest.display()))
+        }
         Ok(()) => Ok(()),
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) || e.raw_os_error() == Some(libc::EMLINK) => {
             // Different filesystem, or link limits: a copy, into a new file only, so an
@@ -183,7 +256,7 @@ fn place(src: &Path, dest: &Path, executable: bool) -> Result<()> {
                 .open(dest)
                 .context(format_args!("creating input {}", dest.display()))?;
             std::io::copy(&mut from, &mut to).context(format_args!("copying input {}", dest.display()))?;
-            std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o444))
+            std::fs::set_permissions(dest, std::fs::Permissions::from_mode(mode))
                 .context(format_args!("chmod {}", dest.display()))
         }
         Err(e) => Err(Error::io(format!("linking input {}", dest.display()), e)),

@@ -13,12 +13,16 @@ use prost::Message;
 const F: DigestFunction = DigestFunction::Sha256;
 
 async fn executor(d: &Path, cas: Arc<dyn BlobStore>) -> Executor {
+    executor_with_cache(d, cas, 1 << 30).await
+}
+
+async fn executor_with_cache(d: &Path, cas: Arc<dyn BlobStore>, cache_bytes: u64) -> Executor {
     let empty = reapi::Directory::default().encode_to_vec();
     cas.put(&F.digest_of(&empty), empty.into()).await.unwrap();
     Executor {
         worker_id: "w".into(),
         cas,
-        cache: Arc::new(gantry_store::FsStore::open(d.join("cache"), 1 << 30).await.unwrap()),
+        cache: Arc::new(gantry_worker::materialize::InputCache::open(d, cache_bytes).await.unwrap()),
         work_root: d.join("actions"),
         dirs: Default::default(),
         spawner: None,
@@ -40,6 +44,11 @@ async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, Str
 
 /// Runs `script` as `run` does, declaring `outputs`, and returns the worker's report.
 async fn finish(ex: &Executor, script: &str, outputs: &[&str]) -> gantry_core::Finished {
+    finish_in(ex, script, outputs, F.digest_of(&reapi::Directory::default().encode_to_vec())).await
+}
+
+/// `finish` with the input root `input_root` (in the executor's CAS).
+async fn finish_in(ex: &Executor, script: &str, outputs: &[&str], input_root: Digest) -> gantry_core::Finished {
     let command = reapi::Command {
         arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
         environment_variables: vec![reapi::command::EnvironmentVariable {
@@ -51,7 +60,7 @@ async fn finish(ex: &Executor, script: &str, outputs: &[&str]) -> gantry_core::F
     };
     let action = reapi::Action {
         command_digest: Some(F.digest_of(&command.encode_to_vec()).to_proto()),
-        input_root_digest: Some(F.digest_of(&reapi::Directory::default().encode_to_vec()).to_proto()),
+        input_root_digest: Some(input_root.to_proto()),
         ..Default::default()
     };
     let work = Work {
@@ -201,4 +210,90 @@ async fn a_log_or_output_the_command_made_a_link_or_fifo_is_refused_and_nothing_
     assert!(f.status_message.contains("not a regular file"), "{}", f.status_message);
     let (code, out) = run(&ex, &cas, "ls -A; echo after").await;
     assert_eq!((code, out.as_str()), (0, "after\n"));
+}
+
+/// The inode of the one file in `dir`'s tree named after `digest` (an FsStore's layout).
+fn cached_inode(dir: &Path, digest: &Digest) -> Option<(u64, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let name = format!("{}-{}", digest.hash_hex(), digest.size);
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).ok()?.flatten() {
+            let meta = e.metadata().ok()?;
+            if meta.is_dir() {
+                todo.push(e.path());
+            } else if e.file_name().to_string_lossy() == name {
+                return Some((meta.ino(), meta.mode() & 0o777));
+            }
+        }
+    }
+    None
+}
+
+const TOOL: &[u8] = b"#!/bin/sh\necho tool ran\n";
+
+/// Puts an input root holding `TOOL` twice in `cas`, as the executable `tool` and the
+/// plain file `plain`; returns its digest.
+async fn tool_and_plain(cas: &Arc<dyn BlobStore>) -> Digest {
+    let blob = F.digest_of(TOOL);
+    cas.put(&blob, TOOL.to_vec().into()).await.unwrap();
+    let file = |name: &str, is_executable: bool| reapi::FileNode {
+        name: name.into(),
+        digest: Some(blob.to_proto()),
+        is_executable,
+        ..Default::default()
+    };
+    let root = reapi::Directory { files: vec![file("plain", false), file("tool", true)], ..Default::default() };
+    let root_bytes = root.encode_to_vec();
+    let root_digest = F.digest_of(&root_bytes);
+    cas.put(&root_digest, root_bytes.into()).await.unwrap();
+    root_digest
+}
+
+/// An executable input is a hard link to an executable file of the worker's cache, as a
+/// plain input is to a read-only one: before, every action got a copy of each executable
+/// input (a whole compiler per action, for a toolchain). The same bytes given as a plain
+/// input are another file, which is not executable.
+#[tokio::test]
+async fn executable_inputs_are_linked_from_the_cache_not_copied() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone()).await;
+    let root_digest = tool_and_plain(&cas).await;
+    let blob = F.digest_of(TOOL);
+
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let f = finish_in(&ex, "./tool && stat -c '%a %i' tool plain", &[], root_digest).await;
+        assert_eq!(f.status_code, 0, "{}", f.status_message);
+        let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
+        seen.push(String::from_utf8(cas.get(&stdout).await.unwrap().to_vec()).unwrap());
+    }
+    let (x_inode, x_mode) = cached_inode(&d.path().join("cache-x"), &blob).expect("the executable is in the cache");
+    let (r_inode, r_mode) = cached_inode(&d.path().join("cache"), &blob).expect("the plain file is in the cache");
+    assert_eq!((x_mode, r_mode), (0o555, 0o444));
+    let expected = format!("tool ran\n555 {x_inode}\n444 {r_inode}\n");
+    assert_eq!(seen, [expected.clone(), expected], "both actions ran the cache's own files");
+}
+
+/// An executable larger than the cache's part for executables (a quarter of it) is
+/// copied into the action with its own mode, as before, and still runs.
+#[tokio::test]
+async fn an_executable_too_large_for_the_cache_is_copied() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    // 80 bytes in all: 20 for executables, fewer than the tool's 24.
+    let ex = executor_with_cache(d.path(), cas.clone(), 80).await;
+    let root_digest = tool_and_plain(&cas).await;
+    let f = finish_in(&ex, "./tool && stat -c '%a %i' tool plain", &[], root_digest).await;
+    assert_eq!(f.status_code, 0, "{}", f.status_message);
+    let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
+    let seen = String::from_utf8(cas.get(&stdout).await.unwrap().to_vec()).unwrap();
+    let blob = F.digest_of(TOOL);
+    assert_eq!(cached_inode(&d.path().join("cache-x"), &blob), None, "not kept with the executables");
+    let (r_inode, _) = cached_inode(&d.path().join("cache"), &blob).expect("kept with the plain files");
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(lines[0], "tool ran");
+    assert!(lines[1].starts_with("555 ") && lines[1] != format!("555 {r_inode}"), "a copy of its own: {seen}");
+    assert_eq!(lines[2], format!("444 {r_inode}"));
 }

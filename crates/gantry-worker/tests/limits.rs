@@ -195,7 +195,7 @@ async fn the_executor_reports_an_oom_kill_to_the_scheduler() {
     let executor = gantry_worker::Executor {
         worker_id: "w".into(),
         cas,
-        cache: Arc::new(gantry_store::FsStore::open(d.path().join("cache"), 1 << 30).await.unwrap()),
+        cache: Arc::new(gantry_worker::materialize::InputCache::open(d.path(), 1 << 30).await.unwrap()),
         work_root: d.path().join("actions"),
         dirs: Default::default(),
         spawner: None,

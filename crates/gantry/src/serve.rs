@@ -15,7 +15,7 @@ use gantry_execution::{Scheduler, SchedulerConfig};
 use gantry_proto::worker::v1 as wpb;
 use gantry_services::batcher::BatcherService;
 use gantry_services::{Limits, RunningServer, Services};
-use gantry_store::{FsStore, MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
+use gantry_store::{MetadataDb, RoleLease, SqlBuildStore, SqlExecutionLog, SqlQueueStore, SqlSizeClassStore};
 use gantry_worker::Executor;
 
 #[derive(clap::Args, Debug)]
@@ -134,7 +134,7 @@ pub async fn start_local_workers(config: &Config, services: &Services) -> anyhow
     // Absolute, because actions are started by the spawner, another process.
     let dir = std::fs::canonicalize(&dir).with_context(|| format!("resolving {}", dir.display()))?;
     let cache = Arc::new(
-        FsStore::open(dir.join("cache"), config.execution.cache_max_size.as_u64())
+        gantry_worker::materialize::InputCache::open(&dir, config.execution.cache_max_size.as_u64())
             .await
             .with_context(|| format!("opening the worker cache in {}", dir.display()))?,
     );

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bytesize::ByteSize;
 use gantry_proto::worker::v1 as wpb;
-use gantry_store::{FsStore, GrpcStore};
+use gantry_store::GrpcStore;
 use gantry_worker::Executor;
 
 #[derive(clap::Args)]
@@ -62,7 +62,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     // Absolute, because actions are started by the spawner, another process.
     let work_dir =
         std::fs::canonicalize(&args.work_dir).with_context(|| format!("resolving {}", args.work_dir.display()))?;
-    let cache = Arc::new(FsStore::open(work_dir.join("cache"), args.cache_size.as_u64()).await?);
+    let cache = Arc::new(gantry_worker::materialize::InputCache::open(&work_dir, args.cache_size.as_u64()).await?);
     let work_root = work_dir.join("actions");
     gantry_worker::executor::remove_tree(&work_root);
     std::fs::create_dir_all(&work_root).with_context(|| format!("creating {}", work_root.display()))?;
