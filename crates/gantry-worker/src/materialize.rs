@@ -36,10 +36,11 @@ pub struct InputCache {
 }
 
 impl InputCache {
-    /// Opens the cache under `dir` (`cache/` and `cache-x/`), `max_bytes` in all: a
-    /// quarter of it for executables, which most input trees hold few of.
+    /// Opens the cache under `dir` (`cache/` and `cache-x/`), `max_bytes` in all, half
+    /// of it for executables: Bazel marks every file an action generated executable, so
+    /// in its input trees generated files are executables and sources are not.
     pub async fn open(dir: &Path, max_bytes: u64) -> Result<InputCache> {
-        let executable_max = max_bytes / 4;
+        let executable_max = max_bytes / 2;
         Ok(InputCache {
             files: FsStore::open(dir.join("cache"), max_bytes - executable_max).await?,
             executables: FsStore::open(dir.join("cache-x"), executable_max).await?,
