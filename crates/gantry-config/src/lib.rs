@@ -322,8 +322,8 @@ pub struct ExecutionConfig {
     pub properties: std::collections::BTreeMap<String, String>,
     /// Where workers run actions and keep their input cache. Default `{data_dir}/workers`.
     pub work_dir: Option<PathBuf>,
-    /// Size of the workers' local input cache, half of it for executable inputs (kept
-    /// apart, since hard links share a mode). Default "10GiB".
+    /// Size of the workers' local input cache, and half as much again for executable
+    /// inputs (kept apart, since hard links share a mode). Default "10GiB".
     pub cache_max_size: ByteSize,
     /// Times an action may lose its worker (crash, network) before it fails with
     /// UNAVAILABLE. Default 3.

@@ -83,6 +83,8 @@ struct Files {
     root: PathBuf,
     tmp: PathBuf,
     index: Mutex<LruIndex<()>>,
+    /// The mode blob files are created with (before the umask).
+    file_mode: u32,
 }
 
 impl std::ops::Deref for Inner {
@@ -216,7 +218,16 @@ impl FsStore {
     /// As `open`; `journal = false` makes every write fsync its own file (`[cas] journal`).
     pub async fn open_with_journal(root: impl Into<PathBuf>, max_bytes: u64, journal: bool) -> Result<Self> {
         let root = root.into();
-        let inner = blocking(move || Inner::open(root, max_bytes, journal)).await?;
+        let inner = blocking(move || Inner::open(root, max_bytes, journal, 0o644)).await?;
+        Ok(FsStore { inner: Arc::new(inner) })
+    }
+
+    /// As `open`, for files that others get hard links to (a worker's input cache): each
+    /// blob's file is created with `mode` (0444, or 0555 for executables), so that it is
+    /// never seen with another, not even between its rename into place and a chmod.
+    pub async fn open_for_links(root: impl Into<PathBuf>, max_bytes: u64, mode: u32) -> Result<Self> {
+        let root = root.into();
+        let inner = blocking(move || Inner::open(root, max_bytes, true, mode)).await?;
         Ok(FsStore { inner: Arc::new(inner) })
     }
 
@@ -244,10 +255,8 @@ impl FsStore {
         // in place and leaves it). Only once: until the placer has been by, the journal
         // still calls it unplaced, and writing it again would rename a new file over the
         // one a worker has linked and made read-only, freeing an inode each time.
-        if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest))
-            && !blob_path(&self.inner.root, digest).exists()
-        {
-            self.inner.write_in_place(digest, &data).ok()?;
+        if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
+            self.inner.write_if_absent(digest, &data).ok()?;
         }
         let mut index = self.inner.index.lock().expect("poisoned");
         index.touch(digest).map(|_| blob_path(&self.inner.root, digest))
@@ -318,9 +327,25 @@ impl Files {
     /// renamed, so that its name never points at part of it (another process sharing the
     /// directory may be looking). A journaled write needs no sync (see the module doc).
     fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<()> {
-        let mut t = TempFile::create(&self.tmp)?.with(data)?;
+        let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
         t.file.take();
         self.place(&t.path, digest).map(drop)
+    }
+
+    /// `write_in_place` unless the file is there already, checked again under the index
+    /// lock, as the placer's rename is: a file someone may have linked is never replaced.
+    fn write_if_absent(&self, digest: &Digest, data: &[u8]) -> Result<()> {
+        if blob_path(&self.root, digest).exists() {
+            return Ok(());
+        }
+        let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
+        t.file.take();
+        let mut index = self.index.lock().expect("poisoned");
+        if !blob_path(&self.root, digest).exists() {
+            rename_into_place(&self.root, &t.path, digest)?;
+            self.account(&mut index, digest);
+        }
+        Ok(())
     }
 }
 
@@ -348,11 +373,12 @@ impl fs_journal::BlobFiles for Files {
                     return Ok(());
                 }
             }
-            let mut t = TempFile::create(&self.tmp)?.with(data)?;
+            let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
             t.file.take();
-            // Under the index lock, as `place`: an eviction never races the rename.
+            // Under the index lock, as `place`: an eviction never races the rename, nor
+            // does `path_of` putting the file in place meanwhile.
             let index = self.index.lock().expect("poisoned");
-            if index.peek(d).is_some() {
+            if index.peek(d).is_some() && !blob_path(&self.root, d).exists() {
                 rename_into_place(&self.root, &t.path, d)?;
             }
             Ok(())
@@ -373,7 +399,7 @@ impl fs_journal::BlobFiles for Files {
 }
 
 impl Inner {
-    fn open(root: PathBuf, max_bytes: u64, journal: bool) -> Result<Inner> {
+    fn open(root: PathBuf, max_bytes: u64, journal: bool, file_mode: u32) -> Result<Inner> {
         let tmp = root.join("tmp");
         fs::create_dir_all(&tmp).context(format_args!("creating CAS directory {}", tmp.display()))?;
         let journal_dir = root.join("journal");
@@ -412,7 +438,7 @@ impl Inner {
         // then distrust every small file written since its oldest segment began.
         let orphans = fs_journal::claim_orphans(&journal_dir)?;
         let replayed = orphans.replay(|d, data| {
-            let mut t = TempFile::create(&tmp)?.with(data)?;
+            let mut t = TempFile::create(&tmp, file_mode)?.with(data)?;
             t.file.take();
             rename_into_place(&root, &t.path, d).map(drop)
         })?;
@@ -491,7 +517,7 @@ impl Inner {
         // Whatever this process's own `journal` setting: another's journal must know.
         fs_journal::note_users(&journal_dir, alone)?;
         drop(opening);
-        let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index) });
+        let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index), file_mode });
         let journal = if journal {
             Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, files.clone())?)
         } else {
@@ -773,13 +799,16 @@ impl Drop for TempFile {
 }
 
 impl TempFile {
-    fn create(dir: &Path) -> Result<TempFile> {
+    /// A new file in `dir`, created with `mode` (before the umask).
+    fn create(dir: &Path, mode: u32) -> Result<TempFile> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(uuid::Uuid::new_v4().to_string());
-        let file = match File::create(&path) {
+        let create = |p: &Path| File::options().write(true).create_new(true).mode(mode).open(p);
+        let file = match create(&path) {
             // Something (a tmp cleaner) removed the directory: recreate it once.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 fs::create_dir_all(dir).context(format_args!("recreating {}", dir.display()))?;
-                File::create(&path)
+                create(&path)
             }
             other => other,
         }
@@ -825,11 +854,11 @@ impl FsWriter {
     /// Appends `chunk` to the temp file, first moving any buffered bytes there.
     async fn spill_to_file(&mut self, chunk: Bytes) -> Result<()> {
         let state = std::mem::replace(&mut self.state, WriteState::Busy);
-        let dir = self.inner.tmp.clone();
+        let (dir, mode) = (self.inner.tmp.clone(), self.inner.file_mode);
         self.state = write_blocking(&self.inner, self.digest.size, move || {
             let mut tmp = match state {
                 WriteState::Buffered(buf) => {
-                    let mut t = TempFile::create(&dir)?;
+                    let mut t = TempFile::create(&dir, mode)?;
                     t.write_all(&buf)?;
                     t
                 }
@@ -868,7 +897,7 @@ impl FsWriter {
             };
             match state {
                 WriteState::Buffered(buf) => {
-                    let attempt = || synced(TempFile::create(&inner.tmp)?.with(&buf)?);
+                    let attempt = || synced(TempFile::create(&inner.tmp, inner.file_mode)?.with(&buf)?);
                     match attempt() {
                         // The bytes are still here: make room and try once more.
                         Err(e) if is_disk_full(&e) => {
@@ -1317,6 +1346,32 @@ mod tests {
             assert_eq!(m.len(), 1000);
         }
         assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_store_for_links_makes_its_files_read_only_and_path_of_never_replaces_one() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FsStore::open_for_links(dir.path(), 1 << 20, 0o555).await.unwrap());
+        for i in 0..20u8 {
+            let data = Bytes::from(vec![i; 300]);
+            let d = DigestFunction::Sha256.digest_of(&data);
+            store.put(&d, data).await.unwrap();
+            // Workers of one cache ask at once, while the journal still holds the blob.
+            let askers: Vec<_> = (0..4)
+                .map(|_| {
+                    let store = store.clone();
+                    std::thread::spawn(move || {
+                        let m = fs::metadata(store.path_of(&d).unwrap()).unwrap();
+                        (m.ino(), m.mode() & 0o777)
+                    })
+                })
+                .collect();
+            let seen: Vec<(u64, u32)> = askers.into_iter().map(|a| a.join().unwrap()).collect();
+            store.wait_placed();
+            let m = fs::metadata(blob_path(dir.path(), &d)).unwrap();
+            assert!(seen.iter().all(|s| *s == (m.ino(), 0o555)), "{d}: {seen:?}, then {}", m.ino());
+        }
     }
 
     #[tokio::test]

@@ -31,19 +31,22 @@ pub struct InputCache {
     pub files: FsStore,
     /// Files linked with mode 0555.
     pub executables: FsStore,
-    /// Largest executable `executables` takes.
+    /// The most bytes of executables one action's inputs may hold to be linked from
+    /// `executables`: more would evict the action's own earlier ones before they are
+    /// linked. Past it, they are kept with the plain files and copied into the action.
     executable_max: u64,
 }
 
 impl InputCache {
-    /// Opens the cache under `dir` (`cache/` and `cache-x/`), `max_bytes` in all, half
-    /// of it for executables: Bazel marks every file an action generated executable, so
-    /// in its input trees generated files are executables and sources are not.
+    /// Opens the cache under `dir`: `max_bytes` for plain files (`cache/`), as before
+    /// executables were kept apart, and half as much again for executables (`cache-x/`).
+    /// Bazel marks every file an action generated executable, so in its input trees the
+    /// generated files are executables and the sources are not.
     pub async fn open(dir: &Path, max_bytes: u64) -> Result<InputCache> {
         let executable_max = max_bytes / 2;
         Ok(InputCache {
-            files: FsStore::open(dir.join("cache"), max_bytes - executable_max).await?,
-            executables: FsStore::open(dir.join("cache-x"), executable_max).await?,
+            files: FsStore::open_for_links(dir.join("cache"), max_bytes, 0o444).await?,
+            executables: FsStore::open_for_links(dir.join("cache-x"), executable_max, 0o555).await?,
             executable_max,
         })
     }
@@ -56,10 +59,13 @@ impl InputCache {
         }
     }
 
-    /// Whether `e` is linked from `executables`: an executable small enough for it. A
-    /// larger one is kept in `files` and copied, with its own mode.
-    fn linked_executable(&self, e: &FileEntry) -> bool {
-        e.executable && e.digest.size <= self.executable_max
+    /// Whether the executables among `files` (one action's inputs) are linked from
+    /// `executables`: they fit in it together. Otherwise they are copied.
+    fn links_executables(&self, files: &[FileEntry]) -> bool {
+        let mut executables: Vec<Digest> = files.iter().filter(|e| e.executable).map(|e| e.digest).collect();
+        executables.sort();
+        executables.dedup();
+        executables.iter().map(|d| d.size).sum::<u64>() <= self.executable_max
     }
 }
 
@@ -142,7 +148,8 @@ impl Materializer {
                 symlinks.push((path.join(&link.name), link.target.clone()));
             }
         }
-        self.fill_cache(&files).await?;
+        let link_executables = self.cache.links_executables(&files);
+        self.fill_cache(&files, link_executables).await?;
         let bytes: u64 = files.iter().map(|e| e.digest.size).sum();
         let count = files.len();
         let cache = self.cache.clone();
@@ -150,7 +157,7 @@ impl Materializer {
         let small = count + symlinks.len() <= INLINE_PLACE_FILES && bytes <= crate::INLINE_FILE_BYTES;
         crate::blocking_unless_small(small, move || -> Result<()> {
             for e in &files {
-                let linked_executable = cache.linked_executable(e);
+                let linked_executable = e.executable && link_executables;
                 let src = cache
                     .store(linked_executable)
                     .path_of(&e.digest)
@@ -171,10 +178,10 @@ impl Materializer {
     }
 
     /// Brings every missing input into the local cache, a few at a time.
-    async fn fill_cache(&self, files: &[FileEntry]) -> Result<()> {
+    async fn fill_cache(&self, files: &[FileEntry], link_executables: bool) -> Result<()> {
         let (mut plain, mut executable): (Vec<Digest>, Vec<Digest>) = (Vec::new(), Vec::new());
         for e in files {
-            if self.cache.linked_executable(e) {
+            if e.executable && link_executables {
                 executable.push(e.digest)
             } else {
                 plain.push(e.digest)
@@ -210,12 +217,8 @@ impl Materializer {
                 while let Some(chunk) = src.next().await {
                     w.write(chunk?).await?;
                 }
+                // Its file is made read-only (`open_for_links`): links to it cannot write.
                 w.commit().await?;
-                // Cache files are shared by hard links: make accidental writes fail.
-                if let Some(p) = store.path_of(&d) {
-                    let mode = if is_executable { 0o555 } else { 0o444 };
-                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode));
-                }
                 Ok::<(), Error>(())
             })
             .buffer_unordered(FETCH_CONCURRENCY)
@@ -225,7 +228,7 @@ impl Materializer {
     }
 }
 
-/// An executable too large for the cache's executables: a copy of its own.
+/// An executable of an action whose executables do not fit the cache's: a copy of its own.
 fn copy_executable(src: &Path, dest: &Path) -> Result<()> {
     std::fs::copy(src, dest).context(format_args!("copying input {}", dest.display()))?;
     std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o555))
@@ -235,8 +238,8 @@ fn copy_executable(src: &Path, dest: &Path) -> Result<()> {
 /// Links the cache's file `src` at `dest`; it is to have `mode` (0444 or 0555).
 fn place(src: &Path, dest: &Path, mode: u32) -> Result<()> {
     match std::fs::hard_link(src, dest) {
-        // An executable just fetched by another action may not have its mode yet (it is
-        // set after the file is in the cache): set it, on the one inode all links share.
+        // An action may have changed the mode of the one inode all links share: set it
+        // back.
         Ok(()) if mode & 0o111 != 0 => {
             let meta = std::fs::metadata(dest).context(format_args!("reading input {}", dest.display()))?;
             if meta.permissions().mode() & 0o777 == mode {

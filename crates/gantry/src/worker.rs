@@ -28,7 +28,7 @@ pub struct WorkerArgs {
     /// Where actions run and inputs are cached.
     #[arg(long, default_value = "./gantry-worker")]
     work_dir: PathBuf,
-    /// Size of the local input cache, half of it for executable inputs.
+    /// Size of the local input cache, and half as much again for executable inputs.
     #[arg(long, default_value = "10GiB")]
     cache_size: ByteSize,
     /// Size class of this worker.
