@@ -249,17 +249,18 @@ impl FsStore {
     }
 
     /// The file holding `digest`, if the store has it (touching it). Workers hard-link
-    /// inputs from here; the file must be treated as read-only.
-    pub fn path_of(&self, digest: &Digest) -> Option<PathBuf> {
+    /// inputs from here; the file must be treated as read-only. An error is the failure
+    /// to put an acknowledged blob's file in place (a full disk), not an absence.
+    pub fn path_of(&self, digest: &Digest) -> Result<Option<PathBuf>> {
         // Acknowledged but not yet in place: put it there now (the placer then finds it
         // in place and leaves it). Only once: until the placer has been by, the journal
         // still calls it unplaced, and writing it again would rename a new file over the
         // one a worker has linked and made read-only, freeing an inode each time.
         if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
-            self.inner.write_if_absent(digest, &data).ok()?;
+            self.inner.write_if_absent(digest, &data)?;
         }
         let mut index = self.inner.index.lock().expect("poisoned");
-        index.touch(digest).map(|_| blob_path(&self.inner.root, digest))
+        Ok(index.touch(digest).map(|_| blob_path(&self.inner.root, digest)))
     }
 
     /// Test-only: returns once every acknowledged blob's file is in place.
@@ -1327,12 +1328,12 @@ mod tests {
             let d = DigestFunction::Sha256.digest_of(&data);
             store.put(&d, data).await.unwrap();
             let before = blob_path(dir.path(), &d).exists();
-            let path = store.path_of(&d).unwrap();
+            let path = store.path_of(&d).unwrap().unwrap();
             if !before {
                 let ino = fs::metadata(&path).unwrap().ino();
                 // A worker links it and looks again (to set its mode, to link it into
                 // the next action) before the placer has been by: the same file.
-                let again = store.path_of(&d).unwrap();
+                let again = store.path_of(&d).unwrap().unwrap();
                 assert_eq!(fs::metadata(&again).unwrap().ino(), ino, "{d}: path_of wrote it a second time");
                 made.push((d, ino));
             }
@@ -1362,7 +1363,7 @@ mod tests {
                 .map(|_| {
                     let store = store.clone();
                     std::thread::spawn(move || {
-                        let m = fs::metadata(store.path_of(&d).unwrap()).unwrap();
+                        let m = fs::metadata(store.path_of(&d).unwrap().unwrap()).unwrap();
                         (m.ino(), m.mode() & 0o777)
                     })
                 })

@@ -166,7 +166,7 @@ async fn tiered_lost_local_tier_loses_nothing() {
         assert_eq!(&s.get(d).await.unwrap(), data);
     }
     // The reads filled the tier again.
-    assert!(tier.path_of(&ds[0]).is_some_and(|p| p.is_file()));
+    assert!(tier.path_of(&ds[0]).unwrap().is_some_and(|p| p.is_file()));
     let (data, d) = blob(61, 5000);
     s.put(&d, data.clone()).await.unwrap();
     assert_eq!(s.get(&d).await.unwrap(), data, "writes work into the vanished directory");

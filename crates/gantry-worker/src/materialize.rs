@@ -160,7 +160,7 @@ impl Materializer {
                 let linked_executable = e.executable && link_executables;
                 let src = cache
                     .store(linked_executable)
-                    .path_of(&e.digest)
+                    .path_of(&e.digest)?
                     .ok_or_else(|| Error::internal(format!("input {} vanished from the worker cache", e.digest)))?;
                 match (e.executable, linked_executable) {
                     (true, false) => copy_executable(&src, &e.path)?,
