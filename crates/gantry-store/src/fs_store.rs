@@ -257,7 +257,7 @@ impl FsStore {
         // still calls it unplaced, and writing it again would rename a new file over the
         // one a worker has linked and made read-only, freeing an inode each time.
         if let Some(data) = self.inner.journal.as_ref().and_then(|j| j.unplaced(digest)) {
-            self.inner.write_if_absent(digest, &data)?;
+            self.inner.write_in_place(digest, &data)?;
         }
         let mut index = self.inner.index.lock().expect("poisoned");
         Ok(index.touch(digest).map(|_| blob_path(&self.inner.root, digest)))
@@ -324,28 +324,28 @@ impl Files {
         freed
     }
 
-    /// Puts a small blob's file in place with no sync: written in the temp directory and
-    /// renamed, so that its name never points at part of it (another process sharing the
-    /// directory may be looking). A journaled write needs no sync (see the module doc).
+    /// Puts a small blob's file in place with no sync, and accounts for it: written in
+    /// the temp directory and renamed, so that its name never points at part of it
+    /// (another process sharing the directory may be looking). A journaled write needs no
+    /// sync (see the module doc). A file already in place is kept, checked again under the
+    /// index lock (as the placer's rename is): a worker may have linked it, and a second
+    /// copy renamed over it would cost a file and free an inode.
     fn write_in_place(&self, digest: &Digest, data: &[u8]) -> Result<()> {
-        let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
-        t.file.take();
-        self.place(&t.path, digest).map(drop)
-    }
-
-    /// `write_in_place` unless the file is there already, checked again under the index
-    /// lock, as the placer's rename is: a file someone may have linked is never replaced.
-    fn write_if_absent(&self, digest: &Digest, data: &[u8]) -> Result<()> {
-        if blob_path(&self.root, digest).exists() {
-            return Ok(());
-        }
-        let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
-        t.file.take();
+        let tmp = match blob_path(&self.root, digest).exists() {
+            true => None,
+            false => {
+                let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
+                t.file.take();
+                Some(t)
+            }
+        };
         let mut index = self.index.lock().expect("poisoned");
-        if !blob_path(&self.root, digest).exists() {
+        if let Some(t) = &tmp
+            && !blob_path(&self.root, digest).exists()
+        {
             rename_into_place(&self.root, &t.path, digest)?;
-            self.account(&mut index, digest);
         }
+        self.account(&mut index, digest);
         Ok(())
     }
 }
