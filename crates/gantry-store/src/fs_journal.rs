@@ -806,6 +806,11 @@ impl Shared {
                         if let Err(e) = fs::remove_file(&seg.path) {
                             tracing::warn!(segment = %seg.path.display(), error = %e, "CAS journal: could not remove a retired segment");
                         }
+                        // Closed before it counts as retired: its space is free only at
+                        // the last close, and a full disk's `checkpoint_now` looks at the
+                        // free space as soon as the count moves (else it evicts blobs the
+                        // retired segment had made room for).
+                        drop(seg);
                         self.retired.fetch_add(1, Ordering::Relaxed);
                     }
                 }

@@ -1014,14 +1014,18 @@ mod tests {
             }
         };
         let tmp_files = || fs::read_dir(root.join("cas/tmp")).unwrap().count();
-        // 3 MiB of blobs fit.
-        let small: Vec<_> = (0..6).map(|i| blob(i, 512 << 10)).collect();
+        // 2.8 MiB of blobs fit. Their size keeps every step at least 128 KiB from a
+        // threshold (with 512 KiB blobs the last left exactly `MIN_ROOM` free).
+        let small: Vec<_> = (0..6).map(|i| blob(i, 480 << 10)).collect();
         for (d, data) in &small {
             put(*d, data.clone(), 64 << 10).await.unwrap();
         }
         // A streamed 2 MiB upload runs out of disk part way: RESOURCE_EXHAUSTED naming the
         // store, no temp file left, and room made from the oldest blobs.
         let (big_d, big) = blob(100, 2 << 20);
+        // The test's premise, checked: the upload cannot fit as things stand.
+        let free = fs_journal::free_bytes(&File::open(&root).unwrap()).unwrap();
+        assert!(free < big.len() as u64 / 2, "{free} bytes free before a {}-byte upload", big.len());
         let e = put(big_d, big.clone(), 256 << 10).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
         assert!(e.to_string().contains(&format!("CAS {}", root.join("cas").display())), "{e}");
