@@ -41,12 +41,23 @@ impl Uploader {
 
     /// `upload_file` of a command's stdout and stderr, hashed together: most commands'
     /// logs are empty or tiny, and a blocking task is a handoff between threads.
+    /// An empty log (most are) costs one stat, not an open, a stat, a read and a close.
     pub async fn upload_logs(&self, stdout: &Path, stderr: &Path) -> Result<(Digest, Digest)> {
-        let ((out_file, out_len), (err_file, err_len)) = (open_output(stdout)?, open_output(stderr)?);
+        let open = |p: &Path| match std::fs::symlink_metadata(p) {
+            Ok(m) if m.is_file() && m.len() == 0 => Ok(None),
+            // Anything else (a link, a missing file) gets `open_output`'s own error.
+            _ => open_output(p).map(Some),
+        };
+        let (out_file, err_file) = (open(stdout)?, open(stderr)?);
         let (out, err, f) = (stdout.to_owned(), stderr.to_owned(), self.function);
-        let small = out_len.max(err_len) <= crate::INLINE_FILE_BYTES;
+        let len = |o: &Option<(std::fs::File, u64)>| o.as_ref().map_or(0, |(_, len)| *len);
+        let small = len(&out_file).max(len(&err_file)) <= crate::INLINE_FILE_BYTES;
         let (o, e) = crate::blocking_unless_small(small, move || {
-            Ok((hash_file(f, out_file, out_len, &out)?, hash_file(f, err_file, err_len, &err)?))
+            let hash = |o: Option<(std::fs::File, u64)>, p: &Path| match o {
+                None => Ok((f.empty(), Some(Vec::new()))),
+                Some((file, len)) => hash_file(f, file, len, p),
+            };
+            Ok((hash(out_file, &out)?, hash(err_file, &err)?))
         })
         .await?;
         Ok((self.upload_hashed(stdout, o.0, o.1).await?, self.upload_hashed(stderr, e.0, e.1).await?))
