@@ -1307,7 +1307,9 @@ mod tests {
             let store = FsStore::open(dir.path(), 1000).await.unwrap();
             for (b, d) in blobs.iter().zip(&ds) {
                 store.put(d, b.clone()).await.unwrap();
-                // distinct mtimes so the rebuilt order is unambiguous
+                // Each file in place before the next is written, with distinct mtimes, so
+                // that the rebuilt order is unambiguous.
+                store.wait_placed();
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
             assert_eq!(store.usage().blobs, 3);
