@@ -796,6 +796,14 @@ mod tests {
         assert_eq!(sync, 2);
     }
 
+    /// A row of the size-class statistics, the table these tests write to.
+    fn stats_row(key: String) -> Write {
+        Write::new("INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)")
+            .bind(key)
+            .bind("{}")
+            .bind(1i64)
+    }
+
     /// Two writes issued together share a commit, even when the second is queued a
     /// scheduler turn after the first has woken the commit task (as an action's result
     /// and its execution record are, behind a lock or a lookup). On one thread the order
@@ -804,15 +812,7 @@ mod tests {
     async fn writes_issued_together_share_a_commit() {
         let dir = tempfile::tempdir().unwrap();
         let db = MetadataDb::open(&format!("sqlite://{}/meta.db", dir.path().display())).await.unwrap();
-        let put = |key: String| {
-            db.write(
-                "writing stats",
-                Write::new("INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)")
-                    .bind(key)
-                    .bind("{}")
-                    .bind(1i64),
-            )
-        };
+        let put = |key: String| db.write("writing stats", stats_row(key));
         let commits = || db.group.as_ref().expect("a SQLite file").commits.load(std::sync::atomic::Ordering::Relaxed);
         let before = commits();
         let pairs = 50;
@@ -835,16 +835,7 @@ mod tests {
         let db = MetadataDb::open(&format!("sqlite://{}/meta.db", dir.path().display())).await.unwrap();
         let put = |key: String| {
             let db = db.clone();
-            async move {
-                db.write(
-                    "writing stats",
-                    Write::new("INSERT INTO size_class_stats (stats_key, stats, updated_unix_ms) VALUES ($1, $2, $3)")
-                        .bind(key)
-                        .bind("{}")
-                        .bind(1i64),
-                )
-                .await
-            }
+            async move { db.write("writing stats", stats_row(key)).await }
         };
         let mut tasks: Vec<_> = (0..300).map(|i| tokio::spawn(put(format!("k{i}")))).collect();
         // The same key again: a primary key violation, in the middle of the others.
