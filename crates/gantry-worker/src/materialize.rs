@@ -28,9 +28,9 @@ const INLINE_PLACE_FILES: usize = 16;
 /// journal every inode freed and made again is dear (see `ActionDirs`).
 pub struct InputCache {
     /// Files linked with mode 0444.
-    pub files: FsStore,
+    files: FsStore,
     /// Files linked with mode 0555.
-    pub executables: FsStore,
+    executables: FsStore,
     /// The most bytes of executables one action's inputs may hold to be linked from
     /// `executables`: more would evict the action's own earlier ones before they are
     /// linked. Past it, they are kept with the plain files and copied into the action.

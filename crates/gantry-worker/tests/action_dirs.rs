@@ -34,7 +34,12 @@ async fn executor_with_cache(d: &Path, cas: Arc<dyn BlobStore>, cache_bytes: u64
 /// Runs `script` under `/bin/sh -c` in an empty input root; returns its exit code and
 /// its stdout.
 async fn run(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str) -> (i32, String) {
-    let finished = finish(ex, script, &[]).await;
+    run_in(ex, cas, script, F.digest_of(&reapi::Directory::default().encode_to_vec())).await
+}
+
+/// `run` with the input root `input_root` (in the executor's CAS).
+async fn run_in(ex: &Executor, cas: &Arc<dyn BlobStore>, script: &str, input_root: Digest) -> (i32, String) {
+    let finished = finish_in(ex, script, &[], input_root).await;
     assert_eq!(finished.status_code, 0, "{}", finished.status_message);
     let result = finished.action_result.unwrap();
     let stdout = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
@@ -264,10 +269,7 @@ async fn executable_inputs_are_linked_from_the_cache_not_copied() {
 
     let mut seen = Vec::new();
     for _ in 0..2 {
-        let f = finish_in(&ex, "./tool && stat -c '%a %i' tool plain", &[], root_digest).await;
-        assert_eq!(f.status_code, 0, "{}", f.status_message);
-        let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
-        seen.push(String::from_utf8(cas.get(&stdout).await.unwrap().to_vec()).unwrap());
+        seen.push(run_in(&ex, &cas, "./tool && stat -c '%a %i' tool plain", root_digest).await.1);
     }
     let (x_inode, x_mode) = cached_inode(&d.path().join("cache-x"), &blob).expect("the executable is in the cache");
     let (r_inode, r_mode) = cached_inode(&d.path().join("cache"), &blob).expect("the plain file is in the cache");
@@ -285,10 +287,7 @@ async fn an_executable_too_large_for_the_cache_is_copied() {
     // 40 bytes for plain files, 20 for executables: fewer than the tool's 24.
     let ex = executor_with_cache(d.path(), cas.clone(), 40).await;
     let root_digest = tool_and_plain(&cas).await;
-    let f = finish_in(&ex, "./tool && stat -c '%a %i' tool plain", &[], root_digest).await;
-    assert_eq!(f.status_code, 0, "{}", f.status_message);
-    let stdout = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
-    let seen = String::from_utf8(cas.get(&stdout).await.unwrap().to_vec()).unwrap();
+    let (_, seen) = run_in(&ex, &cas, "./tool && stat -c '%a %i' tool plain", root_digest).await;
     let blob = F.digest_of(TOOL);
     assert_eq!(cached_inode(&d.path().join("cache-x"), &blob), None, "not kept with the executables");
     let (r_inode, _) = cached_inode(&d.path().join("cache"), &blob).expect("kept with the plain files");
