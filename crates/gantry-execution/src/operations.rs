@@ -68,9 +68,17 @@ pub fn to_operation(s: &OpState) -> Operation {
 
 type OpStream = futures::stream::BoxStream<'static, Result<Operation, Status>>;
 
-/// Streams every state change until the operation completes. If the scheduler shuts down
-/// first, the stream ends with UNAVAILABLE: Bazel then retries WaitExecution, and Execute
-/// again if the restarted scheduler no longer knows the operation.
+/// How long a stream holds back its first message while the operation may still finish.
+/// Most actions of a build take less, and then the stream carries one message, the result,
+/// instead of QUEUED, EXECUTING and COMPLETED: each message is a write and a wake-up on both
+/// ends. A client learns the operation's name this much later, which costs it nothing: a
+/// client that reconnects before then sends Execute again and joins the same operation.
+const FIRST_UPDATE_GRACE: Duration = Duration::from_millis(100);
+
+/// Streams every state change until the operation completes, the first after at most
+/// `FIRST_UPDATE_GRACE`. If the scheduler shuts down first, the stream ends with
+/// UNAVAILABLE: Bazel then retries WaitExecution, and Execute again if the restarted
+/// scheduler no longer knows the operation.
 fn op_stream(
     rx: crate::op_watch::Receiver<OpState>,
     stopped: impl std::future::Future<Output = ()> + Send + 'static,
@@ -82,7 +90,14 @@ fn op_stream(
             if done {
                 return None;
             }
-            if first_sent {
+            if !first_sent {
+                tokio::select! {
+                    // Done, dropped by the scheduler, or still running at the deadline: in
+                    // every case the state as it is now goes out.
+                    _ = tokio::time::timeout(FIRST_UPDATE_GRACE, rx.wait_for(|s| s.stage == Stage::Completed)) => {}
+                    _ = stopped.clone() => {}
+                }
+            } else {
                 tokio::select! {
                     changed = rx.changed() => if changed.is_err() {
                         // The scheduler dropped the operation (deleted): end the stream.
@@ -94,9 +109,11 @@ fn op_stream(
                     }
                 }
             }
-            let s = rx.borrow_and_update().clone();
-            let done = s.stage == Stage::Completed;
-            Some((Ok(to_operation(&s)), (rx, true, done)))
+            let (op, done) = {
+                let s = rx.borrow_and_update();
+                (to_operation(&s), s.stage == Stage::Completed)
+            };
+            Some((Ok(op), (rx, true, done)))
         }
     })
     .boxed()
@@ -322,5 +339,55 @@ impl Operations for OperationsService {
             _ => rx.borrow().clone(),
         };
         Ok(Response::new(to_operation(&s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gantry_core::DigestFunction;
+    use tokio::time::{sleep, Instant};
+
+    fn state(stage: Stage) -> OpState {
+        OpState { name: "operations/t".into(), stage, action_digest: DigestFunction::Sha256.empty(), response: None }
+    }
+
+    /// Sends `changes` (delay, stage) in order on a fresh operation and returns the stages
+    /// its stream carried, each with when it came.
+    async fn stream_of(changes: Vec<(u64, Stage)>) -> Vec<(Duration, i32)> {
+        let (tx, rx) = crate::op_watch::channel(state(Stage::Queued));
+        let start = Instant::now();
+        let mut stream = op_stream(rx, futures::future::pending());
+        let sender = tokio::spawn(async move {
+            for (ms, stage) in changes {
+                sleep(Duration::from_millis(ms)).await;
+                tx.send_modify(|s| s.stage = stage);
+            }
+        });
+        let mut seen = Vec::new();
+        while let Some(op) = stream.next().await {
+            let md = ExecuteOperationMetadata::decode(op.unwrap().metadata.unwrap().value.as_slice()).unwrap();
+            seen.push((start.elapsed(), md.stage));
+        }
+        sender.await.unwrap();
+        seen
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quick_operation_streams_only_its_result() {
+        let seen = stream_of(vec![(20, Stage::Executing), (20, Stage::Completed)]).await;
+        assert_eq!(seen, vec![(Duration::from_millis(40), execution_stage::Value::Completed as i32)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_long_operation_streams_its_state_after_the_grace_then_every_change() {
+        let seen = stream_of(vec![(20, Stage::Executing), (980, Stage::Completed)]).await;
+        assert_eq!(
+            seen,
+            vec![
+                (FIRST_UPDATE_GRACE, execution_stage::Value::Executing as i32),
+                (Duration::from_secs(1), execution_stage::Value::Completed as i32)
+            ]
+        );
     }
 }
