@@ -67,6 +67,11 @@ const PLACE_DURING_BURST: u64 = UNPLACED_MAX / 2;
 const DEFER_MIN_FREE: u64 = 4 * UNPLACED_MAX;
 /// The file whose presence says that more than one process uses the directory.
 const SHARED_MARKER: &str = "shared";
+
+/// The marker's path in the journal directory `dir` (see [`note_users`]).
+pub(crate) fn shared_marker(dir: &Path) -> PathBuf {
+    dir.join(SHARED_MARKER)
+}
 /// Between the wall clock that names a segment and the filesystem's timestamps.
 pub(crate) const CLOCK_SLACK: Duration = Duration::from_secs(2);
 
@@ -159,7 +164,7 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 /// files, so while the marker exists every journal writes files before acknowledging;
 /// the first process to open a directory alone clears it.
 pub(crate) fn note_users(dir: &Path, alone: bool) -> Result<()> {
-    let marker = dir.join(SHARED_MARKER);
+    let marker = shared_marker(dir);
     if alone {
         match fs::remove_file(&marker) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -587,7 +592,7 @@ impl Shared {
         // The last round's buffer, emptied, becomes the next round's: a round's few MiB
         // are not allocated (and faulted in) afresh each time.
         let mut buf = Vec::new();
-        let marker = self.dir.join(SHARED_MARKER);
+        let marker = shared_marker(&self.dir);
         let mut shared_dir = false;
         let mut st = self.lock();
         loop {

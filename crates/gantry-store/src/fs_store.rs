@@ -34,6 +34,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::SystemTime;
 
@@ -75,6 +76,12 @@ struct Inner {
     journal: Option<Journal>,
     /// What the last open found of a crash (for tests and the startup log).
     recovered: Recovered,
+    /// The marker an opening process leaves while another uses the directory. It is
+    /// written before that process writes any blob, and removed only by a process that
+    /// opens the directory alone, which none can while this one holds it.
+    shared_marker: PathBuf,
+    /// The marker has been seen: another process may have written blob files here.
+    shared: AtomicBool,
 }
 
 /// The blob files and their index: what the journal's writer thread shares with the
@@ -169,7 +176,7 @@ impl DirSync {
                 st.leading = true;
                 st.open_round = Round::default();
                 drop(st);
-                self.fsyncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.fsyncs.fetch_add(1, Ordering::Relaxed);
                 let _ = mine.set(fsync_dir(dir).map_err(|e| e.to_string()));
                 st = one.state.lock().expect("poisoned");
                 st.leading = false;
@@ -524,7 +531,30 @@ impl Inner {
         } else {
             None
         };
-        Ok(Inner { files, dir_sync: DirSync::default(), _user: user, journal, recovered })
+        Ok(Inner {
+            files,
+            dir_sync: DirSync::default(),
+            _user: user,
+            journal,
+            recovered,
+            shared_marker: fs_journal::shared_marker(&journal_dir),
+            shared: AtomicBool::new(!alone),
+        })
+    }
+
+    /// Whether another process may have written blob files into the directory. Until one
+    /// has, a blob missing from the index is not on disk; once one has, it stays so.
+    fn may_be_shared(&self) -> bool {
+        if self.shared.load(Ordering::Relaxed) {
+            return true;
+        }
+        // A stat of a name the kernel's dentry cache holds (a negative entry while it is
+        // absent): no I/O, and no trip to a blocking thread.
+        let seen = self.shared_marker.exists();
+        if seen {
+            self.shared.store(true, Ordering::Relaxed);
+        }
+        seen
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
@@ -642,7 +672,10 @@ impl BlobStore for FsStore {
         };
         let unknown: Vec<(usize, Digest)> =
             present.iter().enumerate().filter(|(_, p)| !**p).map(|(i, _)| (i, digests[i])).collect();
-        if unknown.is_empty() {
+        // A blob missing from the index can only be another process's file: with no other
+        // process using the directory, the index is the answer, and looking on disk would
+        // cost a stat and a trip to a blocking thread and back per upload of new blobs.
+        if unknown.is_empty() || !self.inner.may_be_shared() {
             return Ok(present);
         }
         let inner = self.inner.clone();
@@ -1420,5 +1453,31 @@ mod tests {
         fs::create_dir_all(path.parent().unwrap()).unwrap();
         fs::write(&path, b"short").unwrap();
         assert_eq!(b.find_present(&[bad]).await.unwrap(), [false]);
+    }
+
+    #[tokio::test]
+    async fn a_store_alone_answers_presence_from_its_index_until_another_opens_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let put_by_hand = |data: &'static [u8]| {
+            let d = DigestFunction::Sha256.digest_of(data);
+            let path = blob_path(dir.path(), &d);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(&path, data).unwrap();
+            d
+        };
+        // Alone, no other process can have written a file: the index answers (a file put
+        // there by hand is not looked for). A read still looks on disk.
+        let d = put_by_hand(b"not through the store");
+        assert_eq!(a.find_present(&[d]).await.unwrap(), [false]);
+        assert_eq!(a.get(&d).await.unwrap(), Bytes::from_static(b"not through the store"));
+        // Once another process has opened the directory, a looks on disk for what its
+        // index lacks.
+        let b = FsStore::open(dir.path(), 1 << 20).await.unwrap();
+        let by_b = Bytes::from_static(b"written by b");
+        let e = DigestFunction::Sha256.digest_of(&by_b);
+        b.put(&e, by_b).await.unwrap();
+        b.wait_placed();
+        assert_eq!(a.find_present(&[e]).await.unwrap(), [true]);
     }
 }
