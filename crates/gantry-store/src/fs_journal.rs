@@ -19,7 +19,7 @@
 //! placer leaves a burst of writes alone until it pauses or has half filled the budget
 //! below (see `placer_pause`), and runs at a lower CPU priority. At most
 //! [`UNPLACED_MAX`] bytes wait for the placer; past that, and always while another
-//! process uses the directory (it can see only files, see [`note_users`]), a round puts
+//! process uses the directory (it can see only files, see [`DirUsers`]), a round puts
 //! its files in place before it is acknowledged, as the placer would.
 //!
 //! A segment past [`SEGMENT_BYTES`] is sealed and a new one started. A background thread
@@ -67,11 +67,6 @@ const PLACE_DURING_BURST: u64 = UNPLACED_MAX / 2;
 const DEFER_MIN_FREE: u64 = 4 * UNPLACED_MAX;
 /// The file whose presence says that more than one process uses the directory.
 const SHARED_MARKER: &str = "shared";
-
-/// The marker's path in the journal directory `dir` (see [`note_users`]).
-pub(crate) fn shared_marker(dir: &Path) -> PathBuf {
-    dir.join(SHARED_MARKER)
-}
 /// Between the wall clock that names a segment and the filesystem's timestamps.
 pub(crate) const CLOCK_SLACK: Duration = Duration::from_secs(2);
 
@@ -159,21 +154,48 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Records whether the process opening the store in `dir` is its only user. Called with
-/// the directory's open lock held. Another process can read this one's blobs only as
-/// files, so while the marker exists every journal writes files before acknowledging;
-/// the first process to open a directory alone clears it.
-pub(crate) fn note_users(dir: &Path, alone: bool) -> Result<()> {
-    let marker = shared_marker(dir);
-    if alone {
-        match fs::remove_file(&marker) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(Error::io(format!("removing {}", marker.display()), e))
+/// Whether other processes use the store's directory, by a marker in the journal
+/// directory. Another process can read this one's blobs only as files, so while the
+/// marker exists every journal writes files before acknowledging; and a blob missing
+/// from a store's index can be on disk only once the marker has been there.
+pub(crate) struct DirUsers {
+    marker: PathBuf,
+    /// The marker has been seen since this process opened the directory.
+    shared: AtomicBool,
+}
+
+impl DirUsers {
+    /// Records whether the process opening the store in `dir` is its only user. Called
+    /// with the directory's open lock held. An opening process that is not alone writes
+    /// the marker before it writes any blob; the first process to open a directory alone
+    /// clears it, which none can while another holds the directory.
+    pub(crate) fn note(dir: &Path, alone: bool) -> Result<DirUsers> {
+        let marker = dir.join(SHARED_MARKER);
+        if alone {
+            match fs::remove_file(&marker) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(format!("removing {}", marker.display()), e));
+                }
+                _ => {}
             }
-            _ => Ok(()),
+        } else {
+            fs::write(&marker, b"").context(format_args!("writing {}", marker.display()))?;
         }
-    } else {
-        fs::write(&marker, b"").context(format_args!("writing {}", marker.display()))
+        Ok(DirUsers { marker, shared: AtomicBool::new(!alone) })
+    }
+
+    /// Whether another process has used the directory since this one opened it. Once
+    /// true, stays true; until then, a stat of a name the kernel's dentry cache holds (a
+    /// negative entry while it is absent): no I/O.
+    pub(crate) fn shared(&self) -> bool {
+        if self.shared.load(Ordering::Relaxed) {
+            return true;
+        }
+        let seen = self.marker.exists();
+        if seen {
+            self.shared.store(true, Ordering::Relaxed);
+        }
+        seen
     }
 }
 
@@ -298,6 +320,7 @@ type Waiter = tokio::sync::oneshot::Sender<Outcome>;
 struct Shared {
     dir: PathBuf,
     files: Arc<dyn BlobFiles>,
+    users: Arc<DirUsers>,
     /// Any descriptor on the CAS filesystem, for syncfs; held for the store's lifetime so
     /// that a writeback error is reported to it.
     fs: File,
@@ -368,13 +391,20 @@ struct State {
 impl Journal {
     /// Starts a journal in `dir` on the filesystem of `fs_root`, with its writer and
     /// checkpoint threads.
-    pub(crate) fn open(dir: &Path, fs_root: &Path, segment_bytes: u64, files: Arc<dyn BlobFiles>) -> Result<Journal> {
+    pub(crate) fn open(
+        dir: &Path,
+        fs_root: &Path,
+        segment_bytes: u64,
+        files: Arc<dyn BlobFiles>,
+        users: Arc<DirUsers>,
+    ) -> Result<Journal> {
         let fs = File::open(fs_root).context(format_args!("opening {}", fs_root.display()))?;
         let seq = AtomicU64::new(0);
         let current = new_segment(dir, &seq)?;
         let shared = Arc::new(Shared {
             dir: dir.to_owned(),
             files,
+            users,
             fs,
             segment_bytes,
             state: Mutex::new(State {
@@ -592,8 +622,6 @@ impl Shared {
         // The last round's buffer, emptied, becomes the next round's: a round's few MiB
         // are not allocated (and faulted in) afresh each time.
         let mut buf = Vec::new();
-        let marker = shared_marker(&self.dir);
-        let mut shared_dir = false;
         let mut st = self.lock();
         loop {
             while st.pending.is_empty() && !st.rotate && !st.closing {
@@ -620,8 +648,8 @@ impl Shared {
                 st = self.changed.wait_timeout(st, Duration::from_millis(200)).expect("poisoned").0;
                 continue;
             }
-            // A stat per round: another process may have opened the directory since.
-            shared_dir = shared_dir || marker.exists();
+            // A stat per round until it is: another process may have opened the directory.
+            let shared_dir = self.users.shared();
             let round_bytes: u64 = blobs.iter().map(|(_, data, _)| data.len() as u64).sum();
             // Deferred files need room later: on a disk near full (or tiny) a round places
             // its own, so that a full disk is met by the client whose write found it.
@@ -894,13 +922,18 @@ mod tests {
         }
     }
 
+    /// The users of a directory that this process opened alone.
+    fn alone(jdir: &Path) -> Arc<DirUsers> {
+        Arc::new(DirUsers::note(jdir, true).unwrap())
+    }
+
     /// A journal in a fresh directory over gated files.
     fn gated(segment_bytes: u64) -> (tempfile::TempDir, PathBuf, Arc<GatedFiles>, Journal) {
         let dir = tempfile::tempdir().unwrap();
         let jdir = dir.path().join("journal");
         fs::create_dir(&jdir).unwrap();
         let files = Arc::new(GatedFiles::default());
-        let j = Journal::open(&jdir, dir.path(), segment_bytes, files.clone()).unwrap();
+        let j = Journal::open(&jdir, dir.path(), segment_bytes, files.clone(), alone(&jdir)).unwrap();
         (dir, jdir, files, j)
     }
 
@@ -965,7 +998,7 @@ mod tests {
         let (_dir, jdir, files, j) = gated(SEGMENT_BYTES);
         let (d0, data0) = blob(0, 100);
         futures::executor::block_on(j.append(&d0, data0.into())).unwrap();
-        note_users(&jdir, false).unwrap();
+        DirUsers::note(&jdir, false).unwrap();
         let (d1, data1) = blob(1, 100);
         futures::executor::block_on(j.append(&d1, data1.into())).unwrap();
         assert_eq!(*files.placed_now.lock().unwrap(), vec![d1]);
@@ -974,7 +1007,7 @@ mod tests {
         files.open_gate();
         drop(j);
         // The next process to open the directory alone clears the mark.
-        note_users(&jdir, true).unwrap();
+        DirUsers::note(&jdir, true).unwrap();
         assert!(!jdir.join(SHARED_MARKER).exists());
     }
 
@@ -1028,7 +1061,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let jdir = dir.path().join("journal");
         fs::create_dir(&jdir).unwrap();
-        let j = Arc::new(Journal::open(&jdir, dir.path(), 64 << 10, no_files()).unwrap());
+        let j = Arc::new(Journal::open(&jdir, dir.path(), 64 << 10, no_files(), alone(&jdir)).unwrap());
         let threads: Vec<_> = (0..8)
             .map(|t| {
                 let j = j.clone();
@@ -1073,7 +1106,7 @@ mod tests {
         let jdir = dir.path().join("journal");
         fs::create_dir(&jdir).unwrap();
         let blobs: Vec<_> = (0..20).map(|i| blob(i, 3000)).collect();
-        let j = Journal::open(&jdir, dir.path(), SEGMENT_BYTES, no_files()).unwrap();
+        let j = Journal::open(&jdir, dir.path(), SEGMENT_BYTES, no_files(), alone(&jdir)).unwrap();
         for (d, data) in &blobs {
             futures::executor::block_on(j.append(d, data.clone().into())).unwrap();
         }

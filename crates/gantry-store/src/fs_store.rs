@@ -34,7 +34,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::SystemTime;
 
@@ -44,7 +44,7 @@ use futures::StreamExt;
 use gantry_core::blob_store::read_range;
 use gantry_core::{BlobStore, BlobStream, BlobWriter, Digest, DigestFunction, Error, Result, ResultExt, StoreUsage};
 
-use crate::fs_journal::{self, Journal};
+use crate::fs_journal::{self, DirUsers, Journal};
 use crate::lru_index::LruIndex;
 
 /// Writes up to this size are buffered in memory and written in one go at commit.
@@ -76,12 +76,8 @@ struct Inner {
     journal: Option<Journal>,
     /// What the last open found of a crash (for tests and the startup log).
     recovered: Recovered,
-    /// The marker an opening process leaves while another uses the directory. It is
-    /// written before that process writes any blob, and removed only by a process that
-    /// opens the directory alone, which none can while this one holds it.
-    shared_marker: PathBuf,
-    /// The marker has been seen: another process may have written blob files here.
-    shared: AtomicBool,
+    /// Whether other processes use the directory (shared with the journal).
+    users: Arc<DirUsers>,
 }
 
 /// The blob files and their index: what the journal's writer thread shares with the
@@ -523,38 +519,15 @@ impl Inner {
         }
         tracing::info!(root = %root.display(), blobs = index.len(), bytes = index.used_bytes(), "opened filesystem CAS");
         // Whatever this process's own `journal` setting: another's journal must know.
-        fs_journal::note_users(&journal_dir, alone)?;
+        let users = Arc::new(DirUsers::note(&journal_dir, alone)?);
         drop(opening);
         let files = Arc::new(Files { root: root.clone(), tmp, index: Mutex::new(index), file_mode });
         let journal = if journal {
-            Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, files.clone())?)
+            Some(Journal::open(&journal_dir, &root, fs_journal::SEGMENT_BYTES, files.clone(), users.clone())?)
         } else {
             None
         };
-        Ok(Inner {
-            files,
-            dir_sync: DirSync::default(),
-            _user: user,
-            journal,
-            recovered,
-            shared_marker: fs_journal::shared_marker(&journal_dir),
-            shared: AtomicBool::new(!alone),
-        })
-    }
-
-    /// Whether another process may have written blob files into the directory. Until one
-    /// has, a blob missing from the index is not on disk; once one has, it stays so.
-    fn may_be_shared(&self) -> bool {
-        if self.shared.load(Ordering::Relaxed) {
-            return true;
-        }
-        // A stat of a name the kernel's dentry cache holds (a negative entry while it is
-        // absent): no I/O, and no trip to a blocking thread.
-        let seen = self.shared_marker.exists();
-        if seen {
-            self.shared.store(true, Ordering::Relaxed);
-        }
-        seen
+        Ok(Inner { files, dir_sync: DirSync::default(), _user: user, journal, recovered, users })
     }
 
     /// Moves a fully written, fsynced temp file into place and accounts for it, evicting
@@ -675,7 +648,7 @@ impl BlobStore for FsStore {
         // A blob missing from the index can only be another process's file: with no other
         // process using the directory, the index is the answer, and looking on disk would
         // cost a stat and a trip to a blocking thread and back per upload of new blobs.
-        if unknown.is_empty() || !self.inner.may_be_shared() {
+        if unknown.is_empty() || !self.inner.users.shared() {
             return Ok(present);
         }
         let inner = self.inner.clone();
@@ -1459,16 +1432,12 @@ mod tests {
     async fn a_store_alone_answers_presence_from_its_index_until_another_opens_the_directory() {
         let dir = tempfile::tempdir().unwrap();
         let a = FsStore::open(dir.path(), 1 << 20).await.unwrap();
-        let put_by_hand = |data: &'static [u8]| {
-            let d = DigestFunction::Sha256.digest_of(data);
-            let path = blob_path(dir.path(), &d);
-            fs::create_dir_all(path.parent().unwrap()).unwrap();
-            fs::write(&path, data).unwrap();
-            d
-        };
         // Alone, no other process can have written a file: the index answers (a file put
         // there by hand is not looked for). A read still looks on disk.
-        let d = put_by_hand(b"not through the store");
+        let d = DigestFunction::Sha256.digest_of(b"not through the store");
+        let path = blob_path(dir.path(), &d);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, b"not through the store").unwrap();
         assert_eq!(a.find_present(&[d]).await.unwrap(), [false]);
         assert_eq!(a.get(&d).await.unwrap(), Bytes::from_static(b"not through the store"));
         // Once another process has opened the directory, a looks on disk for what its
