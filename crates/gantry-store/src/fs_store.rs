@@ -267,6 +267,35 @@ impl FsStore {
         Ok(index.touch(digest).map(|_| blob_path(&self.inner.root, digest)))
     }
 
+    /// Starts taking `file` as the file of the blob `digest` (whose bytes are `data`)
+    /// with no copy: a hard link in the store's temp directory now, so the file outlives
+    /// its own name, then its journal record and its name ([`Adoption::finish`]). For a
+    /// caller that made the file and knows nothing will write to it again, as a worker
+    /// knows of an action's output once every process of the action has ended. The file's
+    /// mode becomes the store's.
+    ///
+    /// None when there is nothing to gain or it cannot be done safely: the store has the
+    /// blob, keeps no journal (the record is what vouches for the file's bytes after a
+    /// power loss), or the file is not a regular file of `data`'s length with no other
+    /// name (another name could be written through), or on another filesystem.
+    pub fn adopt(&self, digest: &Digest, data: Bytes, file: &Path) -> Option<Adoption> {
+        use std::os::unix::fs::MetadataExt;
+        self.inner.journal.as_ref()?;
+        if data.len() as u64 != digest.size || digest.size > fs_journal::MAX_RECORD_DATA {
+            return None;
+        }
+        if self.inner.index.lock().expect("poisoned").peek(digest).is_some() {
+            return None;
+        }
+        let meta = fs::symlink_metadata(file).ok()?;
+        if !meta.is_file() || meta.nlink() != 1 || meta.len() != digest.size {
+            return None;
+        }
+        let link = self.inner.tmp.join(format!("adopt-{}", uuid::Uuid::new_v4()));
+        fs::hard_link(file, &link).ok()?;
+        Some(Adoption { inner: self.inner.clone(), digest: *digest, data, link: Some(link) })
+    }
+
     /// Test-only: returns once every acknowledged blob's file is in place.
     #[cfg(test)]
     pub(crate) fn wait_placed(&self) {
@@ -822,6 +851,56 @@ struct TempFile {
     file: Option<File>,
 }
 
+/// A file on its way to being a blob's own file ([`FsStore::adopt`]). Dropped unfinished,
+/// it takes its link back.
+pub struct Adoption {
+    inner: Arc<Inner>,
+    digest: Digest,
+    data: Bytes,
+    link: Option<PathBuf>,
+}
+
+impl Adoption {
+    /// Makes the blob durable (its journal record), then gives the linked file the blob's
+    /// name, unless a file is there already. Returns whether the linked file is now the
+    /// blob's.
+    pub async fn finish(mut self) -> Result<bool> {
+        let store = FsStore { inner: self.inner.clone() };
+        // The record first: once the name points at the file, a power loss must find the
+        // journal vouching for its bytes (replayed over it, or the file re-hashed).
+        if self.inner.index.lock().expect("poisoned").peek(&self.digest).is_none() {
+            store.put(&self.digest, self.data.clone()).await?;
+        }
+        let link = self.link.take().expect("an adoption is finished once");
+        let d = self.digest;
+        let placed = (|| -> Result<bool> {
+            use std::os::unix::fs::PermissionsExt;
+            // Under the index lock, as the placer's rename: it finds the file in place
+            // and leaves it, and an eviction cannot race the rename.
+            let index = self.inner.index.lock().expect("poisoned");
+            if index.peek(&d).is_none() || blob_path(&self.inner.root, &d).exists() {
+                return Ok(false);
+            }
+            fs::set_permissions(&link, fs::Permissions::from_mode(self.inner.file_mode))
+                .context(format_args!("chmod {}", link.display()))?;
+            rename_into_place(&self.inner.root, &link, &d)?;
+            Ok(true)
+        })();
+        if !matches!(placed, Ok(true)) {
+            let _ = fs::remove_file(&link);
+        }
+        placed
+    }
+}
+
+impl Drop for Adoption {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take() {
+            let _ = fs::remove_file(link);
+        }
+    }
+}
+
 impl Drop for TempFile {
     fn drop(&mut self) {
         if self.file.take().is_some() || self.path.exists() {
@@ -1137,6 +1216,63 @@ mod tests {
         store.put(&od, other).await.unwrap();
         assert_eq!(fsyncs(), 3, "the new shard and the function directory holding it");
         assert_eq!(store.get(&od).await.unwrap().len() as u64, od.size);
+    }
+
+    #[tokio::test]
+    async fn an_adopted_file_becomes_the_blob_file_with_no_copy() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsStore::open_for_links(dir.path().join("cache"), 1 << 30, 0o555).await.unwrap();
+        let temp_files = || fs::read_dir(dir.path().join("cache/tmp")).unwrap().count();
+        let out = dir.path().join("out");
+        let data = Bytes::from_static(b"an action's output");
+        let d = DigestFunction::Sha256.digest_of(&data);
+        fs::write(&out, &data).unwrap();
+        let ino = fs::metadata(&out).unwrap().ino();
+
+        // Refused: the wrong bytes for the digest, and a file with a second name.
+        assert!(store.adopt(&d, Bytes::from_static(b"other"), &out).is_none());
+        fs::hard_link(&out, dir.path().join("second")).unwrap();
+        assert!(store.adopt(&d, data.clone(), &out).is_none(), "a file with another name");
+        fs::remove_file(dir.path().join("second")).unwrap();
+
+        // Dropped unfinished: its link is taken back, the file left as it was.
+        drop(store.adopt(&d, data.clone(), &out).unwrap());
+        assert_eq!(temp_files(), 0);
+        assert!(!store.has(&d).await.unwrap());
+
+        let adoption = store.adopt(&d, data.clone(), &out).unwrap();
+        // The action's directory is emptied meanwhile: the link keeps the file.
+        fs::remove_file(&out).unwrap();
+        assert!(adoption.finish().await.unwrap(), "the linked file is the blob's");
+        let path = store.path_of(&d).unwrap().unwrap();
+        let meta = fs::metadata(&path).unwrap();
+        assert_eq!(meta.ino(), ino, "the same inode: no copy");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o555, "the store's mode");
+        assert_eq!(fs::read(&path).unwrap(), data);
+        assert_eq!(temp_files(), 0);
+        // Present now: nothing to adopt.
+        fs::write(&out, &data).unwrap();
+        assert!(store.adopt(&d, data.clone(), &out).is_none());
+
+        // A blob whose file came first keeps it; the adopted link goes.
+        let data2 = Bytes::from_static(b"another output");
+        let d2 = DigestFunction::Sha256.digest_of(&data2);
+        let out2 = dir.path().join("out2");
+        fs::write(&out2, &data2).unwrap();
+        let adoption = store.adopt(&d2, data2.clone(), &out2).unwrap();
+        store.put(&d2, data2.clone()).await.unwrap();
+        let first = store.path_of(&d2).unwrap().unwrap();
+        let first_ino = fs::metadata(&first).unwrap().ino();
+        assert!(!adoption.finish().await.unwrap());
+        assert_eq!(fs::metadata(&first).unwrap().ino(), first_ino);
+        assert_eq!(temp_files(), 0);
+
+        // The journal vouches for an adopted file: after a crash, it is whole.
+        let store_path = dir.path().join("cache");
+        store.crash();
+        let store = FsStore::open_for_links(&store_path, 1 << 30, 0o555).await.unwrap();
+        assert_eq!(store.get(&d).await.unwrap(), data);
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub mod tiered_store;
 
 pub use completeness_check::CompletenessCheckingActionCache;
 pub use factory::{build_action_cache, build_cas, open_metadata};
-pub use fs_store::FsStore;
+pub use fs_store::{Adoption, FsStore};
 pub use grpc_store::GrpcStore;
 pub use integrity_store::IntegrityStore;
 pub use memory_store::MemoryStore;

@@ -397,9 +397,10 @@ impl ActionCgroup {
     }
 
     /// Kills everything left in the group and removes it; blocks until the group is empty
-    /// (or `TEARDOWN_LIMIT`, then leaves it with a warning).
-    pub fn remove(mut self) {
-        self.teardown();
+    /// (or `TEARDOWN_LIMIT`, then leaves it with a warning). Returns whether it is gone,
+    /// and with it every process of the action.
+    pub fn remove(mut self) -> bool {
+        self.teardown()
     }
 
     /// After the action: its peak memory and OOM verdict (read only when it `failed`),
@@ -444,17 +445,21 @@ impl ActionCgroup {
         Some(oom_kills)
     }
 
-    fn teardown(&mut self) {
+    /// Whether every directory of the group is gone (true too when it already was).
+    fn teardown(&mut self) -> bool {
         if std::mem::replace(&mut self.removed, true) {
-            return;
+            return true;
         }
         self.files = None;
         let deadline = Instant::now() + TEARDOWN_LIMIT;
+        let mut gone = true;
         for dir in self.dirs.iter().rev() {
             if let Err(e) = empty_and_remove(dir, self.version, deadline) {
                 tracing::warn!(cgroup = %dir.display(), error = %e, "could not remove an action's cgroup");
+                gone = false;
             }
         }
+        gone
     }
 }
 

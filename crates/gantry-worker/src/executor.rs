@@ -354,7 +354,11 @@ impl Executor {
         result.stdout_digest = Some(out.to_proto());
         result.stderr_digest = Some(err.to_proto());
         // A timed-out action still reports whatever outputs it produced.
-        up.collect(&cwd, &declared, &mut result).await?;
+        let written = up.collect(&cwd, &declared, &mut result).await?;
+        // Linked into the input cache only once nothing of the action can write to them.
+        if outcome.all_ended {
+            self.cache.adopt(written);
+        }
         md.output_upload_completed_timestamp = Some(ts());
         md.worker_completed_timestamp = Some(ts());
 

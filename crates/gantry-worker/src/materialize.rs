@@ -6,12 +6,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::{StreamExt, TryStreamExt};
 use gantry_core::reapi::Directory;
+use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
-use gantry_store::FsStore;
+use gantry_store::{Adoption, FsStore};
 use prost::Message;
 
 /// Files fetched into the cache at once.
@@ -35,7 +36,13 @@ pub struct InputCache {
     /// `executables`: more would evict the action's own earlier ones before they are
     /// linked. Past it, they are kept with the plain files and copied into the action.
     executable_max: u64,
+    /// Outputs being taken in ([`InputCache::adopt`]); aborted with the cache.
+    adopting: Mutex<Vec<TaskGuard>>,
 }
+
+/// An output larger than this share of the executables' bytes is not kept: it would evict
+/// much to make room for one file that may never be an input here.
+const ADOPT_SHARE: u64 = 64;
 
 impl InputCache {
     /// Opens the cache under `dir`: `max_bytes` for plain files (`cache/`), as before
@@ -48,7 +55,40 @@ impl InputCache {
             files: FsStore::open_for_links(dir.join("cache"), max_bytes, 0o444).await?,
             executables: FsStore::open_for_links(dir.join("cache-x"), executable_max, 0o555).await?,
             executable_max,
+            adopting: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Keeps the files of an action's outputs as cache entries, by link, so that a later
+    /// action here that takes one as an input gets it with no fetch and no new file: a
+    /// build's generated files mostly are inputs of its next actions, and on a remote
+    /// worker each fetch is a download of what it just uploaded. They go with the
+    /// executables, because Bazel marks every generated file executable in the input
+    /// trees of the actions that use it. The caller guarantees that nothing will write
+    /// to the files again (every process of the action has ended). Each file is linked
+    /// now; its journal record and name follow in the background.
+    pub fn adopt(&self, outputs: Vec<crate::outputs::WrittenFile>) {
+        let adoptions: Vec<Adoption> = outputs
+            .into_iter()
+            .filter(|w| w.digest.size <= self.executable_max / ADOPT_SHARE)
+            .filter_map(|w| self.executables.adopt(&w.digest, w.data, &w.path))
+            .collect();
+        if adoptions.is_empty() {
+            return;
+        }
+        let task = spawn_named("adopt-outputs", async move {
+            for a in adoptions {
+                // The cache only misses a file it could have had: the next action that
+                // needs it fetches it. A failure here is one of the disk's, which the
+                // next write to the cache reports to its action.
+                if let Err(e) = a.finish().await {
+                    tracing::warn!(error = %e, "could not keep an action's output in the input cache");
+                }
+            }
+        });
+        let mut adopting = self.adopting.lock().unwrap_or_else(|p| p.into_inner());
+        adopting.retain(|t| !t.is_finished());
+        adopting.push(task);
     }
 
     fn store(&self, executable: bool) -> &FsStore {

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -21,6 +21,13 @@ pub struct Uploader {
     pub function: DigestFunction,
 }
 
+/// An output file as it was hashed and uploaded: its bytes, read whole.
+pub struct WrittenFile {
+    pub path: PathBuf,
+    pub digest: Digest,
+    pub data: Bytes,
+}
+
 /// What the command declared as outputs, relative to its working directory.
 pub struct Declared<'a> {
     pub files: &'a [String],
@@ -32,11 +39,17 @@ pub struct Declared<'a> {
 impl Uploader {
     /// Digests a file and uploads it if the CAS lacks it.
     pub async fn upload_file(&self, path: &Path) -> Result<Digest> {
+        Ok(self.upload_file_keeping(path).await?.0)
+    }
+
+    /// `upload_file`, with the bytes that were hashed when they fit in one chunk.
+    async fn upload_file_keeping(&self, path: &Path) -> Result<(Digest, Option<Bytes>)> {
         let (file, len) = open_output(path)?;
         let (p, f) = (path.to_owned(), self.function);
         let small = len <= crate::INLINE_FILE_BYTES;
         let (digest, bytes) = crate::blocking_unless_small(small, move || hash_file(f, file, len, &p)).await?;
-        self.upload_hashed(path, digest, bytes).await
+        let bytes = bytes.map(Bytes::from);
+        Ok((self.upload_hashed(path, digest, bytes.clone()).await?, bytes))
     }
 
     /// `upload_file` of a command's stdout and stderr, hashed together: most commands'
@@ -60,17 +73,20 @@ impl Uploader {
             Ok((hash(out_file, &out)?, hash(err_file, &err)?))
         })
         .await?;
-        Ok((self.upload_hashed(stdout, o.0, o.1).await?, self.upload_hashed(stderr, e.0, e.1).await?))
+        Ok((
+            self.upload_hashed(stdout, o.0, o.1.map(Bytes::from)).await?,
+            self.upload_hashed(stderr, e.0, e.1.map(Bytes::from)).await?,
+        ))
     }
 
     /// Uploads the file at `path`, hashed as `digest` (`small`: its bytes, when it fits in
     /// one chunk), unless the CAS has it.
-    async fn upload_hashed(&self, path: &Path, digest: Digest, small: Option<Vec<u8>>) -> Result<Digest> {
+    async fn upload_hashed(&self, path: &Path, digest: Digest, small: Option<Bytes>) -> Result<Digest> {
         if self.cas.has(&digest).await? {
             return Ok(digest);
         }
         match small {
-            Some(data) => self.cas.put(&digest, Bytes::from(data)).await?,
+            Some(data) => self.cas.put(&digest, data).await?,
             None => {
                 let mut w = self.cas.begin_write(&digest).await?;
                 let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes>>(2);
@@ -166,8 +182,15 @@ impl Uploader {
         })
     }
 
-    /// Uploads every declared output that exists and records it in `result`.
-    pub async fn collect(&self, cwd: &Path, declared: &Declared<'_>, result: &mut ActionResult) -> Result<()> {
+    /// Uploads every declared output that exists and records it in `result`. Returns the
+    /// output files (not those inside output directories) whose bytes were read whole.
+    pub async fn collect(
+        &self,
+        cwd: &Path,
+        declared: &Declared<'_>,
+        result: &mut ActionResult,
+    ) -> Result<Vec<WrittenFile>> {
+        let mut written = Vec::new();
         let mut all: Vec<(&String, Option<bool>)> = Vec::new();
         all.extend(declared.files.iter().map(|p| (p, Some(false))));
         all.extend(declared.directories.iter().map(|p| (p, Some(true))));
@@ -210,16 +233,19 @@ impl Uploader {
                 if expect_dir == Some(true) {
                     return Err(Error::FailedPrecondition(format!("output directory {rel} is a file")));
                 }
-                let d = self.upload_file(&path).await?;
+                let (d, bytes) = self.upload_file_keeping(&path).await?;
                 result.output_files.push(OutputFile {
                     path: rel.clone(),
                     digest: Some(d.to_proto()),
                     is_executable: meta.permissions().mode() & 0o111 != 0,
                     ..Default::default()
                 });
+                if let Some(data) = bytes {
+                    written.push(WrittenFile { path, digest: d, data });
+                }
             }
         }
-        Ok(())
+        Ok(written)
     }
 }
 

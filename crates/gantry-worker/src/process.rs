@@ -48,6 +48,10 @@ pub struct RunOutcome {
     /// The command failed, and the kernel killed a process of it for want of memory (its
     /// cgroup's OOM kill counter moved): a resource failure. Only known with cgroups.
     pub out_of_memory: bool,
+    /// Every process of the action is known to have ended: its cgroup was found empty
+    /// (and kept for the next action) or removed. Without cgroups a process that left the
+    /// process group may live on, so never.
+    pub all_ended: bool,
 }
 
 /// Resource limits of a size class.
@@ -266,14 +270,16 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
     // can wait (rmdir waits for the killed to exit), so only it goes off the runtime: a
     // handoff to a blocking thread costs a no-op action more than the counters do. Its
     // OOM counters matter only to a failure (below), so a success does not read them.
+    let mut all_ended = false;
     let from_cgroup = match cgroup {
         Some(g) => {
             let (figures, left) = g.finish(failed);
-            if let Some(g) = left {
-                tokio::task::spawn_blocking(move || g.remove())
+            all_ended = match left {
+                Some(g) => tokio::task::spawn_blocking(move || g.remove())
                     .await
-                    .map_err(|e| Error::internal(format!("cgroup task: {e}")))?;
-            }
+                    .map_err(|e| Error::internal(format!("cgroup task: {e}")))?,
+                None => true,
+            };
             Some(figures)
         }
         None => None,
@@ -306,6 +312,7 @@ pub async fn run(spec: Spec<'_>, cancel: impl std::future::Future<Output = ()>) 
         system_cpu_seconds: exit.system_seconds,
         wall_seconds: start.elapsed().as_secs_f64(),
         out_of_memory,
+        all_ended,
     })
 }
 

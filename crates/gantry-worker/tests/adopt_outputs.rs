@@ -1,0 +1,153 @@
+//! An action's output files are kept in the worker's input cache by link (materialize.rs,
+//! `InputCache::adopt`): a later action that takes one as an input gets the very file the
+//! first one wrote, not a fetched copy, but only when every process of the action is known
+//! to have ended (cgroups), so that nothing can write to the file after it was hashed.
+//!
+//! Needs cgroups (v2 delegated, or v1 as root): without them it is skipped with the
+//! reason, and under CI=true it fails.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gantry_core::reapi;
+use gantry_core::{BlobStore, Digest, DigestFunction, Finished, Work};
+use gantry_worker::cgroup::{self, Cgroups};
+use gantry_worker::Executor;
+use prost::Message;
+
+const F: DigestFunction = DigestFunction::Sha256;
+
+fn cgroups() -> Option<Arc<Cgroups>> {
+    static RELEASE_AT_EXIT: std::sync::Once = std::sync::Once::new();
+    match cgroup::detect() {
+        Ok(c) => {
+            RELEASE_AT_EXIT.call_once(|| gantry_testkit::at_exit(cgroup::release_idle));
+            Some(c)
+        }
+        Err(why) => gantry_testkit::unavailable("cgroups for actions", &why),
+    }
+}
+
+async fn executor(d: &Path, cas: Arc<dyn BlobStore>, cgroups: Option<Arc<Cgroups>>) -> Executor {
+    Executor {
+        worker_id: "w".into(),
+        cas,
+        cache: Arc::new(gantry_worker::materialize::InputCache::open(d, 1 << 30).await.unwrap()),
+        work_root: d.join("actions"),
+        dirs: Default::default(),
+        spawner: None,
+        limits: Default::default(),
+        cgroups,
+    }
+}
+
+/// Runs `script` under `/bin/sh -c` in `input_root`, declaring `outputs`.
+async fn run(ex: &Executor, script: &str, input_root: Digest, outputs: &[&str]) -> Finished {
+    let command = reapi::Command {
+        arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        environment_variables: vec![reapi::command::EnvironmentVariable {
+            name: "PATH".into(),
+            value: "/usr/bin:/bin".into(),
+        }],
+        output_paths: outputs.iter().map(|o| o.to_string()).collect(),
+        ..Default::default()
+    };
+    let action = reapi::Action {
+        command_digest: Some(F.digest_of(&command.encode_to_vec()).to_proto()),
+        input_root_digest: Some(input_root.to_proto()),
+        ..Default::default()
+    };
+    let work = Work {
+        job_id: format!("operations/{}", uuid::Uuid::new_v4()),
+        function: F,
+        action: action.into(),
+        command: command.into(),
+        timeout: Duration::from_secs(60),
+    };
+    let f = tokio::time::timeout(Duration::from_secs(60), ex.execute(work, std::future::pending()))
+        .await
+        .expect("the action's report came within a minute");
+    assert_eq!(f.status_code, 0, "{}", f.status_message);
+    f
+}
+
+async fn stdout(cas: &Arc<dyn BlobStore>, f: &Finished) -> String {
+    let result = f.action_result.as_ref().unwrap();
+    let d = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
+    String::from_utf8(cas.get(&d).await.unwrap().to_vec()).unwrap()
+}
+
+async fn put_dir(cas: &Arc<dyn BlobStore>, dir: reapi::Directory) -> Digest {
+    let bytes = dir.encode_to_vec();
+    let d = F.digest_of(&bytes);
+    cas.put(&d, bytes.into()).await.unwrap();
+    d
+}
+
+/// Where the executable cache keeps `d`'s file.
+fn cached(root: &Path, d: &Digest) -> std::path::PathBuf {
+    let hex = d.hash_hex();
+    root.join("cache-x").join("sha256").join(&hex[..2]).join(format!("{hex}-{}", d.size))
+}
+
+/// Writes an output (printing its inode), then returns its digest and that inode.
+async fn first_action(ex: &Executor, cas: &Arc<dyn BlobStore>, empty: Digest) -> (Digest, String) {
+    let f = run(ex, "seq 1 1000 > out.txt; stat -c %i out.txt", empty, &["out.txt"]).await;
+    let out = &f.action_result.as_ref().unwrap().output_files[0];
+    (Digest::from_proto(F, out.digest.as_ref(), "output").unwrap(), stdout(cas, &f).await)
+}
+
+#[tokio::test]
+async fn an_output_becomes_the_next_actions_input_with_no_copy() {
+    let Some(cgroups) = cgroups() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone(), Some(cgroups)).await;
+    let empty = put_dir(&cas, reapi::Directory::default()).await;
+
+    let (out, inode) = first_action(&ex, &cas, empty).await;
+    // Its journal record and name come in the background.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cached(d.path(), &out).exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(cached(d.path(), &out).exists(), "the output is in the executable cache");
+
+    // A later action takes it as an executable input, as Bazel marks generated files.
+    let root = put_dir(
+        &cas,
+        reapi::Directory {
+            files: vec![reapi::FileNode {
+                name: "in.txt".into(),
+                digest: Some(out.to_proto()),
+                is_executable: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        },
+    )
+    .await;
+    let f = run(&ex, "stat -c '%i %a' in.txt; tail -n 1 in.txt", root, &[]).await;
+    assert_eq!(
+        stdout(&cas, &f).await,
+        format!("{} 555\n1000\n", inode.trim()),
+        "the first action's own file, read-only"
+    );
+}
+
+#[tokio::test]
+async fn without_cgroups_an_output_is_not_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    // No cgroup: a process of the action that left its process group could still write
+    // to the output after it was hashed.
+    let ex = executor(d.path(), cas.clone(), None).await;
+    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    let (out, _) = first_action(&ex, &cas, empty).await;
+    // An adoption links its file before the report: none was begun.
+    let temp: Vec<_> = std::fs::read_dir(d.path().join("cache-x/tmp")).unwrap().collect();
+    assert!(temp.is_empty(), "{temp:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!cached(d.path(), &out).exists());
+}
