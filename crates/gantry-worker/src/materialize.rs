@@ -77,11 +77,12 @@ impl InputCache {
             return;
         }
         let task = spawn_named("adopt-outputs", async move {
-            for a in adoptions {
+            // Together, so that their journal records share a sync.
+            for outcome in futures::future::join_all(adoptions.into_iter().map(Adoption::finish)).await {
                 // The cache only misses a file it could have had: the next action that
                 // needs it fetches it. A failure here is one of the disk's, which the
                 // next write to the cache reports to its action.
-                if let Err(e) = a.finish().await {
+                if let Err(e) = outcome {
                     tracing::warn!(error = %e, "could not keep an action's output in the input cache");
                 }
             }

@@ -151,3 +151,27 @@ async fn without_cgroups_an_output_is_not_kept() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!cached(d.path(), &out).exists());
 }
+
+#[tokio::test]
+async fn two_outputs_of_the_same_bytes_leave_one_file_and_no_links_behind() {
+    let Some(cgroups) = cgroups() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone(), Some(cgroups)).await;
+    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    let f = run(&ex, "seq 1 50 > a.txt; seq 1 50 > b.txt; stat -c %i a.txt b.txt", empty, &["a.txt", "b.txt"]).await;
+    let files = &f.action_result.as_ref().unwrap().output_files;
+    assert_eq!(files.len(), 2);
+    assert_eq!(files[0].digest, files[1].digest);
+    let out = Digest::from_proto(F, files[0].digest.as_ref(), "output").unwrap();
+    let inodes: Vec<String> = stdout(&cas, &f).await.lines().map(str::to_string).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let temp_links = || std::fs::read_dir(d.path().join("cache-x/tmp")).unwrap().count();
+    while (!cached(d.path(), &out).exists() || temp_links() > 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(temp_links(), 0, "the link that lost is taken back");
+    use std::os::unix::fs::MetadataExt;
+    let kept = std::fs::metadata(cached(d.path(), &out)).unwrap().ino().to_string();
+    assert!(inodes.contains(&kept), "one of the two files is the cache's: {kept} in {inodes:?}");
+}
