@@ -1,7 +1,8 @@
 //! gantry-worker owns running actions: `Executor` turns an assignment into an
 //! ActionResult (inputs materialized from a local CAS cache with hard links, the command
 //! run in its own process group, started and reaped by the worker's small spawner process, and its own cgroup where the machine allows, with its
-//! timeout and size class's limits enforced and its resources metered, outputs uploaded), and `run_worker` serves assignments from a scheduler, in-process or
+//! timeout and size class's limits enforced and its resources metered, outputs uploaded
+//! and kept in the input cache by link), and `run_worker` serves assignments from a scheduler, in-process or
 //! over gRPC (`remote`).
 
 pub mod cgroup;
