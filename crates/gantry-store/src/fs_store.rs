@@ -23,6 +23,11 @@
 //!   directory ([`DirSync`]): every commit into a shard that arrives while that shard's
 //!   sync runs joins the next one, a single fsync for all of them.
 //!
+//! A caller that made a file itself may give it to the store as a blob's file, with no
+//! copy (`adopt`, for a worker's input cache and its actions' outputs): it is linked into
+//! the temp directory at once, and named only once its journal record is durable, so the
+//! journal vouches for its bytes as for any small write.
+//!
 //! Recency is tracked in memory (O(1) per touch). At startup the index is rebuilt from
 //! the files, oldest modification time first; that approximates the previous LRU order
 //! without paying a metadata write on every read.
