@@ -54,42 +54,64 @@ pub struct Executor {
 /// killed when they end, and with cgroups their whole process tree; only a process that
 /// left the group without cgroups could (see process.rs).
 ///
-/// The directories inside an input root are kept too, as spares ([`SpareDirs`]).
+/// The directories inside an input root are kept too: in place, empty, for the next
+/// action in the same directory (which makes only those it lacks and moves aside those
+/// it does not declare, see `Materializer::materialize`), or as spares ([`SpareDirs`]).
 #[derive(Default)]
 pub struct ActionDirs {
-    free: Arc<Mutex<Vec<PathBuf>>>,
+    free: Arc<Mutex<Vec<Kept>>>,
     made: AtomicUsize,
     spare: SpareDirs,
 }
 
+/// An action directory not in use, and the empty directories its `root/` holds (each
+/// after its parent).
+struct Kept {
+    dir: PathBuf,
+    skeleton: Vec<PathBuf>,
+}
+
+/// Directories kept in place in one action directory; the rest become spares.
+const MAX_SKELETON: usize = 256;
+
 impl ActionDirs {
-    /// A directory whose `root/` is empty, kept or new.
-    fn take(&self, work_root: &Path) -> Result<PathBuf> {
+    /// A directory whose `root/` holds nothing but the empty directories returned, kept
+    /// or new.
+    fn take(&self, work_root: &Path) -> Result<(PathBuf, Vec<PathBuf>)> {
         self.spare.init(work_root);
-        // A kept directory's root is there and empty (`empty_action_dir` checked it).
-        if let Some(dir) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
-            return Ok(dir);
+        // A kept directory's root holds only its skeleton (`empty_action_dir` made sure).
+        if let Some(k) = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok((k.dir, k.skeleton));
         }
         let dir = work_root.join(format!("a{}", self.made.fetch_add(1, Ordering::Relaxed)));
         remove_tree(&dir);
         let root = dir.join("root");
         std::fs::create_dir_all(&root).context(format_args!("creating {}", root.display()))?;
-        Ok(dir)
+        Ok((dir, Vec::new()))
     }
 
     /// Empties `dir`'s input root and keeps it for the next action, or removes it whole
     /// when it cannot be emptied. A few unlinks are done on this thread (a handoff to the
     /// blocking pool costs more); more than that goes to the pool.
     async fn give_back(&self, dir: PathBuf) {
-        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES), &self.spare) {
+        let mut skeleton = Vec::new();
+        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES), &self.spare, &mut skeleton) {
             Emptied::TooMuch => {
                 let (d, spare) = (dir.clone(), self.spare.clone());
-                tokio::task::spawn_blocking(move || empty_action_dir(&d, None, &spare)).await.unwrap_or(Emptied::No)
+                tokio::task::spawn_blocking(move || {
+                    let mut skeleton = Vec::new();
+                    (empty_action_dir(&d, None, &spare, &mut skeleton), skeleton)
+                })
+                .await
+                .map_or(Emptied::No, |(emptied, kept)| {
+                    skeleton = kept;
+                    emptied
+                })
             }
             done => done,
         };
         if emptied == Emptied::Yes {
-            self.free.lock().unwrap_or_else(|p| p.into_inner()).push(dir);
+            self.free.lock().unwrap_or_else(|p| p.into_inner()).push(Kept { dir, skeleton });
         } else {
             let _ = tokio::task::spawn_blocking(move || remove_tree(&dir)).await;
         }
@@ -109,10 +131,11 @@ enum Emptied {
     TooMuch,
 }
 
-/// Removes what an action left in `dir`'s input root and truncates its logs (a large log
-/// should not take disk space until the next action). With `bound`, only when the root
-/// holds at most that many entries, none a directory, and the logs are small.
-fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Emptied {
+/// Removes what an action left in `dir`'s input root but its directories, which are left
+/// empty and listed in `skeleton`, and truncates its logs (a large log should not take
+/// disk space until the next action). With `bound`, only when the root holds at most that
+/// many entries, none a directory, and the logs are small.
+fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs, skeleton: &mut Vec<PathBuf>) -> Emptied {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let root = dir.join("root");
     // A command may have made its input root read-only; the next one must find it as new.
@@ -153,7 +176,15 @@ fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> Empt
     }
     for e in &entries {
         let path = e.path();
-        let removed = if is_dir(e) { spare.recycle_tree(&path) || remove_tree(&path) } else { unlink(&path) };
+        let removed = if is_dir(e) {
+            spare.keep_tree(&path, skeleton, MAX_SKELETON) || {
+                // Not kept after all: nothing of it may stay listed.
+                skeleton.retain(|k| !k.starts_with(&path));
+                remove_tree(&path)
+            }
+        } else {
+            unlink(&path)
+        };
         if !removed {
             return Emptied::No;
         }
@@ -246,8 +277,8 @@ impl Executor {
     /// finished run with a status.
     pub async fn execute(&self, a: Work, cancel: impl std::future::Future<Output = ()>) -> Finished {
         let res = match self.dirs.take(&self.work_root) {
-            Ok(dir) => {
-                let res = self.execute_in(&a, &dir, cancel).await;
+            Ok((dir, skeleton)) => {
+                let res = self.execute_in(&a, &dir, skeleton, cancel).await;
                 self.dirs.give_back(dir).await;
                 res
             }
@@ -283,6 +314,7 @@ impl Executor {
         &self,
         a: &Work,
         dir: &std::path::Path,
+        skeleton: Vec<PathBuf>,
         cancel: impl std::future::Future<Output = ()>,
     ) -> Result<Finished> {
         let mut md = ExecutedActionMetadata {
@@ -306,24 +338,31 @@ impl Executor {
             safe_relative(p, "output path")?;
         }
         let exec_root = dir.join("root");
-
-        md.input_fetch_start_timestamp = Some(ts());
-        let materializer =
-            Materializer { cas: self.cas.clone(), cache: self.cache.clone(), dirs: self.dirs.spare.clone() };
-        materializer.materialize(f, input_root, &exec_root).await?;
-        md.input_fetch_completed_timestamp = Some(ts());
-
         let cwd = exec_root.join(&command.working_directory);
-        // The input root exists (materialized), and so does what is made once below.
+        // Directories the command gets beside its input tree: its working directory and
+        // its outputs' parents.
+        let mut made: Vec<(PathBuf, String)> = Vec::new();
         if !command.working_directory.is_empty() {
-            self.dirs.spare.create_dir_all(&cwd).context("creating the working directory")?;
+            made.push((cwd.clone(), "the working directory".into()));
         }
         for p in declared.files.iter().chain(declared.directories).chain(declared.paths) {
             if let Some(parent) = cwd.join(p).parent()
                 && parent != cwd
             {
-                self.dirs.spare.create_dir_all(parent).context(format_args!("creating the parent of output {p}"))?;
+                made.push((parent.to_path_buf(), format!("the parent of output {p}")));
             }
+        }
+        let made_dirs: Vec<PathBuf> = made.iter().map(|(d, _)| d.clone()).collect();
+
+        md.input_fetch_start_timestamp = Some(ts());
+        let materializer =
+            Materializer { cas: self.cas.clone(), cache: self.cache.clone(), dirs: self.dirs.spare.clone() };
+        materializer.materialize(f, input_root, &exec_root, &skeleton, &made_dirs).await?;
+        md.input_fetch_completed_timestamp = Some(ts());
+
+        // The input root exists (materialized), and so does what is made once below.
+        for (d, what) in &made {
+            self.dirs.spare.create_dir_all(d).context(format_args!("creating {what}"))?;
         }
         let env: Vec<(String, String)> =
             command.environment_variables.iter().map(|e| (e.name.clone(), e.value.clone())).collect();

@@ -12,6 +12,8 @@ use futures::{StreamExt, TryStreamExt};
 use gantry_core::reapi::Directory;
 use gantry_core::task::{spawn_named, TaskGuard};
 use gantry_core::{BlobStore, Digest, DigestFunction, Error, Result, ResultExt};
+
+use crate::executor::remove_tree;
 use gantry_store::{Adoption, FsStore};
 use prost::Message;
 
@@ -131,9 +133,20 @@ fn check_name(name: &str, what: &str) -> Result<()> {
 }
 
 impl Materializer {
-    /// Creates the input tree under `root` (which must exist). Returns the number of
-    /// files and bytes materialized.
-    pub async fn materialize(&self, f: DigestFunction, input_root: Digest, root: &Path) -> Result<(usize, u64)> {
+    /// Creates the input tree under `root` (which must exist, holding nothing but the
+    /// empty directories `kept`, each listed after its parent). Those the tree or `made`
+    /// (directories the caller will make, with their parents) need stay; the others are
+    /// moved aside first, so the command sees exactly its declared directories. Returns
+    /// the number of files and bytes materialized.
+    pub async fn materialize(
+        &self,
+        f: DigestFunction,
+        input_root: Digest,
+        root: &Path,
+        kept: &[PathBuf],
+        made: &[PathBuf],
+    ) -> Result<(usize, u64)> {
+        let mut dirs: Vec<PathBuf> = Vec::new();
         let mut files = Vec::new();
         let mut symlinks = Vec::new();
         let mut queue = VecDeque::from([(input_root, root.to_path_buf())]);
@@ -155,7 +168,7 @@ impl Materializer {
                     dir
                 }
             };
-            self.dirs.create_dir_all(&path).context(format_args!("creating {}", path.display()))?;
+            dirs.push(path.clone());
             // REAPI requires names sorted and unique within a directory; a duplicate would
             // make two inputs share a path, so it is refused rather than guessed at.
             let mut names: Vec<&str> = dir
@@ -188,6 +201,25 @@ impl Materializer {
                 check_name(&link.name, "symlink")?;
                 symlinks.push((path.join(&link.name), link.target.clone()));
             }
+        }
+        if !kept.is_empty() {
+            let mut needed: std::collections::HashSet<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+            for d in made {
+                needed.extend(d.ancestors().take_while(|a| a.starts_with(root)));
+            }
+            for k in kept {
+                // The topmost of a subtree no longer needed takes its subtree with it.
+                let parent_stays = k.parent().is_none_or(|p| p == root || needed.contains(p));
+                if !needed.contains(k.as_path()) && parent_stays && !self.dirs.recycle_tree(k) && !remove_tree(k) {
+                    return Err(Error::internal(format!(
+                        "could not remove the directory {} an earlier action left",
+                        k.display()
+                    )));
+                }
+            }
+        }
+        for d in &dirs {
+            self.dirs.create_dir_all(d).context(format_args!("creating {}", d.display()))?;
         }
         let link_executables = self.cache.links_executables(&files);
         self.fill_cache(&files, link_executables).await?;

@@ -1,6 +1,7 @@
 //! Empty directories kept from one action to the next: when an action directory is
-//! emptied, its subdirectories are emptied and moved aside (a rename) instead of removed,
-//! and the next action's input and output directories are made by moving them back.
+//! emptied, its subdirectories are emptied and left in place (`keep_tree`) instead of
+//! removed; the next action in it keeps those it declares and has the others moved aside
+//! (a rename, `recycle_tree`), and directories are made by moving spares back.
 //!
 //! Why: a Bazel action's inputs and outputs sit a few directories deep
 //! (`bazel-out/k8-fastbuild/bin/pkg/`), so each action made and removed about eight
@@ -136,6 +137,37 @@ impl SpareDirs {
             return false;
         }
         self.free().push(name);
+        true
+    }
+
+    /// Empties the directory tree at `path` of everything but its directories, which stay
+    /// where they are (with a new directory's mode) and are appended to `kept`, each after
+    /// its parent: the next action in the same action directory usually needs most of
+    /// them (`bazel-out/k8-fastbuild/bin`), and keeping them costs no rename at all. Past
+    /// `budget` directories kept, the rest are recycled as spares. False when something
+    /// could not be removed or moved: the caller removes what is left.
+    pub fn keep_tree(&self, path: &Path, kept: &mut Vec<PathBuf>, budget: usize) -> bool {
+        if kept.len() >= budget {
+            return self.recycle_tree(path);
+        }
+        // As a new directory would be; not through a link that replaced it meanwhile.
+        if !self.reset_mode(path) {
+            return false;
+        }
+        kept.push(path.to_path_buf());
+        let Ok(entries) = std::fs::read_dir(path) else { return false };
+        for e in entries {
+            let Ok(e) = e else { return false };
+            let child = e.path();
+            let emptied = if e.file_type().is_ok_and(|t| t.is_dir()) {
+                self.keep_tree(&child, kept, budget)
+            } else {
+                crate::executor::unlink(&child)
+            };
+            if !emptied {
+                return false;
+            }
+        }
         true
     }
 

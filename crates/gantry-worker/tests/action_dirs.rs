@@ -108,10 +108,16 @@ async fn each_action_starts_empty_in_a_kept_directory() {
     assert_eq!(code, 0);
     assert!(out.ends_with("1999\n2000\n"), "{out}");
     assert_eq!(entries(&d.path().join("actions")), ["a0"], "one directory for one action at a time");
-    assert_eq!(entries(&d.path().join("actions/a0/root")), Vec::<String>::new(), "emptied after the action");
+    // Emptied after the action but for its directories, kept in place, empty and writable
+    // again for the next action that declares them.
+    let root = d.path().join("actions/a0/root");
+    assert_eq!(entries(&root), ["d"]);
+    assert_eq!(entries(&root.join("d")), ["e"]);
+    assert_eq!(entries(&root.join("d/e")), Vec::<String>::new());
     assert_eq!(std::fs::metadata(d.path().join("actions/a0/stdout")).unwrap().len(), 0, "its log truncated");
 
-    // The next one sees none of it, and its log holds only its own output.
+    // The next one, which declares no directory, sees none of it, and its log holds only
+    // its own output.
     let (code, out) = run(&ex, &cas, "ls -A; echo done").await;
     assert_eq!((code, out.as_str()), (0, "done\n"));
     assert_eq!(entries(&d.path().join("actions")), ["a0"], "the same directory, kept");
@@ -295,4 +301,72 @@ async fn an_executable_too_large_for_the_cache_is_copied() {
     assert_eq!(lines[0], "tool ran");
     assert!(lines[1].starts_with("555 ") && lines[1] != format!("555 {r_inode}"), "a copy of its own: {seen}");
     assert_eq!(lines[2], format!("444 {r_inode}"));
+}
+
+/// The stdout of a finished action.
+async fn out_of(cas: &Arc<dyn BlobStore>, f: gantry_core::Finished) -> String {
+    assert_eq!(f.status_code, 0, "{}", f.status_message);
+    let d = Digest::from_proto(F, f.action_result.unwrap().stdout_digest.as_ref(), "stdout").unwrap();
+    String::from_utf8(cas.get(&d).await.unwrap().to_vec()).unwrap()
+}
+
+#[tokio::test]
+async fn directories_stay_in_place_only_where_the_next_action_declares_them() {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone()).await;
+    let list = "find . -type d | sort | tr '\\n' ' '; stat -c %i x";
+
+    // Leaves x/y (an output's parent, made read-only) and x/w (its own).
+    let first =
+        out_of(&cas, finish(&ex, &format!("mkdir x/w; touch x/y/out; chmod 0500 x/y; {list}"), &["x/y/out"]).await)
+            .await;
+    let x_inode = first.split_whitespace().last().unwrap().to_string();
+    assert!(first.starts_with(". ./x ./x/w ./x/y "), "{first}");
+
+    // The next declares x/z: x is the same directory, x/y and x/w are gone.
+    let second = out_of(&cas, finish(&ex, &format!("touch x/z/out; {list}"), &["x/z/out"]).await).await;
+    assert_eq!(second, format!(". ./x ./x/z {x_inode}\n"));
+
+    // One whose input tree has a file where x was: the directory goes, the file is there.
+    let file = bytes::Bytes::from_static(b"a file named x\n");
+    let fd = F.digest_of(&file);
+    cas.put(&fd, file).await.unwrap();
+    let root = reapi::Directory {
+        files: vec![reapi::FileNode { name: "x".into(), digest: Some(fd.to_proto()), ..Default::default() }],
+        ..Default::default()
+    };
+    let rd = F.digest_of(&root.encode_to_vec());
+    cas.put(&rd, root.encode_to_vec().into()).await.unwrap();
+    let (code, out) = run_in(&ex, &cas, "find . | sort | tr '\\n' ' '; cat x", rd).await;
+    assert_eq!((code, out.as_str()), (0, ". ./x a file named x\n"));
+
+    // An input tree that holds x/y/z as a directory: x and x/y are made again (as
+    // spares), empty but for the input, and writable.
+    let inner = reapi::Directory {
+        files: vec![reapi::FileNode { name: "f".into(), digest: Some(fd.to_proto()), ..Default::default() }],
+        ..Default::default()
+    };
+    let inner_d = F.digest_of(&inner.encode_to_vec());
+    cas.put(&inner_d, inner.encode_to_vec().into()).await.unwrap();
+    let mid = reapi::Directory {
+        directories: vec![reapi::DirectoryNode { name: "z".into(), digest: Some(inner_d.to_proto()) }],
+        ..Default::default()
+    };
+    let mid_d = F.digest_of(&mid.encode_to_vec());
+    cas.put(&mid_d, mid.encode_to_vec().into()).await.unwrap();
+    let top = reapi::Directory {
+        directories: vec![reapi::DirectoryNode { name: "y".into(), digest: Some(mid_d.to_proto()) }],
+        ..Default::default()
+    };
+    let top_d = F.digest_of(&top.encode_to_vec());
+    cas.put(&top_d, top.encode_to_vec().into()).await.unwrap();
+    let root = reapi::Directory {
+        directories: vec![reapi::DirectoryNode { name: "x".into(), digest: Some(top_d.to_proto()) }],
+        ..Default::default()
+    };
+    let rd = F.digest_of(&root.encode_to_vec());
+    cas.put(&rd, root.encode_to_vec().into()).await.unwrap();
+    let (code, out) = run_in(&ex, &cas, "find . | sort | tr '\\n' ' '; touch x/y/new && echo writable", rd).await;
+    assert_eq!((code, out.as_str()), (0, ". ./x ./x/y ./x/y/z ./x/y/z/f writable\n"));
 }
