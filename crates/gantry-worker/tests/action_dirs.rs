@@ -6,11 +6,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use gantry_core::reapi;
-use gantry_core::{BlobStore, Digest, DigestFunction, Work};
+use gantry_core::{BlobStore, Digest};
 use gantry_worker::Executor;
 use prost::Message;
 
-const F: DigestFunction = DigestFunction::Sha256;
+mod common;
+use common::F;
 
 async fn executor(d: &Path, cas: Arc<dyn BlobStore>) -> Executor {
     executor_with_cache(d, cas, 1 << 30).await
@@ -54,31 +55,7 @@ async fn finish(ex: &Executor, script: &str, outputs: &[&str]) -> gantry_core::F
 
 /// `finish` with the input root `input_root` (in the executor's CAS).
 async fn finish_in(ex: &Executor, script: &str, outputs: &[&str], input_root: Digest) -> gantry_core::Finished {
-    let command = reapi::Command {
-        arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        environment_variables: vec![reapi::command::EnvironmentVariable {
-            name: "PATH".into(),
-            value: "/usr/bin:/bin".into(),
-        }],
-        output_paths: outputs.iter().map(|o| o.to_string()).collect(),
-        ..Default::default()
-    };
-    let action = reapi::Action {
-        command_digest: Some(F.digest_of(&command.encode_to_vec()).to_proto()),
-        input_root_digest: Some(input_root.to_proto()),
-        ..Default::default()
-    };
-    let work = Work {
-        job_id: format!("operations/{}", uuid::Uuid::new_v4()),
-        function: F,
-        action: action.into(),
-        command: command.into(),
-        timeout: std::time::Duration::from_secs(60),
-    };
-    // Bounded: an output the worker waited on forever (a FIFO) must fail the test.
-    tokio::time::timeout(std::time::Duration::from_secs(60), ex.execute(work, std::future::pending()))
-        .await
-        .expect("the action's report came within a minute")
+    common::execute(ex, script, outputs, input_root).await
 }
 
 /// The names in `dir`, but for the worker's spare directories (spare_dirs.rs).
@@ -332,41 +309,16 @@ async fn directories_stay_in_place_only_where_the_next_action_declares_them() {
     let file = bytes::Bytes::from_static(b"a file named x\n");
     let fd = F.digest_of(&file);
     cas.put(&fd, file).await.unwrap();
-    let root = reapi::Directory {
-        files: vec![reapi::FileNode { name: "x".into(), digest: Some(fd.to_proto()), ..Default::default() }],
-        ..Default::default()
-    };
-    let rd = F.digest_of(&root.encode_to_vec());
-    cas.put(&rd, root.encode_to_vec().into()).await.unwrap();
+    let rd = common::put_dir(&cas, common::file_of("x", fd, false)).await;
     let (code, out) = run_in(&ex, &cas, "find . | sort | tr '\\n' ' '; cat x", rd).await;
     assert_eq!((code, out.as_str()), (0, ". ./x a file named x\n"));
 
     // An input tree that holds x/y/z as a directory: x and x/y are made again (as
     // spares), empty but for the input, and writable.
-    let inner = reapi::Directory {
-        files: vec![reapi::FileNode { name: "f".into(), digest: Some(fd.to_proto()), ..Default::default() }],
-        ..Default::default()
-    };
-    let inner_d = F.digest_of(&inner.encode_to_vec());
-    cas.put(&inner_d, inner.encode_to_vec().into()).await.unwrap();
-    let mid = reapi::Directory {
-        directories: vec![reapi::DirectoryNode { name: "z".into(), digest: Some(inner_d.to_proto()) }],
-        ..Default::default()
-    };
-    let mid_d = F.digest_of(&mid.encode_to_vec());
-    cas.put(&mid_d, mid.encode_to_vec().into()).await.unwrap();
-    let top = reapi::Directory {
-        directories: vec![reapi::DirectoryNode { name: "y".into(), digest: Some(mid_d.to_proto()) }],
-        ..Default::default()
-    };
-    let top_d = F.digest_of(&top.encode_to_vec());
-    cas.put(&top_d, top.encode_to_vec().into()).await.unwrap();
-    let root = reapi::Directory {
-        directories: vec![reapi::DirectoryNode { name: "x".into(), digest: Some(top_d.to_proto()) }],
-        ..Default::default()
-    };
-    let rd = F.digest_of(&root.encode_to_vec());
-    cas.put(&rd, root.encode_to_vec().into()).await.unwrap();
+    let mut rd = common::put_dir(&cas, common::file_of("f", fd, false)).await;
+    for name in ["z", "y", "x"] {
+        rd = common::put_dir(&cas, common::dir_of(name, rd)).await;
+    }
     let (code, out) = run_in(&ex, &cas, "find . | sort | tr '\\n' ' '; touch x/y/new && echo writable", rd).await;
     assert_eq!((code, out.as_str()), (0, ". ./x ./x/y ./x/y/z ./x/y/z/f writable\n"));
 }

@@ -11,23 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gantry_core::reapi;
-use gantry_core::{BlobStore, Digest, DigestFunction, Finished, Work};
-use gantry_worker::cgroup::{self, Cgroups};
+use gantry_core::{BlobStore, Digest, Finished};
+use gantry_worker::cgroup::Cgroups;
 use gantry_worker::Executor;
-use prost::Message;
 
-const F: DigestFunction = DigestFunction::Sha256;
-
-fn cgroups() -> Option<Arc<Cgroups>> {
-    static RELEASE_AT_EXIT: std::sync::Once = std::sync::Once::new();
-    match cgroup::detect() {
-        Ok(c) => {
-            RELEASE_AT_EXIT.call_once(|| gantry_testkit::at_exit(cgroup::release_idle));
-            Some(c)
-        }
-        Err(why) => gantry_testkit::unavailable("cgroups for actions", &why),
-    }
-}
+mod common;
+use common::{cgroups, put_dir, F};
 
 async fn executor(d: &Path, cas: Arc<dyn BlobStore>, cgroups: Option<Arc<Cgroups>>) -> Executor {
     Executor {
@@ -42,32 +31,19 @@ async fn executor(d: &Path, cas: Arc<dyn BlobStore>, cgroups: Option<Arc<Cgroups
     }
 }
 
-/// Runs `script` under `/bin/sh -c` in `input_root`, declaring `outputs`.
+/// A temporary directory, a CAS with an empty directory in it (its digest), and an
+/// executor working in the first with `cgroups`.
+async fn setup(cgroups: Option<Arc<Cgroups>>) -> (tempfile::TempDir, Arc<dyn BlobStore>, Executor, Digest) {
+    let d = tempfile::tempdir().unwrap();
+    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
+    let ex = executor(d.path(), cas.clone(), cgroups).await;
+    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    (d, cas, ex, empty)
+}
+
+/// Runs `script` in `input_root`, declaring `outputs`; it must succeed.
 async fn run(ex: &Executor, script: &str, input_root: Digest, outputs: &[&str]) -> Finished {
-    let command = reapi::Command {
-        arguments: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        environment_variables: vec![reapi::command::EnvironmentVariable {
-            name: "PATH".into(),
-            value: "/usr/bin:/bin".into(),
-        }],
-        output_paths: outputs.iter().map(|o| o.to_string()).collect(),
-        ..Default::default()
-    };
-    let action = reapi::Action {
-        command_digest: Some(F.digest_of(&command.encode_to_vec()).to_proto()),
-        input_root_digest: Some(input_root.to_proto()),
-        ..Default::default()
-    };
-    let work = Work {
-        job_id: format!("operations/{}", uuid::Uuid::new_v4()),
-        function: F,
-        action: action.into(),
-        command: command.into(),
-        timeout: Duration::from_secs(60),
-    };
-    let f = tokio::time::timeout(Duration::from_secs(60), ex.execute(work, std::future::pending()))
-        .await
-        .expect("the action's report came within a minute");
+    let f = common::execute(ex, script, outputs, input_root).await;
     assert_eq!(f.status_code, 0, "{}", f.status_message);
     f
 }
@@ -76,13 +52,6 @@ async fn stdout(cas: &Arc<dyn BlobStore>, f: &Finished) -> String {
     let result = f.action_result.as_ref().unwrap();
     let d = Digest::from_proto(F, result.stdout_digest.as_ref(), "stdout").unwrap();
     String::from_utf8(cas.get(&d).await.unwrap().to_vec()).unwrap()
-}
-
-async fn put_dir(cas: &Arc<dyn BlobStore>, dir: reapi::Directory) -> Digest {
-    let bytes = dir.encode_to_vec();
-    let d = F.digest_of(&bytes);
-    cas.put(&d, bytes.into()).await.unwrap();
-    d
 }
 
 /// Where the executable cache keeps `d`'s file.
@@ -101,10 +70,7 @@ async fn first_action(ex: &Executor, cas: &Arc<dyn BlobStore>, empty: Digest) ->
 #[tokio::test]
 async fn an_output_becomes_the_next_actions_input_with_no_copy() {
     let Some(cgroups) = cgroups() else { return };
-    let d = tempfile::tempdir().unwrap();
-    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
-    let ex = executor(d.path(), cas.clone(), Some(cgroups)).await;
-    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    let (d, cas, ex, empty) = setup(Some(cgroups)).await;
 
     let (out, inode) = first_action(&ex, &cas, empty).await;
     // Its journal record and name come in the background.
@@ -115,19 +81,7 @@ async fn an_output_becomes_the_next_actions_input_with_no_copy() {
     assert!(cached(d.path(), &out).exists(), "the output is in the executable cache");
 
     // A later action takes it as an executable input, as Bazel marks generated files.
-    let root = put_dir(
-        &cas,
-        reapi::Directory {
-            files: vec![reapi::FileNode {
-                name: "in.txt".into(),
-                digest: Some(out.to_proto()),
-                is_executable: true,
-                ..Default::default()
-            }],
-            ..Default::default()
-        },
-    )
-    .await;
+    let root = put_dir(&cas, common::file_of("in.txt", out, true)).await;
     let f = run(&ex, "stat -c '%i %a' in.txt; tail -n 1 in.txt", root, &[]).await;
     assert_eq!(
         stdout(&cas, &f).await,
@@ -138,12 +92,9 @@ async fn an_output_becomes_the_next_actions_input_with_no_copy() {
 
 #[tokio::test]
 async fn without_cgroups_an_output_is_not_kept() {
-    let d = tempfile::tempdir().unwrap();
-    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
     // No cgroup: a process of the action that left its process group could still write
     // to the output after it was hashed.
-    let ex = executor(d.path(), cas.clone(), None).await;
-    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    let (d, cas, ex, empty) = setup(None).await;
     let (out, _) = first_action(&ex, &cas, empty).await;
     // An adoption links its file before the report: none was begun.
     let temp: Vec<_> = std::fs::read_dir(d.path().join("cache-x/tmp")).unwrap().collect();
@@ -155,10 +106,7 @@ async fn without_cgroups_an_output_is_not_kept() {
 #[tokio::test]
 async fn two_outputs_of_the_same_bytes_leave_one_file_and_no_links_behind() {
     let Some(cgroups) = cgroups() else { return };
-    let d = tempfile::tempdir().unwrap();
-    let cas: Arc<dyn BlobStore> = Arc::new(gantry_store::MemoryStore::new(1 << 30));
-    let ex = executor(d.path(), cas.clone(), Some(cgroups)).await;
-    let empty = put_dir(&cas, reapi::Directory::default()).await;
+    let (d, cas, ex, empty) = setup(Some(cgroups)).await;
     let f = run(&ex, "seq 1 50 > a.txt; seq 1 50 > b.txt; stat -c %i a.txt b.txt", empty, &["a.txt", "b.txt"]).await;
     let files = &f.action_result.as_ref().unwrap().output_files;
     assert_eq!(files.len(), 2);

@@ -15,20 +15,8 @@ use gantry_worker::process::{self, Ending, Limits, RunOutcome, Spec};
 
 const MIB: u64 = 1 << 20;
 
-fn cgroups() -> Option<Arc<Cgroups>> {
-    static RELEASE_AT_EXIT: std::sync::Once = std::sync::Once::new();
-    match cgroup::detect() {
-        Ok(c) => {
-            // The groups this binary's runs kept for reuse go when it exits, as a stopping
-            // worker's do. The next worker to start removes a dead one's groups only under
-            // its own parent group, and in some sandboxes every shell has a parent of its
-            // own, so they would stay.
-            RELEASE_AT_EXIT.call_once(|| gantry_testkit::at_exit(cgroup::release_idle));
-            Some(c)
-        }
-        Err(why) => gantry_testkit::unavailable("cgroups for actions", &why),
-    }
-}
+mod common;
+use common::cgroups;
 
 /// The first `name` on this process's PATH.
 fn on_path(name: &str) -> Option<PathBuf> {
