@@ -1088,7 +1088,10 @@ mod tests {
         // retired once the checkpoint thread catches up.
         assert!(j.syncs() < 400, "{} syncs for 400 appends", j.syncs());
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while fs::read_dir(&jdir).unwrap().count() > 1 && std::time::Instant::now() < deadline {
+        // A segment's file goes before it is counted as retired: wait for both.
+        let caught_up =
+            || fs::read_dir(&jdir).unwrap().count() == 1 && j.retired() + 1 == j.shared.seq.load(Ordering::Relaxed);
+        while !caught_up() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(fs::read_dir(&jdir).unwrap().count(), 1, "only the current segment is left");
