@@ -362,6 +362,18 @@ impl Files {
         freed
     }
 
+    /// Renames `tmp` to the name of `d` if the index holds `d` and no file has its name
+    /// yet; whether it did. Under the index lock, as `place`: an eviction never races the
+    /// rename, nor does `path_of` putting the file in place meanwhile.
+    fn place_if_wanted(&self, tmp: &Path, d: &Digest) -> Result<bool> {
+        let index = self.index.lock().expect("poisoned");
+        if index.peek(d).is_none() || blob_path(&self.root, d).exists() {
+            return Ok(false);
+        }
+        rename_into_place(&self.root, tmp, d)?;
+        Ok(true)
+    }
+
     /// Puts a small blob's file in place with no sync, and accounts for it: written in
     /// the temp directory and renamed, so that its name never points at part of it
     /// (another process sharing the directory may be looking). A journaled write needs no
@@ -414,13 +426,7 @@ impl fs_journal::BlobFiles for Files {
             }
             let mut t = TempFile::create(&self.tmp, self.file_mode)?.with(data)?;
             t.file.take();
-            // Under the index lock, as `place`: an eviction never races the rename, nor
-            // does `path_of` putting the file in place meanwhile.
-            let index = self.index.lock().expect("poisoned");
-            if index.peek(d).is_some() && !blob_path(&self.root, d).exists() {
-                rename_into_place(&self.root, &t.path, d)?;
-            }
-            Ok(())
+            self.place_if_wanted(&t.path, d).map(drop)
         };
         match attempt() {
             // An acknowledged blob must reach its file: on a full disk, the least recently
@@ -487,14 +493,10 @@ impl Inner {
         for function in DigestFunction::ALL {
             let fdir = root.join(function.name());
             fs::create_dir_all(&fdir).context(format_args!("creating {}", fdir.display()))?;
-            let mut shards = [false; 256];
             for shard in fs::read_dir(&fdir).context(format_args!("listing {}", fdir.display()))? {
                 let shard = shard.context("listing shard")?.path();
                 if !shard.is_dir() {
                     continue;
-                }
-                if let Some(i) = shard.file_name().and_then(|n| n.to_str()).and_then(shard_index) {
-                    shards[i] = true;
                 }
                 for entry in fs::read_dir(&shard).context(format_args!("listing {}", shard.display()))? {
                     let entry = entry.context("listing blobs")?;
@@ -530,7 +532,7 @@ impl Inner {
             // (slow right after many files were freed), and a server's first build would
             // pay for up to 256 of them per function among its uploads (a seventh of its
             // CPU in a profile of a first Bazel build). Synced below with the layout.
-            for (i, _) in shards.iter().enumerate().filter(|(_, made)| !**made) {
+            for i in 0..=u8::MAX {
                 let shard = fdir.join(format!("{i:02x}"));
                 match fs::create_dir(&shard) {
                     Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
@@ -682,12 +684,6 @@ fn is_disk_full(e: &Error) -> bool {
 fn blob_path(root: &Path, d: &Digest) -> PathBuf {
     let hex = d.hash_hex();
     root.join(d.function.name()).join(&hex[..2]).join(format!("{hex}-{}", d.size))
-}
-
-/// The shard a directory name stands for: two lower-case hex digits, as `blob_path` writes.
-fn shard_index(name: &str) -> Option<usize> {
-    let valid = name.len() == 2 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    valid.then(|| usize::from_str_radix(name, 16).ok()).flatten()
 }
 
 fn parse_blob_name(function: DigestFunction, name: &str) -> Option<Digest> {
@@ -877,20 +873,14 @@ impl Adoption {
             store.put(&self.digest, self.data.clone()).await?;
         }
         let link = self.link.take().expect("an adoption is finished once");
-        let d = self.digest;
-        let placed = (|| -> Result<bool> {
+        // The store's mode before the name: the file is never seen under it with another.
+        // As the placer would, it leaves a file already in place alone.
+        let placed = {
             use std::os::unix::fs::PermissionsExt;
-            // Under the index lock, as the placer's rename: it finds the file in place
-            // and leaves it, and an eviction cannot race the rename.
-            let index = self.inner.index.lock().expect("poisoned");
-            if index.peek(&d).is_none() || blob_path(&self.inner.root, &d).exists() {
-                return Ok(false);
-            }
             fs::set_permissions(&link, fs::Permissions::from_mode(self.inner.file_mode))
-                .context(format_args!("chmod {}", link.display()))?;
-            rename_into_place(&self.inner.root, &link, &d)?;
-            Ok(true)
-        })();
+                .context(format_args!("chmod {}", link.display()))
+                .and_then(|()| self.inner.place_if_wanted(&link, &self.digest))
+        };
         if !matches!(placed, Ok(true)) {
             let _ = fs::remove_file(&link);
         }
@@ -1278,16 +1268,6 @@ mod tests {
         store.crash();
         let store = FsStore::open_for_links(&store_path, 1 << 30, 0o555).await.unwrap();
         assert_eq!(store.get(&d).await.unwrap(), data);
-    }
-
-    #[test]
-    fn shard_names_are_two_lower_hex_digits() {
-        assert_eq!(shard_index("00"), Some(0));
-        assert_eq!(shard_index("ff"), Some(255));
-        assert_eq!(shard_index("3a"), Some(58));
-        for bad in ["FF", "f", "fff", "+f", "g0", ""] {
-            assert_eq!(shard_index(bad), None, "{bad}");
-        }
     }
 
     #[test]

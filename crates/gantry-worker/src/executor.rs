@@ -94,19 +94,12 @@ impl ActionDirs {
     /// when it cannot be emptied. A few unlinks are done on this thread (a handoff to the
     /// blocking pool costs more); more than that goes to the pool.
     async fn give_back(&self, dir: PathBuf) {
-        let mut skeleton = Vec::new();
-        let emptied = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES), &self.spare, &mut skeleton) {
-            Emptied::TooMuch => {
+        let (emptied, skeleton) = match empty_action_dir(&dir, Some(INLINE_EMPTY_ENTRIES), &self.spare) {
+            (Emptied::TooMuch, _) => {
                 let (d, spare) = (dir.clone(), self.spare.clone());
-                tokio::task::spawn_blocking(move || {
-                    let mut skeleton = Vec::new();
-                    (empty_action_dir(&d, None, &spare, &mut skeleton), skeleton)
-                })
-                .await
-                .map_or(Emptied::No, |(emptied, kept)| {
-                    skeleton = kept;
-                    emptied
-                })
+                tokio::task::spawn_blocking(move || empty_action_dir(&d, None, &spare))
+                    .await
+                    .unwrap_or((Emptied::No, Vec::new()))
             }
             done => done,
         };
@@ -132,10 +125,16 @@ enum Emptied {
 }
 
 /// Removes what an action left in `dir`'s input root but its directories, which are left
-/// empty and listed in `skeleton`, and truncates its logs (a large log should not take
-/// disk space until the next action). With `bound`, only when the root holds at most that
-/// many entries, none a directory, and the logs are small.
-fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs, skeleton: &mut Vec<PathBuf>) -> Emptied {
+/// empty and returned (each after its parent), and truncates its logs (a large log should
+/// not take disk space until the next action). With `bound`, only when the root holds at
+/// most that many entries, none a directory, and the logs are small.
+fn empty_action_dir(dir: &Path, bound: Option<usize>, spare: &SpareDirs) -> (Emptied, Vec<PathBuf>) {
+    let mut skeleton = Vec::new();
+    let emptied = empty_action_dir_into(dir, bound, spare, &mut skeleton);
+    (emptied, skeleton)
+}
+
+fn empty_action_dir_into(dir: &Path, bound: Option<usize>, spare: &SpareDirs, skeleton: &mut Vec<PathBuf>) -> Emptied {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let root = dir.join("root");
     // A command may have made its input root read-only; the next one must find it as new.
@@ -352,12 +351,11 @@ impl Executor {
                 made.push((parent.to_path_buf(), format!("the parent of output {p}")));
             }
         }
-        let made_dirs: Vec<PathBuf> = made.iter().map(|(d, _)| d.clone()).collect();
 
         md.input_fetch_start_timestamp = Some(ts());
         let materializer =
             Materializer { cas: self.cas.clone(), cache: self.cache.clone(), dirs: self.dirs.spare.clone() };
-        materializer.materialize(f, input_root, &exec_root, &skeleton, &made_dirs).await?;
+        materializer.materialize(f, input_root, &exec_root, &skeleton, made.iter().map(|(d, _)| d.as_path())).await?;
         md.input_fetch_completed_timestamp = Some(ts());
 
         // The input root exists (materialized), and so does what is made once below.

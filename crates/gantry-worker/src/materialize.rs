@@ -138,13 +138,13 @@ impl Materializer {
     /// (directories the caller will make, with their parents) need stay; the others are
     /// moved aside first, so the command sees exactly its declared directories. Returns
     /// the number of files and bytes materialized.
-    pub async fn materialize(
+    pub async fn materialize<'m>(
         &self,
         f: DigestFunction,
         input_root: Digest,
         root: &Path,
         kept: &[PathBuf],
-        made: &[PathBuf],
+        made: impl IntoIterator<Item = &'m Path>,
     ) -> Result<(usize, u64)> {
         let mut dirs: Vec<PathBuf> = Vec::new();
         let mut files = Vec::new();
@@ -208,8 +208,9 @@ impl Materializer {
                 needed.extend(d.ancestors().take_while(|a| a.starts_with(root)));
             }
             for k in kept {
-                // The topmost of a subtree no longer needed takes its subtree with it.
-                let parent_stays = k.parent().is_none_or(|p| p == root || needed.contains(p));
+                // The topmost of a subtree no longer needed takes its subtree with it (the
+                // root is needed: it is the tree's first directory).
+                let parent_stays = k.parent().is_some_and(|p| needed.contains(p));
                 if !needed.contains(k.as_path()) && parent_stays && !self.dirs.recycle_tree(k) && !remove_tree(k) {
                     return Err(Error::internal(format!(
                         "could not remove the directory {} an earlier action left",
