@@ -397,6 +397,58 @@ impl GroundTruth {
         v
     }
 
+    /// The truth as far as `history` tells targets apart, a tighter bound than
+    /// [`GroundTruth::seen_view`]: a learner sees a target only through the builds that
+    /// held it, so targets held by exactly the same builds can be told apart by none,
+    /// and only their sum is known. Each of them is charged their mean; a target no build
+    /// held is charged the mean of the built ones (scaled by its subtree's weight), and a
+    /// package the history never saw is charged as in the seen view. Everything else is
+    /// exact. Planned with it (`oracle-identified` in [`compare`]), the streams show
+    /// what a perfect learner of this history could not avoid at the oracle's cutoffs.
+    pub fn identified_view(&self, history: &[BuildRecord]) -> GroundTruth {
+        let mut v = self.seen_view();
+        let n = self.target_mem.len();
+        // Each target's set of builds, as a sum of one random key per build (a
+        // collision between two different sets is a 2^-64 event).
+        let mut builds_of = vec![0u64; n];
+        let mut held = vec![false; n];
+        let mut in_build = std::collections::HashSet::new();
+        let mut keys = ChaCha8Rng::seed_from_u64(0);
+        for rec in history {
+            let key: u64 = keys.random();
+            in_build.clear();
+            for id in rec.targets.iter().filter_map(|l| self.id_of(l)) {
+                if in_build.insert(id) {
+                    builds_of[id as usize] = builds_of[id as usize].wrapping_add(key);
+                    held[id as usize] = true;
+                }
+            }
+        }
+        let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
+        let (mut mem_per_weight, mut esu, mut built) = (0.0, 0.0, 0usize);
+        for i in (0..n).filter(|&i| held[i]) {
+            groups.entry(builds_of[i]).or_default().push(i);
+            mem_per_weight += self.target_mem[i] / self.pkg_weight[self.target_pkg[i] as usize];
+            esu += self.target_esu[i];
+            built += 1;
+        }
+        let built = built.max(1) as f64;
+        for i in (0..n).filter(|&i| !held[i] && !self.pkg_new[self.target_pkg[i] as usize]) {
+            v.target_mem[i] = mem_per_weight / built * self.pkg_weight[self.target_pkg[i] as usize];
+            v.target_esu[i] = esu / built;
+        }
+        for g in groups.values().filter(|g| g.len() > 1) {
+            let k = g.len() as f64;
+            let mem = g.iter().map(|&i| self.target_mem[i]).sum::<f64>() / k;
+            let esu = g.iter().map(|&i| self.target_esu[i]).sum::<f64>() / k;
+            for &i in g {
+                v.target_mem[i] = mem;
+                v.target_esu[i] = esu;
+            }
+        }
+        v
+    }
+
     pub fn target_count(&self) -> usize {
         self.labels.len()
     }
@@ -1350,8 +1402,8 @@ pub struct CompareRow {
 /// For each seed: generate a workload (history, then large streams with new
 /// packages and a last-day regression), train every learner of
 /// [`model_variants`] on the history, and score every learner, fixed batch
-/// sizes, the oracle and the seen-costs bound ([`GroundTruth::seen_view`]) on
-/// the streams; the default learner and the linear one also with
+/// sizes, the oracle and the two bounds of what the history tells
+/// ([`GroundTruth::seen_view`], [`GroundTruth::identified_view`]) on the streams; the default learner and the linear one also with
 /// [`score_with_feedback`] ("shared+feedback", "v2+feedback"). `progress` hears
 /// each row.
 /// `only` names the planners to score (empty: all); the oracle is always scored, as
@@ -1384,6 +1436,11 @@ pub fn compare(
             let seen = truth.seen_view();
             let o = Oracle { truth: &seen, regressed: true };
             push("oracle-seen", score("oracle-seen", &truth, &streams, &cfg.planner, &o, true)?);
+        }
+        if wanted("oracle-identified") {
+            let ident = truth.identified_view(&history);
+            let o = Oracle { truth: &ident, regressed: true };
+            push("oracle-identified", score("oracle-identified", &truth, &streams, &cfg.planner, &o, true)?);
         }
         for (name, tc) in model_variants() {
             // As the service runs it: corrected by the builds it ran.

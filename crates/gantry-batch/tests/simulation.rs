@@ -71,6 +71,69 @@ fn the_seen_view_differs_from_the_truth_only_where_the_history_never_looked() {
     assert!((0.5..2.0).contains(&ratio), "prior over truth {ratio}");
 }
 
+/// The bound `compare` reports as `oracle-identified`: a target is exact when some
+/// build of the history told it apart from every other target; targets held by exactly
+/// the same builds share their sum evenly; a target no build held gets a prior.
+#[test]
+fn the_identified_view_keeps_only_what_the_history_tells_apart() {
+    use std::collections::{BTreeSet, HashMap};
+    let cfg = SimConfig::small();
+    let (truth, history, streams) = gantry_batch::sim::generate(&cfg);
+    let ident = truth.identified_view(&history);
+    let ctx = &streams[0].0;
+    let one = |t: &gantry_batch::sim::GroundTruth, id: usize| t.truth(ctx, &[id as u32], true).memory_bytes;
+    let mut builds_of: HashMap<u32, BTreeSet<usize>> = HashMap::new();
+    for (b, r) in history.iter().enumerate() {
+        for l in &r.targets {
+            builds_of.entry(truth.id_of(l).expect("history labels exist")).or_default().insert(b);
+        }
+    }
+    let mut groups: HashMap<&BTreeSet<usize>, Vec<usize>> = HashMap::new();
+    for (id, set) in &builds_of {
+        groups.entry(set).or_default().push(*id as usize);
+    }
+    let (mut exact, mut shared, mut differ) = (0, 0, 0);
+    for g in groups.values() {
+        if g.len() == 1 {
+            assert_eq!(one(&ident, g[0]), one(&truth, g[0]), "{} was told apart", truth.labels[g[0]]);
+            exact += 1;
+            continue;
+        }
+        shared += g.len();
+        // Same builds, same charge: each is the group's mean, so a build of the whole
+        // group costs what it truly does, and its members' own charges differ.
+        let ids: Vec<u32> = g.iter().map(|&i| i as u32).collect();
+        let (t, v) = (truth.truth(ctx, &ids, true).memory_bytes, ident.truth(ctx, &ids, true).memory_bytes);
+        assert!((v / t - 1.0).abs() < 1e-9, "a group of {} costs {v}, truly {t}", g.len());
+        differ += g.iter().filter(|&&i| (one(&ident, i) / one(&truth, i) - 1.0).abs() > 1e-6).count();
+    }
+    assert!(exact > 0 && shared > 0, "{exact} told apart, {shared} in groups");
+    assert!(differ > 0, "no grouped target's charge moved");
+    // A target no build held gets the prior, as in the seen view for new packages.
+    let never: Vec<usize> = (0..truth.labels.len()).filter(|i| !builds_of.contains_key(&(*i as u32))).collect();
+    assert!(!never.is_empty());
+    let moved = never.iter().filter(|&&i| one(&ident, i) != one(&truth, i)).count();
+    assert!(moved * 10 > never.len() * 9, "{moved} of {} never-built targets were charged a prior", never.len());
+    // The prior is a mean of the built targets' costs: what a second never-built target
+    // of a package adds to a build of the first is near what it truly adds, summed over
+    // packages.
+    let mut by_pkg: HashMap<&str, Vec<u32>> = HashMap::new();
+    for &i in &never {
+        by_pkg.entry(truth.labels[i].split(':').next().unwrap()).or_default().push(i as u32);
+    }
+    let (mut charged, mut true_added) = (0.0, 0.0);
+    for ids in by_pkg.values().filter(|ids| ids.len() >= 2) {
+        let added = |t: &gantry_batch::sim::GroundTruth| {
+            t.truth(ctx, &ids[..2], true).memory_bytes - t.truth(ctx, &ids[..1], true).memory_bytes
+        };
+        assert!(added(&ident) > 0.0, "a never-built target is charged nothing");
+        charged += added(&ident);
+        true_added += added(&truth);
+    }
+    assert!(true_added > 0.0);
+    assert!((0.3..3.0).contains(&(charged / true_added)), "prior over truth {}", charged / true_added);
+}
+
 /// `gantry bench batch --compare --workload` names: each resolves to a shift of the
 /// default workload, and the analysis power reaches the truth.
 #[test]

@@ -202,9 +202,9 @@ pub struct BatchBenchArgs {
     /// A small simulation (seconds instead of tens of seconds).
     #[arg(long)]
     small: bool,
-    /// Compare every learner, fixed batch sizes, the oracle and the seen-costs bound on
-    /// large held-out streams (new packages, a last-day memory regression), one workload
-    /// per seed.
+    /// Compare every learner, fixed batch sizes, the oracle and the bounds of what the
+    /// history tells (oracle-seen, oracle-identified) on large held-out streams (new
+    /// packages, a last-day memory regression), one workload per seed.
     #[arg(long)]
     compare: bool,
     /// Seeds of --compare, comma-separated.
