@@ -368,16 +368,9 @@ impl GroundTruth {
     /// [`compare`]).
     pub fn seen_view(&self) -> GroundTruth {
         let mut v = self.clone();
-        let seen_t = |i: usize| !self.pkg_new[self.target_pkg[i] as usize];
         let mean = |xs: Vec<f64>| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
         let n = self.target_mem.len();
-        let tm = mean(
-            (0..n)
-                .filter(|&i| seen_t(i))
-                .map(|i| self.target_mem[i] / self.pkg_weight[self.target_pkg[i] as usize])
-                .collect(),
-        );
-        let te = mean((0..n).filter(|&i| seen_t(i)).map(|i| self.target_esu[i]).collect());
+        let (tm, te) = self.target_prior(|i| !self.pkg_new[self.target_pkg[i] as usize]);
         let np = self.pkg_mem.len();
         let pm = mean((0..np).filter(|&p| !self.pkg_new[p]).map(|p| self.pkg_mem[p] / self.pkg_weight[p]).collect());
         let pe = mean((0..np).filter(|&p| !self.pkg_new[p]).map(|p| self.pkg_esu[p]).collect());
@@ -425,17 +418,13 @@ impl GroundTruth {
             }
         }
         let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
-        let (mut mem_per_weight, mut esu, mut built) = (0.0, 0.0, 0usize);
         for i in (0..n).filter(|&i| held[i]) {
             groups.entry(builds_of[i]).or_default().push(i);
-            mem_per_weight += self.target_mem[i] / self.pkg_weight[self.target_pkg[i] as usize];
-            esu += self.target_esu[i];
-            built += 1;
         }
-        let built = built.max(1) as f64;
+        let (tm, te) = self.target_prior(|i| held[i]);
         for i in (0..n).filter(|&i| !held[i] && !self.pkg_new[self.target_pkg[i] as usize]) {
-            v.target_mem[i] = mem_per_weight / built * self.pkg_weight[self.target_pkg[i] as usize];
-            v.target_esu[i] = esu / built;
+            v.target_mem[i] = tm * self.pkg_weight[self.target_pkg[i] as usize];
+            v.target_esu[i] = te;
         }
         for g in groups.values().filter(|g| g.len() > 1) {
             let k = g.len() as f64;
@@ -447,6 +436,19 @@ impl GroundTruth {
             }
         }
         v
+    }
+
+    /// The prior a view charges a target it cannot price: the mean memory per subtree
+    /// weight and the mean occupancy of the targets `from` accepts.
+    fn target_prior(&self, from: impl Fn(usize) -> bool) -> (f64, f64) {
+        let (mut mem, mut esu, mut k) = (0.0, 0.0, 0usize);
+        for i in (0..self.target_mem.len()).filter(|&i| from(i)) {
+            mem += self.target_mem[i] / self.pkg_weight[self.target_pkg[i] as usize];
+            esu += self.target_esu[i];
+            k += 1;
+        }
+        let k = k.max(1) as f64;
+        (mem / k, esu / k)
     }
 
     pub fn target_count(&self) -> usize {
@@ -1403,9 +1405,9 @@ pub struct CompareRow {
 /// packages and a last-day regression), train every learner of
 /// [`model_variants`] on the history, and score every learner, fixed batch
 /// sizes, the oracle and the two bounds of what the history tells
-/// ([`GroundTruth::seen_view`], [`GroundTruth::identified_view`]) on the streams; the default learner and the linear one also with
-/// [`score_with_feedback`] ("shared+feedback", "v2+feedback"). `progress` hears
-/// each row.
+/// ([`GroundTruth::seen_view`], [`GroundTruth::identified_view`]) on the streams;
+/// the default learner and the linear one also with [`score_with_feedback`]
+/// ("shared+feedback", "v2+feedback"). `progress` hears each row.
 /// `only` names the planners to score (empty: all); the oracle is always scored, as
 /// every density is read against it.
 pub fn compare(
