@@ -189,6 +189,9 @@ impl TrainConfig {
         if self.huber_delta.is_nan() || self.huber_delta <= 0.0 {
             return bad("huber_delta must be > 0");
         }
+        if !(self.shared.prior_count.is_finite() && self.shared.prior_count >= 0.0) {
+            return bad("shared.prior_count must be a finite number >= 0");
+        }
         Ok(())
     }
 }
@@ -1355,6 +1358,19 @@ pub fn describe_spec(spec: &FeatureSpec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prior_count_that_is_no_count_is_refused() {
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            let mut c = TrainConfig::default();
+            c.shared.prior_count = bad;
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("shared.prior_count"), "{bad}: {err}");
+        }
+        let mut c = TrainConfig::default();
+        c.shared.prior_count = 0.0;
+        c.validate().unwrap();
+    }
 
     /// Held-out builds mostly small, the truth growing faster than the raw score: the
     /// power drawn through their logarithms reads a build five times the largest one

@@ -20,6 +20,8 @@
 //! * A target the history never built costs the mean of its package's targets; a
 //!   package it never saw, the means under its nearest seen ancestor directory (costs
 //!   scale with their subtree); a directory it never saw, the mean of those as deep.
+//!   A mean over few members leans on its parent's (`prior_count`): one build of one
+//!   costly target does not price a whole directory.
 //!
 //! Each part is fitted by full-batch Adam on `ln(label / estimate)` with a one-sided
 //! Huber loss on the side labels can be wrong on: a peak taken without a full GC
@@ -69,6 +71,11 @@ pub struct SharedConfig {
     /// Builds this recent (days before `now`) carry the `recent` feature; estimates
     /// always do.
     pub recent_days: f64,
+    /// What code training never saw is charged a mean: a package's new target its
+    /// targets', a new package its directory's. Each such mean counts this many more
+    /// members at its parent's mean (the directory's, or the whole repository's), so a
+    /// mean over the one target a single build held is not taken as the directory's.
+    pub prior_count: f64,
 }
 
 impl Default for SharedConfig {
@@ -82,6 +89,7 @@ impl Default for SharedConfig {
             validation_fraction: 0.1,
             calibration_min: [2.0, 50.0],
             recent_days: 1.0,
+            prior_count: 2.0,
         }
     }
 }
@@ -351,7 +359,7 @@ impl Part {
             centre: 1.0,
             error: None,
         };
-        part.unseen_means(index);
+        part.unseen_means(index, cfg.prior_count);
         part
     }
 
@@ -359,7 +367,7 @@ impl Part {
     /// heavy tails and all, and for a package the means under its nearest seen
     /// ancestor, since costs scale with their subtree (a heavy directory's packages are
     /// heavy).
-    fn unseen_means(&mut self, index: &Index) {
+    fn unseen_means(&mut self, index: &Index, prior_count: f64) {
         let (np, nd) = (index.pkgs.len(), index.dirs.len());
         self.unseen_target = mean(self.w.iter().copied());
         self.unseen_pkg = mean(self.u.iter().copied());
@@ -380,10 +388,22 @@ impl Part {
                 pc[d as usize] += 1;
             }
         }
-        let avg = |s: &[f64], c: &[usize], i: usize, or: f64| if c[i] > 0 { s[i] / c[i] as f64 } else { or };
-        self.pkg_unseen_target = (0..np).map(|p| avg(&sum, &cnt, p, self.unseen_target)).collect();
+        // A mean over few members leans on its parent's: `prior_count` members at the
+        // parent's mean are added to each. A directory's parent is the whole
+        // repository, a package's its nearest directory.
+        let avg = |s: &[f64], c: &[usize], i: usize, parent: f64| {
+            let n = c[i] as f64 + prior_count;
+            if n > 0.0 {
+                (s[i] + prior_count * parent) / n
+            } else {
+                parent
+            }
+        };
         self.dir_target_mean = (0..nd).map(|d| avg(&ts, &tc, d, self.unseen_target)).collect();
         self.dir_pkg_mean = (0..nd).map(|d| avg(&ps, &pc, d, self.unseen_pkg)).collect();
+        let parent =
+            |p: usize| index.pkg_dirs[p].first().map_or(self.unseen_target, |&d| self.dir_target_mean[d as usize]);
+        self.pkg_unseen_target = (0..np).map(|p| avg(&sum, &cnt, p, parent(p))).collect();
         let mut depth: Vec<(f64, usize)> = Vec::new();
         if !self.v.is_empty() {
             // In index order, not the map's: the same history sums the same way.

@@ -397,7 +397,9 @@ impl GroundTruth {
     /// held is charged the mean of the built ones (scaled by its subtree's weight), and a
     /// package the history never saw is charged as in the seen view. Everything else is
     /// exact. Planned with it (`oracle-identified` in [`compare`]), the streams show
-    /// what a perfect learner of this history could not avoid at the oracle's cutoffs.
+    /// what is left at the oracle's cutoffs to a planner that knows more than this: the
+    /// history's builds are overlapping sums, so a group's own sum need not follow from
+    /// them, and the view is an optimistic bound, not what a learner can reach.
     pub fn identified_view(&self, history: &[BuildRecord]) -> GroundTruth {
         let mut v = self.seen_view();
         let n = self.target_mem.len();

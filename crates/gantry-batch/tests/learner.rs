@@ -308,3 +308,42 @@ proptest! {
         prop_assert!(o1 >= o0 * (1.0 - 1e-12), "occupancy {o1} < {o0}");
     }
 }
+
+/// A directory the history built once, in one build whose only target there was
+/// costly: its packages the history never saw are not all priced at that target's
+/// cost (`prior_count`), while the directory the build showed stays charged.
+#[test]
+fn one_build_does_not_price_a_whole_directory() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let repo = Repo::new(&mut rng);
+    let mut hist = history(&repo, &mut rng, 2000, 0.0);
+    let mut odd = hist[0].clone();
+    let mut targets = repo.build(&mut rng);
+    let cost = repo.cost(&targets) + 6000.0 * MB;
+    targets.push("//top0/rare/lib:t0".into());
+    odd.id = "odd".into();
+    odd.targets = targets;
+    odd.peak_memory_bytes = cost as u64;
+    hist.push(odd);
+    let added = |model: &SharedModel, label: &str| {
+        let base = ["//top1/pkg03:t0", "//top1/pkg04:t1"];
+        let mut with = base.to_vec();
+        with.push(label);
+        model.predict(&ctx(), &with).unwrap() - model.predict(&ctx(), &base).unwrap()
+    };
+    let train =
+        |prior_count: f64| SharedModel::train(&hist, &SharedConfig { prior_count, ..shared_config() }, NOW).unwrap();
+    let (pooled, alone) = (train(SharedConfig::default().prior_count), train(0.0));
+    // A package new to the history under `//top0` (the odd build's top), as the typical
+    // new package is priced, and one under `//top0/rare`.
+    let typical = added(&pooled, "//top0/fresh:t0");
+    let (rare, rare_alone) = (added(&pooled, "//top0/rare/fresh:t0"), added(&alone, "//top0/rare/fresh:t0"));
+    eprintln!(
+        "a new package under //top0: {:.0} MB; under //top0/rare: {:.0} MB, {:.0} MB with no prior count",
+        typical / MB,
+        rare / MB,
+        rare_alone / MB
+    );
+    assert!(rare < 0.75 * rare_alone, "the prior count barely moved the directory's mean");
+    assert!(rare > typical, "the one build said //top0/rare is costly; it is priced as any other");
+}
