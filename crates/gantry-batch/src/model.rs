@@ -192,6 +192,9 @@ impl TrainConfig {
         if !(self.shared.prior_count.is_finite() && self.shared.prior_count >= 0.0) {
             return bad("shared.prior_count must be a finite number >= 0");
         }
+        if !(self.shared.package_prior.is_finite() && self.shared.package_prior >= 0.0) {
+            return bad("shared.package_prior must be a finite number >= 0");
+        }
         Ok(())
     }
 }
@@ -1360,7 +1363,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_prior_count_that_is_no_count_is_refused() {
+    fn a_prior_that_is_no_weight_is_refused() {
         for bad in [-1.0, f64::NAN, f64::INFINITY] {
             let mut c = TrainConfig::default();
             c.shared.prior_count = bad;
@@ -1370,6 +1373,12 @@ mod tests {
         let mut c = TrainConfig::default();
         c.shared.prior_count = 0.0;
         c.validate().unwrap();
+        for bad in [-0.01, f64::NAN, f64::INFINITY] {
+            let mut c = TrainConfig::default();
+            c.shared.package_prior = bad;
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("shared.package_prior"), "{bad}: {err}");
+        }
     }
 
     /// Held-out builds mostly small, the truth growing faster than the raw score: the

@@ -309,41 +309,74 @@ proptest! {
     }
 }
 
-/// A directory the history built once, in one build whose only target there was
-/// costly: its packages the history never saw are not all priced at that target's
-/// cost (`prior_count`), while the directory the build showed stays charged.
-#[test]
-fn one_build_does_not_price_a_whole_directory() {
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
+/// A clean history of 2,000 builds and one more: a random build with `label` added,
+/// whose peak is `peak` of the rest's true cost.
+fn with_one_odd_build(seed: u64, label: &str, peak: impl Fn(f64) -> f64) -> Vec<BuildRecord> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let repo = Repo::new(&mut rng);
     let mut hist = history(&repo, &mut rng, 2000, 0.0);
     let mut odd = hist[0].clone();
     let mut targets = repo.build(&mut rng);
-    let cost = repo.cost(&targets) + 6000.0 * MB;
-    targets.push("//top0/rare/lib:t0".into());
+    odd.peak_memory_bytes = peak(repo.cost(&targets)) as u64;
+    targets.push(label.into());
+    targets.sort();
     odd.id = "odd".into();
     odd.targets = targets;
-    odd.peak_memory_bytes = cost as u64;
     hist.push(odd);
-    let added = |model: &SharedModel, label: &str| {
-        let base = ["//top1/pkg03:t0", "//top1/pkg04:t1"];
-        let mut with = base.to_vec();
-        with.push(label);
-        model.predict(&ctx(), &with).unwrap() - model.predict(&ctx(), &base).unwrap()
+    hist
+}
+
+/// What `label` adds to the estimate of a small build elsewhere.
+fn added(model: &SharedModel, label: &str) -> f64 {
+    let base = ["//top1/pkg03:t0", "//top1/pkg04:t1"];
+    let mut with = base.to_vec();
+    with.push(label);
+    model.predict(&ctx(), &with).unwrap() - model.predict(&ctx(), &base).unwrap()
+}
+
+/// A directory the history built once, in one build whose only target there was
+/// costly: its packages the history never saw are not all priced at that target's
+/// cost (`prior_count`, `package_prior`), while the directory the build showed stays
+/// charged.
+#[test]
+fn one_build_does_not_price_a_whole_directory() {
+    let hist = with_one_odd_build(4, "//top0/rare/lib:t0", |rest| rest + 6000.0 * MB);
+    let train = |prior_count: f64, package_prior: f64| {
+        SharedModel::train(&hist, &SharedConfig { prior_count, package_prior, ..shared_config() }, NOW).unwrap()
     };
-    let train =
-        |prior_count: f64| SharedModel::train(&hist, &SharedConfig { prior_count, ..shared_config() }, NOW).unwrap();
-    let (pooled, alone) = (train(SharedConfig::default().prior_count), train(0.0));
+    // Two priors pool the one build's evidence: the package's common target cost is held
+    // near its top directory's (`package_prior`), so more of the excess lands on
+    // `//top0/rare` itself, and a new package's mean leans on its directory's
+    // (`prior_count`). Without both, the new package is charged the costly target's cost.
+    let d = SharedConfig::default();
+    let (pooled, alone) = (train(d.prior_count, d.package_prior), train(0.0, 0.0));
     // A package new to the history under `//top0` (the odd build's top), as the typical
     // new package is priced, and one under `//top0/rare`.
     let typical = added(&pooled, "//top0/fresh:t0");
     let (rare, rare_alone) = (added(&pooled, "//top0/rare/fresh:t0"), added(&alone, "//top0/rare/fresh:t0"));
     eprintln!(
-        "a new package under //top0: {:.0} MB; under //top0/rare: {:.0} MB, {:.0} MB with no prior count",
+        "a new package under //top0: {:.0} MB; under //top0/rare: {:.0} MB, {:.0} MB with neither prior",
         typical / MB,
         rare / MB,
         rare_alone / MB
     );
-    assert!(rare < 0.75 * rare_alone, "the prior count barely moved the directory's mean");
+    assert!(rare < 0.75 * rare_alone, "the priors barely moved the directory's price");
     assert!(rare > typical, "the one build said //top0/rare is costly; it is priced as any other");
+}
+
+/// A package the history built once, in a build whose peak read 1.8x high: the package
+/// does not take that build's whole excess (`package_prior`), which it would with no
+/// prior, since nothing else the history holds prices its targets.
+#[test]
+fn a_package_built_once_with_a_high_label_is_not_charged_the_excess() {
+    // Truly a typical package: 150 MB, and 2 MB for its target.
+    let hist = with_one_odd_build(5, "//top1/once:t0", |rest| 1.8 * (rest + 152.0 * MB));
+    let train = |package_prior: f64| {
+        SharedModel::train(&hist, &SharedConfig { package_prior, ..shared_config() }, NOW).unwrap()
+    };
+    let once = "//top1/once:t0";
+    let (held, free) = (added(&train(SharedConfig::default().package_prior), once), added(&train(0.0), once));
+    eprintln!("the package built once: {:.0} MB, {:.0} MB with no package prior (truly 152 MB)", held / MB, free / MB);
+    assert!(held < 0.5 * free, "the prior barely held the package: {:.0} MB against {:.0} MB", held / MB, free / MB);
+    assert!(held < 3.0 * 152.0 * MB, "the package took the high label's excess: {:.0} MB", held / MB);
 }
