@@ -7,7 +7,10 @@
 //! executor pool), whichever comes first. With a centred model the cutoff
 //! binds almost always and batches are as dense as the cutoff allows; the
 //! margin only binds when the model is unsure, which is exactly when a fixed
-//! cutoff alone would run out of memory.
+//! cutoff alone would run out of memory. The planner never lets a memory margin fall
+//! below `PlannerConfig::min_memory_margin`: this error is measured on whole builds,
+//! and a heavy target the history never told apart from its package is a jump of a
+//! few gigabytes that no such spread foresees.
 //!
 //! The error is modelled in log space, `ln(actual / estimate)`, with a
 //! normal scale fitted from one side of the held-out residuals only: labels

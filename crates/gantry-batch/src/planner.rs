@@ -350,11 +350,15 @@ impl<G: GroupEstimator> GroupCutter<G> {
     fn new(est: G, executor_types: ExecutorSet, ctx: &BuildContext, cfg: &PlannerConfig) -> Self {
         // The calibrated margin: a batch stops at the cutoff, or earlier where
         // the model's own error makes exceeding the hard limit likelier than
-        // the target rate.
+        // the target rate. A model's margin is never below the floor: its error is
+        // measured on whole builds, and a hidden heavy target is a jump it never saw.
         let (mem_err, occ_err) = est.errors();
         let memory_limit = cfg.bazel_memory_bytes as f64;
-        let memory_cutoff = (cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64)
-            .min(mem_err.map_or(f64::INFINITY, |e| memory_limit / e.margin(cfg.target_oom_rate)));
+        let memory_cutoff =
+            (cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64)
+                .min(mem_err.map_or(f64::INFINITY, |e| {
+                    memory_limit / e.margin(cfg.target_oom_rate).max(cfg.min_memory_margin)
+                }));
         let occupancy_cutoff = cfg
             .occupancy_cutoff_esu
             .min(occ_err.map_or(f64::INFINITY, |e| cfg.occupancy_limit_esu / e.margin(cfg.target_de_rate)));

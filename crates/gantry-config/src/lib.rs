@@ -792,6 +792,14 @@ pub struct BatchConfig {
     /// history at training) puts its chance of passing `bazel_memory` at this rate.
     /// Lower: safer and smaller builds. In (0, 0.5). Default 0.001.
     pub target_oom_rate: f64,
+    /// The least margin a memory model's estimate keeps under `bazel_memory`, however
+    /// narrow the model's calibrated error: a batch whose model has an error ends where
+    /// its estimate times this reaches `bazel_memory`, if that comes before its cutoff.
+    /// A target whose cost the history never told apart from its package's adds
+    /// gigabytes at once, a jump no error spread of whole builds foresees. At the
+    /// default heap and cutoffs it binds only LOW builds (about 9.5GB instead of 10GB),
+    /// whose cutoff leaves the least headroom. 1 turns it off. At least 1. Default 1.37.
+    pub min_memory_margin: f64,
     /// The same for passing `occupancy_limit_esu` (a missed deadline), with the
     /// occupancy model's error. In (0, 0.5). Default 0.0005.
     pub target_de_rate: f64,
@@ -915,6 +923,7 @@ impl Default for BatchConfig {
             occupancy_cutoff_esu: 500.0,
             occupancy_limit_esu: 600.0,
             target_oom_rate: 0.001,
+            min_memory_margin: 1.37,
             target_de_rate: 0.0005,
             tag_executor_types: Default::default(),
             rule_kind_executor_types: Default::default(),
