@@ -173,7 +173,7 @@ fn feedback_from_finished_builds_restores_the_target_rate_under_a_shift() {
 /// The floor under the calibrated margin: a narrow error model would let a batch run up
 /// to the limit over its 0.1% margin, but none goes past `bazel_memory /
 /// min_memory_margin`; a batch under its cutoff anyway (the cutoff leaves more than the
-/// floor) is untouched; and a planner without an error model has no margin to floor.
+/// floor) is untouched.
 #[test]
 fn the_floor_holds_a_models_batches_further_from_the_limit_than_a_narrow_error_would() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -182,22 +182,20 @@ fn the_floor_holds_a_models_batches_further_from_the_limit_than_a_narrow_error_w
     assert!(error.margin(0.001) < 1.1, "{error:?}");
     let targets: Vec<Target> = targets(&mut rng).into_iter().take(20_000).collect();
     let ctx = BuildContext::new_workspace("w", Command::Build, Priority::Low);
-    let largest = |cfg: &PlannerConfig| {
-        let b = plan(&ctx, targets.clone(), cfg, &Known(error)).unwrap();
+    // The largest batch estimate, in GB.
+    let largest = |ctx: &BuildContext, cfg: &PlannerConfig| {
+        let b = plan(ctx, targets.clone(), cfg, &Known(error)).unwrap();
         b.iter().filter_map(|b| b.memory_estimate_bytes).max().unwrap() as f64 / GB as f64
     };
     let floor = PlannerConfig { min_memory_margin: 1.37, ..limit_only(0.001) };
-    let (without, with) = (largest(&limit_only(0.001)), largest(&floor));
+    let (without, with) = (largest(&ctx, &limit_only(0.001)), largest(&ctx, &floor));
     assert!(without > 13.0 / 1.1 && without <= 13.0, "the error's margin alone: {without} GB");
     assert!(with <= 13.0 / 1.37 && with > 13.0 / 1.37 - 0.3, "the floor's: {with} GB");
     // At the defaults the floor (13 / 1.37 = 9.49 GB) is under the LOW cutoff (10 GB)
     // and binds there; the MEDIUM cutoff (9 GB) is under the floor and stays.
     let medium = BuildContext::new_workspace("w", Command::Build, Priority::Medium);
-    let by_default = |ctx: &BuildContext| {
-        let b = plan(ctx, targets.clone(), &PlannerConfig::default(), &Known(error)).unwrap();
-        b.iter().filter_map(|b| b.memory_estimate_bytes).max().unwrap() as f64 / GB as f64
-    };
-    let (low, med) = (by_default(&ctx), by_default(&medium));
+    let defaults = PlannerConfig::default();
+    let (low, med) = (largest(&ctx, &defaults), largest(&medium, &defaults));
     assert!(low <= 13.0 / 1.37 && low > 9.2, "LOW ends at the floor: {low} GB");
     assert!(med <= 9.0 && med > 8.7, "MEDIUM ends at its cutoff: {med} GB");
 }
