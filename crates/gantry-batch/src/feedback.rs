@@ -378,6 +378,10 @@ impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<'_, G> {
         Ok(self.inner.occupancy_esu(len)? * self.occupancy_factor)
     }
 
+    fn cost_group(&self, i: usize) -> Option<u64> {
+        self.inner.cost_group(i)
+    }
+
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
         let (memory, occupancy) = self.inner.errors();
         (ErrorModel::wider(memory, self.error), ErrorModel::wider(occupancy, self.occupancy_error))

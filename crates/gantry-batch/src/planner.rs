@@ -61,6 +61,13 @@ pub trait GroupEstimator {
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
         (None, None)
     }
+    /// The `i`-th queued target's history group: an id shared by targets that every
+    /// training build held all of or none of. The model knows such a group's summed
+    /// cost but not how it splits among the targets, so a batch holding part of one
+    /// may hold its heaviest target at an even share's price. `None`: not known.
+    fn cost_group(&self, _i: usize) -> Option<u64> {
+        None
+    }
 }
 
 /// One build of `labels` as the planner reads a batch: a group holding the labels sorted
@@ -310,6 +317,10 @@ impl GroupEstimator for ModelGroup<'_> {
         let err = |i: usize| self.scorers[i].as_ref().and_then(|s| s.model.error);
         (ErrorModel::wider(err(0), err(1)), err(2))
     }
+
+    fn cost_group(&self, i: usize) -> Option<u64> {
+        self.shared.as_ref().and_then(|s| s.cost_group(i))
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -344,6 +355,8 @@ struct GroupCutter<G> {
     /// The Bazel heap and the memory model's error, for each batch's OOM chance.
     memory_limit: f64,
     memory_error: Option<ErrorModel>,
+    /// `[batch] group_backoff_share`.
+    group_backoff_share: f64,
 }
 
 impl<G: GroupEstimator> GroupCutter<G> {
@@ -372,6 +385,28 @@ impl<G: GroupEstimator> GroupCutter<G> {
             fallback: cfg.fallback_batch_size,
             memory_limit,
             memory_error: mem_err,
+            group_backoff_share: cfg.group_backoff_share,
+        }
+    }
+
+    /// Where a memory-limited batch of `len` ends instead: at the start of the history
+    /// group its cut falls inside, if that drops at most `group_backoff_share` of it.
+    /// The group's sum is known, its split is not: part of it may hold the heaviest
+    /// target priced at an even share. Whole, it is priced right, and so is the rest.
+    fn back_off_to_group(&self, len: usize) -> usize {
+        let g = match self.est.cost_group(len - 1) {
+            Some(g) if self.est.cost_group(len) == Some(g) => g,
+            _ => return len,
+        };
+        let most = (self.group_backoff_share * len as f64).floor() as usize;
+        let mut start = len - 1;
+        while start > 0 && len - start <= most && self.est.cost_group(start - 1) == Some(g) {
+            start -= 1;
+        }
+        if start > 0 && len - start <= most && self.est.cost_group(start - 1) != Some(g) {
+            start
+        } else {
+            len
         }
     }
 
@@ -458,6 +493,9 @@ impl<G: GroupEstimator> GroupCutter<G> {
             }
         };
 
+        // Only a memory-limited cut: an OOM costs a split and a rerun of both halves,
+        // while occupancy's cut is already short of a limit that only slows a build.
+        let len = if mem_limited && !occ_limited { self.back_off_to_group(len) } else { len };
         let reason = if occ_limited {
             MaxOccupancy
         } else if mem_limited {
@@ -954,5 +992,108 @@ mod tests {
             let descents = b.targets.windows(2).filter(|w| w[0] >= w[1]).count();
             assert!(descents <= 1, "{descents} descents in {:?}", b.targets);
         }
+    }
+
+    /// Every target costs 1 GB and `esu` ESU; a target's history group is its package's
+    /// name, except that packages starting with `n` have none.
+    struct Grouped {
+        esu: f64,
+    }
+    struct GroupedQueue {
+        esu: f64,
+        groups: VecDeque<Option<u64>>,
+    }
+    impl Estimator for Grouped {
+        type Group<'a> = GroupedQueue;
+        fn group(&self, _: &BuildContext) -> GroupedQueue {
+            GroupedQueue { esu: self.esu, groups: VecDeque::new() }
+        }
+    }
+    impl GroupEstimator for GroupedQueue {
+        fn push(&mut self, label: &Label<'_>) {
+            let p = label.package();
+            self.groups.push_back((!p.starts_with("//n")).then(|| fnv1a(p.as_bytes())));
+        }
+        fn pop_front(&mut self, n: usize) {
+            self.groups.drain(..n);
+        }
+        fn memory_bytes(&mut self, len: usize) -> Result<f64> {
+            Ok(len as f64 * GB as f64)
+        }
+        fn occupancy_esu(&mut self, len: usize) -> Result<f64> {
+            Ok(len as f64 * self.esu)
+        }
+        fn cost_group(&self, i: usize) -> Option<u64> {
+            self.groups[i]
+        }
+    }
+
+    /// The share the README measured (the default is off).
+    fn backoff() -> PlannerConfig {
+        PlannerConfig { group_backoff_share: 0.3, ..PlannerConfig::default() }
+    }
+
+    /// `n` targets in each package, in order.
+    fn packages(spec: &[(&str, usize)]) -> Vec<Target> {
+        spec.iter().flat_map(|&(p, n)| (0..n).map(move |i| Target::new(format!("//{p}:t{i:02}")))).collect()
+    }
+
+    #[test]
+    fn memory_cut_inside_a_history_group_backs_off_to_its_start() {
+        // HIGH cuts at 6 GB, so 6 targets: ga's 5 and one of gb's 10. Dropping that one
+        // (1 <= 0.3 * 6) keeps gb whole in the next batch; there gb starts the batch, so
+        // there is no start to go back to and it is cut at 6 as before.
+        let cfg = backoff();
+        let t = packages(&[("ga", 5), ("gb", 10)]);
+        let b = plan(&ctx(Priority::High), t.clone(), &cfg, &Grouped { esu: 0.0 }).unwrap();
+        assert_eq!(reasons(&b), vec![(5, MaxMemory), (6, MaxMemory), (4, AllRemainingTargets)]);
+        assert!(b[1].targets.iter().all(|l| l.starts_with("//gb:")));
+        assert_eq!(b[0].memory_estimate_bytes, Some(5 * GB), "estimates are of the batch as cut");
+        // Off (the default): the plain cut.
+        let off = PlannerConfig::default();
+        let b = plan(&ctx(Priority::High), t, &off, &Grouped { esu: 0.0 }).unwrap();
+        assert_eq!(reasons(&b), vec![(6, MaxMemory), (6, MaxMemory), (3, AllRemainingTargets)]);
+    }
+
+    #[test]
+    fn group_backoff_is_bounded_and_needs_a_group_on_both_sides() {
+        let cfg = backoff();
+        let high = |t: Vec<Target>, cfg: &PlannerConfig| {
+            reasons(&plan(&ctx(Priority::High), t, cfg, &Grouped { esu: 0.0 }).unwrap())[0]
+        };
+        // Going back to gb's start would drop 3 of 6, more than 0.3 of the batch.
+        assert_eq!(high(packages(&[("ga", 3), ("gb", 10)]), &cfg), (6, MaxMemory));
+        // A larger share allows it.
+        let half = PlannerConfig { group_backoff_share: 0.5, ..cfg.clone() };
+        assert_eq!(high(packages(&[("ga", 3), ("gb", 10)]), &half), (3, MaxMemory));
+        // The cut already falls between two groups: nothing to do.
+        assert_eq!(high(packages(&[("ga", 6), ("gb", 10)]), &cfg), (6, MaxMemory));
+        // Targets of no known group (packages `n*`) are never a reason to move.
+        assert_eq!(high(packages(&[("ga", 5), ("n", 10)]), &cfg), (6, MaxMemory));
+        assert_eq!(high(packages(&[("n", 5), ("n2", 10)]), &cfg), (6, MaxMemory));
+    }
+
+    #[test]
+    fn an_occupancy_limited_cut_keeps_its_length() {
+        // 100 ESU each: occupancy cuts at 4 (under 500), inside gb; memory would allow 6.
+        let b = plan(&ctx(Priority::High), packages(&[("ga", 3), ("gb", 10)]), &backoff(), &Grouped { esu: 100.0 })
+            .unwrap();
+        assert_eq!(reasons(&b)[0], (4, MaxOccupancy));
+    }
+
+    #[test]
+    fn streaming_backs_off_like_plan() {
+        let cfg = PlannerConfig { max_targets_per_batch: 50, stream_sort_window: 200, ..backoff() };
+        let t = packages(&[("ga", 4), ("gb", 7), ("gc", 2), ("n", 9), ("p", 30)]);
+        let whole = plan(&ctx(Priority::Medium), t.clone(), &cfg, &Grouped { esu: 0.0 }).unwrap();
+        let mut sp = StreamingPlanner::new(ctx(Priority::Medium), cfg, &Grouped { esu: 0.0 }).unwrap();
+        for x in t {
+            sp.push(x).unwrap();
+        }
+        assert_eq!(sp.finish(), whole);
+        // MEDIUM cuts at 8. ga + 4 of gb: gb's start would drop 4 of 8, too many. Then
+        // gb, gc and 3 of n: n has no group. Then 6 of n and 2 of p: back to p's start.
+        let lens: Vec<usize> = whole.iter().map(|b| b.targets.len()).collect();
+        assert_eq!(lens, vec![8, 8, 6, 8, 8, 8, 6]);
     }
 }

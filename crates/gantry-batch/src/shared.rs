@@ -123,6 +123,10 @@ struct Index {
     pkg_dirs: Vec<Vec<u32>>,
     dirs: HashMap<String, u32>,
     feats: HashMap<String, u32>,
+    /// Per target: its history group (see [`GroupEstimator::cost_group`]), 0 for a
+    /// target no training build held. Models saved before it load with none.
+    #[serde(default)]
+    target_group: Vec<u64>,
 }
 
 /// How one part is shaped.
@@ -589,6 +593,7 @@ impl SharedModel {
             rows.push(row);
         }
         let (valid, train): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.valid);
+        index.target_group = history_groups(index.targets.len(), &train);
         if train.len() < 10 {
             return Err(BatchError::Training(format!("{} usable builds: too few to train on", train.len())));
         }
@@ -632,8 +637,24 @@ impl SharedModel {
     }
 }
 
+/// Each target's history group: a hash of the training builds that held it, so targets
+/// held by exactly the same builds share one id (0: held by none). The fit sees only
+/// such a group's sum; how the sum splits among its targets it spreads by shrinkage.
+fn history_groups(targets: usize, train: &[&Row]) -> Vec<u64> {
+    let mut group = vec![0u64; targets];
+    for (i, row) in train.iter().enumerate() {
+        for &t in &row.t {
+            let g = &mut group[t as usize];
+            *g = crate::features::mix(*g, i as u64 + 1).max(1);
+        }
+    }
+    group
+}
+
 /// Per-target terms of a [`SharedGroup`]'s queue, per part (memory, occupancy).
 struct Terms {
+    /// Its history group (0: none).
+    group: u64,
     /// Its cost with its package's and all its directories' (a window's first target).
     full: [f64; 2],
     /// Cumulative cost of the queue up to it, counting each package and directory at
@@ -731,7 +752,8 @@ impl GroupEstimator for SharedGroup<'_> {
                 w + u + known.dirs.iter().filter(|d| d.new).map(|d| part.dir_cost(d)).sum::<f64>()
             };
         }
-        self.terms.push_back(Terms { full, cum: self.cum });
+        let group = known.target.and_then(|t| m.index.target_group.get(t as usize)).copied().unwrap_or(0);
+        self.terms.push_back(Terms { group, full, cum: self.cum });
         self.prev_pkg.clear();
         self.prev_pkg.push_str(label.package());
     }
@@ -750,5 +772,9 @@ impl GroupEstimator for SharedGroup<'_> {
 
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {
         self.model.errors()
+    }
+
+    fn cost_group(&self, i: usize) -> Option<u64> {
+        self.terms.get(i).map(|t| t.group).filter(|&g| g != 0)
     }
 }

@@ -285,6 +285,9 @@ pub struct PlannerConfig {
     /// The least margin under `bazel_memory` a memory model's estimate keeps when the
     /// model has an error (`[batch] min_memory_margin`): jumps its spread cannot see.
     pub min_memory_margin: f64,
+    /// The most of a memory-limited batch dropped to end it at the start of the history
+    /// group its cut falls inside (`[batch] group_backoff_share`); 0 never does.
+    pub group_backoff_share: f64,
     /// Same for occupancy against `occupancy_limit_esu` (a deadline risk).
     pub target_de_rate: f64,
     /// Streaming planner: targets buffered per executor group before the
@@ -319,6 +322,7 @@ impl PlannerConfig {
             executors,
             target_oom_rate: cfg.target_oom_rate,
             min_memory_margin: cfg.min_memory_margin,
+            group_backoff_share: cfg.group_backoff_share,
             target_de_rate: cfg.target_de_rate,
             stream_sort_window: cfg.stream_sort_window,
         }
@@ -356,6 +360,9 @@ impl PlannerConfig {
         if !(self.min_memory_margin >= 1.0 && self.min_memory_margin.is_finite()) {
             return bad(format!("min_memory_margin ({}) must be a number >= 1", self.min_memory_margin));
         }
+        if !(0.0..1.0).contains(&self.group_backoff_share) {
+            return bad(format!("group_backoff_share ({}) must be in [0, 1)", self.group_backoff_share));
+        }
         if self.stream_sort_window < self.max_targets_per_batch {
             return bad(format!(
                 "stream_sort_window ({}) must be >= max_targets_per_batch ({})",
@@ -375,7 +382,7 @@ mod tests {
         let text = "[batch]\nmax_targets_per_batch = 50\nfallback_batch_size = 7\nbazel_memory = \"2GB\"\n\
                     memory_cutoff_high = \"1GB\"\nmemory_cutoff_medium = \"1.5GB\"\nmemory_cutoff_low = \"1.8GB\"\n\
                     occupancy_cutoff_esu = 40.0\noccupancy_limit_esu = 45.0\ntarget_oom_rate = 0.01\ntarget_de_rate = 0.02\n\
-                    min_memory_margin = 1.2\nstream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
+                    min_memory_margin = 1.2\ngroup_backoff_share = 0.1\nstream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
         let cfg = gantry_config::Config::parse(text, "t.toml".as_ref()).unwrap().batch;
         let c = PlannerConfig::from_config(&cfg);
         assert_eq!(
@@ -387,7 +394,7 @@ mod tests {
             (c.occupancy_cutoff_esu, c.occupancy_limit_esu, c.target_oom_rate, c.target_de_rate),
             (40.0, 45.0, 0.01, 0.02)
         );
-        assert_eq!(c.min_memory_margin, 1.2);
+        assert_eq!((c.min_memory_margin, c.group_backoff_share), (1.2, 0.1));
         // Added to the built-in mappings, not in place of them.
         assert_eq!(c.executors.tag_types.get("requires-tpu").map(String::as_str), Some("tpu"));
         assert_eq!(c.executors.tag_types.get("requires-gpu").map(String::as_str), Some("gpu"));
@@ -406,6 +413,7 @@ mod tests {
         assert_eq!(c.occupancy_cutoff_esu, 500.0);
         assert_eq!(c.occupancy_limit_esu, 600.0);
         assert_eq!(c.min_memory_margin, 1.37);
+        assert_eq!(c.group_backoff_share, 0.0);
         c.validate().unwrap();
     }
 
@@ -423,6 +431,10 @@ mod tests {
         for m in [0.9, f64::NAN, f64::INFINITY] {
             let c = PlannerConfig { min_memory_margin: m, ..PlannerConfig::default() };
             assert!(c.validate().unwrap_err().to_string().contains("min_memory_margin"), "{m}");
+        }
+        for s in [-0.1, 1.0, f64::NAN] {
+            let c = PlannerConfig { group_backoff_share: s, ..PlannerConfig::default() };
+            assert!(c.validate().unwrap_err().to_string().contains("group_backoff_share"), "{s}");
         }
     }
 

@@ -380,3 +380,29 @@ fn a_package_built_once_with_a_high_label_is_not_charged_the_excess() {
     assert!(held < 0.5 * free, "the prior barely held the package: {:.0} MB against {:.0} MB", held / MB, free / MB);
     assert!(held < 3.0 * 152.0 * MB, "the package took the high label's excess: {:.0} MB", held / MB);
 }
+
+/// Targets that every training build held together or not at all share a history
+/// group (the planner keeps such a group whole at a memory cut); a target held by a
+/// different set of builds is in another, and one training never saw in none.
+#[test]
+fn targets_the_history_always_built_together_share_a_group() {
+    use gantry_batch::{parse_label, Estimator, GroupEstimator};
+    let mut hist = with_one_odd_build(5, "//top0/rare/lib:t0", |rest| rest);
+    let odd = hist.last_mut().unwrap();
+    odd.targets.push("//top0/rare/lib:t1".into());
+    odd.targets.sort();
+    let model = SharedModel::train(&hist, &SharedConfig { validation_fraction: 0.0, ..shared_config() }, NOW).unwrap();
+    let labels = ["//top0/pkg00:t0", "//top0/rare/lib:t0", "//top0/rare/lib:t1", "//top9/new:t0"];
+    let mut g = model.group(&ctx());
+    for l in labels {
+        g.push(&parse_label(l).unwrap());
+    }
+    let ids: Vec<Option<u64>> = (0..labels.len()).map(|i| g.cost_group(i)).collect();
+    assert!(ids[0].is_some() && ids[1].is_some(), "{ids:?}");
+    assert_eq!(ids[1], ids[2], "built only together");
+    assert_ne!(ids[0], ids[1], "built in other builds");
+    assert_eq!(ids[3], None, "never built");
+    // After the queue's front is cut off, indices follow the queue.
+    g.pop_front(1);
+    assert_eq!(g.cost_group(0), ids[1]);
+}

@@ -229,6 +229,10 @@ pub struct BatchBenchArgs {
     /// shared,shared+feedback,fixed-300); the oracle is always scored.
     #[arg(long, value_delimiter = ',')]
     planners: Vec<String>,
+    /// --compare: plan with this `[batch] group_backoff_share` instead of the default
+    /// (0.3 keeps history groups whole at memory cuts; see README).
+    #[arg(long)]
+    group_backoff_share: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -641,6 +645,9 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
             anyhow::bail!("--workload {:?} is not one of {}", args.workload, gantry_batch::sim::WORKLOADS.join(", "));
         };
         base.target_memory_scale *= args.target_memory_scale;
+        if let Some(share) = args.group_backoff_share {
+            base.planner.group_backoff_share = share;
+        }
         anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
         let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, &args.planners, |r| {
             eprintln!(
