@@ -40,6 +40,23 @@ pub fn mix(a: u64, b: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Each of `targets` targets' set of builds as one id, so targets held by exactly the
+/// same builds share it (a history group: the builds tell only its sum). 0: no build
+/// held it. A target listed twice in one build counts once.
+pub fn build_set_ids<B: IntoIterator<Item = usize>>(targets: usize, builds: impl IntoIterator<Item = B>) -> Vec<u64> {
+    let mut id = vec![0u64; targets];
+    let mut last = vec![0u64; targets];
+    for (b, build) in (1u64..).zip(builds) {
+        for t in build {
+            if last[t] != b {
+                last[t] = b;
+                id[t] = mix(id[t], b).max(1);
+            }
+        }
+    }
+    id
+}
+
 /// Categorical feature families.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

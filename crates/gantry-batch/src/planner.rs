@@ -400,10 +400,11 @@ impl<G: GroupEstimator> GroupCutter<G> {
         };
         let most = (self.group_backoff_share * len as f64).floor() as usize;
         let mut start = len - 1;
-        while start > 0 && len - start <= most && self.est.cost_group(start - 1) == Some(g) {
+        while start > 0 && self.est.cost_group(start - 1) == Some(g) {
             start -= 1;
         }
-        if start > 0 && len - start <= most && self.est.cost_group(start - 1) != Some(g) {
+        // The group starting the batch has no start to go back to.
+        if start > 0 && len - start <= most {
             start
         } else {
             len

@@ -593,7 +593,9 @@ impl SharedModel {
             rows.push(row);
         }
         let (valid, train): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.valid);
-        index.target_group = history_groups(index.targets.len(), &train);
+        // The fit sees only a history group's sum; how it splits, shrinkage spreads.
+        index.target_group =
+            crate::features::build_set_ids(index.targets.len(), train.iter().map(|r| r.t.iter().map(|&t| t as usize)));
         if train.len() < 10 {
             return Err(BatchError::Training(format!("{} usable builds: too few to train on", train.len())));
         }
@@ -635,20 +637,6 @@ impl SharedModel {
         let (mut g, n) = crate::planner::build_group(self, ctx, labels)?;
         Ok((g.memory_bytes(n)?, g.occupancy_esu(n)?))
     }
-}
-
-/// Each target's history group: a hash of the training builds that held it, so targets
-/// held by exactly the same builds share one id (0: held by none). The fit sees only
-/// such a group's sum; how the sum splits among its targets it spreads by shrinkage.
-fn history_groups(targets: usize, train: &[&Row]) -> Vec<u64> {
-    let mut group = vec![0u64; targets];
-    for (i, row) in train.iter().enumerate() {
-        for &t in &row.t {
-            let g = &mut group[t as usize];
-            *g = crate::features::mix(*g, i as u64 + 1).max(1);
-        }
-    }
-    group
 }
 
 /// Per-target terms of a [`SharedGroup`]'s queue, per part (memory, occupancy).

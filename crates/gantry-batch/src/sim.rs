@@ -403,22 +403,11 @@ impl GroundTruth {
     pub fn identified_view(&self, history: &[BuildRecord]) -> GroundTruth {
         let mut v = self.seen_view();
         let n = self.target_mem.len();
-        // Each target's set of builds, as a sum of one random key per build (a
-        // collision between two different sets is a 2^-64 event).
-        let mut builds_of = vec![0u64; n];
-        let mut held = vec![false; n];
-        let mut in_build = std::collections::HashSet::new();
-        let mut keys = ChaCha8Rng::seed_from_u64(0);
-        for rec in history {
-            let key: u64 = keys.random();
-            in_build.clear();
-            for id in rec.targets.iter().filter_map(|l| self.id_of(l)) {
-                if in_build.insert(id) {
-                    builds_of[id as usize] = builds_of[id as usize].wrapping_add(key);
-                    held[id as usize] = true;
-                }
-            }
-        }
+        let builds_of = crate::features::build_set_ids(
+            n,
+            history.iter().map(|rec| rec.targets.iter().filter_map(|l| self.id_of(l)).map(|id| id as usize)),
+        );
+        let held: Vec<bool> = builds_of.iter().map(|&b| b != 0).collect();
         let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
         for i in (0..n).filter(|&i| held[i]) {
             groups.entry(builds_of[i]).or_default().push(i);
