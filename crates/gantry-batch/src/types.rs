@@ -413,7 +413,7 @@ mod tests {
         assert_eq!(c.occupancy_cutoff_esu, 500.0);
         assert_eq!(c.occupancy_limit_esu, 600.0);
         assert_eq!(c.min_memory_margin, 1.37);
-        assert_eq!(c.group_backoff_share, 0.0);
+        assert_eq!(c.group_backoff_share, 0.3);
         c.validate().unwrap();
     }
 
