@@ -407,13 +407,13 @@ impl GroundTruth {
             n,
             history.iter().map(|rec| rec.targets.iter().filter_map(|l| self.id_of(l)).map(|id| id as usize)),
         );
-        let held: Vec<bool> = builds_of.iter().map(|&b| b != 0).collect();
+        let held = |i: usize| builds_of[i] != 0;
         let mut groups: HashMap<u64, Vec<usize>> = HashMap::new();
-        for i in (0..n).filter(|&i| held[i]) {
+        for i in (0..n).filter(|&i| held(i)) {
             groups.entry(builds_of[i]).or_default().push(i);
         }
-        let (tm, te) = self.target_prior(|i| held[i]);
-        for i in (0..n).filter(|&i| !held[i] && !self.pkg_new[self.target_pkg[i] as usize]) {
+        let (tm, te) = self.target_prior(held);
+        for i in (0..n).filter(|&i| !held(i) && !self.pkg_new[self.target_pkg[i] as usize]) {
             v.target_mem[i] = tm * self.pkg_weight[self.target_pkg[i] as usize];
             v.target_esu[i] = te;
         }
