@@ -36,7 +36,11 @@
 //! thousands of builds, the default shrinkage is far stronger than the data's pull on
 //! any one cost, so packages and directories keep one common cost each and a package's
 //! targets one cost between them (README, "What the fit learns"); weaker shrinkage
-//! frees them but, measured, met the batching goals no better. That common cost is
+//! frees them but, measured, met the batching goals no better. Occupancy is the
+//! exception (`occupancy_shrink`, a hundredth as strong): executors are busy per
+//! action, a heavy test is heavy alone, and priced at its package's mean it under-reads
+//! every batch that holds it, which the occupancy margin then pays for on every batch
+//! (README, "Occupancy's targets free"). That common cost is
 //! itself held, weakly, near its top directory's (`package_prior`): a package the
 //! history built once, in a build whose peak read high, would otherwise take that
 //! build's whole excess, and every later batch holding it would be over-read. Large
@@ -71,6 +75,10 @@ pub struct SharedConfig {
     /// default it holds package and directory costs at one value on large histories
     /// (see the module docs).
     pub shrink: f64,
+    /// The same for the occupancy part. A hundredth of `shrink` lets a target's own
+    /// occupancy follow its builds (a heavy test is heavy alone) while still holding the
+    /// costs no build tells apart; with none at all, such costs drift without bound.
+    pub occupancy_shrink: f64,
     /// A build counts `1 + size_weight × targets` times.
     pub size_weight: f64,
     /// Share of the builds held out for the error models.
@@ -102,6 +110,7 @@ impl Default for SharedConfig {
             learning_rate: 0.05,
             huber_delta: 0.1,
             shrink: 0.05,
+            occupancy_shrink: 0.0005,
             size_weight: 0.02,
             validation_fraction: 0.1,
             calibration_min: [2.0, 50.0],
@@ -290,6 +299,7 @@ impl Part {
         rows: &[&Row],
         y: &dyn Fn(&Row) -> Option<(f64, bool)>,
         spec: PartSpec,
+        shrink: f64,
         cfg: &SharedConfig,
     ) -> Part {
         let (nt, np, nf) = (index.targets.len(), index.pkgs.len(), index.feats.len());
@@ -316,7 +326,7 @@ impl Part {
             (Adam::new(nt), Adam::new(np), Adam::new(nd), Adam::new(nf), Adam::new(nf), Adam::new(1));
         let total_weight: f64 = rows.iter().map(|(r, _, _)| 1.0 + cfg.size_weight * r.t.len() as f64).sum();
         let delta = cfg.huber_delta;
-        let lambda = cfg.shrink * 100.0 / rows.len().max(1) as f64;
+        let lambda = shrink * 100.0 / rows.len().max(1) as f64;
         for it in 1..=cfg.iterations {
             let exp = |x: &Vec<f64>| -> Vec<f64> { x.iter().map(|x| x.exp()).collect() };
             let (w, u, v, b) = (exp(&lw), exp(&lu), exp(&lv), exp(&lb));
@@ -601,9 +611,9 @@ impl SharedModel {
         }
         let mem = |r: &Row| Some((r.memory, r.censored));
         let occ = |r: &Row| r.occupancy.map(|o| (o, false));
-        let mut memory = Part::fit(&index, &train, &mem, MEMORY, cfg);
+        let mut memory = Part::fit(&index, &train, &mem, MEMORY, cfg.shrink, cfg);
         memory.calibrate(&valid, &mem, MEMORY.side, cfg.calibration_min[0]);
-        let mut occupancy = Part::fit(&index, &train, &occ, OCCUPANCY, cfg);
+        let mut occupancy = Part::fit(&index, &train, &occ, OCCUPANCY, cfg.occupancy_shrink, cfg);
         occupancy.calibrate(&valid, &occ, OCCUPANCY.side, cfg.calibration_min[1]);
         Ok(SharedModel { index, memory, occupancy })
     }

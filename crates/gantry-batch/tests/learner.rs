@@ -406,3 +406,41 @@ fn targets_the_history_always_built_together_share_a_group() {
     g.pop_front(1);
     assert_eq!(g.cost_group(0), ids[1]);
 }
+
+/// Executors are busy per action: in this history a build's occupancy is 1 ESU per
+/// target, but `t3` of every fifth package is a heavy test of 20 ESU. The builds hold
+/// random subsets of their packages' targets, so the history tells each target apart.
+/// The occupancy part prices the heavy test on its own (`occupancy_shrink`), where at
+/// memory's shrinkage it would be priced near its package's other targets, and every
+/// batch holding it under-read.
+#[test]
+fn the_occupancy_part_prices_a_heavy_test_on_its_own() {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let repo = Repo::new(&mut rng);
+    let esu = |t: &str| {
+        if t.ends_with(":t3") && t[t.len() - 5..t.len() - 3].parse::<u32>().unwrap() % 5 == 0 {
+            20.0
+        } else {
+            1.0
+        }
+    };
+    let mut hist = history(&repo, &mut rng, 3000, 0.0);
+    for r in &mut hist {
+        r.executor_service_seconds = r.wall_seconds * r.targets.iter().map(|t| esu(t)).sum::<f64>();
+    }
+    let occupancy = |model: &SharedModel, label: &str| model.estimate(&ctx(), &[label]).unwrap().1;
+    let ratio = |model: &SharedModel| occupancy(model, "//top1/pkg10:t3") / occupancy(model, "//top1/pkg10:t2");
+    let free = SharedModel::train(&hist, &shared_config(), NOW).unwrap();
+    let held = SharedModel::train(&hist, &SharedConfig { occupancy_shrink: 0.05, ..shared_config() }, NOW).unwrap();
+    let (free_ratio, held_ratio) = (ratio(&free), ratio(&held));
+    eprintln!("heavy test / its neighbour: {free_ratio:.1} at the default, {held_ratio:.1} at memory's shrinkage");
+    // Truly 20: a package of one target is estimated with its package's cost, so the
+    // ratio is of (20 + package) to (1 + package) estimates.
+    assert!(free_ratio > 5.0, "the heavy test priced on its own: {free_ratio:.2}");
+    assert!(held_ratio < 0.6 * free_ratio, "memory's shrinkage holds it near its package: {held_ratio:.2}");
+    // And a build of the whole package is estimated near its truth (25 ESU).
+    let whole: Vec<String> = (0..6).map(|t| format!("//top1/pkg10:t{t}")).collect();
+    let labels: Vec<&str> = whole.iter().map(String::as_str).collect();
+    let est = free.estimate(&ctx(), &labels).unwrap().1;
+    assert!((est / 25.0 - 1.0).abs() < 0.15, "the whole package: {est:.1} ESU");
+}
