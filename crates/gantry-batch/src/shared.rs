@@ -40,7 +40,7 @@
 //! exception (`occupancy_shrink`, a hundredth as strong): executors are busy per
 //! action, a heavy test is heavy alone, and priced at its package's mean it under-reads
 //! every batch that holds it, which the occupancy margin then pays for on every batch
-//! (README, "Occupancy's targets free"). That common cost is
+//! (README, "Occupancy's targets free"). A package's common target cost is
 //! itself held, weakly, near its top directory's (`package_prior`): a package the
 //! history built once, in a build whose peak read high, would otherwise take that
 //! build's whole excess, and every later batch holding it would be over-read. Large
