@@ -639,6 +639,42 @@ mod tests {
         assert_eq!(prefixes(&f, &["//p:a", "//q:x"]), [1.0 + 6.0, 2.0 + 11.0]);
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// Whatever OOMs and complete builds came before, adding a target never lowers a
+        /// batch's estimate (the planner's search needs it), and a batch is charged no
+        /// more than its suspects may carry.
+        #[test]
+        fn the_charge_grows_with_the_batch_and_stays_within_its_suspects(
+            builds in proptest::collection::vec(
+                (proptest::collection::vec(0usize..8, 1..6), 0.5f64..12.0, 0.0f64..8.0, proptest::bool::ANY),
+                0..24,
+            ),
+            order in proptest::collection::vec(0usize..8, 1..12),
+        ) {
+            let name = |i: usize| format!("//p{}:t{i}", i % 3);
+            let mut f = Feedback::new();
+            for (targets, estimate, over, oom) in &builds {
+                let labels: Vec<String> = targets.iter().map(|&i| name(i)).collect();
+                let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
+                let (actual, ended) = if *oom { (13.0, Ended::Oom) } else { (estimate + over, Ended::Complete) };
+                // Another tool's builds: suspects are shared, `t` gets no factor of its own.
+                f.observe("u", &refs, estimate * 1e9, actual * 1e9, ended);
+            }
+            let mut labels: Vec<String> = order.iter().map(|&i| name(i)).collect();
+            labels.sort();
+            labels.dedup();
+            let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
+            let p = prefixes(&f, &refs);
+            let mut carried = 0.0;
+            for (n, w) in p.iter().enumerate() {
+                carried += f.suspicion(refs[n]) / 1e9;
+                proptest::prop_assert!(n == 0 || *w >= p[n - 1], "{p:?}");
+                proptest::prop_assert!(*w <= (n + 1) as f64 + carried + 1e-9, "{p:?} {carried}");
+            }
+        }
+    }
+
     #[test]
     fn the_charge_adds_to_the_models_estimate_unless_the_tools_factor_is_larger() {
         let mut f = Feedback::new();
