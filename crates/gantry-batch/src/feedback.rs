@@ -46,7 +46,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::label::Label;
-use crate::margin::{ErrorModel, TrustedSide};
+use crate::margin::{ErrorModel, OomRecord, TrustedSide};
 use crate::planner::{Estimator, GroupEstimator};
 use crate::types::BuildContext;
 use crate::Result;
@@ -89,6 +89,9 @@ pub struct Feedback {
     /// Shared by every tool: a target that costs far more than the models think usually
     /// does in every context, and each tool would otherwise run out of memory on it once.
     suspects: Suspects,
+    /// Every memory build observed, and the OOMs among them that the models under-read:
+    /// the planner tightens its margin while they exceed the target rate.
+    record: OomRecord,
 }
 
 /// The suspects of recent OOM builds.
@@ -178,9 +181,11 @@ impl Feedback {
             return;
         }
         let oom = ended == Ended::Oom;
+        self.record.builds += 1;
         if oom && actual <= estimate {
             return;
         }
+        self.record.ooms += u64::from(oom);
         match ended {
             Ended::Oom => {
                 let s = &mut self.suspects;
@@ -228,6 +233,11 @@ impl Feedback {
     pub fn occupancy_correction(&self, tool: &str) -> Option<Correction> {
         let q = self.occupancy_by_tool.get(tool).filter(|q| q.iter().any(|(_, missed)| *missed))?;
         correction_of(q.iter().map(|(e, _)| *e), q.len(), TrustedSide::Upper)
+    }
+
+    /// Every memory build observed, and the OOMs the models under-read among them.
+    pub fn oom_record(&self) -> OomRecord {
+        self.record
     }
 
     /// Builds observed for `tool`.
@@ -418,6 +428,7 @@ pub struct CorrectedGroup<'a, G> {
     occupancy_error: Option<ErrorModel>,
     /// The suspects, if there are any.
     suspects: Option<&'a Suspects>,
+    record: OomRecord,
     /// The queued suspects: (position since the group began, their suspicion).
     queued: VecDeque<(usize, &'a Suspicion)>,
     /// Targets pushed and popped since the group began.
@@ -446,6 +457,7 @@ where
             occupancy_factor: o.map_or(1.0, |o| o.log_bias.exp()),
             occupancy_error: o.and_then(|o| o.error),
             suspects: Some(&self.feedback.suspects).filter(|s| !s.by_target.is_empty()),
+            record: self.feedback.record,
             queued: VecDeque::new(),
             pushed: 0,
             popped: 0,
@@ -492,6 +504,10 @@ impl<G: GroupEstimator> GroupEstimator for CorrectedGroup<'_, G> {
 
     fn cost_group(&self, i: usize) -> Option<u64> {
         self.inner.cost_group(i)
+    }
+
+    fn oom_record(&self) -> Option<OomRecord> {
+        Some(self.record)
     }
 
     fn errors(&self) -> (Option<ErrorModel>, Option<ErrorModel>) {

@@ -127,6 +127,52 @@ impl ErrorModel {
     }
 }
 
+/// Builds finished since the loaded models were trained, and how many of them ran out
+/// of memory above their estimate: what the margin promised, against what happened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OomRecord {
+    pub builds: u64,
+    pub ooms: u64,
+}
+
+/// The OOM rate and the floor a memory margin is taken at, once the builds since the
+/// models were trained ran out of memory more often than `target_rate` allows.
+///
+/// The error model is calibrated on held-out history, and there it holds: summed over
+/// the held-out builds, its chances of passing the heap match the held-out OOMs. The
+/// stream is not the history (new targets, larger batches), and there it can promise
+/// several times fewer OOMs than happen. An OOM is the one outcome no label noise
+/// reaches, so counting them is an honest check of the promise. Each OOM beyond
+/// `target_rate × builds` scales the log margin by `1 + per_excess`: the floor is
+/// raised to that power, and the rate is lowered to the one whose normal quantile is
+/// that many times the target's, so a normal error's margin widens alike. Builds that
+/// fit lower the excess again, so the margin relaxes once the rate is back within the
+/// target. It never loosens below the configured margin.
+pub fn tightened(target_rate: f64, floor: f64, record: OomRecord, per_excess: f64) -> (f64, f64) {
+    let excess = (record.ooms as f64 - target_rate * record.builds as f64).max(0.0);
+    let scale = 1.0 + per_excess * excess;
+    if scale <= 1.0 || !scale.is_finite() {
+        return (target_rate, floor);
+    }
+    (rate_at_quantile(scale * normal_quantile(1.0 - target_rate), target_rate), floor.powf(scale))
+}
+
+/// The rate `r <= upper` whose [`normal_quantile`]`(1 - r)` is `z`, by bisection in log
+/// space: the exact inverse of the quantile [`ErrorModel::margin`] reads, which the
+/// survival approximation is not to the last digit.
+fn rate_at_quantile(z: f64, upper: f64) -> f64 {
+    let (mut lo, mut hi) = (1e-12f64, upper);
+    for _ in 0..60 {
+        let mid = (lo * hi).sqrt();
+        if normal_quantile(1.0 - mid) > z {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hi
+}
+
 /// Upper tail of the standard normal, P(Z > z), by Abramowitz and Stegun
 /// 7.1.26 (absolute error below 1.5e-7, plenty for rates of 1e-4 and up).
 pub fn normal_sf(z: f64) -> f64 {
@@ -254,6 +300,37 @@ mod tests {
             "{}",
             m.exceed_probability(true_margin.ln())
         );
+    }
+
+    #[test]
+    fn excess_ooms_tighten_the_margin_and_builds_that_fit_relax_it() {
+        let m = ErrorModel { sigma: 0.08, tail: None, samples: 100 };
+        let at = |builds, ooms| tightened(0.001, 1.37, OomRecord { builds, ooms }, 0.05);
+        // Within the rate (1 OOM in 2,000 builds allows 2), or nothing seen: unchanged.
+        assert_eq!(at(0, 0), (0.001, 1.37));
+        assert_eq!(at(2000, 1), (0.001, 1.37));
+        assert_eq!(at(2000, 2), (0.001, 1.37));
+        // Six OOMs in 1,000 builds: five in excess, the log margin ×1.25.
+        let (rate, floor) = at(1000, 6);
+        assert!((floor.ln() / 1.37f64.ln() - 1.25).abs() < 1e-9, "{floor}");
+        assert!((m.margin(rate).ln() / m.margin(0.001).ln() - 1.25).abs() < 1e-6, "{rate}");
+        assert!(rate < 0.001 && rate > 1e-5);
+        // More OOMs, tighter; more builds that fit, looser again, never past the target.
+        let mut last = (0.001, 1.37);
+        for ooms in 1..20 {
+            let now = at(1000, ooms);
+            assert!(now.0 <= last.0 && now.1 >= last.1, "{ooms}: {now:?} after {last:?}");
+            last = now;
+        }
+        let mut last = at(1000, 6);
+        for builds in (1000..8000).step_by(500) {
+            let now = at(builds, 6);
+            assert!(now.0 >= last.0 && now.1 <= last.1 && now.0 <= 0.001 && now.1 >= 1.37, "{builds}");
+            last = now;
+        }
+        assert_eq!(at(6000, 6), (0.001, 1.37));
+        // Off.
+        assert_eq!(tightened(0.001, 1.37, OomRecord { builds: 10, ooms: 9 }, 0.0), (0.001, 1.37));
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::error::{BatchError, Result};
 use crate::executor::Grouper;
 use crate::features::{Family, TargetValues};
 use crate::label::{parse_label, parse_label_trusted, Label};
-use crate::margin::ErrorModel;
+use crate::margin::{ErrorModel, OomRecord};
 use crate::model::{LinearModel, Models};
 use crate::shared::SharedGroup;
 use crate::types::{Batch, BatchSizeReason, BuildContext, ExecutorSet, PlannerConfig, Target};
@@ -66,6 +66,11 @@ pub trait GroupEstimator {
     /// cost but not how it splits among the targets, so a batch holding part of one
     /// may hold its heaviest target at an even share's price. `None`: not known.
     fn cost_group(&self, _i: usize) -> Option<u64> {
+        None
+    }
+    /// The builds observed since the models were trained and their OOMs, if anyone
+    /// counted: more OOMs than the target rate allows tighten the memory margin.
+    fn oom_record(&self) -> Option<OomRecord> {
         None
     }
 }
@@ -365,13 +370,15 @@ impl<G: GroupEstimator> GroupCutter<G> {
         // the model's own error makes exceeding the hard limit likelier than
         // the target rate. A model's margin is never below the floor: its error is
         // measured on whole builds, and a hidden heavy target is a jump it never saw.
+        // Both tighten while the builds since training ran out of memory more often
+        // than the rate allows: the stream is not the history they were measured on.
         let (mem_err, occ_err) = est.errors();
         let memory_limit = cfg.bazel_memory_bytes as f64;
-        let memory_cutoff =
-            (cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64)
-                .min(mem_err.map_or(f64::INFINITY, |e| {
-                    memory_limit / e.margin(cfg.target_oom_rate).max(cfg.min_memory_margin)
-                }));
+        let (oom_rate, floor) = est.oom_record().map_or((cfg.target_oom_rate, cfg.min_memory_margin), |r| {
+            crate::margin::tightened(cfg.target_oom_rate, cfg.min_memory_margin, r, cfg.excess_oom_tightening)
+        });
+        let memory_cutoff = (cfg.memory_cutoff_bytes.for_priority(ctx.priority) as f64)
+            .min(mem_err.map_or(f64::INFINITY, |e| memory_limit / e.margin(oom_rate).max(floor)));
         let occupancy_cutoff = cfg
             .occupancy_cutoff_esu
             .min(occ_err.map_or(f64::INFINITY, |e| cfg.occupancy_limit_esu / e.margin(cfg.target_de_rate)));

@@ -288,6 +288,10 @@ pub struct PlannerConfig {
     /// The most of a memory-limited batch dropped to end it at the start of the history
     /// group its cut falls inside (`[batch] group_backoff_share`); 0 never does.
     pub group_backoff_share: f64,
+    /// How far the memory margin tightens per OOM beyond what `target_oom_rate` allows
+    /// among the builds observed since the models loaded (`[batch]
+    /// excess_oom_tightening`; see [`crate::margin::tightened`]). 0: never.
+    pub excess_oom_tightening: f64,
     /// Same for occupancy against `occupancy_limit_esu` (a deadline risk).
     pub target_de_rate: f64,
     /// Streaming planner: targets buffered per executor group before the
@@ -323,6 +327,7 @@ impl PlannerConfig {
             target_oom_rate: cfg.target_oom_rate,
             min_memory_margin: cfg.min_memory_margin,
             group_backoff_share: cfg.group_backoff_share,
+            excess_oom_tightening: cfg.excess_oom_tightening,
             target_de_rate: cfg.target_de_rate,
             stream_sort_window: cfg.stream_sort_window,
         }
@@ -363,6 +368,9 @@ impl PlannerConfig {
         if !(0.0..1.0).contains(&self.group_backoff_share) {
             return bad(format!("group_backoff_share ({}) must be in [0, 1)", self.group_backoff_share));
         }
+        if !(self.excess_oom_tightening >= 0.0 && self.excess_oom_tightening.is_finite()) {
+            return bad(format!("excess_oom_tightening ({}) must be a number >= 0", self.excess_oom_tightening));
+        }
         if self.stream_sort_window < self.max_targets_per_batch {
             return bad(format!(
                 "stream_sort_window ({}) must be >= max_targets_per_batch ({})",
@@ -382,7 +390,7 @@ mod tests {
         let text = "[batch]\nmax_targets_per_batch = 50\nfallback_batch_size = 7\nbazel_memory = \"2GB\"\n\
                     memory_cutoff_high = \"1GB\"\nmemory_cutoff_medium = \"1.5GB\"\nmemory_cutoff_low = \"1.8GB\"\n\
                     occupancy_cutoff_esu = 40.0\noccupancy_limit_esu = 45.0\ntarget_oom_rate = 0.01\ntarget_de_rate = 0.02\n\
-                    min_memory_margin = 1.2\ngroup_backoff_share = 0.1\nstream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
+                    min_memory_margin = 1.2\ngroup_backoff_share = 0.1\nexcess_oom_tightening = 0.2\nstream_sort_window = 60\ntag_executor_types = { requires-tpu = \"tpu\" }\n";
         let cfg = gantry_config::Config::parse(text, "t.toml".as_ref()).unwrap().batch;
         let c = PlannerConfig::from_config(&cfg);
         assert_eq!(
@@ -394,7 +402,7 @@ mod tests {
             (c.occupancy_cutoff_esu, c.occupancy_limit_esu, c.target_oom_rate, c.target_de_rate),
             (40.0, 45.0, 0.01, 0.02)
         );
-        assert_eq!((c.min_memory_margin, c.group_backoff_share), (1.2, 0.1));
+        assert_eq!((c.min_memory_margin, c.group_backoff_share, c.excess_oom_tightening), (1.2, 0.1, 0.2));
         // Added to the built-in mappings, not in place of them.
         assert_eq!(c.executors.tag_types.get("requires-tpu").map(String::as_str), Some("tpu"));
         assert_eq!(c.executors.tag_types.get("requires-gpu").map(String::as_str), Some("gpu"));
@@ -414,6 +422,7 @@ mod tests {
         assert_eq!(c.occupancy_limit_esu, 600.0);
         assert_eq!(c.min_memory_margin, 1.37);
         assert_eq!(c.group_backoff_share, 0.3);
+        assert_eq!(c.excess_oom_tightening, 0.05);
         c.validate().unwrap();
     }
 
@@ -435,6 +444,10 @@ mod tests {
         for s in [-0.1, 1.0, f64::NAN] {
             let c = PlannerConfig { group_backoff_share: s, ..PlannerConfig::default() };
             assert!(c.validate().unwrap_err().to_string().contains("group_backoff_share"), "{s}");
+        }
+        for k in [-0.01, f64::NAN, f64::INFINITY] {
+            let c = PlannerConfig { excess_oom_tightening: k, ..PlannerConfig::default() };
+            assert!(c.validate().unwrap_err().to_string().contains("excess_oom_tightening"), "{k}");
         }
     }
 

@@ -199,3 +199,48 @@ fn the_floor_holds_a_models_batches_further_from_the_limit_than_a_narrow_error_w
     assert!(low <= 13.0 / 1.37 && low > 9.2, "LOW ends at the floor: {low} GB");
     assert!(med <= 9.0 && med > 8.7, "MEDIUM ends at its cutoff: {med} GB");
 }
+
+/// The stream runs out of memory more often than the margin promised: each OOM past
+/// the target rate's allowance widens the margin (here its floor, which binds), and
+/// builds that fit relax it again.
+#[test]
+fn ooms_past_the_target_rate_tighten_the_margin_until_builds_that_fit_relax_it() {
+    use gantry_batch::{Corrected, Feedback};
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let narrow: Vec<f64> = (0..2000).map(|_| 0.02 * normal(&mut rng)).collect();
+    let error = ErrorModel::fit(&narrow, TrustedSide::Lower).unwrap();
+    let targets: Vec<Target> = targets(&mut rng).into_iter().take(20_000).collect();
+    let ctx = BuildContext::new_workspace("w", Command::Build, Priority::Low);
+    let cfg = PlannerConfig::default();
+    let largest = |feedback: &Feedback| {
+        let b =
+            plan(&ctx, targets.clone(), &cfg, &Corrected { inner: &Known(error), feedback: feedback.clone() }).unwrap();
+        b.iter().filter_map(|b| b.memory_estimate_bytes).max().unwrap() as f64 / GB as f64
+    };
+    let mut feedback = Feedback::new();
+    let fits = |f: &mut Feedback, n: usize| {
+        for _ in 0..n {
+            f.observe(&ctx.tool_tag, &[], 9.0 * GB as f64, 9.0 * GB as f64, gantry_batch::Ended::Complete);
+        }
+    };
+    fits(&mut feedback, 1000);
+    let calm = largest(&feedback);
+    assert!(calm <= 13.0 / 1.37 && calm > 13.0 / 1.37 - 0.3, "the floor alone: {calm} GB");
+    // One OOM in 1,001 builds is within the 0.1% rate.
+    feedback.observe(&ctx.tool_tag, &[], 9.0 * GB as f64, 13.0 * GB as f64, gantry_batch::Ended::Oom);
+    assert_eq!(largest(&feedback), calm);
+    // Six in 1,006: five past the allowance, the log floor ×1.25.
+    for _ in 0..5 {
+        feedback.observe(&ctx.tool_tag, &[], 9.0 * GB as f64, 13.0 * GB as f64, gantry_batch::Ended::Oom);
+    }
+    assert_eq!(feedback.oom_record(), gantry_batch::margin::OomRecord { builds: 1006, ooms: 6 });
+    let tight_floor = 1.37f64.powf(1.0 + 0.05 * (6.0 - 1.006));
+    let tight = largest(&feedback);
+    assert!(tight <= 13.0 / tight_floor && tight > 13.0 / tight_floor - 0.3, "{tight} GB, floor {tight_floor}");
+    // An OOM of a batch estimated over the heap anyway says nothing of the margin.
+    feedback.observe(&ctx.tool_tag, &[], 14.0 * GB as f64, 13.0 * GB as f64, gantry_batch::Ended::Oom);
+    assert_eq!(feedback.oom_record().ooms, 6);
+    // 5,000 builds that fit later, the rate is back within the target.
+    fits(&mut feedback, 5000);
+    assert_eq!(largest(&feedback), calm);
+}

@@ -809,6 +809,15 @@ pub struct BatchConfig {
     /// without it the heaviest misses the OOM goal (README, "Whole history groups").
     /// 0 turns it off. In [0, 1). Default 0.3.
     pub group_backoff_share: f64,
+    /// How far the memory margin tightens for each OOM beyond what `target_oom_rate`
+    /// allows, counted over the builds finished since the loaded models were trained
+    /// (with `feedback`). The margin comes from held-out history, which does not hold
+    /// the stream's new targets: when the stream runs out of memory more often than
+    /// promised, each excess OOM widens the margin and its floor by this share, in log
+    /// (0.05: an OOM past the allowance turns a 1.37 floor into 1.39; six, into 1.51),
+    /// until the builds that fit bring the count back within the rate. 0 turns it off.
+    /// At least 0. Default 0.05.
+    pub excess_oom_tightening: f64,
     /// The same for passing `occupancy_limit_esu` (a missed deadline), with the
     /// occupancy model's error. In (0, 0.5). Default 0.0005.
     pub target_de_rate: f64,
@@ -934,6 +943,7 @@ impl Default for BatchConfig {
             target_oom_rate: 0.001,
             min_memory_margin: 1.37,
             group_backoff_share: 0.3,
+            excess_oom_tightening: 0.05,
             target_de_rate: 0.0005,
             tag_executor_types: Default::default(),
             rule_kind_executor_types: Default::default(),

@@ -233,6 +233,10 @@ pub struct BatchBenchArgs {
     /// (0.3 keeps history groups whole at memory cuts; see README).
     #[arg(long)]
     group_backoff_share: Option<f64>,
+    /// --compare: plan with this `[batch] excess_oom_tightening` instead of the default
+    /// (0.05; 0 plans as before it; see README).
+    #[arg(long)]
+    excess_oom_tightening: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -648,6 +652,10 @@ fn batch(args: BatchBenchArgs) -> anyhow::Result<()> {
         if let Some(share) = args.group_backoff_share {
             base.planner.group_backoff_share = share;
         }
+        if let Some(k) = args.excess_oom_tightening {
+            base.planner.excess_oom_tightening = k;
+        }
+        base.planner.validate()?;
         anyhow::ensure!(!args.seeds.is_empty(), "--seeds needs at least one seed");
         let rows = gantry_batch::sim::compare(&base, &args.seeds, &args.fixed, &args.planners, |r| {
             eprintln!(
