@@ -42,6 +42,10 @@
 //! ever built together ran out of memory together, stream after stream (README, "Two
 //! culprits of one OOM"). However many OOMs a suspect is in, a batch is charged no more
 //! than what complete builds holding it left it.
+//!
+//! It also counts the memory builds it observed and the under-read OOMs among them
+//! ([`OomRecord`]): while those exceed what the target rate allows, the planner widens
+//! its margin ([`crate::margin::tightened`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
